@@ -1,0 +1,9 @@
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# Tests import the project from the repository (editable install) and the helpers beside them.
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

@@ -1,0 +1,75 @@
+"""Run a function on N real processes joined in a gloo process group (the tests' launcher).
+
+    results = run_distributed(fn, world_size=4, args=(...), timeout=300)
+
+`fn(rank, world_size, *args)` runs in a fresh spawned process with torch.distributed already
+initialised (gloo, env:// rendezvous on a free loopback port); its return value (picklable; tensors
+are sent as-is) comes back in rank order. An exception on any rank fails the call with that rank's
+traceback; a rank that hangs past `timeout` fails it too and every rank is killed, so a broken
+collective never hangs the suite.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, results, env) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # Several ranks share 2 cores: one thread each avoids oversubscription (and keeps results
+    # independent of the core count).
+    torch.set_num_threads(1)
+    try:
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
+                    timeout: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    child_env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, child_env),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout} s "
+                                   "(a hung collective?)") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]
