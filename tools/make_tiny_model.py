@@ -1,0 +1,156 @@
+"""Make a tiny, randomly initialised Hugging Face model + tokenizer, offline and deterministic.
+
+    python tools/make_tiny_model.py --arch qwen3_moe --out /tmp/tiny-moe --seed 0
+    python tools/make_tiny_model.py --arch qwen3 --out /tmp/tiny --seed 1 --tie-embeddings
+
+or from Python (tests, examples, the checkpoint converter):
+
+    from tools.make_tiny_model import make_tiny_model
+    path = make_tiny_model("qwen3_moe", out_dir, seed=0, num_hidden_layers=4)
+
+The directory holds config.json, generation_config.json, model.safetensors (fp32) and the tokenizer
+files (tokenizer.json, tokenizer_config.json with a ChatML chat template). Nothing comes from a model
+hub: the byte-level BPE tokenizer is trained here on a small corpus embedded in this file, so the
+same (arch, seed, overrides) gives the same bytes on every machine.
+
+Shapes (the defaults; any config field can be overridden): vocab 512, hidden 64, 2 layers, 4 query
+heads / 2 KV heads of head_dim 16 (GQA), max_position_embeddings 4096; qwen3 and qwen3_moe have
+QK-norm; qwen3_moe has 4 experts, top-2, norm_topk_prob, moe_intermediate_size 32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama")
+VOCAB_SIZE = 512
+# ChatML, as Qwen models use. <|im_end|> ends a turn and is the EOS token.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to and in is it that for on with as was by at be this from or are what which how "
+    "many much answer question solve compute number sum product difference total left right step "
+    "first then next finally guess higher lower correct wrong tool call result calculator equals "
+    "plus minus times divided user assistant system think reason because so therefore we have let "
+    "apples oranges books cars train hours minutes price cost each every more less than half twice "
+    "</think> <think> <answer> </answer> <tool_call> </tool_call> boxed frac sqrt x y z"
+).split()
+
+
+def tokenizer_corpus() -> list[str]:
+    """The small deterministic text the BPE merges are learnt from (enough for a full 512 vocab)."""
+    lines = []
+    for i in range(400):
+        a, b = (i * 37) % 97, (i * 53 + 11) % 89
+        w = [_WORDS[(i * k + 3) % len(_WORDS)] for k in range(1, 9)]
+        lines.append(f"{' '.join(w[:4])} {a} + {b} = {a + b}. {' '.join(w[4:])} {a} * {b} = {a * b}?")
+        lines.append(f"<|im_start|>user\nWhat is {a} - {b}?<|im_end|>\n<|im_start|>assistant\n"
+                     f"The answer is \\boxed{{{a - b}}}.<|im_end|>")
+    return lines
+
+
+def _train_tokenizer(out: Path) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:  # the corpus ran out of merges: make it longer
+        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                     pad_token="<|endoftext|>", unk_token=None,
+                                     additional_special_tokens=["<|im_start|>"],
+                                     model_max_length=4096, clean_up_tokenization_spaces=False)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(str(out))
+    return hf_tok
+
+
+def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
+    import transformers
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tie, initializer_range=0.02,
+                  eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                  pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+                  bos_token_id=None)
+    if arch == "qwen3":
+        cls, extra = transformers.Qwen3Config, dict(head_dim=16)
+    elif arch == "qwen3_moe":
+        cls, extra = transformers.Qwen3MoeConfig, dict(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+            moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])
+    elif arch == "qwen2":
+        cls, extra = transformers.Qwen2Config, dict()
+    elif arch == "llama":
+        cls, extra = transformers.LlamaConfig, dict(head_dim=16)
+    else:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    return cls(**{**common, **extra, **overrides})
+
+
+def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, tie_word_embeddings: bool = False,
+                    **overrides: Any) -> Path:
+    """Write a tiny random fp32 `arch` model with its tokenizer to `out_dir`; returns the path.
+
+    `overrides` replace config fields (e.g. num_hidden_layers=4, num_experts=8). The weights depend
+    only on (arch, seed, overrides): torch's global RNG is seeded and restored afterwards.
+    """
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _train_tokenizer(out)
+    config = _config(arch, tok, tie_word_embeddings, overrides)
+    config.dtype = "float32"
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.generation_config = transformers.GenerationConfig(
+        eos_token_id=[config.eos_token_id, config.pad_token_id], pad_token_id=config.pad_token_id)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", required=True, choices=ARCHS)
+    p.add_argument("--out", required=True, help="output directory (created)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tie-embeddings", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--override", action="append", default=[], metavar="FIELD=JSON",
+                   help="config field override, value parsed as JSON, e.g. num_hidden_layers=4")
+    args = p.parse_args(argv)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    overrides = {}
+    for item in args.override:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--override expects FIELD=JSON, got {item!r}")
+        overrides[key] = json.loads(value)
+    path = make_tiny_model(args.arch, args.out, args.seed, args.tie_embeddings, **overrides)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
