@@ -1,0 +1,32 @@
+"""GRPO baseline (Eqs. 2-3): token-level importance ratios, kept for comparison runs."""
+from __future__ import annotations
+
+import torch
+
+from .gspo import clipped_objective_loss
+from .kl import rows_kl
+from .rows import LOG_RATIO_CLAMP, finish_loss, prepare_rows
+
+
+def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+              loss_mask: torch.Tensor, *, eps_low: float = 0.2, eps_high: float = 0.27,
+              reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
+              kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss: per row `(1/L_i) sum_t -min(w_{i,t} A, clip(w_{i,t}) A)`, `w = exp(l_{i,t})`.
+
+    advantages: `[b]` (one per sequence, as GRPO defines them) or `[b, s]`. Rows are then averaged
+    (`"mean"`) or summed (`"sum"`) exactly as in `gspo_loss`, so both losses aggregate the same way.
+    `clip_fraction` is the fraction of trainable tokens clipped; `seq_ratio_*` report the GSPO
+    sequence ratio `exp(mean l)` of the same batch, for comparison.
+    """
+    rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row", "token"),
+                             reduction, eps_low, eps_high, ref_log_probs, kl_coef)
+    if adv.dim() == 1:
+        adv = adv[:, None]  # [b, 1]
+    log_ratio = (rows.log_probs - rows.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [b, s]
+    per_token, clipped = clipped_objective_loss(torch.exp(log_ratio), adv, eps_low, eps_high)  # [b, s]
+    with torch.no_grad():
+        seq_ratio = torch.exp(rows.seq_log_ratio())
+    return finish_loss(rows, rows.mean(per_token), reduction=reduction, seq_ratio=seq_ratio,
+                       clipped_tokens=clipped, clipped_sequences=None,
+                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)

@@ -1,0 +1,78 @@
+"""GSPO (Eqs. 5-7) and GSPO-token (Eqs. 13-14): one importance ratio per sequence.
+
+Reductions and the pipeline-schedule contract
+---------------------------------------------
+`reduction="mean"` returns `-J` averaged over the rows of this call that have >= 1 trainable token.
+`reduction="sum"` returns the SUM of the per-row `-J_i` over those rows. The actor uses "sum" and
+divides by the number of valid sequences of the whole global batch itself; megatron-core's schedule
+divides each micro-batch loss by the number of micro-batches and the DP gradient all-reduce averages
+over ranks, so the actor multiplies by `num_microbatches * dp_size` as well. Then the gradient equals
+the full-batch gradient for any split, uneven ones included (GSPO.md "Aggregation", property 11).
+
+Loss terms use an explicit clip decision instead of `min(.)`: for A > 0 the row is clipped when
+s > 1 + eps_high, for A < 0 when s < 1 - eps_low; a clipped row contributes the constant
+`-clip(s) A` (zero gradient, as in the min form), the others `-s A`. This is the min form exactly,
+and gives the clip count the metrics report.
+"""
+from __future__ import annotations
+
+import torch
+
+from .kl import rows_kl
+from .rows import finish_loss, prepare_rows
+
+
+def clip_decision(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                  eps_high: float) -> torch.Tensor:
+    """Where `min(ratio A, clip(ratio) A)` takes the clipped (constant) branch. Broadcasts."""
+    return ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
+
+
+def clipped_objective_loss(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
+                           eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`-min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A)` elementwise, and the clip decision."""
+    clipped = clip_decision(ratio, advantages, eps_low, eps_high)
+    bound = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)
+    return torch.where(clipped, -bound * advantages, -ratio * advantages), clipped
+
+
+def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+              loss_mask: torch.Tensor, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
+              reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
+              kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO loss `-J` (Eq. 5) with the sequence ratio `s_i` of Eq. 7.
+
+    log_probs, old_log_probs, loss_mask: `[b, s]` (old/ref are treated as constants); advantages:
+    `[b]`. `s_i = exp(masked mean of (log_probs - old_log_probs))`, the log-ratio clamped to +-20
+    before exp (see rows.LOG_RATIO_CLAMP). With `ref_log_probs`, `kl_coef * KL_i` (per-row masked
+    mean of the k1/k3 estimate) is added to each row's term. Returns `(loss, metrics)`; metrics are
+    detached, see metrics.py (`clip_fraction` = clipped sequences / valid sequences).
+    """
+    rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row",), reduction,
+                             eps_low, eps_high, ref_log_probs, kl_coef)
+    seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
+    per_row, clipped = clipped_objective_loss(seq_ratio, adv, eps_low, eps_high)  # [b], [b]
+    return finish_loss(rows, per_row, reduction=reduction, seq_ratio=seq_ratio,
+                       clipped_tokens=clipped[:, None].expand_as(rows.mask), clipped_sequences=clipped,
+                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)
+
+
+def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                    loss_mask: torch.Tensor, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
+                    reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
+                    kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token (Eqs. 13-14): per-token advantages `[b, s]`, otherwise as `gspo_loss`.
+
+    `s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]`: its value is s_i, its gradient w.r.t. log pi(y_t) is
+    s_i, so the row term `(1/L_i) sum_t -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})` equals GSPO
+    when A_{i,t} = A_i. Clipping is decided per token (the sign of A_{i,t} may vary along a row), so
+    `clip_fraction` here is the fraction of trainable tokens clipped.
+    """
+    rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("token",), reduction,
+                             eps_low, eps_high, ref_log_probs, kl_coef)
+    seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
+    token_ratio = seq_ratio.detach()[:, None] * torch.exp(rows.log_probs - rows.log_probs.detach())  # [b, s]
+    per_token, clipped = clipped_objective_loss(token_ratio, adv, eps_low, eps_high)  # [b, s]
+    return finish_loss(rows, rows.mean(per_token), reduction=reduction, seq_ratio=seq_ratio,
+                       clipped_tokens=clipped, clipped_sequences=None,
+                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)

@@ -1,0 +1,107 @@
+"""What the three losses share: input checks, masking, per-sequence (row) means, the reduction.
+
+Masked positions are replaced with `torch.where`, never multiplied by the mask: a NaN or inf in a
+padded position (a log-prob of a pad token, garbage after a packed segment) then changes neither
+the value nor the gradient, and the position gets exactly zero gradient (GSPO.md property 6).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .metrics import finalize_metrics
+
+# Log-ratios are clamped to [-20, 20] before exp: e^20 ~ 4.9e8 is finite in fp32/bf16, and no
+# ratio that is not clipped anyway lies near it (clip ranges are 3e-4 .. 0.27), so the clamp cannot
+# change a value or gradient in the normal range. Beyond it the gradient is zero, which treats a
+# pathological sequence (its mean log-ratio over 20 nats away from pi_old) as clipped instead of
+# stepping by e^20 x A.
+LOG_RATIO_CLAMP = 20.0
+
+REDUCTIONS = ("mean", "sum")
+
+
+@dataclass
+class Rows:
+    """A batch of `b` rows of `s` positions, masked and cast to the compute dtype."""
+    log_probs: torch.Tensor      # [b, s], 0 at masked positions
+    old_log_probs: torch.Tensor  # [b, s], 0 at masked positions (no grad)
+    mask: torch.Tensor           # [b, s] bool
+    lengths: torch.Tensor        # [b], L_i (compute dtype)
+    valid: torch.Tensor          # [b] bool, L_i > 0
+
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Masked per-row mean (1/L_i) sum_t m_t x_t -> [b]; 0 for rows with L_i = 0."""
+        return torch.where(self.mask, x, 0).sum(dim=-1) / self.lengths.clamp(min=1)
+
+    def seq_log_ratio(self) -> torch.Tensor:
+        """(1/L_i) sum_t m_t l_{i,t}, clamped -> [b] (GSPO Eq. 7 before the exp)."""
+        return self.mean(self.log_probs - self.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def prepare_rows(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask: torch.Tensor,
+                 advantages: torch.Tensor, advantage_shapes: tuple[str, ...],
+                 reduction: str, eps_low: float, eps_high: float,
+                 ref_log_probs: torch.Tensor | None, kl_coef: float) -> tuple[Rows, torch.Tensor]:
+    """Check shapes and options (errors name the offending values), return (rows, advantages)."""
+    if log_probs.dim() != 2:
+        raise ValueError(f"log_probs must be [b, s], got shape {tuple(log_probs.shape)}")
+    shape = log_probs.shape
+    for name, t in (("old_log_probs", old_log_probs), ("loss_mask", loss_mask),
+                    ("ref_log_probs", ref_log_probs)):
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} like log_probs")
+    allowed = {"row": (shape[0],), "token": tuple(shape)}
+    if tuple(advantages.shape) not in [allowed[k] for k in advantage_shapes]:
+        raise ValueError(f"advantages have shape {tuple(advantages.shape)}, expected "
+                         + " or ".join(str(allowed[k]) for k in advantage_shapes))
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    if kl_coef != 0.0 and ref_log_probs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_log_probs")
+
+    # fp32 at least (bf16 log-probs would round s_i to ~3 digits, coarser than eps = 3e-4);
+    # fp64 inputs stay fp64 (finite-difference tests).
+    dtype = torch.promote_types(log_probs.dtype, torch.float32)
+    mask = loss_mask.bool() if loss_mask.dtype == torch.bool else loss_mask != 0
+    lengths = mask.sum(dim=-1).to(dtype)
+    rows = Rows(log_probs=torch.where(mask, log_probs.to(dtype), 0),
+                old_log_probs=torch.where(mask, old_log_probs.detach().to(dtype), 0),
+                mask=mask, lengths=lengths, valid=lengths > 0)
+    return rows, advantages.detach().to(dtype)
+
+
+def finish_loss(rows: Rows, per_row: torch.Tensor, *, reduction: str, seq_ratio: torch.Tensor,
+                clipped_tokens: torch.Tensor, clipped_sequences: torch.Tensor | None,
+                kl: torch.Tensor | None, kl_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Add the KL term, reduce the per-row `-J_i` terms over valid rows, build the metrics.
+
+    per_row: `[b]` -J_i; seq_ratio: `[b]` s_i; clipped_tokens: `[b, s]` bool; clipped_sequences:
+    `[b]` bool (GSPO) or None; kl: `[b]` per-row KL estimate or None.
+    """
+    if kl is not None and kl_coef != 0.0:
+        per_row = per_row + kl_coef * kl
+    valid = rows.valid
+    total = torch.where(valid, per_row, 0).sum()
+    num_sequences = valid.sum().to(per_row.dtype)
+    loss = total if reduction == "sum" else total / num_sequences.clamp(min=1)
+
+    with torch.no_grad():
+        ratio = seq_ratio.detach()
+        inf = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
+        totals = {
+            "num_sequences": num_sequences.detach(),
+            "num_tokens": rows.lengths.sum(),
+            "clipped_tokens": (clipped_tokens & rows.mask).sum().to(ratio.dtype),
+            "seq_ratio_sum": torch.where(valid, ratio, 0).sum(),
+            "seq_ratio_min": torch.where(valid, ratio, inf).min() if ratio.numel() else inf,
+            "seq_ratio_max": torch.where(valid, ratio, -inf).max() if ratio.numel() else -inf,
+        }
+        if clipped_sequences is not None:
+            totals["clipped_sequences"] = (clipped_sequences & valid).sum().to(ratio.dtype)
+        if kl is not None:
+            totals["kl_sum"] = torch.where(valid, kl.detach(), 0).sum()
+    return loss, finalize_metrics(totals)

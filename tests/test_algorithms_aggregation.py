@@ -1,0 +1,106 @@
+"""GSPO.md property 11 in its single-process form: reduction="sum" over uneven chunks, divided by the
+global number of valid sequences, equals reduction="mean" on the whole batch (value, gradient and
+metrics), also under megatron-core's schedule contract (divide by micro-batches, average over DP)."""
+import pytest
+import torch
+
+from gspo_megatron.algorithms import METRIC_REDUCTIONS, combine_metrics, grpo_loss, gspo_loss, gspo_token_loss
+
+F64 = torch.float64
+FNS = [gspo_loss, gspo_token_loss, grpo_loss]
+
+
+def global_batch(fn, b=13, s=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, s, generator=g, dtype=F64) * 2
+    # a spread of log-ratios: some rows clipped by GSPO's 3e-4/4e-4, some not
+    lp = old + torch.randn(b, 1, generator=g, dtype=F64) * 4e-4 + torch.randn(b, s, generator=g, dtype=F64) * 1e-4
+    lengths = torch.randint(0, s + 1, (b,), generator=g)
+    lengths[[2, 3, 4]] = 0  # empty rows, a whole chunk of them below
+    mask = torch.arange(s)[None, :] < lengths[:, None]
+    adv = torch.randn(b, generator=g, dtype=F64)
+    if fn is gspo_token_loss:
+        adv = adv[:, None] * (1 + torch.rand(b, s, generator=g, dtype=F64))
+    ref = old + 0.1 * torch.randn(b, s, generator=g, dtype=F64)
+    return lp, old, adv, mask, ref
+
+
+CHUNKS = [2, 3, 1, 5, 2]  # uneven; the second chunk holds only empty rows
+
+
+def chunked(total, sizes):
+    start = 0
+    for n in sizes:
+        yield slice(start, start + n)
+        start += n
+    assert start == total
+
+
+@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("kl_coef", [0.0, 0.2])
+def test_sum_over_uneven_chunks_equals_full_batch_mean(fn, kl_coef):
+    lp, old, adv, mask, ref = global_batch(fn)
+    # GRPO's 0.2 would clip nothing at these ratios: give it GSPO's range so the split crosses clips.
+    eps = dict(eps_low=3e-4, eps_high=4e-4) if fn is grpo_loss else {}
+    kw = dict(ref_log_probs=ref, kl_coef=kl_coef, **eps) if kl_coef else eps
+    x = lp.clone().requires_grad_(True)
+    full, full_m = fn(x, old, adv, mask, **kw)
+    (full_grad,) = torch.autograd.grad(full, x)
+    assert 0 < full_m["clipped_tokens"] < full_m["num_tokens"]  # the split crosses clip decisions
+
+    n_valid = int(mask.any(-1).sum())
+    y = lp.clone().requires_grad_(True)
+    total, metrics = 0.0, []
+    for sl in chunked(lp.shape[0], CHUNKS):
+        kw_sl = dict(ref_log_probs=ref[sl], kl_coef=kl_coef, **eps) if kl_coef else eps
+        loss_sum, m = fn(y[sl], old[sl], adv[sl], mask[sl], reduction="sum", **kw_sl)
+        (loss_sum / n_valid).backward()
+        total = total + loss_sum.detach() / n_valid
+        metrics.append(m)
+    torch.testing.assert_close(total, full.detach())
+    torch.testing.assert_close(y.grad, full_grad)
+    combined = combine_metrics(metrics)
+    assert combined.keys() == full_m.keys()
+    for k in full_m:
+        torch.testing.assert_close(combined[k], full_m[k], msg=k)
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_megatron_schedule_contract_dp2_uneven_microbatches(fn):
+    """Rank r runs M_r micro-batches; the schedule divides each loss by M_r and DP averages the ranks'
+    gradients. Scaling the summed loss by M_r * dp / N_global undoes both exactly."""
+    lp, old, adv, mask, _ = global_batch(fn, seed=1)
+    x = lp.clone().requires_grad_(True)
+    (full_grad,) = torch.autograd.grad(fn(x, old, adv, mask)[0], x)
+    n_global = int(mask.any(-1).sum())
+    ranks = [[slice(0, 4), slice(4, 5), slice(5, 9)], [slice(9, 10), slice(10, 13)]]  # DP2, 3 and 2 micro-batches
+    dp = len(ranks)
+    rank_grads = []
+    for micro_batches in ranks:
+        y = lp.clone().requires_grad_(True)
+        for sl in micro_batches:
+            loss_sum, _ = fn(y[sl], old[sl], adv[sl], mask[sl], reduction="sum")
+            scaled = loss_sum * len(micro_batches) * dp / n_global  # what the actor hands the schedule
+            (scaled / len(micro_batches)).backward()                 # what the schedule backprops
+        rank_grads.append(y.grad)
+    torch.testing.assert_close(sum(rank_grads) / dp, full_grad)   # DP all-reduce average
+
+
+def test_metric_reduction_table_covers_every_summable_key():
+    lp, old, adv, mask, ref = global_batch(gspo_loss)
+    _, m = gspo_loss(lp, old, adv, mask, ref_log_probs=ref)
+    derived = {"clip_fraction", "token_clip_fraction", "seq_ratio_mean", "kl"}
+    assert set(m) == set(METRIC_REDUCTIONS) | derived
+    for v in m.values():
+        assert not v.requires_grad and v.dim() == 0 and v.is_floating_point()
+    with pytest.raises(ValueError, match="needs at least one"):
+        combine_metrics([])
+
+
+def test_algorithms_import_no_megatron():
+    import subprocess
+    import sys
+    code = ("import sys, gspo_megatron.algorithms; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('megatron', 'transformer_engine')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
