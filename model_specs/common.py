@@ -49,14 +49,16 @@ class ModelSpec:
     max_sequence_length: int
     rotary_base: float
     share_embeddings_and_output_weights: bool
-    layer_spec_fn: Callable[[int | None], TransformerBlockSubmodules] = field(repr=False)
+    layer_spec_fn: Callable[[int | None, int | None], TransformerBlockSubmodules] = field(repr=False)
 
     @property
     def is_moe(self) -> bool:
         return bool(self.config.num_moe_experts)
 
-    def block_spec(self, vp_stage: int | None = None) -> TransformerBlockSubmodules:
-        return self.layer_spec_fn(vp_stage)
+    def block_spec(self, vp_stage: int | None = None,
+                   pp_rank: int | None = None) -> TransformerBlockSubmodules:
+        """The layers of one (virtual) pipeline stage; pp_rank defaults to this rank's."""
+        return self.layer_spec_fn(vp_stage, pp_rank)
 
     def gpt_model_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -149,6 +151,9 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], layout: Parall
         sequence_parallel=layout.use_sequence_parallel(traits.moe),
         # Per-micro-batch sequence lengths differ in RL: PP stages exchange shapes first.
         variable_seq_lengths=layout.pipeline > 1,
+        # Also for dense models: TransformerConfig rejects variable_seq_lengths with the default
+        # allgather dispatcher even when there are no experts.
+        moe_token_dispatcher_type="alltoall",
     )
     if traits.moe:
         kwargs.update(
@@ -160,7 +165,6 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], layout: Parall
             # norm_topk_prob=True (Qwen3-MoE): softmax over all experts, top-k, renormalise, which
             # equals megatron's top-k-then-softmax. False: keep the full-softmax probabilities.
             moe_router_pre_softmax=not bool(hf.get("norm_topk_prob", True)),
-            moe_token_dispatcher_type="alltoall",
             # RL fine-tuning: no load-balancing loss by default (it would enter the GSPO gradient).
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
@@ -173,9 +177,10 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], layout: Parall
         raise ConfigError(f"unknown TransformerConfig fields in overrides: {sorted(unknown)}")
     config = TransformerConfig(**kwargs)
 
-    def layer_spec_fn(vp_stage: int | None) -> TransformerBlockSubmodules:
+    def layer_spec_fn(vp_stage: int | None, pp_rank: int | None) -> TransformerBlockSubmodules:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=HAVE_TE,
-                                          normalization="RMSNorm", vp_stage=vp_stage)
+                                          normalization="RMSNorm", vp_stage=vp_stage,
+                                          pp_rank=pp_rank)
         return spec if HAVE_TE else replace_local_norms(spec)
 
     return ModelSpec(

@@ -165,18 +165,40 @@ def _all_gather_uneven(tensor_list, tensor, group=None, async_op=False):
     return None
 
 
-def apply() -> bool:
-    """Apply every CPU adaptation if CUDA is absent. Returns True if applied (now or before)."""
+def _patch_all_gather() -> None:
+    torch.distributed.all_gather = _all_gather_uneven
+
+
+def _enter_device_mode() -> None:
+    CpuDeviceMode().__enter__()  # active for the rest of the process, like the patches above
+
+
+# Name -> adaptation. Tests apply all but one in a fresh process to prove each is still needed.
+ADAPTATIONS = {
+    "torch_cuda": _patch_torch_cuda,
+    "megatron_rng": _patch_megatron_rng,
+    "moe": _patch_moe,
+    "uneven_all_gather": _patch_all_gather,
+    "device_mode": _enter_device_mode,
+}
+
+
+def apply(skip: frozenset[str] | set[str] = frozenset()) -> bool:
+    """Apply every CPU adaptation (but those in `skip`, for tests) if CUDA is absent.
+
+    Returns True if applied (now or before). Idempotent; a no-op when CUDA is available.
+    """
     global _APPLIED
     if _APPLIED:
         return True
     if not cuda_absent():
         return False
-    _patch_torch_cuda()
-    _patch_megatron_rng()
-    _patch_moe()
-    torch.distributed.all_gather = _all_gather_uneven
-    CpuDeviceMode().__enter__()  # active for the rest of the process, like the patches above
+    unknown = set(skip) - set(ADAPTATIONS)
+    if unknown:
+        raise ValueError(f"unknown CPU adaptations {sorted(unknown)}; known: {sorted(ADAPTATIONS)}")
+    for name, adapt in ADAPTATIONS.items():
+        if name not in skip:
+            adapt()
     _APPLIED = True
     return True
 
