@@ -1,0 +1,290 @@
+"""Rollout manager: G samples per prompt from SGLang, dynamic sampling, partial rollouts.
+
+    manager = RolloutManager(pool, RolloutConfig(group_size=8, max_new_tokens=512),
+                             encode_prompt=lambda rec: chat_prompt_ids(tok, rec),
+                             decode=tok.decode, reward_fn=math_reward)
+    result = manager.generate_step(prompt_iter, num_groups=32)   # -> result.groups, result.metrics
+    state = manager.to_state()      # the buffer of unfinished groups, for the trainer's checkpoint
+
+One HTTP request per sample (segment), up to `max_in_flight_requests` at once; SGLang batches them.
+Partial rollouts (paper-independent, as in slime/Kimi): once `num_groups` groups are complete the
+rest are aborted, and their partial responses wait in the buffer; next step they resume from
+prompt + partial response asking only for the REMAINING budget. Every token keeps the weight version
+that produced it; `mask_stale_tokens` zeroes the loss mask of tokens from older weights.
+Multi-turn episodes (an `env_factory`) run to completion and are never buffered: an episode cut
+by the end-of-step abort is discarded (counted in metrics).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import time
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterator
+
+from rollout.client import ServerPool
+from rollout.rewards import RewardErrorBudget, RewardFn, score_sample
+from rollout.sample import ABORTED, DONE, PENDING, Sample
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    group_size: int = 8
+    """G: responses per prompt (GSPO's group)."""
+    max_new_tokens: int = 512
+    """Response budget per sample (all segments / turns together); a prompt record's own
+    "max_new_tokens" field overrides it for that prompt."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_turn_tokens: int | None = None
+    """Multi-turn: cap on one model turn (None: the remaining budget)."""
+    stop_token_ids: list[int] | None = None
+    """Extra stop tokens; the model's EOS always stops (unless ignore_eos)."""
+    ignore_eos: bool = False
+    """Generate to the budget through EOS (benchmarks, tests)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (zero advantage) and draw more prompts to refill."""
+    oversample_groups: int = 0
+    """Groups kept in flight beyond those still needed (a faster fill; leftovers are aborted)."""
+    max_draw_factor: float = 8.0
+    """A step fails once it has drawn this many times num_groups new prompts without filling up."""
+    partial_rollouts: bool = False
+    """Buffer groups cut by the end-of-step abort and resume them next step."""
+    mask_stale_tokens: bool = False
+    """loss_mask 0 on tokens produced by weights older than the newest version in the step."""
+    max_in_flight_requests: int = 256
+    request_timeout_s: float = 600.0
+    """Bound on any single wait for generation results (nothing waits forever)."""
+    max_reward_error_fraction: float = 0.0
+    """The run fails when more than this fraction of reward calls raised."""
+
+    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+        params = {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
+                  "top_p": self.top_p, "top_k": self.top_k}
+        if self.ignore_eos:
+            params["ignore_eos"] = True
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        return params
+
+
+@dataclasses.dataclass
+class StepResult:
+    groups: list[list[Sample]]
+    """num_groups complete groups of group_size samples each, rewards set."""
+    metrics: dict[str, float]
+
+
+class RolloutManager:
+    def __init__(self, pool: ServerPool, config: RolloutConfig, *,
+                 encode_prompt: Callable[[dict], list[int]] | None = None, decode: Callable[[list[int]], str],
+                 reward_fn: RewardFn | None = None, env_factory: Callable[[dict], Any] | None = None,
+                 encode_text: Callable[[str], list[int]] | None = None):
+        """encode_prompt: prompt record -> prompt token ids (e.g. dataset.chat_prompt_ids).
+        decode: token ids -> text, for reward functions and environments (never re-encoded).
+        reward_fn: (record, response_text) -> float; required for single-turn.
+        env_factory: record -> Environment, for multi-turn episodes (rollout.multiturn); needs
+        encode_text to tokenise the environment's observations (its reset() message is the prompt,
+        so encode_prompt is then unused)."""
+        if env_factory is None and reward_fn is None:
+            raise ValueError("RolloutManager needs a reward_fn (single-turn) or an env_factory")
+        if env_factory is None and encode_prompt is None:
+            raise ValueError("single-turn rollouts need encode_prompt")
+        if env_factory is not None and encode_text is None:
+            raise ValueError("multi-turn (env_factory) needs encode_text for observations")
+        self.pool, self.config = pool, config
+        self.encode_prompt, self.decode = encode_prompt, decode
+        self.reward_fn, self.env_factory, self.encode_text = reward_fn, env_factory, encode_text
+        self.buffer: collections.deque[list[Sample]] = collections.deque()
+        self.next_group_id = 0
+        self.reward_budget = RewardErrorBudget(config.max_reward_error_fraction)
+        self._run_tag = uuid.uuid4().hex[:8]
+        self._rid_counter = itertools.count()
+        self._executor = ThreadPoolExecutor(max_workers=config.max_in_flight_requests,
+                                            thread_name_prefix="rollout")
+
+    # --- one unit of work (runs in a worker thread) ------------------------------------------
+    def _run_sample(self, sample: Sample) -> Sample:
+        if self.env_factory is not None:
+            from rollout.multiturn import run_episode
+            return run_episode(sample, self.env_factory(sample.prompt), self.pool, self.config,
+                               self.decode, self.encode_text, self._new_rid)
+        return self._generate_segment(sample)
+
+    def _new_rid(self, sample: Sample) -> str:
+        return f"{self._run_tag}-{sample.group_id}-{sample.index}-{next(self._rid_counter)}"
+
+    def _generate_segment(self, sample: Sample) -> Sample:
+        """Generate (the rest of) one single-turn response: prompt + partial -> remaining budget."""
+        if sample.remaining_tokens > 0:
+            out = self.pool.generate(sample.tokens, self.config.sampling_params(sample.remaining_tokens),
+                                     rid=self._new_rid(sample), timeout_s=self.config.request_timeout_s)
+            sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions)
+            sample.num_segments += 1 if out.output_ids else 0
+            sample.finish_reason = out.finish_reason
+        if sample.remaining_tokens <= 0 and sample.finish_reason != "stop":
+            sample.finish_reason = "length"
+        sample.status = PENDING if sample.finish_reason == "abort" else DONE
+        return sample
+
+    # --- a step ------------------------------------------------------------------------------
+    def _new_group(self, record: dict) -> list[Sample]:
+        prompt_ids = [] if self.env_factory is not None else list(self.encode_prompt(record))
+        gid = self.next_group_id
+        self.next_group_id += 1
+        budget = int(record.get("max_new_tokens", self.config.max_new_tokens))
+        return [Sample(gid, i, record, list(prompt_ids), budget)
+                for i in range(self.config.group_size)]
+
+    def generate_step(self, prompts: Iterator[dict], num_groups: int,
+                      current_weight_version: str | None = None) -> StepResult:
+        """Return `num_groups` complete groups: buffered groups first, then new prompts from
+        `prompts` (consumed lazily; over-sampling draws more). current_weight_version: the policy's
+        version for mask_stale_tokens (default: the newest version seen in each sample)."""
+        cfg = self.config
+        t0 = time.monotonic()
+        kept: list[list[Sample]] = []
+        open_groups: dict[int, list[Sample]] = {}
+        in_flight: dict[Future, Sample] = {}
+        m = collections.Counter()
+        max_draws = math.ceil(num_groups * cfg.max_draw_factor)
+
+        def submit(sample: Sample) -> None:
+            in_flight[self._executor.submit(self._run_sample, sample)] = sample
+
+        def finish_group(group: list[Sample]) -> None:
+            del open_groups[group[0].group_id]
+            for s in group:
+                s.check_aligned()
+                if s.reward is None:
+                    ok = score_sample(s, self.reward_fn, self.decode(s.response_ids))
+                    m["reward_errors"] += not ok
+                    self.reward_budget.record(ok, s.reward_error)
+                if cfg.mask_stale_tokens:
+                    versions = [v for v in s.weight_versions if v]
+                    newest = current_weight_version or (versions[-1] if versions else "")
+                    m["stale_tokens_masked"] += s.mask_stale_tokens(newest)
+            if cfg.dynamic_sampling and len({s.reward for s in group}) == 1:
+                m["groups_dropped_equal_reward"] += 1
+            elif len(kept) < num_groups:
+                kept.append(group)
+            else:  # finished in the same instant as the last needed group: keep for next step
+                self.buffer.appendleft(group)
+                m["groups_completed_buffered"] += 1
+
+        def start_group(group: list[Sample]) -> None:
+            open_groups[group[0].group_id] = group
+            for s in group:
+                if s.status != DONE:
+                    m["samples_resumed"] += bool(s.response_ids)
+                    submit(s)
+            if all(s.status == DONE for s in group):
+                finish_group(group)
+
+        try:
+            while len(kept) < num_groups:
+                while len(kept) + len(open_groups) < num_groups + cfg.oversample_groups:
+                    if self.buffer:
+                        start_group(self.buffer.popleft())
+                        m["groups_from_buffer"] += 1
+                        continue
+                    record = next(prompts, None) if m["prompts_drawn"] < max_draws else None
+                    if record is None:
+                        break
+                    m["prompts_drawn"] += 1
+                    start_group(self._new_group(record))
+                if len(kept) >= num_groups:
+                    break
+                if not in_flight:
+                    raise RuntimeError(
+                        f"rollout step cannot fill {num_groups} groups: {len(kept)} kept, "
+                        f"{m['groups_dropped_equal_reward']} dropped (all rewards equal), "
+                        f"{m['prompts_drawn']} prompts drawn (limit {max_draws} = max_draw_factor "
+                        f"{cfg.max_draw_factor} x {num_groups}), or the prompt iterator ran out")
+                done, _ = wait(list(in_flight), timeout=cfg.request_timeout_s, return_when=FIRST_COMPLETED)
+                if not done:
+                    raise TimeoutError(f"no rollout request finished within {cfg.request_timeout_s} s "
+                                       f"({len(in_flight)} in flight)")
+                for f in done:
+                    sample = in_flight.pop(f)
+                    f.result()  # a server failure propagates here
+                    if sample.status != DONE:  # aborted by someone else before we were full: resume
+                        if sample.status == ABORTED:
+                            self._reset(sample)
+                        submit(sample)
+                        continue
+                    group = open_groups[sample.group_id]
+                    if all(s.status == DONE for s in group):
+                        finish_group(group)
+        finally:
+            self._drain(in_flight)
+        for group in sorted(open_groups.values(), key=lambda g: g[0].group_id):
+            if all(s.status == DONE for s in group):
+                self.buffer.append(group)
+                m["groups_completed_buffered"] += 1
+            elif cfg.partial_rollouts and self.env_factory is None:
+                self.buffer.append(group)
+                m["groups_partial_buffered"] += 1
+            else:
+                m["groups_discarded"] += 1
+        return StepResult(kept, self._metrics(kept, m, time.monotonic() - t0))
+
+    @staticmethod
+    def _reset(sample: Sample) -> None:
+        sample.response_ids, sample.logprobs, sample.loss_mask, sample.weight_versions = [], [], [], []
+        sample.num_segments, sample.status, sample.finish_reason = 0, PENDING, None
+        sample.reward = None
+
+    def _drain(self, in_flight: dict[Future, Sample]) -> None:
+        """Abort what is still generating and wait for it (re-aborting requests that reached a
+        server after the previous abort), bounded by request_timeout_s."""
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while in_flight:
+            try:
+                self.pool.abort_all()
+            except Exception:  # noqa: BLE001 - a dead server has nothing left to abort
+                pass
+            done, _ = wait(list(in_flight), timeout=2.0)
+            for f in done:
+                sample = in_flight.pop(f)
+                if f.exception() is not None:
+                    sample.status = ABORTED
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(in_flight)} rollout requests still running "
+                                   f"{self.config.request_timeout_s} s after the abort")
+
+    def _metrics(self, kept: list[list[Sample]], m: collections.Counter, seconds: float) -> dict[str, float]:
+        samples = [s for g in kept for s in g]
+        n = max(1, len(samples))
+        resp_tokens = sum(len(s.response_ids) for s in samples)
+        out = {k: float(v) for k, v in m.items()}
+        out.update({
+            "reward_mean": sum(s.reward for s in samples) / n,
+            "response_length_mean": resp_tokens / n,
+            "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
+            "multi_segment_fraction": sum(s.num_segments > 1 for s in samples) / n,
+            "buffer_groups": float(len(self.buffer)),
+            "reward_error_fraction_total": self.reward_budget.errors / max(1, self.reward_budget.calls),
+            "rollout_seconds": seconds,
+            "rollout_tokens_per_second": resp_tokens / max(seconds, 1e-9),
+        })
+        return out
+
+    # --- checkpointing -----------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        """The buffer and counters as plain data (JSON-serialisable when prompt records are)."""
+        return {"next_group_id": self.next_group_id,
+                "buffer": [[s.to_dict() for s in g] for g in self.buffer],
+                "reward_budget": self.reward_budget.to_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.next_group_id = int(state["next_group_id"])
+        self.buffer = collections.deque([Sample.from_dict(d) for d in g] for g in state["buffer"])
+        self.reward_budget.load_state(state["reward_budget"])
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

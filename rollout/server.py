@@ -1,0 +1,287 @@
+"""SGLang server lifecycle: launch servers (and optionally sglang-router) as child processes, or
+attach to servers already running elsewhere (cluster mode).
+
+    from rollout.server import ServerConfig, ServerGroup
+    with ServerGroup.launch(ServerConfig(model_path="/tmp/tiny"), num_servers=2, router=True) as g:
+        print(g.server_urls, g.router_url)        # http://127.0.0.1:PORT ...
+    group = ServerGroup.attach(["http://node1:30000", "http://node2:30000"])  # stop() is a no-op
+
+Every child runs in its own process group (SGLang forks a scheduler and a detokenizer), logs to a
+file, and is stopped with SIGTERM to the group, then SIGKILL after a grace period. Startup waits for
+/health with a timeout; a child that dies meanwhile raises ServerStartError with the log's tail.
+On CPU (no CUDA) the child gets SGLang's CPU engine and the `sgl_kernel` stand-in on its PYTHONPATH
+(rollout/cpu_stand_ins, ENVIRONMENT.md); on GPU machines nothing is substituted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import requests
+
+from rollout.cpu_stand_ins import STAND_INS_DIR
+
+
+class ServerStartError(RuntimeError):
+    """A server or router did not become healthy (died or timed out); the message has its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """How to launch one SGLang server (`python -m sglang.launch_server`)."""
+
+    model_path: str
+    """HF model directory (config.json, safetensors, tokenizer)."""
+    device: str = "auto"
+    """"cpu", "cuda" or "auto" (cuda when torch sees a GPU). "cpu" uses the CPU engine + stand-in."""
+    dtype: str | None = None
+    """--dtype; None: float32 on CPU (exact log-prob parity with the trainer), SGLang's default on GPU."""
+    host: str = "127.0.0.1"
+    port: int | None = None
+    """None: a free port is picked at start."""
+    tp_size: int = 1
+    base_gpu_id: int | None = None
+    max_total_tokens: int | None = 16384
+    """KV-cache size in tokens; a batch that does not fit runs in waves."""
+    mem_fraction_static: float | None = None
+    """None: 0.05 on CPU (the tiny models need little), SGLang's default on GPU."""
+    extra_args: Sequence[str] = ()
+    """More launch_server flags, passed through verbatim."""
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    startup_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0
+    log_dir: str | None = None
+    """Where `sglang-PORT.log` goes; None: a temporary directory (kept after stop for post-mortems)."""
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if cuda_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"ServerConfig.device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        return self.device
+
+
+def _tail(path: Path | None, lines: int = 40) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+class ManagedProcess:
+    """A child process in its own process group, with a log file, a health URL and a clean stop."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], url: str, log_path: Path,
+                 health_path: str = "/health", startup_timeout_s: float = 300.0,
+                 stop_timeout_s: float = 30.0):
+        self.name, self.cmd, self.env, self.url = name, cmd, env, url
+        self.log_path, self.health_path = log_path, health_path
+        self.startup_timeout_s, self.stop_timeout_s = startup_timeout_s, stop_timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ManagedProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return _tail(self.log_path, lines)
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                code = None if self.proc is None else self.proc.returncode
+                raise ServerStartError(f"{self.name} at {self.url} exited with code {code} during startup; "
+                                       f"log {self.log_path}, last lines:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + self.health_path, timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(f"{self.name} at {self.url} not healthy after {timeout_s:.0f} s; "
+                                       f"log {self.log_path}, last lines:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM to the whole process group, SIGKILL after stop_timeout_s; idempotent."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the child leads its own group
+        for sig, wait_s in ((signal.SIGTERM, self.stop_timeout_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+            # the leader is gone; sweep what it forked (scheduler, detokenizer) if any survived
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            break
+        self.proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL the group at once (fault-injection in tests; prefer stop())."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+
+def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
+    """The launch command and environment for one SGLang server (not started)."""
+    device = config.resolved_device()
+    port = config.port or free_port(config.host)
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(config.model_path),
+           "--host", config.host, "--port", str(port), "--device", device,
+           "--tp-size", str(config.tp_size), "--skip-server-warmup"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **config.env}
+    if device == "cpu":
+        cmd += ["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "disabled",
+                "--cuda-graph-backend-prefill", "disabled", "--dtype", config.dtype or "float32",
+                "--mem-fraction-static", str(config.mem_fraction_static or 0.05),
+                # without it the idle scheduler busy-polls a core (ENVIRONMENT.md)
+                "--sleep-on-idle"]
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(STAND_INS_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    else:
+        if config.dtype:
+            cmd += ["--dtype", config.dtype]
+        if config.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(config.mem_fraction_static)]
+        if config.base_gpu_id is not None:
+            cmd += ["--base-gpu-id", str(config.base_gpu_id)]
+    if config.max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(config.max_total_tokens)]
+    cmd += list(config.extra_args)
+    return ManagedProcess(f"sglang server (port {port})", cmd, env, f"http://{config.host}:{port}",
+                          log_dir / f"sglang-{port}.log", "/health", config.startup_timeout_s,
+                          config.stop_timeout_s)
+
+
+def router_process(worker_urls: Sequence[str], log_dir: Path, host: str = "127.0.0.1",
+                   port: int | None = None, policy: str = "round_robin",
+                   startup_timeout_s: float = 120.0) -> ManagedProcess:
+    """sglang-router in front of `worker_urls` (not started)."""
+    port = port or free_port(host)
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+           "--policy", policy, "--worker-urls", *worker_urls]
+    return ManagedProcess(f"sglang-router (port {port})", cmd, dict(os.environ),
+                          f"http://{host}:{port}", log_dir / f"router-{port}.log", "/health",
+                          startup_timeout_s)
+
+
+class ServerGroup:
+    """The SGLang servers (and optional router) a run talks to; a context manager that stops them.
+
+    `launch` starts children and owns them; `attach` only records URLs (stop() leaves them alone).
+    """
+
+    def __init__(self, server_urls: Sequence[str], router_url: str | None = None,
+                 servers: Sequence[ManagedProcess] = (), router: ManagedProcess | None = None):
+        if not server_urls:
+            raise ValueError("a ServerGroup needs at least one server URL")
+        self.server_urls = [u.rstrip("/") for u in server_urls]
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.servers = list(servers)
+        self.router = router
+
+    @classmethod
+    def attach(cls, server_urls: Sequence[str], router_url: str | None = None,
+               health_timeout_s: float = 60.0) -> "ServerGroup":
+        """Use servers that someone else runs; checks each answers /health within the timeout."""
+        group = cls(server_urls, router_url)
+        for url in group.server_urls + ([group.router_url] if group.router_url else []):
+            deadline = time.monotonic() + health_timeout_s
+            while True:
+                try:
+                    if requests.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"no healthy SGLang server at {url} within {health_timeout_s} s")
+                time.sleep(0.5)
+        return group
+
+    @classmethod
+    def launch(cls, config: ServerConfig, num_servers: int = 1, router: bool = False,
+               router_policy: str = "round_robin") -> "ServerGroup":
+        """Start `num_servers` servers from `config` in parallel (each on its own free port; on GPU
+        server i gets base_gpu_id = i * tp_size unless set), wait until all are healthy, then the
+        router if asked. Any failure stops everything already started and re-raises."""
+        log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="gspo-sglang-logs-"))
+        procs: list[ManagedProcess] = []
+        router_proc = None
+        try:
+            for i in range(num_servers):
+                cfg = config
+                if config.resolved_device() == "cuda" and config.base_gpu_id is None:
+                    cfg = dataclasses.replace(config, base_gpu_id=i * config.tp_size)
+                if num_servers > 1 and config.port is not None:
+                    cfg = dataclasses.replace(cfg, port=config.port + i)
+                procs.append(server_process(cfg, log_dir).start())
+            for p in procs:
+                p.wait_healthy()
+            if router:
+                router_proc = router_process([p.url for p in procs], log_dir, config.host,
+                                             policy=router_policy).start()
+                router_proc.wait_healthy()
+        except BaseException:
+            for p in procs + ([router_proc] if router_proc else []):
+                p.stop()
+            raise
+        return cls([p.url for p in procs], router_proc.url if router_proc else None, procs, router_proc)
+
+    def stop(self) -> None:
+        """Stop what this group launched (router first); attached servers are left running."""
+        for p in ([self.router] if self.router else []) + self.servers:
+            p.stop()
+
+    def __enter__(self) -> "ServerGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ServerGroup(servers={self.server_urls}, router={self.router_url})"
+
