@@ -1,0 +1,97 @@
+"""Run config: YAML + `--set` overrides, typed parsing, validation errors that name field and value."""
+from __future__ import annotations
+
+import pytest
+
+from gspo_megatron.config import (ConfigError, RunConfig, config_from_dict, describe_fields,
+                                  field_docs, load_config, parse_override)
+
+BASE = {"model": {"hf_path": "/m"}, "rollout": {"prompts": "p.jsonl"}}
+
+
+def test_yaml_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {hf_path: /m}\nrollout: {prompts: p.jsonl, group_size: 4}\n"
+                 "train: {lr: 1e-5, steps: 7}\n")
+    cfg = load_config(f, ["parallel.tensor=2", "rollout.server_urls=[http://a:1, http://b:2]",
+                          "train.use_distributed_optimizer=true", "loss.eps_high=0.001",
+                          "checkpoint.dir=/tmp/ck", "parallel.virtual_pipeline=null"])
+    assert cfg.train.lr == 1e-5 and cfg.train.steps == 7 and cfg.rollout.group_size == 4
+    assert cfg.parallel.tensor == 2 and cfg.parallel.layout().tensor == 2
+    assert cfg.rollout.server_urls == ["http://a:1", "http://b:2"]
+    assert cfg.train.use_distributed_optimizer is True
+    assert cfg.loss.clip_range() == (3e-4, 0.001)
+    assert cfg.checkpoint.dir == "/tmp/ck" and cfg.parallel.virtual_pipeline is None
+
+
+@pytest.mark.parametrize("name,lo,hi", [("gspo", 3e-4, 4e-4), ("gspo_token", 3e-4, 4e-4),
+                                        ("grpo", 0.2, 0.27)])
+def test_per_loss_default_clip_ranges_are_the_papers(name, lo, hi):
+    cfg = config_from_dict(BASE, [f"loss.name={name}"])
+    assert cfg.loss.clip_range() == (lo, hi)
+    text = cfg.describe_loss()
+    assert f"loss={name}" in text and f"eps_low={lo:g}" in text and f"eps_high={hi:g}" in text
+
+
+def test_typed_parse_of_overrides():
+    assert parse_override("a.b=3") == (["a", "b"], 3)
+    assert parse_override("a=1.5e-6") == (["a"], 1.5e-6)
+    assert parse_override("a=true") == (["a"], True)
+    assert parse_override("a=[1, 2]") == (["a"], [1, 2])
+    assert parse_override("a=x=y") == (["a"], "x=y")
+    cfg = config_from_dict(BASE, ["train.lr=1e-6", "train.min_lr=0", "rollout.server_urls=http://h:1"])
+    assert cfg.train.lr == 1e-6 and isinstance(cfg.train.min_lr, float)
+    assert cfg.rollout.server_urls == ["http://h:1"]
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.stepz=3", "unknown key 'train.stepz' (did you mean 'steps'?)"),
+    ("trian.steps=3", "unknown key 'trian'"),
+    ("train.steps=abc", "train.steps='abc': expected int"),
+    ("train.steps=1.5", "train.steps=1.5: expected int"),
+    ("loss.name=ppo", "loss.name='ppo': expected 'gspo' | 'gspo_token' | 'grpo'"),
+    ("train.old_log_probs=cached", "train.old_log_probs='cached'"),
+    ("train.mini_batches=3", "train.mini_batches=3: expected a divisor of the rollout batch"),
+    ("rollout.temperature=0", "rollout.temperature=0.0: expected > 0"),
+    ("rollout.group_size=0", "rollout.group_size=0: expected >= 1"),
+    ("parallel.tensor=0", "parallel.tensor=0: expected >= 1"),
+    ("rollout.server_urls=[h:30000]", "rollout.server_urls='h:30000': expected URLs"),
+    ("train.use_distributed_optimizer=maybe", "train.use_distributed_optimizer='maybe': expected bool"),
+    ("rollout.mask_stale_tokens=true", "rollout.mask_stale_tokens=True: expected false unless"),
+    ("train", "expected KEY=VALUE"),
+    ("train.steps.x=1", "train.steps={'x': 1}: expected int"),
+    ("train.x.y=1", "unknown key 'train.x'"),
+])
+def test_bad_values_name_field_and_value(override, needle):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(BASE, [override])
+    assert needle in str(e.value)
+
+
+def test_missing_required_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="model.hf_path"):
+        config_from_dict({"rollout": {"prompts": "p"}})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(bad)
+    bad.write_text("model: 3\n")
+    with pytest.raises(ConfigError, match="model: expected a mapping"):
+        load_config(bad)
+
+
+def test_every_field_has_a_docstring():
+    import dataclasses
+    from typing import get_type_hints
+    hints = get_type_hints(RunConfig)
+    assert set(field_docs(RunConfig)) == {f.name for f in dataclasses.fields(RunConfig)}
+    for f in dataclasses.fields(RunConfig):
+        cls = hints[f.name]
+        assert set(field_docs(cls)) == {g.name for g in dataclasses.fields(cls)}, cls.__name__
+    text = describe_fields()
+    assert "rollout:" in text and "group_size: 8" in text and "mini_batches: 4" in text
