@@ -1,0 +1,171 @@
+"""Build the megatron-core model for a parallel layout: model chunks, DDP, optimizer, scheduler.
+
+    spec = model_spec_for(hf_config, layout)
+    check_layout(spec, layout, world_size)            # before any collective
+    init_process_groups(layout)
+    chunks = build_model_chunks(spec, layout)         # one DDP-wrapped GPTModel per virtual stage
+    optimizer, scheduler = build_optimizer(chunks, OptimizerSettings(lr=1e-6))
+
+The model definition comes from model_specs (a ModelSpec); this module only applies the layout
+(torchtitan's "build, then parallelise"). The schedule hooks that megatron's own training loop
+sets on the TransformerConfig (finalize_model_grads_func: DP grad all-reduce / reduce-scatter,
+sequence-parallel norm grads, tied embeddings; no_sync_func; grad_scale_func) are set here too:
+without finalize_model_grads_func the schedule never synchronises gradients across DP ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+
+from gspo_megatron.parallel.layout import ParallelLayout
+from model_specs import ModelSpec
+
+
+@dataclass
+class OptimizerSettings:
+    """Optimizer, learning-rate schedule and gradient settings of the actor."""
+
+    optimizer: str = "adam"
+    """"adam" (AdamW, decoupled weight decay) or "sgd"."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (ignored by the "constant" style)."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up from 0 over this many optimizer steps."""
+    lr_decay_steps: int = 1
+    """Steps over which the learning rate decays from `lr` to `min_lr` (after warm-up)."""
+    lr_decay_style: str = "constant"
+    """megatron OptimizerParamScheduler style: constant, linear, cosine, inverse-square-root, WSD."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.0
+    """SGD momentum (megatron's default is 0.9; 0 makes one step exactly lr x gradient)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state (and the gradient reduce-scatter) over data-parallel ranks (ZeRO-1)."""
+    grad_reduce_in_fp32: bool = True
+    """Accumulate and all-reduce gradients in fp32 when the model is bf16/fp16."""
+
+
+def check_layout(spec: ModelSpec, layout: ParallelLayout, world_size: int) -> None:
+    """LayoutError (naming the numbers) if `layout` cannot run `spec` on `world_size` ranks.
+
+    Call it with the real world size before init_process_groups: a layout that does not fit shows
+    up otherwise as a hang in the first collective.
+    """
+    c = spec.config
+    layout.validate(world_size, num_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
+                    num_query_groups=c.num_query_groups or c.num_attention_heads,
+                    vocab_size=spec.vocab_size, num_experts=c.num_moe_experts)
+
+
+def _check_config_matches_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
+    c = spec.config
+    want = dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
+                expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.etp)
+    got = {k: getattr(c, k) for k in want}
+    if got != want:
+        raise ValueError(f"ModelSpec was built for another layout: config has {got}, layout {layout} "
+                         f"needs {want}; build the spec with model_spec_for(hf_config, layout)")
+    if c.calculate_per_token_loss:
+        raise ValueError("TransformerConfig.calculate_per_token_loss=True is not supported: the "
+                         "actor scales the loss itself (see actor/train.py)")
+
+
+def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
+                       use_distributed_optimizer: bool = False,
+                       grad_reduce_in_fp32: bool = True) -> list[DistributedDataParallel]:
+    """One DDP-wrapped GPTModel per virtual pipeline stage of this rank (a list of 1 without VPP).
+
+    Needs megatron's parallel state (init_process_groups(layout)). Parameters are initialised by
+    megatron's init methods from the seeded RNG; load real weights with weights.load_full_state_dict.
+    """
+    _check_config_matches_layout(spec, layout)
+    config = spec.config
+    vpp = layout.vpp
+    chunks = []
+    for v in range(vpp):
+        vp_stage = v if vpp > 1 else None
+        model = GPTModel(
+            config, spec.block_spec(vp_stage),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage, **spec.gpt_model_kwargs())
+        model.model_type = ModelType.encoder_or_decoder
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        if config.fp16 or config.bf16:
+            model = Float16Module(config, model)
+        chunks.append(model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32 or not (config.fp16 or config.bf16),
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        # Gradients are pre-scaled by 1/dp_size and summed (the default). train.py's loss scaling
+        # assumes exactly a 1/dp_size factor, which average_in_collective=True gives too.
+        average_in_collective=False,
+    )
+    chunks = [DistributedDataParallel(config, ddp_config, m,
+                                      # Only the first chunk's buckets may be overlapped/flagged.
+                                      disable_bucketing=i > 0)
+              for i, m in enumerate(chunks)]
+    for chunk in chunks:
+        chunk.broadcast_params()  # identical replicas across DP (init is seeded, this makes it sure)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+    return chunks
+
+
+def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimizerSettings,
+                    ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+    """megatron optimizer (distributed if settings say so; must match the DDP config) + scheduler."""
+    config = unwrap(chunks[0]).config
+    if settings.use_distributed_optimizer != chunks[0].ddp_config.use_distributed_optimizer:
+        raise ValueError(f"use_distributed_optimizer={settings.use_distributed_optimizer} but the "
+                         f"model chunks were built with "
+                         f"{chunks[0].ddp_config.use_distributed_optimizer}")
+    if settings.optimizer not in ("adam", "sgd"):
+        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {settings.optimizer!r}")
+    opt_config = OptimizerConfig(
+        optimizer=settings.optimizer, lr=settings.lr, min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
+        adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
+        sgd_momentum=settings.sgd_momentum, clip_grad=settings.clip_grad,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+        params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16,
+    )
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    config.grad_scale_func = optimizer.scale_loss
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if settings.lr_warmup_steps else settings.lr, max_lr=settings.lr,
+        min_lr=settings.min_lr, lr_warmup_steps=settings.lr_warmup_steps,
+        lr_decay_steps=max(settings.lr_decay_steps, settings.lr_warmup_steps + 1),
+        lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def unwrap(chunk: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not isinstance(chunk, GPTModel):
+        if not hasattr(chunk, "module"):
+            raise TypeError(f"expected a (wrapped) GPTModel, got {type(chunk).__name__}")
+        chunk = chunk.module
+    return chunk
