@@ -1,0 +1,140 @@
+"""Per-step metrics: TensorBoard event files + a metrics.jsonl, both written by rank 0 only.
+
+    writer = MetricsWriter(tensorboard_dir="runs/x", enabled=rank == 0)
+    writer.log(step, {"rollout/reward_mean": 0.3, "time/rollout": 1.2})
+    writer.close()
+    # tensorboard --logdir runs/x
+
+Tags are grouped `section/name` (rollout/, train/, time/, perf/) so TensorBoard shows one panel per
+section. What the trainer logs each step (TAGS below documents every tag):
+  rollout/  reward mean/std, accuracy, response length mean/max, partial-rollout and dropped-group counts
+  train/    sequence clip fraction, sequence-ratio mean/min/max, KL (if on), grad norm, lr, entropy,
+            train-vs-rollout log-prob |diff|, loss
+  time/     seconds per phase: rollout, log_probs, train, sync, checkpoint, step
+  perf/     tokens/s (trained tokens / step time) and rollout tokens/s
+The metrics.jsonl holds exactly the same numbers (one JSON object per step), for scripts and tests.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Mapping
+
+TAGS = {
+    "rollout/reward_mean": "mean reward of the batch's responses",
+    "rollout/reward_std": "std of the rewards (population)",
+    "rollout/accuracy": "fraction of responses with reward >= 1 (verifiable tasks: correct)",
+    "rollout/response_length_mean": "mean response length in tokens",
+    "rollout/response_length_max": "longest response in tokens",
+    "rollout/truncated_fraction": "fraction of responses cut by max_new_tokens",
+    "rollout/groups_dropped": "groups dropped by dynamic sampling (all rewards equal)",
+    "rollout/partial_resumed": "samples resumed from a partial rollout this step",
+    "rollout/partial_buffered": "groups left unfinished in the partial-rollout buffer",
+    "rollout/reward_errors": "reward function calls that raised",
+    "train/loss": "policy loss (mean over mini-batches)",
+    "train/clip_fraction": "fraction of sequences clipped (gspo) / tokens (grpo, gspo_token)",
+    "train/seq_ratio_mean": "mean sequence importance ratio s_i",
+    "train/seq_ratio_min": "min s_i",
+    "train/seq_ratio_max": "max s_i",
+    "train/kl": "KL to the reference policy (when loss.kl_coef > 0)",
+    "train/grad_norm": "global gradient norm before clipping (mean over mini-batches)",
+    "train/lr": "learning rate",
+    "train/entropy": "mean per-token entropy of the policy",
+    "train/logprob_abs_diff": "mean |trainer log-prob - SGLang log-prob| over trainable tokens",
+    "time/rollout": "seconds generating + scoring",
+    "time/log_probs": "seconds computing old log-probs",
+    "time/train": "seconds of the mini-batch updates",
+    "time/sync": "seconds of the weight sync into SGLang",
+    "time/checkpoint": "seconds saving a checkpoint",
+    "time/step": "seconds of the whole step",
+    "perf/tokens_per_s": "trained tokens (prompt + response) / step seconds",
+    "perf/rollout_tokens_per_s": "generated tokens / rollout seconds",
+}
+
+
+class MetricsWriter:
+    """TensorBoard SummaryWriter + jsonl on rank 0; a no-op elsewhere (enabled=False)."""
+
+    def __init__(self, tensorboard_dir: str | None, *, jsonl_path: str | None = None,
+                 enabled: bool = True, purge_step: int | None = None):
+        """purge_step: on resume, TensorBoard hides events at steps >= purge_step left by the
+        interrupted run (SummaryWriter's purge_step), and the jsonl drops those lines."""
+        self.enabled = enabled
+        self._tb = None
+        self._jsonl = None
+        if not enabled:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            Path(tensorboard_dir).mkdir(parents=True, exist_ok=True)
+            self._tb = SummaryWriter(tensorboard_dir, purge_step=purge_step)
+        if jsonl_path is None and tensorboard_dir:
+            jsonl_path = os.path.join(tensorboard_dir, "metrics.jsonl")
+        if jsonl_path:
+            path = Path(jsonl_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if purge_step is not None and path.exists():
+                keep = [ln for ln in path.read_text().splitlines()
+                        if ln.strip() and json.loads(ln).get("step", 0) < purge_step]
+                path.write_text("".join(ln + "\n" for ln in keep))
+            self._jsonl = path.open("a")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if v is not None}
+        if self._tb is not None:
+            wall = time.time()
+            for tag, value in clean.items():
+                if math.isfinite(value):
+                    self._tb.add_scalar(tag, value, step, walltime=wall)
+            self._tb.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, float]]:
+    """The per-step records of a metrics.jsonl (the last record per step wins)."""
+    by_step: dict[int, dict[str, float]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """All scalars of a TensorBoard log dir, read with tensorboard's own EventAccumulator:
+    {tag: [(step, value), ...]} sorted by step (purged/duplicate steps resolved as TensorBoard does)."""
+    from tensorboard.backend.event_processing import event_accumulator
+    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["scalars"]:
+        out[tag] = sorted((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def format_progress(step: int, total: int, m: Mapping[str, float]) -> str:
+    """One line per step: step, reward, accuracy, length, clip fraction and seconds per phase."""
+    def g(key: str, fmt: str) -> str:
+        v = m.get(key)
+        return format(v, fmt) if v is not None else "-"
+    return (f"step {step:>4}/{total} | reward {g('rollout/reward_mean', '.3f')} "
+            f"acc {g('rollout/accuracy', '.2f')} len {g('rollout/response_length_mean', '.1f')} | "
+            f"clip {g('train/clip_fraction', '.3f')} ratio {g('train/seq_ratio_mean', '.4f')} "
+            f"gnorm {g('train/grad_norm', '.3f')} | rollout {g('time/rollout', '.1f')}s "
+            f"logp {g('time/log_probs', '.1f')}s train {g('time/train', '.1f')}s "
+            f"sync {g('time/sync', '.1f')}s step {g('time/step', '.1f')}s")

@@ -1,0 +1,50 @@
+"""Metrics: real TensorBoard event files read back with tensorboard's own EventAccumulator."""
+from __future__ import annotations
+
+from gspo_megatron.metrics import (TAGS, MetricsWriter, format_progress, read_jsonl,
+                                   read_scalars)
+
+
+def test_event_files_round_trip(tmp_path):
+    w = MetricsWriter(str(tmp_path / "tb"))
+    for step in range(3):
+        w.log(step, {"rollout/reward_mean": 0.1 * step, "train/clip_fraction": 0.5,
+                     "time/rollout": 1.0 + step, "train/kl": float("nan")})
+    w.close()
+    scalars = read_scalars(tmp_path / "tb")
+    assert [s for s, _ in scalars["rollout/reward_mean"]] == [0, 1, 2]
+    assert abs(scalars["rollout/reward_mean"][2][1] - 0.2) < 1e-6
+    assert scalars["time/rollout"][1] == (1, 2.0)
+    assert "train/kl" not in scalars  # non-finite values are not written to TensorBoard
+    recs = read_jsonl(tmp_path / "tb" / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [0, 1, 2] and recs[1]["train/clip_fraction"] == 0.5
+
+
+def test_resume_purges_steps_of_the_interrupted_run(tmp_path):
+    w = MetricsWriter(str(tmp_path / "tb"))
+    for step in range(4):
+        w.log(step, {"rollout/reward_mean": float(step)})
+    w.close()
+    # resumed from a checkpoint after step 1: steps 2.. are re-done with other values
+    w = MetricsWriter(str(tmp_path / "tb"), purge_step=2)
+    for step in (2, 3):
+        w.log(step, {"rollout/reward_mean": 10.0 + step})
+    w.close()
+    assert read_scalars(tmp_path / "tb")["rollout/reward_mean"] == [(0, 0.0), (1, 1.0), (2, 12.0),
+                                                                   (3, 13.0)]
+    recs = read_jsonl(tmp_path / "tb" / "metrics.jsonl")
+    assert [(r["step"], r["rollout/reward_mean"]) for r in recs] == [(0, 0.0), (1, 1.0), (2, 12.0),
+                                                                    (3, 13.0)]
+
+
+def test_disabled_writer_writes_nothing(tmp_path):
+    w = MetricsWriter(str(tmp_path / "tb"), enabled=False)
+    w.log(0, {"a/b": 1.0})
+    w.close()
+    assert not (tmp_path / "tb").exists()
+
+
+def test_progress_line_and_tag_docs():
+    line = format_progress(3, 10, {"rollout/reward_mean": 0.25, "time/rollout": 1.5})
+    assert "step    3/10" in line and "reward 0.250" in line and "rollout 1.5s" in line
+    assert all(t.count("/") == 1 and doc for t, doc in TAGS.items())
