@@ -217,8 +217,9 @@ class RolloutManager:
                             self._reset(sample)
                         submit(sample)
                         continue
-                    group = open_groups[sample.group_id]
-                    if all(s.status == DONE for s in group):
+                    # several samples of a group can finish together: the first one closes it
+                    group = open_groups.get(sample.group_id)
+                    if group is not None and all(s.status == DONE for s in group):
                         finish_group(group)
         finally:
             self._drain(in_flight)

@@ -30,3 +30,22 @@ def tiny_model_dir(arch: str, seed: int = 0, tie: bool = False) -> Path:
         out = _ROOT / f"{arch}-seed{seed}{'-tied' if tie else ''}"
         _CACHE[key] = make_tiny_model(arch, out, seed=seed, tie_word_embeddings=tie)
     return _CACHE[key]
+
+
+_HF_MODELS: dict[str, object] = {}
+
+
+def hf_response_logprobs(model_dir: Path | str, prompt_ids: list[int], response_ids: list[int]) -> list[float]:
+    """log p(response token | prefix) from a transformers forward in fp32 (temperature 1)."""
+    import torch
+    import transformers
+
+    key = str(model_dir)
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = transformers.AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    model = _HF_MODELS[key]
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)])            # [1, s]
+    with torch.no_grad():
+        logits = model(ids).logits.float()                                 # [1, s, v]
+    logp = torch.log_softmax(logits[0, len(prompt_ids) - 1:-1], dim=-1)    # [r, v]
+    return logp.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()

@@ -1,0 +1,138 @@
+"""Rollout manager against real SGLang servers: groups, dynamic sampling, partial rollouts, buffer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import transformers
+
+from fixtures_models import hf_response_logprobs, tiny_model_dir
+from rollout.client import ServerPool
+from rollout.dataset import chat_prompt_ids
+from rollout.manager import RolloutConfig, RolloutManager
+from rollout.rewards import RewardErrorBudgetExceeded
+from rollout.sample import DONE, PENDING
+
+pytestmark = pytest.mark.slow
+
+
+def _tok(arch="qwen3"):
+    return transformers.AutoTokenizer.from_pretrained(tiny_model_dir(arch, 0))
+
+
+def _manager(group, config, reward_fn=lambda rec, text: float(len(text) % 2), arch="qwen3"):
+    tok = _tok(arch)
+    return RolloutManager(ServerPool(group.server_urls), config,
+                          encode_prompt=lambda rec: chat_prompt_ids(tok, rec), decode=tok.decode,
+                          reward_fn=reward_fn)
+
+
+def _prompts(n, **extra):
+    return iter([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i), **extra} for i in range(n)])
+
+
+@pytest.mark.parametrize("fixture", ["qwen3_server", "moe_server"])
+def test_group_sampling_exactly_g_aligned(fixture, request):
+    group = request.getfixturevalue(fixture)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=12)
+    mgr = _manager(group, cfg)
+    result = mgr.generate_step(_prompts(10), num_groups=3)
+    assert len(result.groups) == 3
+    for g in result.groups:
+        assert len(g) == 4 and [s.index for s in g] == [0, 1, 2, 3]
+        assert len({s.group_id for s in g}) == 1 and len({tuple(s.prompt_ids) for s in g}) == 1
+        for s in g:
+            assert s.status == DONE and s.finish_reason in ("stop", "length") and s.reward is not None
+            n = len(s.response_ids)
+            assert 1 <= n <= 12
+            assert len(s.logprobs) == len(s.loss_mask) == len(s.weight_versions) == n
+            assert s.loss_mask == [1] * n and all(lp <= 0 for lp in s.logprobs)
+            assert s.weight_versions == ["default"] * n
+    assert result.metrics["prompts_drawn"] == 3
+
+
+def test_dynamic_sampling_drops_equal_reward_groups_and_refills(qwen3_server):
+    # reward = parity of the group id: every group has all-equal rewards except odd ones?  No:
+    # groups with even id get a constant reward (dropped), odd ids get index-dependent rewards.
+    def reward(rec, text):
+        return float(rec["id"] % 2 and len(text) % 3)
+
+    cfg = RolloutConfig(group_size=4, max_new_tokens=16, dynamic_sampling=True)
+    mgr = _manager(qwen3_server, cfg, reward)
+    prompts = iter([{"prompt": f"q{i}", "answer": "0", "id": i} for i in range(40)])
+    result = mgr.generate_step(prompts, num_groups=3)
+    assert len(result.groups) == 3
+    for g in result.groups:
+        assert len({s.reward for s in g}) > 1
+    assert result.metrics["groups_dropped_equal_reward"] >= 3  # ids 0, 2, 4 at least
+    # impossible to fill: every group has equal rewards -> a clear error, not a hang
+    mgr2 = _manager(qwen3_server, RolloutConfig(group_size=2, max_new_tokens=4, dynamic_sampling=True,
+                                                max_draw_factor=2.0), lambda r, t: 1.0)
+    with pytest.raises(RuntimeError, match="cannot fill 2 groups"):
+        mgr2.generate_step(_prompts(100), num_groups=2)
+
+
+def test_partial_rollout_resume_has_exact_budget_and_versions(qwen3_server):
+    pool = ServerPool(qwen3_server.server_urls)
+    model_dir = str(tiny_model_dir("qwen3", 0))
+    budget = 160
+    cfg = RolloutConfig(group_size=2, max_new_tokens=budget, partial_rollouts=True, ignore_eos=True,
+                        oversample_groups=2)
+    mgr = _manager(qwen3_server, cfg)
+    pool.update_weights_from_disk(model_dir, weight_version="v1")
+    try:
+        # the first prompt is short (8 tokens): once its group is done the other two are aborted
+        prompts = iter([{"prompt": "short", "answer": "0", "max_new_tokens": 8},
+                        {"prompt": "long a", "answer": "0"}, {"prompt": "long b", "answer": "0"}])
+        step1 = mgr.generate_step(prompts, num_groups=1)
+        assert [len(s.response_ids) for s in step1.groups[0]] == [8, 8]
+        assert step1.metrics["groups_partial_buffered"] == 2
+        partial = [s for g in mgr.buffer for s in g]
+        assert all(s.status == PENDING and s.finish_reason == "abort" for s in partial)
+        assert all(0 < len(s.response_ids) < budget for s in partial), [len(s.response_ids) for s in partial]
+        before = {(s.group_id, s.index): len(s.response_ids) for s in partial}
+
+        # the buffer survives a checkpoint (JSON) into a fresh manager
+        state = json.loads(json.dumps(mgr.to_state()))
+        mgr = _manager(qwen3_server, cfg)
+        mgr.load_state(state)
+        pool.update_weights_from_disk(model_dir, weight_version="v2")
+        step2 = mgr.generate_step(iter([]), num_groups=2)
+        assert step2.metrics["samples_resumed"] == 4
+        for g in step2.groups:
+            for s in g:
+                s.check_aligned()
+                assert len(s.response_ids) == budget and s.finish_reason == "length"
+                k = before[(s.group_id, s.index)]
+                assert s.weight_versions == ["v1"] * k + ["v2"] * (budget - k)
+                assert s.num_segments == 2
+                # the resumed log-probs are those of the full context (same weights here)
+                ref = hf_response_logprobs(model_dir, s.prompt_ids, s.response_ids)
+                assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < 1e-4
+        # optional masking of tokens from older weights
+        s = step2.groups[0][0]
+        assert s.mask_stale_tokens("v2") == before[(s.group_id, s.index)]
+        assert s.loss_mask == [0] * before[(s.group_id, s.index)] + [1] * (budget - before[(s.group_id, s.index)])
+    finally:
+        pool.update_weights_from_disk(model_dir, weight_version="default")
+
+
+def test_reward_errors_are_recorded_and_budgeted(qwen3_server):
+    calls = {"n": 0}
+
+    def flaky(rec, text):
+        calls["n"] += 1
+        if calls["n"] % 4 == 0:
+            raise ValueError("boom")
+        return 1.0
+
+    mgr = _manager(qwen3_server, RolloutConfig(group_size=4, max_new_tokens=4,
+                                               max_reward_error_fraction=0.3), flaky)
+    result = mgr.generate_step(_prompts(4), num_groups=2)
+    errors = [s for g in result.groups for s in g if s.reward_error]
+    assert len(errors) == 2 and all(s.reward == 0.0 and "boom" in s.reward_error for s in errors)
+    assert result.metrics["reward_errors"] == 2
+    mgr = _manager(qwen3_server, RolloutConfig(group_size=4, max_new_tokens=4,
+                                               max_reward_error_fraction=0.1), flaky)
+    with pytest.raises(RewardErrorBudgetExceeded, match="boom"):
+        mgr.generate_step(_prompts(4), num_groups=2)
