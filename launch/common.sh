@@ -4,14 +4,14 @@
 # set the same variables. `sbatch` exports the submitting environment, so a variable set at submit
 # time reaches every node. README_clusters.md is the user's guide; this file is the reference.
 #
-#   GSPO_MODE              disaggregated | colocated            (SLURM; local.sh is always colocated)
+#   GSPO_MODE              disaggregated | colocated (SLURM)    local.sh sets 'local' (one machine)
 #   GSPO_NODES             nodes in the allocation               2 (sbatch direct: the allocation's)
 #   GSPO_SERVER_NODES      disaggregated: nodes running only SGLang servers (the LAST ones of the
 #                          node list); the others run trainer ranks      1
 #   GSPO_GPUS_PER_NODE     GPUs per node; 0 = CPU run (gloo)     8
 #   GSPO_PROCS_PER_NODE    trainer ranks per trainer node        GPUs per node, or 1 when 0 GPUs
-#   GSPO_SERVERS_PER_NODE  SGLang servers per server node; each gets GPUs/servers of the node's GPUs
-#                                                                1
+#   GSPO_SERVERS_PER_NODE  SGLang servers per server node; each gets GPUs/servers of the node's GPUs;
+#                          0 = launch none and pass no URLs (the trainer starts its own)      1
 #   GSPO_MODEL_PATH        HF model directory the servers load   (required unless GSPO_SERVER_URLS)
 #   GSPO_SERVER_URLS       comma-separated URLs of servers that are already running: none is launched
 #                          (use GSPO_SERVER_NODES=0 with it)
@@ -88,14 +88,14 @@ gspo_defaults() {
 gspo_trainer_nodes() {
   if [[ $GSPO_MODE == disaggregated ]]; then echo $(( GSPO_NODES - GSPO_SERVER_NODES )); else echo "$GSPO_NODES"; fi
 }
-gspo_launches_servers() { [[ -z $GSPO_SERVER_URLS ]]; }
+gspo_launches_servers() { [[ -z $GSPO_SERVER_URLS ]] && (( GSPO_SERVERS_PER_NODE > 0 )); }
 
 # gspo_check_inputs CONFIG [--set k=v ...]: everything that can be known before allocating a node.
 # Dies with one clear message on the first problem (the config checks report all of theirs at once).
 gspo_check_inputs() {
   local config=$1; shift
   local name word trainer_nodes world
-  case $GSPO_MODE in disaggregated|colocated) ;; *)
+  case $GSPO_MODE in disaggregated|colocated|local) ;; *)
     gspo_die "GSPO_MODE must be 'disaggregated' or 'colocated', got '$GSPO_MODE'" ;; esac
   for name in GSPO_NODES GSPO_SERVER_NODES GSPO_GPUS_PER_NODE GSPO_PROCS_PER_NODE \
               GSPO_SERVERS_PER_NODE GSPO_SERVER_PORT GSPO_SERVER_TIMEOUT GSPO_STOP_GRACE GSPO_MAX_REQUEUES; do
@@ -103,8 +103,11 @@ gspo_check_inputs() {
   done
   (( GSPO_NODES >= 1 )) || gspo_die "GSPO_NODES must be >= 1, got $GSPO_NODES"
   (( GSPO_PROCS_PER_NODE >= 1 )) || gspo_die "GSPO_PROCS_PER_NODE must be >= 1, got $GSPO_PROCS_PER_NODE"
-  (( GSPO_SERVERS_PER_NODE >= 1 )) || gspo_die "GSPO_SERVERS_PER_NODE must be >= 1, got $GSPO_SERVERS_PER_NODE"
+  [[ $GSPO_MODE != local ]] || (( GSPO_NODES == 1 )) || gspo_die "local runs use one node, got GSPO_NODES=$GSPO_NODES"
   if [[ $GSPO_MODE == disaggregated ]]; then
+    if [[ -z $GSPO_SERVER_URLS ]] && (( GSPO_SERVERS_PER_NODE < 1 )); then
+      gspo_die "disaggregated mode runs servers on their own nodes: GSPO_SERVERS_PER_NODE must be >= 1, got 0"
+    fi
     if gspo_launches_servers && (( GSPO_SERVER_NODES < 1 )); then
       gspo_die "disaggregated mode needs GSPO_SERVER_NODES >= 1 (or GSPO_SERVER_URLS of running servers), got 0"
     fi
@@ -117,7 +120,7 @@ gspo_check_inputs() {
   if (( GSPO_GPUS_PER_NODE > 0 )); then
     (( GSPO_PROCS_PER_NODE <= GSPO_GPUS_PER_NODE )) || gspo_die "GSPO_PROCS_PER_NODE=$GSPO_PROCS_PER_NODE" \
       "trainer ranks per node exceed GSPO_GPUS_PER_NODE=$GSPO_GPUS_PER_NODE (one GPU per rank)"
-    (( GSPO_GPUS_PER_NODE % GSPO_SERVERS_PER_NODE == 0 )) || gspo_die "GSPO_GPUS_PER_NODE=$GSPO_GPUS_PER_NODE" \
+    (( GSPO_SERVERS_PER_NODE == 0 || GSPO_GPUS_PER_NODE % GSPO_SERVERS_PER_NODE == 0 )) || gspo_die "GSPO_GPUS_PER_NODE=$GSPO_GPUS_PER_NODE" \
       "is not divisible by GSPO_SERVERS_PER_NODE=$GSPO_SERVERS_PER_NODE (each server gets an equal GPU share)"
   fi
   (( GSPO_SERVER_PORT >= 1024 && GSPO_SERVER_PORT + GSPO_NODES * GSPO_SERVERS_PER_NODE <= 65535 )) ||
@@ -127,7 +130,7 @@ gspo_check_inputs() {
     for url in ${GSPO_SERVER_URLS//,/ }; do
       [[ $url =~ ^https?://[^/:]+:[0-9]+/?$ ]] || gspo_die "GSPO_SERVER_URLS: '$url' is not of the form http://HOST:PORT"
     done
-  else
+  elif gspo_launches_servers; then
     [[ -n $GSPO_MODEL_PATH ]] || gspo_die "GSPO_MODEL_PATH is not set: the SGLang servers need a model" \
       "directory (or give GSPO_SERVER_URLS of servers already running)"
     [[ -d $GSPO_MODEL_PATH ]] || gspo_die "GSPO_MODEL_PATH=$GSPO_MODEL_PATH is not a directory"
@@ -174,13 +177,13 @@ gspo_comm_env() {
   export PYTHONUNBUFFERED=1
 }
 
-# gspo_wait_healthy TIMEOUT WATCH_PID URL...: poll URL/health until all answer 200. Fails early
-# (exit 1) when WATCH_PID (the servers' srun or parent) dies, and at TIMEOUT.
+# gspo_wait_healthy TIMEOUT PIDS URL...: poll URL/health until all answer 200. Fails early (exit 1)
+# when one of PIDS (comma-separated: the servers' srun, or the servers) dies, and at TIMEOUT.
 gspo_wait_healthy() {
-  local timeout=$1 pid=$2; shift 2
-  "$GSPO_PYTHON" - "$timeout" "$pid" "$@" <<'PY'
+  local timeout=$1 pids=$2; shift 2
+  "$GSPO_PYTHON" - "$timeout" "$pids" "$@" <<'PY'
 import os, sys, time, urllib.request
-timeout, pid, urls = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+timeout, pids, urls = float(sys.argv[1]), sys.argv[2].split(","), sys.argv[3:]
 pending, deadline = set(urls), time.monotonic() + timeout
 while pending:
     for url in sorted(pending):
@@ -192,7 +195,7 @@ while pending:
             pass
     if not pending:
         break
-    if not os.path.exists(f"/proc/{pid}"):
+    if not all(os.path.exists(f"/proc/{pid}") for pid in pids):
         sys.exit(f"[gspo-launch] error: the server processes exited before {sorted(pending)} became healthy (see the server logs)")
     if time.monotonic() > deadline:
         sys.exit(f"[gspo-launch] error: servers {sorted(pending)} not healthy after {timeout:.0f} s (GSPO_SERVER_TIMEOUT; see the server logs)")

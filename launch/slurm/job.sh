@@ -136,7 +136,7 @@ srun --overlap --kill-on-bad-exit=1 --distribution=block \
   --nodes="$N_TRAIN" --nodelist="$(IFS=,; echo "${TRAIN_HOSTS[*]}")" \
   --ntasks-per-node="$GSPO_PROCS_PER_NODE" --ntasks="$WORLD" --cpus-per-task="$CPUS_PER_RANK" \
   --job-name=trainer "${train_srun[@]}" \
-  "$GSPO_ROOT/launch/slurm/rank.sh" "${train_cmd[@]}" "$CONFIG" "$@" "${sets[@]}" &
+  "$GSPO_ROOT/launch/rank.sh" "${train_cmd[@]}" "$CONFIG" "$@" "${sets[@]}" &
 TRAIN_PID=$!
 gspo_wait "$TRAIN_PID"; rc=$?
 TRAIN_PID=

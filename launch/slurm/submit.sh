@@ -53,7 +53,7 @@ while (( $# )); do
   esac
 done
 [[ -n $CONFIG ]] || gspo_die "no config given (usage: launch/slurm/submit.sh [options] CONFIG.yaml [--set k=v ...])"
-command -v sbatch >/dev/null || gspo_die "sbatch is not on PATH: run this on a SLURM login node"
+(( DRY )) || command -v sbatch >/dev/null || gspo_die "sbatch is not on PATH: run this on a SLURM login node"
 
 # Paths the job will see: absolute (the job may start in another directory).
 CONFIG=$(realpath -m "$CONFIG")
