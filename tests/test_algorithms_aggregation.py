@@ -4,7 +4,8 @@ metrics), also under megatron-core's schedule contract (divide by micro-batches,
 import pytest
 import torch
 
-from gspo_megatron.algorithms import METRIC_REDUCTIONS, combine_metrics, grpo_loss, gspo_loss, gspo_token_loss
+from gspo_megatron.algorithms import (LOSS_FUNCTIONS, METRIC_REDUCTIONS, combine_metrics, grpo_loss, gspo_loss,
+                                     gspo_token_loss)
 
 F64 = torch.float64
 FNS = [gspo_loss, gspo_token_loss, grpo_loss]
@@ -95,6 +96,7 @@ def test_metric_reduction_table_covers_every_summable_key():
         assert not v.requires_grad and v.dim() == 0 and v.is_floating_point()
     with pytest.raises(ValueError, match="needs at least one"):
         combine_metrics([])
+    assert LOSS_FUNCTIONS == {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
 
 
 def test_algorithms_import_no_megatron():

@@ -32,7 +32,7 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, loss_mask: 
     if not (log_probs.shape == ref_log_probs.shape == loss_mask.shape) or log_probs.dim() != 2:
         raise ValueError(f"log_probs {tuple(log_probs.shape)}, ref_log_probs {tuple(ref_log_probs.shape)} "
                          f"and loss_mask {tuple(loss_mask.shape)} must all be the same [b, s]")
-    mask = loss_mask.bool() if loss_mask.dtype == torch.bool else loss_mask != 0
+    mask = loss_mask != 0  # bool or 0/1 masks alike
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
     lp = torch.where(mask, log_probs.to(dtype), 0)
     ref = torch.where(mask, ref_log_probs.to(dtype), 0)

@@ -66,7 +66,7 @@ def prepare_rows(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask
     # fp32 at least (bf16 log-probs would round s_i to ~3 digits, coarser than eps = 3e-4);
     # fp64 inputs stay fp64 (finite-difference tests).
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
-    mask = loss_mask.bool() if loss_mask.dtype == torch.bool else loss_mask != 0
+    mask = loss_mask != 0  # bool or 0/1 masks alike
     lengths = mask.sum(dim=-1).to(dtype)
     rows = Rows(log_probs=torch.where(mask, log_probs.to(dtype), 0),
                 old_log_probs=torch.where(mask, old_log_probs.detach().to(dtype), 0),
