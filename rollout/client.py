@@ -182,7 +182,7 @@ class SGLangClient:
         if return_logprob:
             payload["logprob_start_len"] = -1  # log-probs of the output only, not the prompt
         reply = self._json("POST", "/generate", payload, timeout_s=timeout_s, retry=retry)
-        items = reply if batch else [reply]
+        items = reply if batch or isinstance(reply, list) else [reply]
         n = len(input_ids) if batch else 1
         if not isinstance(items, list) or len(items) != n:
             raise SGLangError(self.url, f"/generate: expected {n} result(s)", body=repr(reply))

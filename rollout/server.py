@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import requests
 
@@ -95,8 +95,11 @@ class ManagedProcess:
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], url: str, log_path: Path,
                  health_path: str = "/health", startup_timeout_s: float = 300.0,
-                 stop_timeout_s: float = 30.0):
+                 stop_timeout_s: float = 30.0, ready_probe: Callable[[str], bool] | None = None):
+        """ready_probe(url) -> True once the process serves (default: GET health_path is 200)."""
         self.name, self.cmd, self.env, self.url = name, cmd, env, url
+        self.ready_probe = ready_probe or (
+            lambda u: requests.get(u + health_path, timeout=5).status_code == 200)
         self.log_path, self.health_path = log_path, health_path
         self.startup_timeout_s, self.stop_timeout_s = startup_timeout_s, stop_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -123,7 +126,7 @@ class ManagedProcess:
                 raise ServerStartError(f"{self.name} at {self.url} exited with code {code} during startup; "
                                        f"log {self.log_path}, last lines:\n{self.log_tail()}")
             try:
-                if requests.get(self.url + self.health_path, timeout=5).status_code == 200:
+                if self.ready_probe(self.url):
                     return
             except requests.RequestException:
                 pass
@@ -203,10 +206,17 @@ def router_process(worker_urls: Sequence[str], log_dir: Path, host: str = "127.0
     """sglang-router in front of `worker_urls` (not started)."""
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-           "--policy", policy, "--worker-urls", *worker_urls]
+           "--policy", policy, "--worker-startup-check-interval", "1", "--worker-urls", *worker_urls]
     return ManagedProcess(f"sglang-router (port {port})", cmd, dict(os.environ),
                           f"http://{host}:{port}", log_dir / f"router-{port}.log", "/health",
-                          startup_timeout_s)
+                          startup_timeout_s, ready_probe=_router_serves)
+
+
+def _router_serves(url: str) -> bool:
+    """The router answers /health before its workers are registered (then /generate is 503):
+    ready means a 1-token generation goes through."""
+    probe = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
+    return requests.post(url + "/generate", json=probe, timeout=30).status_code == 200
 
 
 class ServerGroup:
