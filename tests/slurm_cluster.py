@@ -61,7 +61,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1,bf_hetjob_immediate
+SchedulerParameters=bf_interval=1,bf_hetjob_immediate,sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
