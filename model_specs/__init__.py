@@ -11,10 +11,10 @@ from typing import Any, Mapping
 import torch
 
 from gspo_megatron.parallel.layout import ParallelLayout
-from model_specs import qwen3, qwen3_moe
+from model_specs import llama, qwen2, qwen3, qwen3_moe
 from model_specs.common import ConfigError, ModelSpec, load_hf_config
 
-FAMILIES = {m.TRAITS.name: m for m in (qwen3, qwen3_moe)}
+FAMILIES = {m.TRAITS.name: m for m in (qwen3, qwen3_moe, qwen2, llama)}
 _BY_MODEL_TYPE = {t: m for m in FAMILIES.values() for t in m.TRAITS.model_types}
 
 

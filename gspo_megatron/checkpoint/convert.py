@@ -1,0 +1,158 @@
+"""HF safetensors -> megatron dist_checkpointing conversion, in one process, tensor by tensor.
+
+Both directions describe the model by the sharded state dict of a TP1/PP1/EP1 GPTModel built on
+the `meta` device (no memory, no initialisation): its keys and global shapes are exactly what the
+trainer's load_model() asks for under any layout, so nothing about megatron's checkpoint key scheme
+is re-implemented here. Only the weights differ: they come from (or go to) the HF files through the
+family's weight map (model_specs/weight_maps.py), one megatron parameter at a time.
+
+- HF -> megatron: megatron's own dist_checkpointing.save (validation, common.pt, metadata.json)
+  with a save strategy whose planner resolves each tensor lazily from the HF files at the moment
+  torch.distributed.checkpoint writes it, one file per tensor: peak memory is about one parameter.
+- megatron -> HF: see export.py.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+from torch.distributed.checkpoint.planner import WriteItemType
+from tqdm import tqdm
+
+from gspo_megatron.checkpoint.hf_files import HFTensorReader, copy_metadata_files
+from gspo_megatron.checkpoint.model_io import EXTRA_STATE, HF_SUBDIR, TorchDcpSaveStrategy
+from gspo_megatron.parallel.layout import ParallelLayout
+from model_specs import load_hf_config, model_spec_for
+from model_specs.weight_maps import IGNORED_HF, WeightMap, WeightMapError, normalize_hf_config, \
+    weight_map_for
+
+
+@contextlib.contextmanager
+def single_process_megatron() -> Iterator[None]:
+    """A world-size-1 gloo group with megatron's TP1/PP1/EP1 parallel state (offline tools)."""
+    if dist.is_initialized():
+        raise RuntimeError("the checkpoint converters run in their own process, outside "
+                           "torch.distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def meta_model_state(hf: dict[str, Any], dtype: torch.dtype) -> tuple[dict[str, Any], dict]:
+    """(sharded state dict without _extra_state, {param name: meta tensor}) of a TP1 GPTModel."""
+    from megatron.core.models.gpt import GPTModel
+
+    # The alltoall dispatcher creates a CUDA stream when built; the dispatcher holds no weights.
+    overrides = dict(use_cpu_initialization=True, perform_initialization=False,
+                     moe_token_dispatcher_type="allgather")
+    spec = model_spec_for(hf, ParallelLayout(), params_dtype=dtype, overrides=overrides)
+    with torch.device("meta"):
+        model = GPTModel(spec.config, spec.block_spec(None), pre_process=True, post_process=True,
+                         **spec.gpt_model_kwargs())
+    sd = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith(EXTRA_STATE)}
+    return sd, dict(model.named_parameters())
+
+
+def check_map_covers(wmap: WeightMap, params: dict[str, torch.Tensor]) -> None:
+    mapped = set(wmap.by_megatron_name())
+    if mapped != set(params):
+        raise WeightMapError(f"weight map of {wmap.family} does not match the megatron model: "
+                             f"unmapped parameters {sorted(set(params) - mapped)}, mapped names "
+                             f"the model lacks {sorted(mapped - set(params))}")
+
+
+# ---------------------------------------------------------------- HF -> megatron
+class _LazySavePlanner(MCoreSavePlanner):
+    """Resolves each write item's tensor from the source when the writer asks for it."""
+
+    def __init__(self, pieces: dict, load_param: Callable[[str], torch.Tensor], total: int) -> None:
+        super().__init__(flatten_state_dict=False)
+        self.pieces = pieces  # (checkpoint key, global offset) -> (param name, slices)
+        self.load_param = load_param
+        self.progress = tqdm(total=total, desc="writing megatron checkpoint", unit="tensor")
+
+    def resolve_data(self, write_item):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        name, slices = self.pieces[(write_item.index.fqn, tuple(write_item.index.offset))]
+        piece = self.load_param(name)[slices]
+        self.progress.update(1)
+        return piece.reshape(tuple(write_item.tensor_data.chunk.sizes)).contiguous()
+
+
+class _StreamingSaveStrategy(TorchDcpSaveStrategy):
+    """One file per tensor, each tensor produced from the HF files when it is written."""
+
+    def __init__(self, load_param: Callable[[str], torch.Tensor]) -> None:
+        super().__init__(single_file_per_rank=False)
+        self.load_param = load_param
+
+    def make_planner(self, by_key, flat_mapping, rename_mapping) -> _LazySavePlanner:
+        pieces = {}
+        for key, shards in by_key.items():
+            for sh, flat_key in zip(shards, rename_mapping[key]):
+                # At TP1 a parameter is the whole global tensor minus the prepended (layer /
+                # expert) axes, so a shard's offsets past those axes index into the parameter.
+                offs = sh.global_offset[sh.prepend_axis_num:]
+                slices = tuple(slice(o, o + n) for o, n in zip(offs, sh.local_shape))
+                pieces[(key, tuple(sh.global_offset))] = (flat_mapping[flat_key][0], slices)
+        return _LazySavePlanner(pieces, self.load_param, total=len(pieces))
+
+
+def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
+                           dtype: torch.dtype | None = None) -> Path:
+    """Write HF safetensors at hf_dir as a megatron checkpoint at out_dir (+ out_dir/hf/)."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf = normalize_hf_config(load_hf_config(hf_dir))
+    wmap = weight_map_for(hf)
+    reader = HFTensorReader(hf_dir)
+    by_name = wmap.by_megatron_name()
+    dtype = dtype or reader.dtype(by_name["embedding.word_embeddings.weight"].hf[0])
+    _check_unused_hf(reader, wmap, hf)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"output directory {out_dir} is not empty")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with single_process_megatron():
+        sharded_sd, params = meta_model_state(hf, dtype)
+        check_map_covers(wmap, params)
+        _check_hf_shapes(reader, wmap, params)  # before anything is written
+        cache: dict[str, torch.Tensor] = {}
+
+        def load_param(name: str) -> torch.Tensor:
+            if name not in cache:  # the two halves of a fused fc1 are written one after another
+                m = by_name[name]
+                hf_tensors = [reader.get(n) for n in m.hf]
+                cache.clear()
+                cache[name] = wmap.to_megatron(m, hf_tensors).to(dtype)
+            return cache[name]
+
+        dist_checkpointing.save(sharded_sd, str(out_dir),
+                                sharded_strategy=_StreamingSaveStrategy(load_param))
+    copy_metadata_files(hf_dir, out_dir / HF_SUBDIR)
+    return out_dir
+
+
+def _check_hf_shapes(reader: HFTensorReader, wmap: WeightMap, params: dict) -> None:
+    for m in wmap.mappings():
+        for name, shape in zip(m.hf, wmap.hf_shapes(m, params[m.megatron].shape)):
+            reader.get_shape_checked(name, shape)
+
+
+def _check_unused_hf(reader: HFTensorReader, wmap: WeightMap, hf: dict[str, Any]) -> None:
+    """HF tensors that the map does not consume mean a model the map does not describe."""
+    unused = set(reader.names) - set(wmap.hf_names())
+    unused = {n for n in unused if not IGNORED_HF.match(n)}
+    if hf.get("tie_word_embeddings"):
+        unused.discard("lm_head.weight")  # some exporters store the tied head anyway
+    if unused:
+        raise WeightMapError(f"HF checkpoint {reader.dir} has tensors the {wmap.family} weight map "
+                             f"does not use (another architecture or config?): {sorted(unused)[:10]}")

@@ -1,0 +1,138 @@
+"""Hugging Face checkpoint directories: read tensors one at a time, write size-bounded shards.
+
+    reader = HFTensorReader(hf_dir)            # model.safetensors or *.safetensors.index.json
+    t = reader.get("model.embed_tokens.weight")
+    with HFShardWriter(out_dir, max_shard_bytes=5 << 30) as w:
+        w.add("model.embed_tokens.weight", t)  # flushed to a shard when the shard is full
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model_specs.weight_maps import WeightMapError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+# What travels with the weights: config, generation defaults, tokenizer and chat template.
+METADATA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+                  "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F64": torch.float64}
+
+
+class HFTensorReader:
+    """Name -> tensor access to an HF safetensors checkpoint, one tensor in memory at a time."""
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        self.dir = Path(hf_dir)
+        index = self.dir / INDEX_NAME
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / SINGLE_NAME).is_file():
+            with safe_open(str(self.dir / SINGLE_NAME), "pt") as f:
+                weight_map = {k: SINGLE_NAME for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"no {SINGLE_NAME} or {INDEX_NAME} in {self.dir}")
+        self.file_of: dict[str, str] = dict(weight_map)
+        self._open: dict[str, object] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self._handle(name).get_slice(name).get_dtype()]
+
+    def get_shape_checked(self, name: str, expected_shape: Sequence[int]) -> None:
+        """Raise WeightMapError if the tensor is missing or its shape is not `expected_shape`."""
+        if self.shape(name) != tuple(expected_shape):
+            raise WeightMapError(f"HF tensor {name} in {self.dir} has shape {self.shape(name)}, "
+                                 f"the config implies {tuple(expected_shape)}")
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str):
+        if name not in self.file_of:
+            raise WeightMapError(f"missing tensor {name} in HF checkpoint {self.dir}")
+        fname = self.file_of[name]
+        if fname not in self._open:
+            self._open[fname] = safe_open(str(self.dir / fname), "pt")
+        return self._open[fname]
+
+
+class HFShardWriter:
+    """Writes tensors into model-0000i-of-0000N.safetensors shards + the index, streaming."""
+
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 5 << 30) -> None:
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        idx = len(self._shards)
+        save_file(self._pending, str(self.dir / f"tmp-shard-{idx:05d}.safetensors"),
+                  metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self._pending or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                              for i in range(n)]
+        weight_map = {}
+        for i, (fname, keys) in enumerate(zip(names, self._shards)):
+            (self.dir / f"tmp-shard-{i:05d}.safetensors").rename(self.dir / fname)
+            weight_map.update({k: fname for k in keys})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+    def __enter__(self) -> "HFShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+
+
+def copy_metadata_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy config, generation config and tokenizer files (those present) from src to dst."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in METADATA_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    if "config.json" not in copied:
+        raise FileNotFoundError(f"no config.json in {src}")
+    return copied

@@ -1,0 +1,175 @@
+"""Save and load the model's weights as a megatron dist_checkpointing checkpoint, any layout.
+
+    save_model(model_chunks, ckpt_dir, hf_dir=hf_dir)   # collective: every trainer rank calls it
+    load_model(model_chunks, ckpt_dir)                  # the same checkpoint under any TP/PP/EP/VPP
+
+Checkpoint keys are those of GPTModel.sharded_state_dict() (global layer and expert indices, TE-style
+norm names whatever the backend), so a checkpoint written under one layout (or by
+tools/convert_hf_to_megatron.py in one process) loads under any other layout the model allows.
+Linear layers' `_extra_state` (Transformer Engine FP8 metadata; empty with the local spec) is not
+part of a model checkpoint. The HF config and tokenizer files ride along in `<ckpt>/hf/` so the
+checkpoint can be exported back to HF (tools/convert_megatron_to_hf.py) without the source model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict)
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import save as dcp_save
+
+from gspo_megatron.checkpoint.hf_files import copy_metadata_files
+from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
+from model_specs.weight_maps import normalize_hf_config
+
+HF_SUBDIR = "hf"
+EXTRA_STATE = "_extra_state"
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that does not fit the model: the message names the tensors and shapes."""
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module (whose state dicts prefix names with 'module.')."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict[str, Any]:
+    """{"model0": ..., "model1": ...} (one per virtual-pipeline chunk), without `_extra_state`."""
+    out = {}
+    for i, m in enumerate(models):
+        sd = _unwrap(m).sharded_state_dict()
+        out[f"model{i}"] = {k: v for k, v in sd.items() if not k.endswith(EXTRA_STATE)}
+    return out
+
+
+class TorchDcpSaveStrategy(TorchDistSaveShardedStrategy):
+    """megatron's torch_dist format, written synchronously by torch's own FileSystemWriter.
+
+    megatron's default writer starts a multiprocessing Manager for its async queue, which fails in
+    daemonic processes (test launchers, some job wrappers) and needs a __main__ guard; the files
+    and metadata written here are the same format and load with megatron's default strategy.
+    Subclasses can supply a planner (the HF converter resolves tensors lazily)."""
+
+    def __init__(self, single_file_per_rank: bool = True) -> None:
+        super().__init__("torch_dist", 1)
+        self.single_file_per_rank = single_file_per_rank
+
+    def make_planner(self, by_key, flat_mapping, rename_mapping) -> MCoreSavePlanner:
+        return MCoreSavePlanner(flatten_state_dict=False)
+
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        by_key, flat_mapping, rename_mapping = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, keep_only_main_replica=True)
+        planner = self.make_planner(by_key, flat_mapping, rename_mapping)
+        dcp_save(mcore_to_pyt_state_dict(by_key, False),
+                 storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1,
+                                                 single_file_per_rank=self.single_file_per_rank),
+                 planner=planner)
+
+
+def save_model(models: Sequence[torch.nn.Module], ckpt_dir: str | Path,
+               hf_dir: str | Path | None = None) -> None:
+    """Collective. Writes the model weights (and, from rank 0, the HF metadata files of hf_dir)."""
+    ckpt_dir = Path(ckpt_dir)
+    if dist.get_rank() == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if hf_dir is not None:
+            copy_metadata_files(hf_dir, ckpt_dir / HF_SUBDIR)
+    dist.barrier()
+    dist_checkpointing.save(model_sharded_state_dict(models), str(ckpt_dir),
+                            sharded_strategy=TorchDcpSaveStrategy())
+
+
+def load_model(models: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
+    """Collective. Loads the weights into the model chunks, whatever layout wrote them."""
+    check_is_checkpoint(ckpt_dir)
+    check_matches(model_sharded_state_dict(models), ckpt_dir)
+    loaded = dist_checkpointing.load(model_sharded_state_dict(models), str(ckpt_dir))
+    for i, m in enumerate(models):
+        missing, unexpected = _unwrap(m).load_state_dict(loaded[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
+        if missing or unexpected:
+            raise CheckpointMismatchError(f"loading {ckpt_dir} into model chunk {i}: missing "
+                                          f"{missing}, unexpected {unexpected}")
+
+
+def check_is_checkpoint(ckpt_dir: str | Path) -> None:
+    path = Path(ckpt_dir)
+    if not (path / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path} is not a megatron dist_checkpointing checkpoint "
+                                "(no metadata.json)")
+
+
+def checkpoint_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:
+    """The HF config stored with the checkpoint (normalised field names)."""
+    path = Path(ckpt_dir) / HF_SUBDIR / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the checkpoint was saved without its HF config "
+                                "(save_model(..., hf_dir=...) or tools/convert_hf_to_megatron.py)")
+    return normalize_hf_config(json.loads(path.read_text()))
+
+
+def check_layout_fits(ckpt_dir: str | Path, layout: ParallelLayout, world_size: int) -> None:
+    """Raise CheckpointMismatchError if the checkpoint's model cannot be loaded (resharded) under
+    `layout` on `world_size` ranks; call it before building the model or any collective."""
+    hf = checkpoint_hf_config(ckpt_dir)
+    heads = int(hf["num_attention_heads"])
+    try:
+        layout.validate(world_size, num_layers=int(hf["num_hidden_layers"]),
+                        num_attention_heads=heads,
+                        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+                        vocab_size=int(hf["vocab_size"]), num_experts=hf.get("num_experts"))
+    except LayoutError as e:
+        raise CheckpointMismatchError(f"checkpoint {ckpt_dir} cannot be resharded to "
+                                      f"{layout.describe(world_size)}: {e}") from None
+
+
+def expected_tensors(sharded_sd: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Checkpoint key -> (global shape, dtype) that loading `sharded_sd` needs."""
+    out = {}
+
+    def visit(v: Any) -> None:
+        if isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, list):
+            for x in v:
+                visit(x)
+        elif isinstance(v, ShardedTensorFactory):
+            visit(v.build())
+        elif isinstance(v, ShardedTensor):
+            out[v.key] = (tuple(v.global_shape), v.dtype)
+
+    visit(sharded_sd)
+    return out
+
+
+def check_matches(sharded_sd: dict[str, Any], ckpt_dir: str | Path) -> None:
+    """Raise CheckpointMismatchError naming every tensor the checkpoint lacks or has another
+    global shape for (a checkpoint of another model, or a config that does not match it)."""
+    stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    problems = []
+    for key, (shape, _) in sorted(expected_tensors(sharded_sd).items()):
+        if key not in stored:
+            problems.append(f"{key}: missing from the checkpoint")
+        elif tuple(stored[key].global_shape) != shape:
+            problems.append(f"{key}: global shape {tuple(stored[key].global_shape)} in the "
+                            f"checkpoint, the model expects {shape}")
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise CheckpointMismatchError(f"checkpoint {ckpt_dir} does not match the model "
+                                      f"(another model, or a config/checkpoint mismatch):\n  "
+                                      f"{shown}{more}")

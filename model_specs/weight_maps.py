@@ -1,0 +1,270 @@
+"""HF <-> megatron-core weight maps: one declarative table for every decoder family.
+
+Used by the checkpoint converters (tools/convert_*.py) and by the weight sync into SGLang
+(gspo_megatron/sync/): both see the model as a list of `ParamMapping`s, one per megatron parameter
+under its *global* name (global layer index, global expert index; what the parameter is called in a
+TP1/PP1/EP1 model), each with its HF tensors and how they are fused.
+
+    wmap = weight_map_for(hf_config)
+    for m in wmap.mappings():                     # every megatron parameter, in HF order
+        full = wmap.to_megatron(m, [hf[n] for n in m.hf])
+        hf_tensors = wmap.to_hf(m, full)          # the inverse, bit-exact
+
+Fused layouts (checked against megatron-core 0.16.1):
+- `linear_qkv` (attention.py, get_query_key_value_tensors): per query group g, the rows are
+  [q heads of g (np/ng x hn), k_g (hn), v_g (hn)]; HF's repeat_kv gives query head h the key/value
+  head h // (np/ng), so the query heads of group g are HF heads g*np/ng ... (g+1)*np/ng - 1.
+  A TP rank holds a contiguous run of whole groups, so the TP shards concatenate along dim 0.
+- `linear_fc1` of a gated MLP (mlp.py, glu): rows [gate; up]. A TP rank holds [gate_r; up_r]
+  (apply_swiglu_sharded_factory), so merging TP shards is NOT a plain concatenation.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+# The parameter kinds: how a megatron tensor relates to its HF tensors.
+COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """One line of the map: a megatron parameter name template <-> HF name templates.
+
+    Templates use `{layer}` (global layer index) and `{expert}` (global expert index)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str = COPY
+    tp_dim: int | None = None
+    """Dimension split across tensor-parallel ranks (column-parallel / vocab: 0, row-parallel: 1);
+    None = replicated. For experts the split is across the expert-tensor-parallel group."""
+    scope: str = "model"
+    """model: once; layer: every layer; dense: dense-MLP layers; moe: MoE layers; expert: every
+    expert of every MoE layer (split across expert-parallel ranks)."""
+    when: str | None = None
+    """A condition on the model: 'qk_norm', 'qkv_bias', 'untied'."""
+
+
+L = "decoder.layers.{layer}."
+H = "model.layers.{layer}."
+RULES: tuple[WeightRule, ...] = (
+    WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0),
+    WeightRule(L + "input_layernorm.weight", (H + "input_layernorm.weight",), scope="layer"),
+    WeightRule(L + "self_attention.linear_qkv.weight",
+               (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight",
+                H + "self_attn.v_proj.weight"), QKV, tp_dim=0, scope="layer"),
+    WeightRule(L + "self_attention.linear_qkv.bias",
+               (H + "self_attn.q_proj.bias", H + "self_attn.k_proj.bias",
+                H + "self_attn.v_proj.bias"), QKV, tp_dim=0, scope="layer", when="qkv_bias"),
+    WeightRule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_norm.weight",),
+               scope="layer", when="qk_norm"),
+    WeightRule(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",),
+               scope="layer", when="qk_norm"),
+    WeightRule(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",),
+               tp_dim=1, scope="layer"),
+    WeightRule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",),
+               scope="layer"),
+    WeightRule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
+               GATE_UP, tp_dim=0, scope="dense"),
+    WeightRule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), tp_dim=1, scope="dense"),
+    WeightRule(L + "mlp.router.weight", (H + "mlp.gate.weight",), scope="moe"),
+    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+               (H + "mlp.experts.{expert}.gate_proj.weight", H + "mlp.experts.{expert}.up_proj.weight"),
+               GATE_UP, tp_dim=0, scope="expert"),
+    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+               (H + "mlp.experts.{expert}.down_proj.weight",), tp_dim=1, scope="expert"),
+    WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    WeightRule("output_layer.weight", ("lm_head.weight",), tp_dim=0, when="untied"),
+)
+
+# Names megatron's TE layer spec uses instead (the norm is fused into the following linear).
+# Checkpoint keys are the same for both specs: megatron maps the local names to these on save.
+TE_NAMES = {
+    L + "input_layernorm.weight": L + "self_attention.linear_qkv.layer_norm_weight",
+    L + "pre_mlp_layernorm.weight": L + "mlp.linear_fc1.layer_norm_weight",
+}
+
+# HF tensors that carry no weights (recomputed buffers some exporters include).
+IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class WeightMapError(ValueError):
+    """A checkpoint or model that does not match the weight map; the message names the tensor."""
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One megatron parameter (global name) and the HF tensors it is made of."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    kind: str
+    tp_dim: int | None
+    layer: int | None = None
+    expert: int | None = None
+
+    @property
+    def is_expert(self) -> bool:
+        return self.expert is not None
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """The map for one model: its dimensions decide the fused layouts and which rules apply."""
+
+    family: str
+    num_layers: int
+    num_heads: int
+    num_query_groups: int
+    head_dim: int
+    moe_layers: tuple[bool, ...]
+    num_experts: int
+    flags: frozenset[str]
+
+    def mappings(self) -> Iterator[ParamMapping]:
+        """Every megatron parameter of the model, in HF order (embedding, layers, head)."""
+        rules = [r for r in RULES if r.when is None or r.when in self.flags]
+        for r in (r for r in rules if r.scope == "model" and r.megatron.startswith("embedding")):
+            yield _mapping(r)
+        for layer in range(self.num_layers):
+            moe = self.moe_layers[layer]
+            for r in rules:
+                if r.scope == "layer" or r.scope == ("moe" if moe else "dense"):
+                    yield _mapping(r, layer=layer)
+                elif r.scope == "expert" and moe:
+                    yield from (_mapping(r, layer=layer, expert=e) for e in range(self.num_experts))
+        for r in (r for r in rules if r.scope == "model" and not r.megatron.startswith("embedding")):
+            yield _mapping(r)
+
+    def by_megatron_name(self) -> dict[str, ParamMapping]:
+        return {m.megatron: m for m in self.mappings()}
+
+    def hf_names(self) -> list[str]:
+        return [n for m in self.mappings() for n in m.hf]
+
+    # ---- conversions of full (TP-merged) tensors ----
+    def to_megatron(self, m: ParamMapping, hf_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(hf_tensors) != len(m.hf):
+            raise WeightMapError(f"{m.megatron}: expected {len(m.hf)} HF tensors {m.hf}, "
+                                 f"got {len(hf_tensors)}")
+        if m.kind == QKV:
+            return fuse_qkv(*hf_tensors, self.num_heads, self.num_query_groups, self.head_dim)
+        if m.kind == GATE_UP:
+            return torch.cat(list(hf_tensors), dim=0)
+        return hf_tensors[0]
+
+    def to_hf(self, m: ParamMapping, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The HF tensors (contiguous) of one full megatron tensor, in the order of `m.hf`."""
+        if m.kind == QKV:
+            return split_qkv(tensor, self.num_heads, self.num_query_groups, self.head_dim)
+        if m.kind == GATE_UP:
+            return [t.contiguous() for t in torch.chunk(tensor, 2, dim=0)]
+        return [tensor.contiguous()]
+
+    def hf_shapes(self, m: ParamMapping, megatron_shape: Sequence[int]) -> list[tuple[int, ...]]:
+        meta = torch.empty(tuple(megatron_shape), device="meta")
+        return [tuple(t.shape) for t in self.to_hf(m, meta)]
+
+
+def _mapping(r: WeightRule, layer: int | None = None, expert: int | None = None) -> ParamMapping:
+    fmt = dict(layer=layer, expert=expert)
+    return ParamMapping(r.megatron.format(**fmt), tuple(h.format(**fmt) for h in r.hf), r.kind,
+                        r.tp_dim, layer, expert)
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
+             num_query_groups: int, head_dim: int) -> torch.Tensor:
+    """HF q [np*hn, ...], k/v [ng*hn, ...] -> megatron [ng*(np/ng+2)*hn, ...] (per group q,k,v)."""
+    ng, rest = num_query_groups, tuple(q.shape[1:])
+    _check_rows("q_proj", q, num_heads * head_dim)
+    _check_rows("k_proj", k, ng * head_dim)
+    _check_rows("v_proj", v, ng * head_dim)
+    per_group = num_heads // ng * head_dim
+    parts = [q.reshape(ng, per_group, *rest), k.reshape(ng, head_dim, *rest),
+             v.reshape(ng, head_dim, *rest)]
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int,
+              head_dim: int) -> list[torch.Tensor]:
+    """Inverse of fuse_qkv: megatron linear_qkv -> [q, k, v] in HF layout."""
+    ng, rest = num_query_groups, tuple(qkv.shape[1:])
+    per_group = num_heads // ng * head_dim
+    _check_rows("linear_qkv", qkv, ng * (per_group + 2 * head_dim))
+    q, k, v = torch.split(qkv.reshape(ng, per_group + 2 * head_dim, *rest),
+                          [per_group, head_dim, head_dim], dim=1)
+    return [q.contiguous().reshape(-1, *rest), k.contiguous().reshape(-1, *rest),
+            v.contiguous().reshape(-1, *rest)]
+
+
+def _check_rows(name: str, t: torch.Tensor, rows: int) -> None:
+    if t.dim() == 0 or t.shape[0] != rows:
+        raise WeightMapError(f"{name} has shape {tuple(t.shape)}, expected {rows} rows")
+
+
+# ---- tensor parallelism: how the shards of one parameter relate to the full tensor ----
+def merge_tp_shards(m: ParamMapping, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full megatron tensor from its TP (or expert-TP) shards in rank order."""
+    if len(shards) == 1 or m.tp_dim is None:
+        return shards[0]
+    if m.kind == GATE_UP:  # each rank holds [gate_r; up_r]
+        halves = [torch.chunk(s, 2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=m.tp_dim)
+
+
+def tp_shard(m: ParamMapping, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """The inverse of merge_tp_shards: rank `tp_rank`'s shard of a full megatron tensor."""
+    if tp_size == 1 or m.tp_dim is None:
+        return full
+    if m.kind == GATE_UP:
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, tp_size)[tp_rank], torch.chunk(up, tp_size)[tp_rank]])
+    return torch.chunk(full, tp_size, dim=m.tp_dim)[tp_rank]
+
+
+# ---- building the map from an HF config ----
+def normalize_hf_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """An HF config dict with the field names model_specs reads.
+
+    transformers >= 5 writes `num_local_experts` (attribute_map of num_experts) and nests
+    `rope_theta` under `rope_parameters`; older configs have `num_experts` and `rope_theta`. Without
+    this, a transformers-5 Qwen3 config (rope_theta 1e6) would silently get RoPE base 10000."""
+    out = dict(hf)
+    if out.get("num_experts") is None and out.get("num_local_experts") is not None:
+        out["num_experts"] = out["num_local_experts"]
+    rope = out.get("rope_parameters") or {}
+    if out.get("rope_theta") is None and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
+        out["rope_scaling"] = rope  # model_specs rejects RoPE scaling with a clear error
+    return out
+
+
+def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
+    """The weight map of an HF model (config dict); raises ConfigError for unknown families."""
+    from model_specs import family_for
+    from model_specs.common import _moe_layer_pattern
+
+    hf = normalize_hf_config(hf_config)
+    traits = family_for(hf).TRAITS
+    layers = int(hf["num_hidden_layers"])
+    heads = int(hf["num_attention_heads"])
+    flags = set()
+    if traits.qk_layernorm:
+        flags.add("qk_norm")
+    if traits.qkv_bias or hf.get("attention_bias"):
+        flags.add("qkv_bias")
+    if not hf.get("tie_word_embeddings", False):
+        flags.add("untied")
+    moe = [bool(x) for x in _moe_layer_pattern(hf, layers)] if traits.moe else [False] * layers
+    return WeightMap(
+        family=traits.name, num_layers=layers, num_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        moe_layers=tuple(moe), num_experts=int(hf.get("num_experts") or 0) if traits.moe else 0,
+        flags=frozenset(flags))

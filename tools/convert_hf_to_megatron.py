@@ -1,0 +1,35 @@
+"""Convert a Hugging Face checkpoint (safetensors) into a megatron dist_checkpointing checkpoint.
+
+    python tools/convert_hf_to_megatron.py --hf /models/Qwen3-30B-A3B --out /ckpt/qwen3-30b-mcore
+
+The result loads under any TP/PP/EP/VPP layout the model allows
+(gspo_megatron.checkpoint.load_model); it holds the HF config and tokenizer in OUT/hf/ so that
+tools/convert_megatron_to_hf.py can export it back. Runs in one process on CPU, tensor by tensor
+(peak memory about one parameter), with a progress bar. Families: qwen3_moe, qwen3, qwen2, llama.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gspo_megatron.checkpoint.hf_files import DTYPES  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf", required=True, help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="store parameters in this dtype (float32, bfloat16, float16); default: "
+                        "the HF tensors' dtype")
+    args = p.parse_args(argv)
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+
+    print(convert_hf_to_megatron(args.hf, args.out, dtype=DTYPES.get(args.dtype)))
+
+
+if __name__ == "__main__":  # dist_checkpointing may spawn helpers: keep the guard
+    main()
