@@ -1,0 +1,87 @@
+"""Export a megatron dist_checkpointing checkpoint (any layout) to HF safetensors, in one process.
+
+The model is described as in convert.py (a meta TP1 GPTModel's sharded state dict); parameters
+are read with dist_checkpointing.load a few at a time (about `batch_bytes`), turned into HF tensors
+by the family's weight map and written into safetensors shards as they arrive.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import (ShardedTensor, ShardedTensorFactory,
+                                                      apply_factories)
+from tqdm import tqdm
+
+from gspo_megatron.checkpoint.convert import check_map_covers, meta_model_state, \
+    single_process_megatron
+from gspo_megatron.checkpoint.hf_files import HFShardWriter, copy_metadata_files
+from gspo_megatron.checkpoint.model_io import (HF_SUBDIR, check_is_checkpoint, check_matches,
+                                               checkpoint_hf_config)
+from model_specs.weight_maps import WeightMapError, weight_map_for
+
+
+def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
+                           dtype: torch.dtype | None = None, batch_bytes: int = 1 << 30,
+                           max_shard_bytes: int = 5 << 30) -> Path:
+    """Write the model of a megatron checkpoint (any layout) as HF safetensors + metadata files."""
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    check_is_checkpoint(ckpt_dir)
+    hf = checkpoint_hf_config(ckpt_dir)
+    wmap = weight_map_for(hf)
+    stored = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    emb = stored.get("embedding.word_embeddings.weight")
+    if emb is None:
+        raise WeightMapError(f"{ckpt_dir} has no embedding.word_embeddings.weight: not a GPT model "
+                             "checkpoint")
+    with single_process_megatron():
+        sharded_sd, params = meta_model_state(hf, emb.dtype)
+        check_map_covers(wmap, params)
+        check_matches(sharded_sd, ckpt_dir)
+        copy_metadata_files(ckpt_dir / HF_SUBDIR, out_dir)
+        mappings = list(wmap.mappings())
+        with HFShardWriter(out_dir, max_shard_bytes) as writer, \
+                tqdm(total=len(mappings), desc="exporting to HF", unit="tensor") as bar:
+            for batch in _batches(mappings, params, batch_bytes):
+                loaded = _load_params(sharded_sd, [m.megatron for m in batch], ckpt_dir)
+                for m in batch:
+                    for name, t in zip(m.hf, wmap.to_hf(m, loaded.pop(m.megatron))):
+                        writer.add(name, t.to(dtype) if dtype else t)
+                    bar.update(1)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["dtype"] = str(dtype or emb.dtype).removeprefix("torch.")  # what the shards hold
+    if "torch_dtype" in cfg:  # transformers < 5 spells it so
+        cfg["torch_dtype"] = cfg["dtype"]
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out_dir
+
+
+def _batches(mappings, params, batch_bytes: int):
+    batch, size = [], 0
+    for m in mappings:
+        nbytes = params[m.megatron].numel() * params[m.megatron].element_size()
+        if batch and size + nbytes > batch_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(m)
+        size += nbytes
+    if batch:
+        yield batch
+
+
+def _load_params(sharded_sd: dict[str, Any], names: list[str], ckpt_dir: Path) -> dict:
+    """Full (TP1) tensors of the named parameters, read from the checkpoint."""
+    factories = {n: sharded_sd[n] for n in names if isinstance(sharded_sd[n], ShardedTensorFactory)}
+    sub = {n: sharded_sd[n] for n in names}
+    apply_factories(sub)  # meta views; loading allocates real tensors where data is None
+    for sh in nested_values(sub):
+        if isinstance(sh, ShardedTensor):
+            sh.data = None
+    loaded = dist_checkpointing.load(sub, str(ckpt_dir))
+    for n, f in factories.items():
+        loaded[n] = f.merge_fn(loaded[n])
+    return loaded

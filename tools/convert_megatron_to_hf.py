@@ -1,0 +1,35 @@
+"""Export the model of a megatron dist_checkpointing checkpoint (any layout) to Hugging Face format.
+
+    python tools/convert_megatron_to_hf.py --megatron /ckpt/qwen3-30b-mcore --out /models/exported
+
+Writes model-0000i-of-0000N.safetensors shards (+ model.safetensors.index.json) or a single
+model.safetensors, and the config / tokenizer files stored in the checkpoint's hf/ directory, so
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` and SGLang load it directly.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gspo_megatron.checkpoint.hf_files import DTYPES  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--megatron", required=True, help="megatron checkpoint directory")
+    p.add_argument("--out", required=True, help="output HF model directory (created)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="cast weights to this dtype; default: as stored in the checkpoint")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
+    args = p.parse_args(argv)
+    from gspo_megatron.checkpoint.export import convert_megatron_to_hf
+
+    print(convert_megatron_to_hf(args.megatron, args.out, dtype=DTYPES.get(args.dtype),
+                                 max_shard_bytes=int(args.max_shard_gb * (1 << 30))))
+
+
+if __name__ == "__main__":
+    main()
