@@ -7,7 +7,8 @@
     ckpt.save(step, chunks, optimizer, scheduler, loop)   # collective: every rank calls it
 
 On disk:
-    ckpts/run1/step_00000012/   model/       megatron dist_checkpointing (model + optimizer shards)
+    ckpts/run1/step_00000012/   model/       megatron dist_checkpointing (model + optimizer shards,
+                                             HF config/tokenizer in model/hf: exportable to HF)
                                 driver.json  step, data cursor, partial-rollout buffer, scheduler
                                 rng/rank_R.pt
                                 COMPLETE     written last, before the rename
@@ -62,28 +63,31 @@ def step_dir_name(step: int) -> str:
 
 
 # --- model + optimizer via megatron dist_checkpointing ------------------------------------------
-def _model_sharded_state_dict(chunks: list) -> dict:
-    if len(chunks) == 1:
-        return {"model": chunks[0].module.sharded_state_dict()}
-    # One key per virtual stage, as megatron's own checkpointing names them.
-    return {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(chunks)}
-
-
 def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
-    sd = _model_sharded_state_dict(chunks)
+    from gspo_megatron.checkpoint.model_io import model_sharded_state_dict
+    sd = model_sharded_state_dict(chunks)  # {"model0": ..., ...}: the model checkpoint format
     if optimizer is not None:
         sd["optimizer"] = optimizer.sharded_state_dict(
             sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
     return sd
 
 
-def save_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
-    """Collective: every rank writes its shards of the model (+ optimizer) into `path`."""
+def save_model_and_optimizer(path: Path, chunks: list, optimizer, hf_dir: str | None = None) -> None:
+    """Collective: every rank writes its shards of the model (+ optimizer) into `path`.
+
+    The model part is exactly model_io's format (with the HF metadata files in path/hf), so
+    `step_N/model` also loads with model_io.load_model and exports with convert_megatron_to_hf."""
     from megatron.core import dist_checkpointing
+
+    from gspo_megatron.checkpoint.hf_files import copy_metadata_files
+    from gspo_megatron.checkpoint.model_io import HF_SUBDIR, TorchDcpSaveStrategy
     if _rank() == 0:
         path.mkdir(parents=True, exist_ok=False)
+        if hf_dir is not None:
+            copy_metadata_files(hf_dir, path / HF_SUBDIR)
     _barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(path))
+    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(path),
+                            sharded_strategy=TorchDcpSaveStrategy())
 
 
 def _ensure_optimizer_state(optimizer) -> None:
@@ -104,12 +108,16 @@ def load_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
                               f"(no metadata.json)")
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
+    from gspo_megatron.checkpoint.model_io import (EXTRA_STATE, CheckpointMismatchError,
+                                                   check_matches, model_sharded_state_dict)
+    check_matches(model_sharded_state_dict(chunks), path)
     state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
-    if len(chunks) == 1:
-        chunks[0].module.load_state_dict(state["model"])
-    else:
-        for i, c in enumerate(chunks):
-            c.module.load_state_dict(state[f"model{i}"])
+    for i, c in enumerate(chunks):
+        missing, unexpected = c.module.load_state_dict(state[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
+        if missing or unexpected:
+            raise CheckpointMismatchError(f"loading {path} into model chunk {i}: missing {missing}, "
+                                          f"unexpected {unexpected}")
     if optimizer is not None:
         # The fp32 distributed optimizer copies into leaf params in load_state_dict (ENVIRONMENT #11).
         with torch.no_grad():
@@ -131,14 +139,17 @@ def _unshare_adam_steps(optimizer) -> None:
 
 # --- the manager ------------------------------------------------------------------------------------
 class CheckpointManager:
-    def __init__(self, root: str | Path, *, keep: int = 2,
-                 save_model: Callable[[Path, list, object], None] = save_model_and_optimizer,
+    def __init__(self, root: str | Path, *, keep: int = 2, hf_dir: str | None = None,
+                 save_model: Callable[[Path, list, object], None] | None = None,
                  load_model: Callable[[Path, list, object], None] = load_model_and_optimizer):
-        """root: checkpoint.dir. keep: complete checkpoints kept (0 = all). save_model/load_model:
+        """root: checkpoint.dir. keep: complete checkpoints kept (0 = all). hf_dir: the HF model
+        whose config/tokenizer files go with each checkpoint (for export). save_model/load_model:
         the model+optimizer part (collective); the default is megatron dist_checkpointing."""
         self.root = Path(root)
         self.keep = keep
-        self._save_model, self._load_model = save_model, load_model
+        self._save_model = save_model or (
+            lambda path, chunks, opt: save_model_and_optimizer(path, chunks, opt, hf_dir))
+        self._load_model = load_model
 
     # --- discovery ---------------------------------------------------------------------------
     def complete_steps(self) -> list[int]:
