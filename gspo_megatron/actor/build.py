@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -128,6 +129,14 @@ def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
               for i, m in enumerate(chunks)]
     for chunk in chunks:
         chunk.broadcast_params()  # identical replicas across DP (init is seeded, this makes it sure)
+    if layout.vpp > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
+        # megatron's shape exchange for variable sequence lengths (p2p_communication.py:213-238,
+        # _communicate_shapes) always uses batch_isend_irecv, whatever batch_p2p_comm says. With
+        # an interleaved schedule on PP=2 the previous and next stage are the same rank and gloo
+        # pairs the two shape messages the wrong way round (the same fault as batch_p2p_comm,
+        # ENVIRONMENT.md #10): the ranks then crash on mismatched sizes. Fixed shapes instead:
+        # forward.py pads every micro-batch to one [rows, seq] shape in this case.
+        config.variable_seq_lengths = False
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     return chunks

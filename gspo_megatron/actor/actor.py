@@ -1,0 +1,122 @@
+"""The Actor: the policy model on megatron-core, as the trainer uses it.
+
+    actor = Actor(hf_config_or_dir, ParallelLayout(tensor=2, pipeline=2, expert=2),
+                  optimizer=OptimizerSettings(lr=1e-6), loss=LossSettings(name="gspo"),
+                  micro_batch_size=4)
+    shard = actor.shard(rollout_batch, num_mini_batches=4)  # this DP rank's rows of each mini-batch
+    actor.compute_old_log_probs(shard)            # kept on the last pipeline stage
+    for mini in shard.mini_batches():
+        metrics = actor.train_step(mini)          # same scalar dict on every rank
+
+Every rank of the job constructs the Actor (torchrun / srun set RANK, WORLD_SIZE, MASTER_*).
+The layout is checked against the real world size and the model before any collective.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from gspo_megatron.actor.batch import TrainBatch
+from gspo_megatron.actor.build import (OptimizerSettings, build_model_chunks, build_optimizer,
+                                       check_layout, unwrap)
+from gspo_megatron.actor.forward import LogProbSettings, is_last_stage_rank, set_fused
+from gspo_megatron.actor.train import LossSettings, compute_old_log_probs, train_step
+from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
+from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.parallel.process_groups import init_process_groups
+from model_specs import ModelSpec, model_spec_for
+
+
+def _world_size() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Actor:
+    """Model chunks (one per virtual pipeline stage), optimizer and LR scheduler of one rank."""
+
+    def __init__(self, model: ModelSpec | Mapping[str, Any] | str | Path, layout: ParallelLayout, *,
+                 optimizer: OptimizerSettings | None = None, loss: LossSettings | None = None,
+                 logprob: LogProbSettings | None = None, micro_batch_size: int = 1,
+                 seed: int = 1234, params_dtype: torch.dtype = torch.float32) -> None:
+        self.layout = layout
+        self.optimizer_settings = optimizer or OptimizerSettings()
+        self.loss = loss or LossSettings()
+        self.logprob = logprob or LogProbSettings()
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.spec = model if isinstance(model, ModelSpec) else model_spec_for(
+            model, layout, params_dtype=params_dtype)
+        # Before any collective: an impossible layout would otherwise hang the first all-reduce.
+        check_layout(self.spec, layout, _world_size())
+        init_process_groups(layout, seed=seed)
+        self.chunks = build_model_chunks(
+            self.spec, layout, use_distributed_optimizer=self.optimizer_settings.use_distributed_optimizer,
+            grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32)
+        set_fused(self.chunks, self.logprob.fused)
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
+
+    # --- layout facts -------------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return ps.get_data_parallel_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return ps.get_data_parallel_world_size()
+
+    @property
+    def is_last_stage(self) -> bool:
+        """This rank holds the last pipeline stage (where log-probs, old log-probs and loss live)."""
+        return is_last_stage_rank()
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The unwrapped GPTModel of each virtual stage (for checkpointing and weight sync)."""
+        return [unwrap(c) for c in self.chunks]
+
+    # --- data ---------------------------------------------------------------------------------
+    def shard(self, batch: TrainBatch, num_mini_batches: int = 1) -> TrainBatch:
+        """This DP rank's rows of a global batch: its block of each of `num_mini_batches`
+        consecutive mini-batches (TrainBatch.shard); iterate `shard.mini_batches()` to train."""
+        return batch.shard(self.dp_rank, self.dp_size, num_mini_batches)
+
+    # --- compute ------------------------------------------------------------------------------
+    def compute_old_log_probs(self, batch: TrainBatch) -> dict[str, float]:
+        """pi_old for the coming updates, kept in `batch.old_log_probs` on the last stage.
+
+        recompute: a forward-only pass (metrics: log_prob_mean, entropy_mean and, with rollout
+        log-probs, logprob_abs_diff_vs_rollout = the train/inference mismatch). engine: the
+        rollout log-probs are used as they are (no pass, no metrics).
+        """
+        if self.loss.old_log_probs == "engine":
+            if batch.rollout_log_probs is None:
+                raise ValueError("loss.old_log_probs='engine' needs batch.rollout_log_probs")
+            batch.old_log_probs = batch.rollout_log_probs if self.is_last_stage else None
+            return {}
+        return compute_old_log_probs(self.chunks, batch, micro_batch_size=self.micro_batch_size,
+                                     logprob=self.logprob)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's shard of a mini-batch; the same metrics on every rank:
+        loss, clip_fraction, token_clip_fraction, seq_ratio_mean/min/max, grad_norm, lr,
+        entropy_mean, logprob_abs_diff_vs_rollout (with rollout log-probs), tokens, num_sequences."""
+        return train_step(self.chunks, self.optimizer, self.scheduler, batch,
+                          micro_batch_size=self.micro_batch_size, loss=self.loss, logprob=self.logprob)
+
+    # --- weights ------------------------------------------------------------------------------
+    def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
+        """All parameters as one-process (TP1/PP1/EP1) megatron tensors; see weights.py."""
+        return full_state_dict(self.chunks, to_all_ranks=to_all_ranks)
+
+    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Load one-process megatron tensors into this layout (every rank passes the dict)."""
+        load_full_state_dict(self.chunks, full)
+        self.optimizer.reload_model_params()  # refresh fp32 main copies of bf16/fp16 params

@@ -1,0 +1,241 @@
+"""Old log-probs (forward only) and the train step (forward-backward + optimizer step).
+
+Both run megatron-core's pipeline schedule over this rank's micro-batches; per-token log-probs
+exist only on the last pipeline stage, where they are reduced to old log-probs (kept there, in
+`batch.old_log_probs`) or to the loss. Only scalar totals leave the last stage (metrics below).
+
+How the loss is scaled (megatron-core 0.16.1; GSPO.md "Aggregation")
+----------------------------------------------------------------------
+The objective is a mean over the N valid sequences of the whole (mini-)batch, over all DP ranks:
+`L = (1/N) sum_i l_i` (l_i = the row's -J_i term; for "ce" a token and N = trained tokens).
+Before the schedule, N is all-reduced over the DP group (`_global_count`). Each micro-batch's
+loss_func on the last stage returns, in the schedule's 2-tuple contract,
+
+    loss_mb = (sum of l_i over the micro-batch's rows) * num_microbatches * dp_size / N
+
+1. pipeline_parallel/schedules.py:264-269 (forward_step_calc_loss, 2-tuple branch): the schedule
+   multiplies by cp_group_size (1: context parallelism is rejected) and divides by
+   num_microbatches before backward -> backward sees (sum_mb l_i) * dp_size / N.
+2. Summed over this rank's micro-batches (gradients accumulate in the DDP grad buffers):
+   (sum over the rank's rows) * dp_size / N.
+3. distributed/distributed_data_parallel.py:284-288 (average_in_collective=False, set in
+   build.py): the grad buffers are scaled by 1/dp_size, then all-reduced (or reduce-scattered)
+   with SUM over the DP group (expert parameters: the same 1/dp_size, summed over the expert-DP
+   group, which holds the same tokens' contributions) -> (sum over ALL rows) / N = dL/dtheta.
+The factors num_microbatches and dp_size cancel exactly whatever the split: uneven row counts per
+rank and micro-batches of unequal size included (filler rows count 0 everywhere). With
+calculate_per_token_loss=True the schedule and DDP would skip both divisions; build.py/forward.py
+refuse it. tests/test_actor_layouts.py checks the resulting parameters against one process with
+SGD (Adam's first step is ~lr*sign(g) and would hide a wrong scale).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from gspo_megatron.actor.batch import MicroBatch, TrainBatch, micro_batches
+from gspo_megatron.actor.forward import (LogProbSettings, is_last_stage_rank, num_microbatches_for,
+                                         run_schedule, seq_multiple)
+from gspo_megatron.algorithms import METRIC_REDUCTIONS, finalize_metrics, grpo_loss, gspo_loss, gspo_token_loss
+
+LOSSES = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss, "ce": None}
+OLD_LOG_PROB_SOURCES = ("recompute", "engine")
+
+
+@dataclass
+class LossSettings:
+    """Which loss the train step applies on the last pipeline stage."""
+
+    name: str = "gspo"
+    """gspo (sequence ratio, Eq. 5-7), gspo_token (Eqs. 13-14), grpo (token ratio), or ce (plain
+    next-token cross-entropy over trained tokens, for cost comparisons)."""
+    eps_low: float | None = None
+    """Lower clip range; None = the loss's default (GSPO 3e-4, GRPO 0.2)."""
+    eps_high: float | None = None
+    """Upper clip range; None = the loss's default (GSPO 4e-4, GRPO 0.27)."""
+    old_log_probs: str = "recompute"
+    """pi_old source: recompute (forward-only pass before the updates) or engine (the rollout
+    engine's log-probs, GSPO paper section 5.4)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in LOSSES:
+            raise ValueError(f"loss name must be one of {sorted(LOSSES)}, got {self.name!r}")
+        if self.old_log_probs not in OLD_LOG_PROB_SOURCES:
+            raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROB_SOURCES}, got "
+                             f"{self.old_log_probs!r}")
+
+    def clip_kwargs(self) -> dict[str, float]:
+        out = {}
+        if self.eps_low is not None:
+            out["eps_low"] = self.eps_low
+        if self.eps_high is not None:
+            out["eps_high"] = self.eps_high
+        return out
+
+
+# Totals the last stage reports per micro-batch, beyond the loss functions' own (METRIC_REDUCTIONS).
+_EXTRA_SUMS = ("loss_sum", "entropy_sum", "log_prob_sum", "rollout_abs_diff_sum", "rollout_tokens")
+
+
+def _global_count(local: int) -> int:
+    """Sum of a per-DP-rank count over the DP group (all TP/PP ranks of a replica hold the same)."""
+    t = torch.tensor([local], dtype=torch.long)
+    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    return int(t.item())
+
+
+def _token_totals(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor) -> dict:
+    mask = mb.loss_mask
+    lp = log_probs.detach()
+    out = {"entropy_sum": torch.where(mask, entropy, 0).sum(),
+           "log_prob_sum": torch.where(mask, lp, 0).sum(),
+           "num_tokens": mask.sum().to(lp.dtype)}
+    if mb.rollout_log_probs is not None:
+        diff = (lp - mb.rollout_log_probs.to(lp.dtype)).abs()
+        out["rollout_abs_diff_sum"] = torch.where(mask, diff, 0).sum()
+        out["rollout_tokens"] = out["num_tokens"]
+    return out
+
+
+def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, float]:
+    """Combine per-micro-batch totals over micro-batches and over the world.
+
+    Only the last pipeline stage's TP-rank-0 ranks contribute (their TP peers hold copies, other
+    stages hold nothing); `keys` maps every metric name to "sum", "min" or "max" and must be the same
+    on every rank. Every rank returns the result (rank 0 is the driver).
+    """
+    contributes = is_last_stage_rank() and ps.get_tensor_model_parallel_rank() == 0
+    sums, extremes = [], []  # max-reduced; a min is reduced as the max of its negation
+    for key, op in keys.items():
+        values = [r[key].double() for r in reports if key in r] if contributes else []
+        if op == "sum":
+            sums.append(torch.stack(values).sum() if values else torch.zeros((), dtype=torch.float64))
+        else:
+            sign = -1.0 if op == "min" else 1.0
+            extremes.append(max((sign * v).item() for v in values) if values else float("-inf"))
+    sum_t = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
+    ext_t = torch.tensor(extremes, dtype=torch.float64)
+    dist.all_reduce(sum_t)
+    dist.all_reduce(ext_t, op=dist.ReduceOp.MAX)
+    out, i_sum, i_ext = {}, 0, 0
+    for key, op in keys.items():
+        if op == "sum":
+            out[key] = torch.tensor(sum_t[i_sum].item())
+            i_sum += 1
+        else:
+            v = ext_t[i_ext].item()
+            out[key] = torch.tensor(-v if op == "min" else v)
+            i_ext += 1
+    return out
+
+
+def _loss_metric_keys(name: str, with_rollout: bool) -> dict[str, str]:
+    keys = {k: op for k, op in METRIC_REDUCTIONS.items() if k != "kl_sum"}
+    if name != "gspo":
+        keys.pop("clipped_sequences")
+    if name == "ce":
+        for k in ("clipped_tokens", "seq_ratio_sum", "seq_ratio_min", "seq_ratio_max"):
+            keys.pop(k)
+    keys.update({k: "sum" for k in _EXTRA_SUMS if with_rollout or not k.startswith("rollout")})
+    return keys
+
+
+def _finish(totals: dict[str, torch.Tensor], name: str | None) -> dict[str, float]:
+    n_tok = max(totals["num_tokens"].item(), 1.0)
+    out = dict(totals)
+    if name is not None and name != "ce":
+        out = finalize_metrics(totals)
+    if name is not None:
+        denom = n_tok if name == "ce" else max(totals["num_sequences"].item(), 1.0)
+        out["loss"] = totals["loss_sum"] / denom
+    out["entropy_mean"] = totals["entropy_sum"] / n_tok
+    out["log_prob_mean"] = totals["log_prob_sum"] / n_tok
+    if "rollout_abs_diff_sum" in totals:
+        out["logprob_abs_diff_vs_rollout"] = totals["rollout_abs_diff_sum"] / max(
+            totals["rollout_tokens"].item(), 1.0)
+    out["tokens"] = totals["num_tokens"]
+    return {k: float(v) for k, v in out.items()}
+
+
+@torch.no_grad()
+def compute_old_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *, micro_batch_size: int,
+                          logprob: LogProbSettings) -> dict[str, float]:
+    """Forward-only pass: set `batch.old_log_probs` `[b, s]` on the last pipeline stage (left None
+    elsewhere); return scalar metrics (mean log-prob, entropy, |train - rollout| mismatch) on every
+    rank. `batch` is this DP rank's shard."""
+    mbs = micro_batches(batch, num_microbatches_for(batch.num_rows, micro_batch_size),
+                        seq_multiple=seq_multiple())
+    b, s = batch.tokens.shape
+    old = torch.zeros(b, s, dtype=torch.float32)
+
+    def keep(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
+        real = mb.rows >= 0
+        width = min(s, log_probs.shape[1])
+        old[mb.rows[real].cpu(), :width] = log_probs[real, :width].float().cpu()
+        return log_probs.sum() * 0.0, _token_totals(mb, log_probs, entropy)
+
+    reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True)
+    batch.old_log_probs = old if is_last_stage_rank() else None
+    with_rollout = batch.rollout_log_probs is not None
+    keys = {k: "sum" for k in ("num_tokens", "entropy_sum", "log_prob_sum")}
+    if with_rollout:
+        keys.update(rollout_abs_diff_sum="sum", rollout_tokens="sum")
+    return _finish(reduce_to_all_ranks(reports, keys), None)
+
+
+def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: TrainBatch, *,
+               micro_batch_size: int, loss: LossSettings, logprob: LogProbSettings) -> dict[str, float]:
+    """One optimizer step on this DP rank's shard of a (mini-)batch; metrics on every rank.
+
+    The last stage needs `batch.old_log_probs` (compute_old_log_probs, or the rollout log-probs
+    with loss.old_log_probs="engine"), except for the "ce" loss.
+    """
+    if loss.name != "ce" and is_last_stage_rank():
+        if loss.old_log_probs == "engine":
+            if batch.rollout_log_probs is None:
+                raise ValueError("loss.old_log_probs='engine' needs batch.rollout_log_probs")
+            batch.old_log_probs = batch.rollout_log_probs
+        elif batch.old_log_probs is None:
+            raise ValueError("train_step needs batch.old_log_probs on the last pipeline stage: call "
+                             "compute_old_log_probs first (or use old_log_probs='engine')")
+    num_mb = num_microbatches_for(batch.num_rows, micro_batch_size)
+    mbs = micro_batches(batch, num_mb, seq_multiple=seq_multiple())
+    local = int(batch.loss_mask.sum()) if loss.name == "ce" else batch.num_valid_sequences()
+    global_count = _global_count(local)
+    # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
+    scale = num_mb * ps.get_data_parallel_world_size() / max(global_count, 1)
+    loss_fn, clip = LOSSES[loss.name], loss.clip_kwargs()
+
+    def loss_func(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
+        report = _token_totals(mb, log_probs, entropy)
+        if loss_fn is None:  # ce
+            total = -torch.where(mb.loss_mask, log_probs, 0).sum()
+            report["num_sequences"] = mb.loss_mask.any(dim=1).sum().to(total.dtype)
+        else:
+            adv = mb.advantages
+            if loss.name == "gspo_token" and adv.dim() == 1:
+                adv = adv[:, None].expand_as(log_probs)
+            total, metrics = loss_fn(log_probs, mb.old_log_probs, adv, mb.loss_mask,
+                                     reduction="sum", **clip)
+            report.update({k: v for k, v in metrics.items() if k in METRIC_REDUCTIONS})
+        report["loss_sum"] = total.detach()
+        return total * scale, report
+
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = run_schedule(chunks, mbs, logprob, loss_func, forward_only=False)
+    update_ok, grad_norm, _ = optimizer.step()
+    if grad_norm is None:  # megatron computes it only when clipping; report it anyway
+        grad_norm = optimizer.get_grad_norm()
+    lr = optimizer.param_groups[0]["lr"]
+    if update_ok:
+        scheduler.step(increment=1)
+    keys = _loss_metric_keys(loss.name, batch.rollout_log_probs is not None)
+    metrics = _finish(reduce_to_all_ranks(reports, keys), loss.name)
+    metrics.update(grad_norm=float(grad_norm), lr=float(lr), update_successful=float(bool(update_ok)),
+                   num_microbatches=float(num_mb))
+    return metrics

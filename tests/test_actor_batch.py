@@ -1,0 +1,78 @@
+"""actor/batch.py: the alignment checks, DP shards of mini-batches, micro-batches with fillers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gspo_megatron.actor.batch import TrainBatch, balanced_sizes, micro_batches
+
+
+def _batch(b=11, s=12, seed=0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, s + 1, (b,), generator=g)
+    t = torch.arange(s)[None]
+    mask = (t >= 2) & (t < lengths[:, None])
+    return TrainBatch(tokens=torch.randint(0, 50, (b, s), generator=g), lengths=lengths, loss_mask=mask,
+                      advantages=torch.randn(b, generator=g), rollout_log_probs=torch.randn(b, s, generator=g))
+
+
+def test_balanced_sizes():
+    assert balanced_sizes(11, 2) == [6, 5]
+    assert balanced_sizes(2, 4) == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(loss_mask=torch.ones(2, 4, dtype=torch.bool)), r"loss_mask\[:, 0\] must be False"),
+    (dict(lengths=torch.tensor([4, 5])), r"lengths must lie in \[1, 4\]"),
+    (dict(advantages=torch.zeros(3)), r"advantages have shape \(3,\), expected \(2,\) or \(2, 4\)"),
+    (dict(rollout_log_probs=torch.zeros(2, 3)), r"rollout_log_probs has shape \(2, 3\), expected \(2, 4\)"),
+])
+def test_bad_batches_name_the_problem(change, message):
+    fields = dict(tokens=torch.zeros(2, 4, dtype=torch.long), lengths=torch.tensor([4, 2]),
+                  loss_mask=torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]], dtype=torch.bool),
+                  advantages=torch.zeros(2))
+    with pytest.raises(ValueError, match=message):
+        TrainBatch(**{**fields, **change})
+
+
+def test_mask_beyond_length_is_rejected():
+    with pytest.raises(ValueError, match="padding position"):
+        TrainBatch(tokens=torch.zeros(1, 4, dtype=torch.long), lengths=torch.tensor([2]),
+                   loss_mask=torch.tensor([[0, 1, 1, 0]], dtype=torch.bool), advantages=torch.zeros(1))
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+def test_rank_mini_batches_are_parts_of_the_global_mini_batches(dp):
+    batch = _batch()
+    shards = [batch.shard(r, dp, num_mini_batches=2) for r in range(dp)]
+    global_minis = batch.split(balanced_sizes(batch.num_rows, 2))
+    for k, mini in enumerate(global_minis):
+        rows = torch.cat([s.mini_batches()[k].global_rows for s in shards])
+        start = sum(balanced_sizes(batch.num_rows, 2)[:k])
+        assert rows.tolist() == list(range(start, start + mini.num_rows))
+        for s in shards:
+            part = s.mini_batches()[k]
+            for j, g in enumerate(part.global_rows.tolist()):
+                n = int(batch.lengths[g])
+                assert torch.equal(part.tokens[j, :n], batch.tokens[g, :n])
+                assert torch.equal(part.loss_mask[j, :n], batch.loss_mask[g, :n])
+
+
+def test_old_log_probs_travel_with_rows():
+    batch = _batch()
+    shard = batch.shard(1, 2, num_mini_batches=2)
+    shard.old_log_probs = shard.rollout_log_probs + 1.0
+    for mini in shard.mini_batches():
+        assert torch.equal(mini.old_log_probs, mini.rollout_log_probs + 1.0)
+
+
+def test_micro_batches_fill_empty_ones_and_pad_to_multiple():
+    batch = _batch(b=3)
+    mbs = micro_batches(batch, 4, seq_multiple=4)
+    assert [mb.rows.tolist() for mb in mbs] == [[0], [1], [2], [-1]]
+    assert not mbs[3].loss_mask.any()  # the filler trains nothing
+    for mb in mbs:
+        assert mb.tokens.shape[1] % 4 == 0
+        assert mb.position_ids[0].tolist() == list(range(mb.tokens.shape[1]))
+    empty = batch.select(slice(0, 0))
+    assert [mb.rows.tolist() for mb in micro_batches(empty, 2)] == [[-1], [-1]]

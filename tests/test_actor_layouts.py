@@ -1,0 +1,165 @@
+"""Acceptance (issue 2): every parallel layout gives the one-process per-token log-probs and, after
+each GSPO optimizer step, the one-process parameters (1e-5), on real gloo process groups.
+
+One spawn per layout does what the trainer does: load the reference's initial weights, shard a
+rollout batch of 11 rows (uneven lengths, holes in the loss mask, one row with nothing to train)
+into 2 mini-batches over the DP ranks (uneven rows and trained tokens per rank), recompute old
+log-probs (forward only, kept on the last stage), then one train step per mini-batch. The reference
+is the same Actor on one process with one micro-batch per mini-batch (the full-batch gradient).
+
+The optimizer is Adam with eps = 10, far above every |gradient|, and no clipping: the update
+lr * m / (sqrt(v) + eps) is then ~ lr * g / eps, linear in the gradient, so a wrong loss scale (the
+"off by dp_size" / "off by num_microbatches" bugs) moves the parameters by ~the step itself, far
+beyond 1e-5. (Adam's usual first step, ~lr * sign(g), and gradient clipping would hide a wrong
+scale; megatron's distributed optimizer supports only Adam, hence not SGD.)
+test_wrong_scale_is_caught proves the comparison catches it. Step 1 is on-policy (s = 1); step 2 runs after an update, so ratios move
+and some sequences are clipped (eps 0.2 / 0.27 here: with the paper's 3e-4 / 4e-4 every sequence
+would clip after an SGD step this large and the step would be trivially zero).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+pytestmark = pytest.mark.slow
+
+ROWS, SEQ, MINI = 11, 24, 2
+TOL = 1e-5
+
+
+def make_batch():
+    from gspo_megatron.actor.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(6, SEQ + 1, (ROWS,), generator=g)
+    prompt = torch.randint(2, 5, (ROWS,), generator=g)
+    t = torch.arange(SEQ)[None]
+    tokens = torch.where(t < lengths[:, None], torch.randint(0, 512, (ROWS, SEQ), generator=g), 0)
+    mask = (t >= prompt[:, None]) & (t < lengths[:, None]) & (torch.rand(ROWS, SEQ, generator=g) > 0.2)
+    mask[3] = False  # a row without trained tokens: excluded from the mean, never NaN
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask,
+                      advantages=torch.randn(ROWS, generator=g),
+                      rollout_log_probs=-6.0 + 0.1 * torch.randn(ROWS, SEQ, generator=g))
+
+
+def _np(state):
+    return None if state is None else {k: v.numpy() for k, v in state.items()}
+
+
+def _run(rank, world, layout_kwargs, options, init_state):
+    """One layout on `world` ranks; returns what rank 0 / the last stage saw, as numpy."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.actor import train as actor_train
+    from gspo_megatron.actor.actor import Actor
+    from gspo_megatron.actor.build import OptimizerSettings
+    from gspo_megatron.actor.forward import LogProbSettings
+    from gspo_megatron.actor.train import LossSettings
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from model_specs.qwen3_moe import tiny_hf_config
+
+    if options.get("wrong_scale"):  # the classic bug: forget the DP factor of the loss scale
+        actor_train.ps = type("PS", (), {"__getattr__": lambda self, n: getattr(ps, n),
+                                         "get_data_parallel_world_size": staticmethod(lambda: 1)})()
+    actor = Actor(tiny_hf_config(), ParallelLayout(**layout_kwargs),
+                  optimizer=OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0,
+                                              use_distributed_optimizer=options.get("dist_opt", False)),
+                  loss=LossSettings(name="gspo", eps_low=0.02, eps_high=0.002),
+                  logprob=LogProbSettings(fused=options.get("fused", True), chunk_tokens=40),
+                  micro_batch_size=options.get("micro_batch_size", 2), seed=11 + rank)
+    made_init = None
+    if init_state is None:
+        made_init = _np(actor.full_state_dict())
+    else:
+        actor.load_full_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()})
+    shard = actor.shard(make_batch(), num_mini_batches=MINI)
+    metrics = [actor.compute_old_log_probs(shard)]
+    keeps_old = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+    old = (shard.global_rows.numpy(), shard.old_log_probs.numpy()) if keeps_old else None
+    if actor.is_last_stage:
+        assert shard.old_log_probs is not None
+    else:
+        assert shard.old_log_probs is None  # log-probs never leave the last stage
+    states = []
+    for mini in shard.mini_batches():
+        metrics.append(actor.train_step(mini))
+        states.append(_np(actor.full_state_dict(to_all_ranks=False)))
+    return dict(old=old, metrics=metrics, states=states if rank == 0 else None,
+                init=made_init if rank == 0 else None)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    return run_distributed(_run, 1, ({}, {"micro_batch_size": 64}, None), timeout=180)[0]
+
+
+def _old_log_probs(results) -> torch.Tensor:
+    out = torch.full((ROWS, SEQ), float("nan"))
+    for r in results:
+        if r["old"] is not None:
+            rows, values = r["old"]
+            out[torch.from_numpy(rows), : values.shape[1]] = torch.from_numpy(values)
+    return out
+
+
+def _max_state_diff(a: dict, b: dict) -> float:
+    assert list(a) == list(b)
+    return max(float(abs(torch.from_numpy(a[k]) - torch.from_numpy(b[k])).max()) for k in a)
+
+
+def _check_layout(reference, world, layout, **options):
+    results = run_distributed(_run, world, (layout, options, reference["init"]), timeout=420)
+    batch = make_batch()
+    valid = (torch.arange(SEQ)[None] >= 1) & (torch.arange(SEQ)[None] < batch.lengths[:, None])
+    got, want = _old_log_probs(results), _old_log_probs([reference])
+    assert not got[valid].isnan().any(), "some rows' old log-probs were not computed"
+    assert float((got - want)[valid].abs().max()) <= TOL
+    moved = _max_state_diff(reference["states"][0], reference["init"])
+    assert moved > 1e-2, "the reference step is too small to detect a wrong gradient scale"
+    for step, (mine, ref) in enumerate(zip(results[0]["states"], reference["states"])):
+        assert _max_state_diff(mine, ref) <= TOL, f"parameters after step {step + 1}"
+    for step, (mine, ref) in enumerate(zip(results[0]["metrics"], reference["metrics"])):
+        for key in ("loss", "grad_norm", "clip_fraction", "seq_ratio_min", "seq_ratio_max",
+                    "entropy_mean", "logprob_abs_diff_vs_rollout", "tokens", "num_sequences"):
+            if key in ref:
+                assert mine[key] == pytest.approx(ref[key], rel=TOL, abs=TOL), (step, key)
+    assert all(r["metrics"] == results[0]["metrics"] for r in results)  # the same on every rank
+    assert 0 < reference["metrics"][2]["clip_fraction"] < 1, "step 2 should clip some sequences"
+    return results
+
+
+def test_logprobs_tp2(reference):
+    _check_layout(reference, 2, dict(tensor=2))  # MoE with TP2 runs sequence parallel
+
+
+def test_logprobs_pp2(reference):
+    _check_layout(reference, 2, dict(pipeline=2))
+
+
+def test_logprobs_ep2(reference):
+    _check_layout(reference, 2, dict(expert=2), dist_opt=True)  # EP2 x DP2, distributed optimizer
+
+
+def test_logprobs_dp2(reference):
+    _check_layout(reference, 2, dict())
+
+
+def test_logprobs_tp2_pp2(reference):
+    _check_layout(reference, 4, dict(tensor=2, pipeline=2))
+
+
+def test_logprobs_pp2_vpp2(reference):
+    # Also the logits path (the others use the fused one); fixed shapes on gloo, see build.py.
+    _check_layout(reference, 2, dict(pipeline=2, virtual_pipeline=2), fused=False)
+
+
+def test_logprobs_tp2_pp2_ep2(reference):
+    # 8 ranks: TP2 x PP2 x DP2, EP2 x expert-TP2, distributed optimizer.
+    _check_layout(reference, 8, dict(tensor=2, pipeline=2, expert=2), dist_opt=True)
+
+
+def test_wrong_scale_is_caught(reference):
+    with pytest.raises(AssertionError, match="parameters after step 1"):
+        _check_layout(reference, 2, dict(), wrong_scale=True)
