@@ -57,7 +57,8 @@ fi
 TORCHRUN=$(dirname "$GSPO_PYTHON")/torchrun
 [[ -x $TORCHRUN ]] || gspo_die "torchrun not found beside GSPO_PYTHON ($TORCHRUN)"
 
-export GSPO_LOG_DIR=$GSPO_RUN_DIR/logs/local.$(date +%Y%m%d-%H%M%S)
+GSPO_LOG_DIR=$GSPO_RUN_DIR/logs/local.$(date +%Y%m%d-%H%M%S)
+export GSPO_LOG_DIR
 mkdir -p "$GSPO_LOG_DIR" "$GSPO_CHECKPOINT_DIR"
 
 SERVER_PIDS=() URLS=() TRAIN_PID=

@@ -209,7 +209,35 @@ class SlurmCluster:
             raise
         return self
 
+    @staticmethod
+    def cleanup_stale() -> None:
+        """Remove what an earlier session killed before its teardown left: its namespace (and the
+        daemons and job processes inside it, all started by that session) and its /etc/hosts line.
+        Only namespaces named by this module whose creating process is gone are touched."""
+        netns_dir = Path("/run/netns")
+        for path in sorted(netns_dir.glob("gspo-slurm-*")) if netns_dir.is_dir() else []:
+            owner = path.name.rsplit("-", 1)[-1]
+            if not owner.isdigit() or Path(f"/proc/{owner}").exists():
+                continue
+            proc = _run(["ip", "netns", "pids", path.name], 10)
+            for pid in (int(p) for p in proc.stdout.split() if p.isdigit()):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            _run(["ip", "netns", "del", path.name], 10)
+        try:
+            lines = HOSTS_FILE.read_text().splitlines(keepends=True)
+        except OSError:
+            return
+        marker = "# gspo-megatron test Slurm gspo-slurm-"
+        kept = [line for line in lines if marker not in line
+                or Path(f"/proc/{line.rsplit('-', 1)[-1].strip()}").exists()]
+        if len(kept) != len(lines):
+            HOSTS_FILE.write_text("".join(kept))
+
     def _start(self, timeout: float) -> None:
+        self.cleanup_stale()
         for sub in ("state", "spool", "run", "log"):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(SLURM_CONF.format(host=socket.gethostname(), d=self.workdir,

@@ -27,11 +27,17 @@ if [[ -n ${GSPO_ENV_FILE:-} ]]; then
   # shellcheck disable=SC1090
   source "$GSPO_ENV_FILE"
 fi
+# Submitted with plain sbatch: the allocation's shape is the default.
+ALLOC_GPUS=${SLURM_GPUS_PER_NODE:-}; ALLOC_GPUS=${ALLOC_GPUS##*:}  # "h100:8" -> 8
 GSPO_NODES=${GSPO_NODES:-$SLURM_JOB_NUM_NODES}
+GSPO_GPUS_PER_NODE=${GSPO_GPUS_PER_NODE:-${ALLOC_GPUS:-8}}
 gspo_defaults "$CONFIG"
 gspo_check_inputs "$CONFIG" "$@"
 (( SLURM_JOB_NUM_NODES == GSPO_NODES )) || gspo_die "node counts do not add up: the allocation has" \
   "$SLURM_JOB_NUM_NODES nodes ($SLURM_JOB_NODELIST) but GSPO_NODES=$GSPO_NODES"
+if [[ -n $ALLOC_GPUS ]] && (( ALLOC_GPUS != GSPO_GPUS_PER_NODE )); then
+  gspo_die "GPU counts do not add up: the allocation has $ALLOC_GPUS GPUs per node but GSPO_GPUS_PER_NODE=$GSPO_GPUS_PER_NODE"
+fi
 gspo_comm_env
 
 ATTEMPT=${SLURM_RESTART_COUNT:-0}
