@@ -85,7 +85,9 @@ def vocab_parallel_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *
     def tp_sum(x):
         return _AllReduceSum.apply(x, tp_group) if tp_size > 1 else x
 
-    z = logits.to(_acc_dtype(logits.dtype)) / temperature  # [t, v/tp]
+    z = logits.to(_acc_dtype(logits.dtype))  # [t, v/tp]
+    if temperature != 1.0:
+        z = z / temperature
     # The max only shifts for stability: any constant gives the same value and gradient, so it
     # is detached.
     z_max = z.detach().max(dim=-1).values  # [t]
