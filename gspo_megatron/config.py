@@ -99,10 +99,13 @@ class RolloutConfig:
     """Sampling temperature; the trainer computes log-probs at the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1.0 = off)."""
-    seed: int | None = 1234
-    """Base of the per-request sampling seed derived from (seed, group id, sample index, segment):
-    fixed rollouts for a fixed seed (needs SGLang's --enable-deterministic-inference, which the
-    run adds to servers it starts). null = unseeded sampling."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off; 1 = greedy, with log-probs of the full temperature-1 softmax)."""
+    seed: int | None = None
+    """Base of a per-request SGLang `sampling_seed` derived from (seed, group id, sample index,
+    segment): rollouts fixed by the seed and the weights. Needs SGLang's deterministic inference
+    (--enable-deterministic-inference, added to servers the run starts), which SGLang supports on
+    GPU attention backends only, not on CPU. null = unseeded sampling."""
     shuffle_prompts: bool = True
     """Shuffle the prompt file each epoch (with train.seed)."""
     dynamic_sampling: bool = False
@@ -251,6 +254,7 @@ class RunConfig:
         need(r.temperature > 0, "rollout.temperature", r.temperature,
              "> 0 (log-probs are computed at this temperature; greedy has none)")
         need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "in (0, 1]")
+        need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "-1 (off) or >= 1")
         need(r.num_servers >= 1, "rollout.num_servers", r.num_servers, ">= 1")
         need(0 <= r.max_reward_error_fraction <= 1, "rollout.max_reward_error_fraction",
              r.max_reward_error_fraction, "in [0, 1]")

@@ -1,0 +1,72 @@
+"""The `gspo-megatron` command.
+
+    gspo-megatron train examples/tiny_moe_digits.yaml [--set a.b=c ...]
+    torchrun --nproc-per-node 2 $(which gspo-megatron) train CONFIG --set parallel.tensor=2
+    gspo-megatron config                      # every config field with its docstring and default
+
+Known failures (bad config, missing file, unreachable server, impossible layout, unusable
+checkpoint) print one line `gspo-megatron: error: ...` on stderr and exit with code 2; anything
+else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def known_errors() -> tuple[type[BaseException], ...]:
+    from gspo_megatron.checkpoint.manager import CheckpointError
+    from gspo_megatron.checkpoint.model_io import CheckpointMismatchError
+    from gspo_megatron.config import ConfigError
+    from gspo_megatron.parallel.layout import LayoutError
+    from gspo_megatron.sync.weight_sync import WeightSyncError
+    from gspo_megatron.trainer import DriverError
+    from model_specs.common import ConfigError as ModelConfigError
+    from rollout.client import SGLangError
+    from rollout.dataset import PromptFileError
+    from rollout.rewards import RewardErrorBudgetExceeded
+    from rollout.server import ServerStartError
+    return (ConfigError, ModelConfigError, LayoutError, FileNotFoundError, PromptFileError,
+            ServerStartError, SGLangError, CheckpointError, CheckpointMismatchError,
+            WeightSyncError, RewardErrorBudgetExceeded, DriverError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gspo-megatron", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run GSPO training (resumes from checkpoint.dir/latest)")
+    t.add_argument("config", help="YAML run config (see `gspo-megatron config`)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one field, e.g. --set parallel.tensor=2 (repeatable)")
+    sub.add_parser("config", help="print every config field with its default and docstring")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "config":
+        from gspo_megatron.config import describe_fields
+        print(describe_fields())
+        return 0
+    rank = os.environ.get("RANK", "0")
+    errors = known_errors()
+    try:
+        from gspo_megatron.config import load_config
+        cfg = load_config(args.config, args.overrides)
+        from gspo_megatron.trainer import train
+        return train(cfg)
+    except KeyboardInterrupt:
+        print(f"gspo-megatron: interrupted (rank {rank})", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - filtered just below
+        if not isinstance(e, errors):
+            raise
+        where = f" (rank {rank})" if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+        message = " ".join(str(e).split()) if "\n" not in str(e) else str(e).strip()
+        print(f"gspo-megatron: error{where}: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""The driver side of the RL loop (trainer rank 0): SGLang servers, prompts, rollouts, rewards,
+group advantages, and the hand-off of each rollout batch to every trainer rank.
+
+    driver = Driver.start(cfg)                  # rank 0 only: starts or attaches servers
+    batch, metrics = driver.rollout_batch(step, weight_version)
+    batch = broadcast_batch(batch)              # every rank: the same TrainBatch (default group)
+
+rollout/ knows nothing of megatron; this module turns its Samples into the actor's TrainBatch.
+"""
+from __future__ import annotations
+
+import hashlib
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.actor.batch import TrainBatch
+from gspo_megatron.algorithms import group_advantages
+from gspo_megatron.config import ConfigError, RunConfig
+from rollout.client import ServerPool
+from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
+from rollout.manager import RolloutConfig as ManagerConfig
+from rollout.manager import RolloutManager
+from rollout.rewards import get_reward_fn
+from rollout.sample import Sample
+from rollout.server import ServerConfig, ServerGroup
+
+
+def request_seed(base: int, group_id: int, index: int, prefix_len: int) -> int:
+    """A sampling seed per (run seed, group, sample, segment): the segment is named by how many
+    tokens precede it, so a partial rollout resumed next step gets a fresh but fixed seed."""
+    h = hashlib.blake2b(f"{base}:{group_id}:{index}:{prefix_len}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 1  # non-negative int64
+
+
+class SeededPool:
+    """A ServerPool whose generate() adds SGLang's `sampling_seed`, derived from the sample that
+    the rollout manager's request id names (`{tag}-{group}-{index}-{n}`, RolloutManager._new_rid).
+    With servers in --enable-deterministic-inference mode this makes rollouts a function of the
+    seed and the weights (not of batching or timing): what the resume test relies on.
+    Everything else is passed through to the pool."""
+
+    def __init__(self, pool: ServerPool, seed: int):
+        self._pool, self._seed = pool, seed
+
+    def generate(self, input_ids, sampling_params: dict, *, rid: str | None = None, **kw):
+        if rid is not None:
+            parts = rid.split("-")
+            group_id, index = int(parts[-3]), int(parts[-2])
+            sampling_params = {**sampling_params,
+                               "sampling_seed": request_seed(self._seed, group_id, index,
+                                                             len(input_ids))}
+        return self._pool.generate(input_ids, sampling_params, rid=rid, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+def samples_to_batch(groups: list[list[Sample]], group_size: int) -> TrainBatch:
+    """Rows = prompt + response of each sample, right-padded; loss_mask / rollout log-probs at
+    the position of the token they belong to (TrainBatch's target alignment); advantages group-
+    normalised (GSPO Eq. 6) from the rewards."""
+    samples = [s for g in groups for s in g]
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
+    advantages = group_advantages(rewards, group_size).float()  # [b]
+    width = max(len(s.tokens) for s in samples)
+    b = len(samples)
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    loss_mask = torch.zeros(b, width, dtype=torch.bool)
+    logp = torch.zeros(b, width, dtype=torch.float32)
+    lengths = torch.zeros(b, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        tokens[i, :p + r] = torch.tensor(s.tokens, dtype=torch.long)
+        loss_mask[i, p:p + r] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        logp[i, p:p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
+        lengths[i] = p + r
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=advantages,
+                      rollout_log_probs=logp)
+
+
+def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float]) -> dict[str, float]:
+    samples = [s for g in groups for s in g]
+    rewards = [float(s.reward) for s in samples]
+    lengths = [len(s.response_ids) for s in samples]
+    m = manager_metrics
+    return {
+        "rollout/reward_mean": statistics.fmean(rewards),
+        "rollout/reward_std": statistics.pstdev(rewards),
+        "rollout/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
+        "rollout/response_length_mean": statistics.fmean(lengths),
+        "rollout/response_length_max": float(max(lengths)),
+        "rollout/truncated_fraction": m.get("truncated_fraction", 0.0),
+        "rollout/groups_dropped": m.get("groups_dropped_equal_reward", 0.0),
+        "rollout/partial_resumed": m.get("samples_resumed", 0.0),
+        "rollout/partial_buffered": m.get("groups_partial_buffered", 0.0),
+        "rollout/reward_errors": m.get("reward_errors", 0.0),
+        "perf/rollout_tokens_per_s": m.get("rollout_tokens_per_second", 0.0),
+    }
+
+
+class Driver:
+    """Rank 0's half of the loop. Owns the servers it started (stop() ends them)."""
+
+    def __init__(self, cfg: RunConfig, servers: ServerGroup):
+        from transformers import AutoTokenizer
+        r = cfg.rollout
+        self.cfg, self.servers = cfg, servers
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
+        self.records = load_prompts(r.prompts)
+        self.stream = PromptStream(self.records, seed=cfg.train.seed, shuffle=r.shuffle_prompts)
+        self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s)
+        gen_pool = SeededPool(self.pool, r.seed) if r.seed is not None else self.pool
+        self.manager = RolloutManager(
+            gen_pool, ManagerConfig(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
+                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                    dynamic_sampling=r.dynamic_sampling,
+                                    partial_rollouts=r.partial_rollouts,
+                                    mask_stale_tokens=r.mask_stale_tokens,
+                                    request_timeout_s=r.request_timeout_s,
+                                    max_reward_error_fraction=r.max_reward_error_fraction),
+            encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec),
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            reward_fn=get_reward_fn(r.reward))
+
+    @classmethod
+    def start(cls, cfg: RunConfig, log_dir: str | None = None) -> "Driver":
+        """Attach to rollout.server_urls, or launch rollout.num_servers local servers."""
+        r = cfg.rollout
+        if r.server_urls:
+            servers = ServerGroup.attach(r.server_urls, r.router_url)
+        else:
+            extra = list(r.server_extra_args)
+            server = ServerConfig(model_path=cfg.model.hf_path, extra_args=extra,
+                                  max_total_tokens=r.server_max_total_tokens,
+                                  startup_timeout_s=r.server_startup_timeout_s, log_dir=log_dir)
+            if r.seed is not None:
+                if server.resolved_device() == "cpu":
+                    raise ConfigError(
+                        f"rollout.seed={r.seed}: seeded sampling needs SGLang's deterministic "
+                        f"inference, which SGLang refuses with the CPU attention backend "
+                        f"(torch_native); use rollout.seed=null (rollout.top_k=1 for greedy)")
+                if "--enable-deterministic-inference" not in extra:
+                    extra.append("--enable-deterministic-inference")  # honours sampling_seed
+            servers = ServerGroup.launch(server, num_servers=r.num_servers)
+        try:
+            return cls(cfg, servers)
+        except BaseException:
+            servers.stop()
+            raise
+
+    def rollout_batch(self, weight_version: str) -> tuple[TrainBatch, dict[str, float], int]:
+        """One rollout batch: (TrainBatch, rollout metrics, generated tokens)."""
+        r = self.cfg.rollout
+        result = self.manager.generate_step(self.stream, r.prompts_per_step,
+                                            current_weight_version=weight_version)
+        batch = samples_to_batch(result.groups, r.group_size)
+        tokens = sum(len(s.response_ids) for g in result.groups for s in g)
+        return batch, rollout_metrics(result.groups, result.metrics), tokens
+
+    def warm_start_examples(self, n: int, offset: int) -> list[tuple[list[int], list[int]]]:
+        """n (prompt ids, answer ids + EOS) pairs for the supervised warm start, cycling through
+        the prompt file from `offset` (the answer field as the assistant's reply)."""
+        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if eos is None or eos < 0:
+            eos = self.tokenizer.eos_token_id
+        out = []
+        for k in range(n):
+            rec = self.records[(offset + k) % len(self.records)]
+            answer = rec.get("solution", rec["answer"])
+            ids = self.tokenizer.encode(str(answer), add_special_tokens=False) + [int(eos)]
+            out.append((chat_prompt_ids(self.tokenizer, rec), ids))
+        return out
+
+    # --- state -------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"stream": self.stream.to_state(), "manager": self.manager.to_state()}
+
+    def load_state(self, cursor: dict[str, Any], buffer: dict[str, Any]) -> None:
+        if cursor:
+            self.stream.load_state(cursor)
+        if buffer:
+            self.manager.load_state(buffer)
+
+    def stop(self) -> None:
+        try:
+            self.manager.close()
+            self.pool.close()
+        finally:
+            self.servers.stop()
+
+
+def sft_batch(examples: list[tuple[list[int], list[int]]]) -> TrainBatch:
+    """Prompt + answer rows with loss on the answer tokens (the "ce" loss of the actor)."""
+    width = max(len(p) + len(a) for p, a in examples)
+    b = len(examples)
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    loss_mask = torch.zeros(b, width, dtype=torch.bool)
+    lengths = torch.zeros(b, dtype=torch.long)
+    for i, (p, a) in enumerate(examples):
+        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
+        loss_mask[i, len(p):len(p) + len(a)] = True
+        lengths[i] = len(p) + len(a)
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask,
+                      advantages=torch.zeros(b))
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """`obj` from rank `src` to every rank of the default group (pickled; CPU tensors inside)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def scratch_dir(cfg: RunConfig, name: str) -> Path:
+    """A directory every rank can see: under checkpoint.dir when set (shared storage on a
+    cluster), else under the TensorBoard dir, else ./runs."""
+    root = cfg.checkpoint.dir or cfg.logging.tensorboard_dir or "runs"
+    path = Path(root) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
