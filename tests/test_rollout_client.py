@@ -172,7 +172,15 @@ def test_server_killed_mid_rollout_work_moves_on(qwen3_server, victim_server):
     mgr = RolloutManager(pool, RolloutConfig(group_size=4, max_new_tokens=120, ignore_eos=True,
                                              request_timeout_s=120),
                          encode_prompt=tok_ids, decode=lambda ids: "", reward_fn=lambda r, t: 0.0)
-    killer = threading.Timer(1.5, victim.kill)
+    prefills = victim.log_path.read_text().count("Prefill batch")
+
+    def kill_once_generating():  # mid-rollout for sure: right after the victim's first prefill
+        deadline = time.monotonic() + 60
+        while victim.log_path.read_text().count("Prefill batch") == prefills and time.monotonic() < deadline:
+            time.sleep(0.02)
+        victim.kill()
+
+    killer = threading.Thread(target=kill_once_generating)
     killer.start()
     t0 = time.monotonic()
     result = mgr.generate_step(iter([{"prompt": "p", "answer": str(i + 5)} for i in range(4)]), num_groups=4)

@@ -1,0 +1,67 @@
+"""Server lifecycle: start failure shows the log tail, stop leaves no process, attach mode."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from rollout.server import ServerConfig, ServerGroup, ServerStartError, free_port, server_process
+
+
+def test_cpu_launch_command_uses_stand_in_only_on_cpu(tmp_path):
+    cpu = server_process(ServerConfig(model_path="/m", device="cpu"), tmp_path)
+    assert "--device" in cpu.cmd and cpu.cmd[cpu.cmd.index("--device") + 1] == "cpu"
+    assert cpu.env["SGLANG_USE_CPU_ENGINE"] == "1" and "cpu_stand_ins" in cpu.env["PYTHONPATH"]
+    assert cpu.cmd[cpu.cmd.index("--dtype") + 1] == "float32" and "--sleep-on-idle" in cpu.cmd
+    gpu = server_process(ServerConfig(model_path="/m", device="cuda", env={"PYTHONPATH": "/x"}), tmp_path)
+    assert "cpu_stand_ins" not in gpu.env.get("PYTHONPATH", "") and "SGLANG_USE_CPU_ENGINE" not in gpu.env
+    with pytest.raises(ValueError, match="device"):
+        ServerConfig(model_path="/m", device="tpu").resolved_device()
+
+
+@pytest.mark.slow
+def test_start_failure_raises_with_log_tail(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(ServerStartError, match=r"exited with code .* during startup; log .*last lines") as e:
+        ServerGroup.launch(ServerConfig(model_path=str(tmp_path / "no-such-model"), log_dir=str(tmp_path),
+                                        startup_timeout_s=240))
+    assert "no-such-model" in str(e.value)  # the tail of SGLang's own log explains why
+    assert time.monotonic() - t0 < 240
+
+
+def test_attach_to_nothing_times_out_clearly():
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ServerStartError, match=f"no healthy SGLang server at {url}"):
+        ServerGroup.attach([url], health_timeout_s=1)
+
+
+@pytest.mark.slow
+def test_attach_and_clean_stop(qwen3_server):
+    attached = ServerGroup.attach(qwen3_server.server_urls)
+    attached.stop()  # attached servers are not ours: still running
+    proc = qwen3_server.servers[0]
+    assert proc.alive()
+    # a server of our own: stop() ends the whole process group (scheduler, detokenizer too)
+    from fixtures_servers import launch_tiny_server
+    group = launch_tiny_server("qwen3", seed=2)
+    pgid = group.servers[0].proc.pid
+    group.stop()
+    time.sleep(0.5)
+    assert _live_members(pgid) == []
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that are not zombies (a container's PID 1 may never reap the
+    orphaned, already-dead scheduler/detokenizer; zombies hold no memory or ports)."""
+    live = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                live.append(int(entry))
+    return live
