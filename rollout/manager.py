@@ -17,6 +17,7 @@ by the end-of-step abort is discarded (counted in metrics).
 from __future__ import annotations
 
 import collections
+import hashlib
 import dataclasses
 import itertools
 import math
@@ -46,6 +47,12 @@ class RolloutConfig:
     """Extra stop tokens; the model's EOS always stops (unless ignore_eos)."""
     ignore_eos: bool = False
     """Generate to the budget through EOS (benchmarks, tests)."""
+    seed: int | None = None
+    """Sampling seed: each request gets sampling_seed = f(seed, group id, index, tokens so far),
+    so a rerun (or a resumed run) with the same seed draws the same responses. SGLang honours it
+    only with --enable-deterministic-inference, which needs a GPU attention backend (fa3, triton,
+    flashinfer, ...): on CPU (torch_native) the server refuses that flag and the seed is ignored
+    (sglang/srt/sampling/sampling_batch_info.py:157). None: no seed sent."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage) and draw more prompts to refill."""
     oversample_groups: int = 0
@@ -62,9 +69,13 @@ class RolloutConfig:
     max_reward_error_fraction: float = 0.0
     """The run fails when more than this fraction of reward calls raised."""
 
-    def sampling_params(self, max_new_tokens: int) -> dict[str, Any]:
+    def sampling_params(self, max_new_tokens: int, sample: Sample | None = None) -> dict[str, Any]:
         params = {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "top_k": self.top_k}
+        if self.seed is not None and sample is not None:
+            # SGLang seeds its sampler per request and position (sglang/srt/layers/sampler.py:386)
+            key = f"{self.seed}/{sample.group_id}/{sample.index}/{len(sample.response_ids)}"
+            params["sampling_seed"] = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "big")
         if self.ignore_eos:
             params["ignore_eos"] = True
         if self.stop_token_ids:
@@ -121,7 +132,7 @@ class RolloutManager:
     def _generate_segment(self, sample: Sample) -> Sample:
         """Generate (the rest of) one single-turn response: prompt + partial -> remaining budget."""
         if sample.remaining_tokens > 0:
-            out = self.pool.generate(sample.tokens, self.config.sampling_params(sample.remaining_tokens),
+            out = self.pool.generate(sample.tokens, self.config.sampling_params(sample.remaining_tokens, sample),
                                      rid=self._new_rid(sample), timeout_s=self.config.request_timeout_s)
             sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions)
             sample.num_segments += 1 if out.output_ids else 0

@@ -79,7 +79,7 @@ def run_episode(sample: Sample, env: Environment, pool: Any, config: Any,
         if budget <= 0:
             sample.finish_reason = "budget"
             break
-        out = pool.generate(sample.tokens, config.sampling_params(min(budget, max_turn)),
+        out = pool.generate(sample.tokens, config.sampling_params(min(budget, max_turn), sample),
                             rid=new_rid(sample), timeout_s=config.request_timeout_s)
         if out.finish_reason == "abort":
             sample.status = ABORTED

@@ -13,7 +13,7 @@ from rollout.manager import RolloutConfig, RolloutManager
 from rollout.rewards import RewardErrorBudgetExceeded
 from rollout.sample import DONE, PENDING
 
-pytestmark = pytest.mark.slow
+
 
 
 def _tok(arch="qwen3"):
@@ -31,6 +31,7 @@ def _prompts(n, **extra):
     return iter([{"prompt": f"What is {i} + {i}?", "answer": str(2 * i), **extra} for i in range(n)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["qwen3_server", "moe_server"])
 def test_group_sampling_exactly_g_aligned(fixture, request):
     group = request.getfixturevalue(fixture)
@@ -51,9 +52,9 @@ def test_group_sampling_exactly_g_aligned(fixture, request):
     assert result.metrics["prompts_drawn"] == 3
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_drops_equal_reward_groups_and_refills(qwen3_server):
-    # reward = parity of the group id: every group has all-equal rewards except odd ones?  No:
-    # groups with even id get a constant reward (dropped), odd ids get index-dependent rewards.
+    # even ids: constant reward 0 (all equal -> dropped); odd ids: reward varies with the text
     def reward(rec, text):
         return float(rec["id"] % 2 and len(text) % 3)
 
@@ -72,6 +73,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills(qwen3_server):
         mgr2.generate_step(_prompts(100), num_groups=2)
 
 
+@pytest.mark.slow
 def test_partial_rollout_resume_has_exact_budget_and_versions(qwen3_server):
     pool = ServerPool(qwen3_server.server_urls)
     model_dir = str(tiny_model_dir("qwen3", 0))
@@ -117,6 +119,7 @@ def test_partial_rollout_resume_has_exact_budget_and_versions(qwen3_server):
         pool.update_weights_from_disk(model_dir, weight_version="default")
 
 
+@pytest.mark.slow
 def test_reward_errors_are_recorded_and_budgeted(qwen3_server):
     calls = {"n": 0}
 
@@ -136,3 +139,19 @@ def test_reward_errors_are_recorded_and_budgeted(qwen3_server):
                                                max_reward_error_fraction=0.1), flaky)
     with pytest.raises(RewardErrorBudgetExceeded, match="boom"):
         mgr.generate_step(_prompts(4), num_groups=2)
+
+
+
+def test_sampling_seed_is_stable_per_sample_and_position():
+    # SGLang honours sampling_seed only on servers launched with --enable-deterministic-inference,
+    # which its CPU attention backend (torch_native) refuses: checked here at the request level.
+    from rollout.sample import Sample
+    cfg = RolloutConfig(seed=7)
+    a, b = Sample(3, 0, {}, [1], 8), Sample(3, 1, {}, [1], 8)
+    seed = cfg.sampling_params(8, a)["sampling_seed"]
+    assert seed == RolloutConfig(seed=7).sampling_params(8, Sample(3, 0, {}, [2, 2], 8))["sampling_seed"]
+    assert seed != cfg.sampling_params(8, b)["sampling_seed"]
+    assert seed != RolloutConfig(seed=8).sampling_params(8, a)["sampling_seed"]
+    a.append_model_tokens([5], [-1.0], ["v"])
+    assert seed != cfg.sampling_params(7, a)["sampling_seed"]
+    assert "sampling_seed" not in RolloutConfig().sampling_params(8, a)
