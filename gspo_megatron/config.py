@@ -125,7 +125,7 @@ class RolloutConfig:
     server_extra_args: list[str] = dataclasses.field(default_factory=list)
     """More `sglang.launch_server` flags for local servers."""
     server_startup_timeout_s: float = 300.0
-    """How long to wait for a local server to become healthy."""
+    """How long to wait for a local server (or an attached one) to become healthy."""
     request_timeout_s: float = 600.0
     """Bound on any single wait for generation results."""
     max_reward_error_fraction: float = 0.0

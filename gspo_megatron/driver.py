@@ -105,12 +105,12 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
 class Driver:
     """Rank 0's half of the loop. Owns the servers it started (stop() ends them)."""
 
-    def __init__(self, cfg: RunConfig, servers: ServerGroup):
+    def __init__(self, cfg: RunConfig, servers: ServerGroup, records: list[dict]):
         from transformers import AutoTokenizer
         r = cfg.rollout
         self.cfg, self.servers = cfg, servers
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-        self.records = load_prompts(r.prompts)
+        self.records = records
         self.stream = PromptStream(self.records, seed=cfg.train.seed, shuffle=r.shuffle_prompts)
         self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s)
         gen_pool = SeededPool(self.pool, r.seed) if r.seed is not None else self.pool
@@ -130,8 +130,10 @@ class Driver:
     def start(cls, cfg: RunConfig, log_dir: str | None = None) -> "Driver":
         """Attach to rollout.server_urls, or launch rollout.num_servers local servers."""
         r = cfg.rollout
+        records = load_prompts(r.prompts)  # a bad prompt file fails before any server starts
         if r.server_urls:
-            servers = ServerGroup.attach(r.server_urls, r.router_url)
+            servers = ServerGroup.attach(r.server_urls, r.router_url,
+                                         health_timeout_s=r.server_startup_timeout_s)
         else:
             extra = list(r.server_extra_args)
             server = ServerConfig(model_path=cfg.model.hf_path, extra_args=extra,
@@ -147,7 +149,7 @@ class Driver:
                     extra.append("--enable-deterministic-inference")  # honours sampling_seed
             servers = ServerGroup.launch(server, num_servers=r.num_servers)
         try:
-            return cls(cfg, servers)
+            return cls(cfg, servers, records)
         except BaseException:
             servers.stop()
             raise

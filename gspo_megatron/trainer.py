@@ -265,12 +265,12 @@ def setup(cfg: RunConfig) -> Run:
         load_model(actor.models, init_ckpt)
         actor.optimizer.reload_model_params()
     run.sync = build_sync(cfg, actor, run.driver)
-    if resume_from or t.warm_start_steps > 0:
-        if not resume_from:
-            warm_start(run)
-        # The servers hold the HF weights (or older ones): give them the policy we start from.
-        run.loop.weight_version += 1
-        run.sync.sync(run.loop.weight_version)
+    if not resume_from and t.warm_start_steps > 0:
+        warm_start(run)
+    # Servers started here hold the HF weights; attached ones may hold anything (another run's
+    # policy): always give them the policy this run starts from, under a new weight version.
+    run.loop.weight_version += 1
+    run.sync.sync(run.loop.weight_version)
     if rank == 0 and cfg.logging.tensorboard_dir:
         run.writer = MetricsWriter(cfg.logging.tensorboard_dir, jsonl_path=cfg.logging.metrics_jsonl,
                                    purge_step=run.loop.step if resume_from else None)

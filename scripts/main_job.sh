@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The main job: GSPO on a tiny Qwen3-MoE, on CPU, with a real SGLang server, watched in TensorBoard.
+#   bash scripts/main_job.sh                       # from a fresh machine: set-up, model, train, export
+#   bash scripts/main_job.sh --set train.steps=10  # extra overrides go to `gspo-megatron train`
+# Steps: build .venv (scripts/setup.sh), make the tiny random MoE if missing
+# (tools/make_tiny_model.py), train (examples/tiny_moe_larger_digit.yaml: a short supervised warm
+# start, then GSPO; resumes from its checkpoint dir if a previous run was interrupted), export the
+# final policy to HF format, print the reward curve's ends and the TensorBoard command.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+PY="$ROOT/.venv/bin/python"
+CONFIG="${CONFIG:-examples/tiny_moe_larger_digit.yaml}"
+MODEL="runs/models/tiny-qwen3-moe"
+RUN="runs/tiny_moe_larger_digit"
+if [[ ! -f "$MODEL/config.json" ]]; then
+  echo "[main_job] making the tiny MoE at $MODEL"
+  "$PY" tools/make_tiny_model.py --arch qwen3_moe --out "$MODEL" --seed 0
+fi
+t0=$SECONDS
+"$ROOT/.venv/bin/gspo-megatron" train "$CONFIG" "$@"
+echo "[main_job] training took $((SECONDS - t0)) s"
+"$PY" - "$RUN/tensorboard" <<'PY'
+import sys
+from gspo_megatron.metrics import read_scalars
+rewards = read_scalars(sys.argv[1]).get("rollout/reward_mean", [])
+if rewards:
+    (s0, r0), (s1, r1) = rewards[0], rewards[-1]
+    best = max(r for _, r in rewards)
+    print(f"[main_job] reward: step {s0} {r0:.3f} -> step {s1} {r1:.3f} (best {best:.3f})")
+PY
+echo "[main_job] final policy (HF format): $RUN/final_hf"
+echo "[main_job] watch it: $ROOT/.venv/bin/tensorboard --logdir $RUN/tensorboard"
