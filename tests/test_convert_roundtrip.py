@@ -4,7 +4,9 @@ trainer runs computes what transformers computes on the exported weights.
 One spawn of 4 gloo ranks serves every case: each rank loads the converted checkpoint under the
 case's layout (TP2xPP2xVPP2xEP2 for a tiny Qwen3-MoE with a dense layer among its MoE layers,
 TP2xPP2 for tiny Qwen3 with tied and with untied embeddings), runs a forward pass through megatron's
-pipeline schedule, and saves the model again; the parent exports that checkpoint to HF.
+pipeline schedule, saves the model again, and streams it as the weight sync does (full HF tensors
+gathered over TP/EP/PP onto rank 0 in small buckets); the parent exports the saved checkpoint to HF
+and checks the stream and the export against the original files.
 """
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ def _load_forward_save(rank, world, cases):
     from gspo_megatron.actor.forward import LogProbSettings, is_last_stage_rank, run_schedule, set_fused
     from gspo_megatron.checkpoint import checkpoint_hf_config, load_model, save_model
     from gspo_megatron.parallel.process_groups import init_process_groups
+    from gspo_megatron.sync import build_plan, stream_hf_weights
     from model_specs import model_spec_for
+    from model_specs.weight_maps import weight_map_for
 
     out = {}
     for name, kind, ckpt, saved in cases:
@@ -60,6 +64,15 @@ def _load_forward_save(rank, world, cases):
         if is_last_stage_rank():
             out[name] = (torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got]))
         save_model(chunks, saved, hf_dir=Path(ckpt) / "hf")
+        # The weight sync's stream of the same model: full HF tensors on rank 0, small buckets.
+        wmap = weight_map_for(checkpoint_hf_config(ckpt))
+        plan = build_plan(chunks, wmap)
+        streamed = [b for b in stream_hf_weights(chunks, wmap, plan, bucket_bytes=40_000)]
+        if rank == 0:
+            out[f"{name}/stream"] = ([dict(b) for b in streamed], max(
+                sum(t.numel() * t.element_size() for _, t in b) for b in streamed))
+        else:
+            assert all(b == [] for b in streamed)
     return out
 
 
@@ -102,6 +115,13 @@ def test_hf_megatron_layouts_hf_bit_exact_and_logits_match(tmp_path):
         assert sorted(again) == sorted(original), name
         for key, t in original.items():
             assert again[key].dtype == t.dtype and torch.equal(again[key], t), (name, key)
+
+        buckets, biggest = forward[f"{name}/stream"]
+        assert len(buckets) > 3 and biggest <= 40_000 + 512 * 64 * 4  # bounded (one big tensor alone)
+        streamed = {k: v for b in buckets for k, v in b.items()}
+        assert sorted(streamed) == sorted(original), name
+        for key, t in original.items():
+            assert torch.equal(streamed[key], t), (name, "stream", key)
 
         log_probs, entropy = forward[name]
         hf_log_probs, hf_entropy = _hf_logprobs_entropy(exported)

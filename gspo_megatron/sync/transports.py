@@ -1,0 +1,205 @@
+"""How full HF-named tensors reach the SGLang servers. Used on trainer rank 0 only.
+
+    transport.begin(version)              # before the first bucket
+    transport.send(bucket, final=False)   # [(hf_name, tensor), ...], in stream order
+    transport.send(last_bucket, final=True)
+    transport.finish(version)             # the servers now serve `version`
+
+- DiskTransport: each bucket becomes a safetensors shard of a complete HF model directory (config
+  and tokenizer included) on a filesystem the servers can read; finish() makes every server load
+  it with /update_weights_from_disk, which also sets the weight version. Atomic per server.
+- TensorTransport: /begin_weight_update, one /update_weights_from_tensor per bucket (tensors pass
+  by shared memory: server on the same machine), the version set with the last bucket,
+  /end_weight_update.
+- DistributedTransport: a weights-update process group (trainer rank 0 = group rank 0, the servers'
+  ranks after it; gloo on CPU, NCCL on GPU); per bucket /update_weights_from_distributed is posted
+  in threads while rank 0 broadcasts the tensors in the same order (ENVIRONMENT.md protocol).
+The servers are reached through rollout.client (ServerPool / SGLangClient).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from gspo_megatron.checkpoint.hf_files import INDEX_NAME, copy_metadata_files
+from rollout.client import ServerPool
+
+Bucket = Sequence[tuple[str, torch.Tensor]]
+
+
+class Transport(Protocol):
+    name: str
+
+    def begin(self, version: str) -> None: ...
+
+    def send(self, bucket: Bucket, final: bool, version: str) -> None: ...
+
+    def finish(self, version: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DiskTransport:
+    """Full HF directories under `root` (one per version; the previous one is removed after a
+    successful update). `hf_metadata_dir` supplies config.json and the tokenizer files."""
+
+    name = "disk"
+
+    def __init__(self, pool: ServerPool, root: str | Path, hf_metadata_dir: str | Path) -> None:
+        self.pool, self.root, self.metadata_dir = pool, Path(root), Path(hf_metadata_dir)
+        self._dir: Path | None = None
+        self._weight_map: dict[str, str] = {}
+        self._total = 0
+        self._current: Path | None = None
+
+    def begin(self, version: str) -> None:
+        self._dir = self.root / f"weights-{version}"
+        if self._dir.exists():
+            shutil.rmtree(self._dir)
+        copy_metadata_files(self.metadata_dir, self._dir)
+        self._weight_map, self._total = {}, 0
+
+    def send(self, bucket: Bucket, final: bool, version: str) -> None:
+        fname = f"model-{len(set(self._weight_map.values())) + 1:05d}.safetensors"
+        save_file({n: t.contiguous() for n, t in bucket}, str(self._dir / fname),
+                  metadata={"format": "pt"})
+        self._weight_map.update({n: fname for n, _ in bucket})
+        self._total += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    def finish(self, version: str) -> None:
+        index = {"metadata": {"total_size": self._total}, "weight_map": self._weight_map}
+        (self._dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        self.pool.update_weights_from_disk(str(self._dir), weight_version=version)
+        if self._current is not None and self._current != self._dir:
+            shutil.rmtree(self._current, ignore_errors=True)
+        self._current = self._dir
+
+    def close(self) -> None:
+        pass
+
+
+class TensorTransport:
+    """By shared memory: the servers must run on the trainer rank 0's machine."""
+
+    name = "tensor"
+
+    def __init__(self, pool: ServerPool) -> None:
+        self.pool = pool
+
+    def begin(self, version: str) -> None:
+        self.pool.for_each(lambda c: c.begin_weight_update())
+
+    def send(self, bucket: Bucket, final: bool, version: str) -> None:
+        # The version is set with the last bucket only: a failure before it leaves the old label.
+        self.pool.for_each(lambda c: c.update_weights_from_tensor(
+            list(bucket), weight_version=version if final else None, flush_cache=final))
+
+    def finish(self, version: str) -> None:
+        self.pool.for_each(lambda c: c.end_weight_update())
+
+    def close(self) -> None:
+        pass
+
+
+def host_weight_update_store(master_address: str, master_port: int, world_size: int,
+                             timeout_s: float):
+    """The TCP store of the weights-update group, hosted by trainer rank 0 (group rank 0).
+    Created before the servers are asked to join, so that a busy port fails here, not in them."""
+    return dist.TCPStore(master_address, master_port, world_size, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def join_weight_update_group(store, world_size: int, group_name: str, backend: str,
+                             timeout_s: float):
+    """Rank 0 of a process group built as SGLang's init_custom_process_group builds it (a
+    PrefixStore named `group_name` over the TCP store), outside the trainer's default group.
+    Uses torch's private _new_process_group_helper, as SGLang does."""
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+
+    pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend),
+                                      dist.PrefixStore(group_name, store), group_name=group_name,
+                                      backend_options=None,
+                                      timeout=datetime.timedelta(seconds=timeout_s))
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class DistributedTransport:
+    """Broadcast over a weights-update group. `server_tp_sizes`: each server's TP size (its ranks
+    in the group); the group is created at the first begin() and kept until close()."""
+
+    name = "distributed"
+
+    def __init__(self, pool: ServerPool, master_address: str, master_port: int, *,
+                 backend: str | None = None, group_name: str = "gspo_weight_update",
+                 server_tp_sizes: Sequence[int] | None = None, timeout_s: float = 300.0) -> None:
+        self.pool, self.address, self.port = pool, master_address, int(master_port)
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.group_name, self.timeout_s = group_name, timeout_s
+        self.tp_sizes = list(server_tp_sizes or [1] * len(pool.clients))
+        self._pg = self._store = None
+        self._broken: str | None = None
+
+    def _ensure_group(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"the weights-update group is out of step after a failed update "
+                               f"({self._broken}); create a new DistributedTransport on another "
+                               "port/group name")
+        if self._pg is not None:
+            return
+        world = 1 + sum(self.tp_sizes)
+        offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.tp_sizes))]
+        self._store = host_weight_update_store(self.address, self.port, world, self.timeout_s)
+        # Each server blocks in this call until every rank has joined: post them in threads.
+        joins = [self.pool.submit(c.init_weights_update_group, self.address, self.port, off, world,
+                                  self.group_name, self.backend, self.timeout_s)
+                 for c, off in zip(self.pool.clients, offsets)]
+        self._pg = join_weight_update_group(self._store, world, self.group_name, self.backend,
+                                            self.timeout_s)
+        for f in joins:
+            f.result(timeout=self.timeout_s)
+
+    def begin(self, version: str) -> None:
+        self._ensure_group()
+        # Must succeed before any broadcast: a server outside begin/end answers 400 to the update
+        # and never joins the broadcast (ENVIRONMENT.md).
+        self.pool.for_each(lambda c: c.begin_weight_update())
+
+    def send(self, bucket: Bucket, final: bool, version: str) -> None:
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        names = [n for n, _ in bucket]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        replies = [self.pool.submit(c.update_weights_from_distributed, names, dtypes, shapes,
+                                    self.group_name, version if final else None,
+                                    flush_cache=final) for c in self.pool.clients]
+        for _, t in bucket:
+            work = dist.broadcast(t.to(device).contiguous(), group_src=0, group=self._pg,
+                                  async_op=True)
+            # A server that refused the request never joins this broadcast: stop waiting then.
+            while not work.is_completed():
+                failed = [f for f in replies if f.done() and f.exception() is not None]
+                if failed:
+                    self._broken = f"{type(failed[0].exception()).__name__}: {failed[0].exception()}"
+                    raise failed[0].exception()
+                time.sleep(0.001)
+            work.wait()
+        for f in replies:
+            f.result(timeout=self.timeout_s)
+
+    def finish(self, version: str) -> None:
+        self.pool.for_each(lambda c: c.end_weight_update())
+
+    def close(self) -> None:
+        if self._pg is not None:
+            self.pool.for_each(lambda c: c.destroy_weights_update_group(self.group_name))
+            dist.destroy_process_group(self._pg)
+            self._pg = self._store = None
