@@ -130,6 +130,10 @@ def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
     for chunk in chunks:
         chunk.broadcast_params()  # identical replicas across DP (init is seeded, this makes it sure)
     if layout.vpp > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
+        if config.batch_p2p_comm:
+            raise ValueError("an interleaved pipeline on gloo needs batch_p2p_comm=False (with True "
+                             "the losses are silently wrong, ENVIRONMENT.md #10); model_specs sets it "
+                             "through cpu_config_overrides")
         # megatron's shape exchange for variable sequence lengths (p2p_communication.py:213-238,
         # _communicate_shapes) always uses batch_isend_irecv, whatever batch_p2p_comm says. With
         # an interleaved schedule on PP=2 the previous and next stage are the same rank and gloo

@@ -92,6 +92,9 @@ def last_stage_log_probs(chunk: torch.nn.Module, output: torch.Tensor, mb: Micro
                 hidden.transpose(0, 1), tensor_parallel_output_grad=False).transpose(0, 1)  # [m, s, h]
         weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
                   else model.output_layer.weight)  # [v/tp, h]
+        # Float16Module hands the last stage's output back as fp32; the hidden states were computed
+        # in the weight's dtype, so this cast is exact.
+        hidden = hidden.to(weight.dtype)
         log_probs, entropy = fused_token_logprobs(
             hidden.reshape(m * s, -1), weight, targets.reshape(-1), temperature=settings.temperature,
             chunk_tokens=settings.chunk_tokens, tp_group=_tp_group())

@@ -26,7 +26,8 @@ The factors num_microbatches and dp_size cancel exactly whatever the split: unev
 rank and micro-batches of unequal size included (filler rows count 0 everywhere). With
 calculate_per_token_loss=True the schedule and DDP would skip both divisions; build.py/forward.py
 refuse it. tests/test_actor_layouts.py checks the resulting parameters against one process with
-SGD (Adam's first step is ~lr*sign(g) and would hide a wrong scale).
+an optimizer that is linear in the gradient (Adam's usual first step, ~lr*sign(g), would hide a
+wrong scale), and that a deliberately wrong scale fails that check.
 """
 from __future__ import annotations
 
