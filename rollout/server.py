@@ -90,6 +90,16 @@ def _tail(path: Path | None, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the launching thread's process dies, so a killed
+    trainer or benchmark leaves no server behind (SGLang's scheduler and detokenizer do the same
+    towards the server: sglang/srt/utils/common.py:3432 kill_itself_when_parent_died). Linux only;
+    launch from a long-lived thread (the signal fires when the creating thread exits)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
 class ManagedProcess:
     """A child process in its own process group, with a log file, a health URL and a clean stop."""
 
@@ -108,7 +118,8 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         return self
 
     def alive(self) -> bool:
