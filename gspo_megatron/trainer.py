@@ -56,6 +56,7 @@ class Run:
 
 def run_loop(run: Run) -> None:
     cfg, actor, loop = run.cfg, run.actor, run.loop
+    ckpt_time: dict[str, float] = {}
     for step in range(loop.step, cfg.train.steps):
         t = PhaseTimer()
         with t("step"):
@@ -71,14 +72,16 @@ def run_loop(run: Run) -> None:
                 loop.weight_version += 1
                 run.sync.sync(loop.weight_version)
             loop.step = step + 1
-            if run.ckpt and (loop.step % cfg.checkpoint.interval == 0 or loop.step == cfg.train.steps):
-                with t("checkpoint"):
-                    save_checkpoint(run)
-        metrics.update(train_metrics(updates, old), **t)
+        metrics.update(train_metrics(updates, old), **t, **ckpt_time)
         metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / t["time/step"]
-        run.writer.log(step, metrics)
+        run.writer.log(step, metrics)  # before the checkpoint: a resume never loses a step's metrics
         if run.rank == 0 and cfg.logging.progress:
             print(format_progress(step, cfg.train.steps, metrics), flush=True)
+        ckpt_time = {}
+        if run.ckpt and (loop.step % cfg.checkpoint.interval == 0 or loop.step == cfg.train.steps):
+            t0 = time.perf_counter()
+            save_checkpoint(run)
+            ckpt_time = {"time/checkpoint": time.perf_counter() - t0}  # logged with the next step
 
 
 # --- the pieces ------------------------------------------------------------------------------------
