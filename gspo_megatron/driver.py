@@ -9,7 +9,6 @@ rollout/ knows nothing of megatron; this module turns its Samples into the actor
 """
 from __future__ import annotations
 
-import hashlib
 import statistics
 from pathlib import Path
 from typing import Any
@@ -27,36 +26,6 @@ from rollout.manager import RolloutManager
 from rollout.rewards import get_reward_fn
 from rollout.sample import Sample
 from rollout.server import ServerConfig, ServerGroup
-
-
-def request_seed(base: int, group_id: int, index: int, prefix_len: int) -> int:
-    """A sampling seed per (run seed, group, sample, segment): the segment is named by how many
-    tokens precede it, so a partial rollout resumed next step gets a fresh but fixed seed."""
-    h = hashlib.blake2b(f"{base}:{group_id}:{index}:{prefix_len}".encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") >> 1  # non-negative int64
-
-
-class SeededPool:
-    """A ServerPool whose generate() adds SGLang's `sampling_seed`, derived from the sample that
-    the rollout manager's request id names (`{tag}-{group}-{index}-{n}`, RolloutManager._new_rid).
-    With servers in --enable-deterministic-inference mode this makes rollouts a function of the
-    seed and the weights (not of batching or timing): what the resume test relies on.
-    Everything else is passed through to the pool."""
-
-    def __init__(self, pool: ServerPool, seed: int):
-        self._pool, self._seed = pool, seed
-
-    def generate(self, input_ids, sampling_params: dict, *, rid: str | None = None, **kw):
-        if rid is not None:
-            parts = rid.split("-")
-            group_id, index = int(parts[-3]), int(parts[-2])
-            sampling_params = {**sampling_params,
-                               "sampling_seed": request_seed(self._seed, group_id, index,
-                                                             len(input_ids))}
-        return self._pool.generate(input_ids, sampling_params, rid=rid, **kw)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pool, name)
 
 
 def samples_to_batch(groups: list[list[Sample]], group_size: int) -> TrainBatch:
@@ -113,15 +82,15 @@ class Driver:
         self.records = records
         self.stream = PromptStream(self.records, seed=cfg.train.seed, shuffle=r.shuffle_prompts)
         self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s)
-        gen_pool = SeededPool(self.pool, r.seed) if r.seed is not None else self.pool
         self.manager = RolloutManager(
-            gen_pool, ManagerConfig(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
+            self.pool, ManagerConfig(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     dynamic_sampling=r.dynamic_sampling,
                                     partial_rollouts=r.partial_rollouts,
                                     mask_stale_tokens=r.mask_stale_tokens,
                                     request_timeout_s=r.request_timeout_s,
-                                    max_reward_error_fraction=r.max_reward_error_fraction),
+                                    max_reward_error_fraction=r.max_reward_error_fraction,
+                                    seed=r.seed),
             encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec),
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             reward_fn=get_reward_fn(r.reward))
