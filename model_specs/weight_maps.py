@@ -81,12 +81,18 @@ RULES: tuple[WeightRule, ...] = (
     WeightRule("output_layer.weight", ("lm_head.weight",), tp_dim=0, when="untied"),
 )
 
-# Names megatron's TE layer spec uses instead (the norm is fused into the following linear).
-# Checkpoint keys are the same for both specs: megatron maps the local names to these on save.
-TE_NAMES = {
-    L + "input_layernorm.weight": L + "self_attention.linear_qkv.layer_norm_weight",
-    L + "pre_mlp_layernorm.weight": L + "mlp.linear_fc1.layer_norm_weight",
-}
+# megatron's TE layer spec fuses the norms into the following linear layer, so a live TE model
+# names them differently (checkpoint keys are the same for both specs: megatron maps the local
+# names to the TE ones on save). canonical_megatron_name() maps a TE name to the map's name.
+_TE_NAMES = ((re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
+             (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"))
+
+
+def canonical_megatron_name(name: str) -> str:
+    """The weight-map name of a live parameter, whichever layer spec (local or TE) built it."""
+    for pattern, local in _TE_NAMES:
+        name = pattern.sub(local, name)
+    return name
 
 # HF tensors that carry no weights (recomputed buffers some exporters include).
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
@@ -204,27 +210,6 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int,
 def _check_rows(name: str, t: torch.Tensor, rows: int) -> None:
     if t.dim() == 0 or t.shape[0] != rows:
         raise WeightMapError(f"{name} has shape {tuple(t.shape)}, expected {rows} rows")
-
-
-# ---- tensor parallelism: how the shards of one parameter relate to the full tensor ----
-def merge_tp_shards(m: ParamMapping, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The full megatron tensor from its TP (or expert-TP) shards in rank order."""
-    if len(shards) == 1 or m.tp_dim is None:
-        return shards[0]
-    if m.kind == GATE_UP:  # each rank holds [gate_r; up_r]
-        halves = [torch.chunk(s, 2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(list(shards), dim=m.tp_dim)
-
-
-def tp_shard(m: ParamMapping, full: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
-    """The inverse of merge_tp_shards: rank `tp_rank`'s shard of a full megatron tensor."""
-    if tp_size == 1 or m.tp_dim is None:
-        return full
-    if m.kind == GATE_UP:
-        gate, up = torch.chunk(full, 2, dim=0)
-        return torch.cat([torch.chunk(gate, tp_size)[tp_rank], torch.chunk(up, tp_size)[tp_rank]])
-    return torch.chunk(full, tp_size, dim=m.tp_dim)[tp_rank]
 
 
 # ---- building the map from an HF config ----

@@ -41,3 +41,12 @@ def test_actor_rejects_spec_built_for_another_layout():
     spec = model_spec_for(qwen3.tiny_hf_config(), ParallelLayout())
     with pytest.raises(ValueError, match="ModelSpec was built for another layout"):
         build_model_chunks(spec, ParallelLayout(tensor=2))
+
+
+def test_distributed_optimizer_needs_adam():
+    from gspo_megatron.actor.build import OptimizerSettings
+
+    with pytest.raises(ValueError, match="use_distributed_optimizer=True needs optimizer='adam', got 'sgd'"):
+        OptimizerSettings(optimizer="sgd", use_distributed_optimizer=True)
+    with pytest.raises(ValueError, match="optimizer must be 'adam' or 'sgd', got 'lion'"):
+        OptimizerSettings(optimizer="lion")

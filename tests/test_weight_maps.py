@@ -74,3 +74,14 @@ def test_transformers5_config_names_are_normalised():
     assert cfg["num_experts"] == 8 and cfg["rope_theta"] == 1e6 and "rope_scaling" not in cfg
     scaled = normalize_hf_config({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3"}})
     assert scaled["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_te_spec_names_map_to_the_same_parameters():
+    from model_specs.weight_maps import canonical_megatron_name
+
+    assert canonical_megatron_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") \
+        == "decoder.layers.3.input_layernorm.weight"
+    assert canonical_megatron_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") \
+        == "decoder.layers.0.pre_mlp_layernorm.weight"
+    name = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
+    assert canonical_megatron_name(name) == name

@@ -62,6 +62,14 @@ class OptimizerSettings:
     grad_reduce_in_fp32: bool = True
     """Accumulate and all-reduce gradients in fp32 when the model is bf16/fp16."""
 
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.use_distributed_optimizer and self.optimizer != "adam":
+            # megatron-core's DistributedOptimizer asserts Adam (checkpointing requirements).
+            raise ValueError(f"use_distributed_optimizer=True needs optimizer='adam', got "
+                             f"{self.optimizer!r}")
+
 
 def check_layout(spec: ModelSpec, layout: ParallelLayout, world_size: int) -> None:
     """LayoutError (naming the numbers) if `layout` cannot run `spec` on `world_size` ranks.
@@ -154,8 +162,6 @@ def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimizerSe
         raise ValueError(f"use_distributed_optimizer={settings.use_distributed_optimizer} but the "
                          f"model chunks were built with "
                          f"{chunks[0].ddp_config.use_distributed_optimizer}")
-    if settings.optimizer not in ("adam", "sgd"):
-        raise ValueError(f"optimizer must be 'adam' or 'sgd', got {settings.optimizer!r}")
     opt_config = OptimizerConfig(
         optimizer=settings.optimizer, lr=settings.lr, min_lr=settings.min_lr,
         weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,

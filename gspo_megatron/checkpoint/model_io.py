@@ -26,6 +26,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
+from gspo_megatron.actor.build import unwrap  # DDP / Float16Module prefix names with 'module.'
 from gspo_megatron.checkpoint.hf_files import copy_metadata_files
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from model_specs.weight_maps import normalize_hf_config
@@ -38,18 +39,11 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint that does not fit the model: the message names the tensors and shapes."""
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module (whose state dicts prefix names with 'module.')."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict[str, Any]:
     """{"model0": ..., "model1": ...} (one per virtual-pipeline chunk), without `_extra_state`."""
     out = {}
     for i, m in enumerate(models):
-        sd = _unwrap(m).sharded_state_dict()
+        sd = unwrap(m).sharded_state_dict()
         out[f"model{i}"] = {k: v for k, v in sd.items() if not k.endswith(EXTRA_STATE)}
     return out
 
@@ -98,7 +92,7 @@ def load_model(models: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
     check_matches(model_sharded_state_dict(models), ckpt_dir)
     loaded = dist_checkpointing.load(model_sharded_state_dict(models), str(ckpt_dir))
     for i, m in enumerate(models):
-        missing, unexpected = _unwrap(m).load_state_dict(loaded[f"model{i}"], strict=False)
+        missing, unexpected = unwrap(m).load_state_dict(loaded[f"model{i}"], strict=False)
         missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
         if missing or unexpected:
             raise CheckpointMismatchError(f"loading {ckpt_dir} into model chunk {i}: missing "

@@ -15,6 +15,7 @@ most one bucket of full tensors, any other rank at most the one parameter it is 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -25,7 +26,7 @@ from megatron.core import parallel_state as ps
 from gspo_megatron.actor.weights import _full_tensor as full_tensor_over_tp
 from gspo_megatron.actor.weights import _owns_full_copy as owns_full_copy
 from gspo_megatron.actor.weights import is_expert_param, named_parameters_global
-from model_specs.weight_maps import ParamMapping, WeightMap, WeightMapError
+from model_specs.weight_maps import ParamMapping, WeightMap, WeightMapError, canonical_megatron_name
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,7 @@ class PlanEntry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty(0, dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
@@ -54,6 +52,11 @@ def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _local_params(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
+    """Global weight-map name -> this rank's parameter (tied output copies left out)."""
+    return {canonical_megatron_name(n): p for n, p in named_parameters_global(chunks)}
+
+
 def _takes_part(param: torch.nn.Parameter) -> bool:
     """This rank's TP group is the one that assembles the parameter (DP / expert-DP rank 0)."""
     if is_expert_param(param):
@@ -63,7 +66,7 @@ def _takes_part(param: torch.nn.Parameter) -> bool:
 
 def build_plan(chunks: Sequence[torch.nn.Module], wmap: WeightMap) -> list[PlanEntry]:
     """Collective over the world. Raises WeightMapError if the model and the map disagree."""
-    mine = [(name, _full_shape(p), p.dtype) for name, p in named_parameters_global(chunks)
+    mine = [(name, _full_shape(p), p.dtype) for name, p in _local_params(chunks).items()
             if owns_full_copy(p)]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -106,7 +109,7 @@ def stream_hf_weights(chunks: Sequence[torch.nn.Module], wmap: WeightMap,
     """Collective generator (see the module docstring): one item per bucket on every rank, the
     bucket's (HF name, full tensor) pairs on global rank 0 and [] elsewhere."""
     rank = dist.get_rank()
-    local = dict(named_parameters_global(chunks))
+    local = _local_params(chunks)
     for bucket in buckets(plan, bucket_bytes):
         received: list[tuple[ParamMapping, torch.Tensor]] = []
         for e in bucket:
