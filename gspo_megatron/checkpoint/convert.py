@@ -105,7 +105,12 @@ class _StreamingSaveStrategy(TorchDcpSaveStrategy):
                 offs = sh.global_offset[sh.prepend_axis_num:]
                 slices = tuple(slice(o, o + n) for o, n in zip(offs, sh.local_shape))
                 pieces[(key, tuple(sh.global_offset))] = (flat_mapping[flat_key][0], slices)
-        return _LazySavePlanner(pieces, self.load_param, total=len(pieces))
+        self.planner = _LazySavePlanner(pieces, self.load_param, total=len(pieces))
+        return self.planner
+
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        super().save(sharded_state_dict, checkpoint_dir)
+        self.planner.progress.close()
 
 
 def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
@@ -121,6 +126,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"output directory {out_dir} is not empty")
     out_dir.mkdir(parents=True, exist_ok=True)
+    # megatron writes metadata.json last: a checkpoint interrupted before it is not loadable.
+    copy_metadata_files(hf_dir, out_dir / HF_SUBDIR)
     with single_process_megatron():
         sharded_sd, params = meta_model_state(hf, dtype)
         check_map_covers(wmap, params)
@@ -137,7 +144,6 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
 
         dist_checkpointing.save(sharded_sd, str(out_dir),
                                 sharded_strategy=_StreamingSaveStrategy(load_param))
-    copy_metadata_files(hf_dir, out_dir / HF_SUBDIR)
     return out_dir
 
 

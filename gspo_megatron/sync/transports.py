@@ -23,14 +23,16 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
 from gspo_megatron.checkpoint.hf_files import INDEX_NAME, copy_metadata_files
-from rollout.client import ServerPool
+
+if TYPE_CHECKING:  # duck-typed: anything with ServerPool's methods
+    from rollout.client import ServerPool
 
 Bucket = Sequence[tuple[str, torch.Tensor]]
 
@@ -53,7 +55,7 @@ class DiskTransport:
 
     name = "disk"
 
-    def __init__(self, pool: ServerPool, root: str | Path, hf_metadata_dir: str | Path) -> None:
+    def __init__(self, pool: "ServerPool", root: str | Path, hf_metadata_dir: str | Path) -> None:
         self.pool, self.root, self.metadata_dir = pool, Path(root), Path(hf_metadata_dir)
         self._dir: Path | None = None
         self._weight_map: dict[str, str] = {}
@@ -91,7 +93,7 @@ class TensorTransport:
 
     name = "tensor"
 
-    def __init__(self, pool: ServerPool) -> None:
+    def __init__(self, pool: "ServerPool") -> None:
         self.pool = pool
 
     def begin(self, version: str) -> None:
@@ -138,7 +140,7 @@ class DistributedTransport:
 
     name = "distributed"
 
-    def __init__(self, pool: ServerPool, master_address: str, master_port: int, *,
+    def __init__(self, pool: "ServerPool", master_address: str, master_port: int, *,
                  backend: str | None = None, group_name: str = "gspo_weight_update",
                  server_tp_sizes: Sequence[int] | None = None, timeout_s: float = 300.0) -> None:
         self.pool, self.address, self.port = pool, master_address, int(master_port)
