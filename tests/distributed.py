@@ -3,13 +3,15 @@
     results = run_distributed(fn, world_size=4, args=(...), timeout=300)
 
 `fn(rank, world_size, *args)` runs in a fresh spawned process with torch.distributed already
-initialised (gloo, env:// rendezvous on a free loopback port); its return value (picklable; tensors
-are sent as-is) comes back in rank order. An exception on any rank fails the call with that rank's
+initialised (gloo, env:// rendezvous on a free loopback port); its return value comes back in rank
+order. It is serialised with torch.save in the rank (tensors are copied, not shared-memory handles
+that die with the rank's process); a value that cannot be serialised fails the call at once. An exception on any rank fails the call with that rank's
 traceback; a rank that hangs past `timeout` fails it too and every rank is killed, so a broken
 collective never hangs the suite.
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -36,7 +38,9 @@ def _worker(fn, rank, world_size, port, args, results, env) -> None:
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -65,7 +69,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
                                    "(a hung collective?)") from None
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            out[rank] = value
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for p in procs:
             p.join(timeout=10)
