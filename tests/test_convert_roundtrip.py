@@ -127,3 +127,6 @@ def test_hf_megatron_layouts_hf_bit_exact_and_logits_match(tmp_path):
         hf_log_probs, hf_entropy = _hf_logprobs_entropy(exported)
         torch.testing.assert_close(log_probs, hf_log_probs, atol=1e-5, rtol=0)
         torch.testing.assert_close(entropy, hf_entropy, atol=1e-5, rtol=0)
+        print(f"{name}: max |megatron - transformers| log-prob "
+              f"{(log_probs - hf_log_probs).abs().max():.3g}, entropy "
+              f"{(entropy - hf_entropy).abs().max():.3g}")
