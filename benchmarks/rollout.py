@@ -24,7 +24,8 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.client import ServerPool, SGLangClient  # noqa: E402
+from rollout.client import SGLangClient  # noqa: E402
+from rollout.pool import ServerPool  # noqa: E402
 from rollout.manager import RolloutConfig, RolloutManager  # noqa: E402
 from rollout.server import ServerConfig, ServerGroup  # noqa: E402
 

@@ -26,7 +26,7 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
-from rollout.client import ServerPool
+from rollout.pool import ServerPool
 from rollout.rewards import RewardErrorBudget, RewardFn, score_sample
 from rollout.sample import ABORTED, DONE, PENDING, Sample
 

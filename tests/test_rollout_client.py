@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from fixtures_models import hf_response_logprobs, tiny_model_dir
 from fixtures_servers import launch_tiny_server
-from rollout.client import SGLangClient, SGLangError, ServerPool, ServerUnavailable
+from rollout.client import SGLangClient, SGLangError, ServerUnavailable
+from rollout.pool import ServerPool
 from rollout.manager import RolloutConfig, RolloutManager
 from rollout.server import ServerGroup, free_port, router_process
 

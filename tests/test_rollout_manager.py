@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from fixtures_models import hf_response_logprobs, tiny_model_dir
-from rollout.client import ServerPool
+from rollout.pool import ServerPool
 from rollout.dataset import chat_prompt_ids
 from rollout.manager import RolloutConfig, RolloutManager
 from rollout.rewards import RewardErrorBudgetExceeded

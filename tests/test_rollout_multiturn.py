@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from fixtures_models import tiny_model_dir
-from rollout.client import ServerPool
+from rollout.pool import ServerPool
 from rollout.envs import CalculatorEnv, GuessingGameEnv
 from rollout.envs.calculator import safe_eval
 from rollout.manager import RolloutConfig, RolloutManager

@@ -1,0 +1,121 @@
+"""Several SGLang servers behind one interface (optionally through sglang-router).
+
+    pool = ServerPool(group.server_urls, router_url=group.router_url)
+    out = pool.generate([1, 2, 3], {"max_new_tokens": 16, "temperature": 1.0})
+    pool.update_weights_from_disk("/ckpt/hf-step-10", weight_version="10")
+
+Generation goes through the router when one is given, else round robin over the live servers; a
+server whose connection fails is marked dead and the request moves to the next one. Control and
+weight-update calls go to every server.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from rollout.client import GenerateOutput, SGLangClient, ServerUnavailable
+
+
+class ServerPool:
+    """Several SGLang servers behind one interface.
+
+    generate(): through `router_url` when given, else round robin over the servers believed alive;
+    a server whose connection fails is marked dead and the request is retried on the next one
+    (the partial work on the dead server is lost and regenerated). When none is left,
+    ServerUnavailable names every server. Everything else (abort, flush, pause, weight updates)
+    goes to every server in `server_urls`, in parallel.
+    """
+
+    def __init__(self, server_urls: Sequence[str], router_url: str | None = None, *,
+                 timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5):
+        if not server_urls:
+            raise ValueError("ServerPool needs at least one server URL")
+        self.clients = [SGLangClient(u, timeout_s, retries, backoff_s) for u in server_urls]
+        self.router = SGLangClient(router_url, timeout_s, retries, backoff_s) if router_url else None
+        self._dead: set[str] = set()
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)),
+                                            thread_name_prefix="sglang-pool")
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [c.url for c in self.clients]
+
+    def live_clients(self) -> list[SGLangClient]:
+        with self._lock:
+            return [c for c in self.clients if c.url not in self._dead]
+
+    def mark_dead(self, url: str) -> None:
+        with self._lock:
+            self._dead.add(url)
+
+    def _next_client(self) -> SGLangClient:
+        live = self.live_clients()
+        if not live:
+            raise ServerUnavailable(", ".join(self.server_urls), "no live SGLang server left "
+                                    f"(all of {len(self.clients)} failed)")
+        return live[next(self._rr) % len(live)]
+
+    def generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: str | None = None,
+                 timeout_s: float | None = None) -> GenerateOutput:
+        """One prompt -> one GenerateOutput (see SGLangClient.generate)."""
+        if self.router is not None:
+            return self.router.generate(input_ids, sampling_params, rid=rid, timeout_s=timeout_s)[0]
+        errors = []
+        while True:
+            try:
+                client = self._next_client()
+            except ServerUnavailable as e:
+                raise ServerUnavailable(e.url, f"{e}; errors: {'; '.join(errors)}") from None
+            try:
+                return client.generate(input_ids, sampling_params, rid=rid, timeout_s=timeout_s)[0]
+            except ServerUnavailable as e:
+                errors.append(str(e))
+                self.mark_dead(client.url)
+
+    def for_each(self, fn: Callable[[SGLangClient], Any], live_only: bool = True) -> list[Any]:
+        """Call fn(client) on every (live) server in parallel; results in server order; the first
+        error is raised after all calls have finished."""
+        clients = self.live_clients() if live_only else self.clients
+        futures = [self._executor.submit(fn, c) for c in clients]
+        results, first_error = [], None
+        for f in futures:
+            try:
+                results.append(f.result())
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after every call returned
+                results.append(None)
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return results
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run a blocking call (e.g. init_weights_update_group) in the pool's threads."""
+        return self._executor.submit(fn, *args, **kwargs)
+
+    def abort_all(self) -> None:
+        """Abort every request on every live server (their /generate calls return "abort")."""
+        self.for_each(lambda c: c.abort(abort_all=True))
+
+    def flush_cache(self) -> None:
+        self.for_each(lambda c: c.flush_cache())
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        self.for_each(lambda c: c.pause_generation(mode))
+
+    def continue_generation(self) -> None:
+        self.for_each(lambda c: c.continue_generation())
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
+                                 **kw: Any) -> list[dict]:
+        """Every server reloads from `model_path` (see SGLangClient.update_weights_from_disk)."""
+        return self.for_each(lambda c: c.update_weights_from_disk(model_path, weight_version, **kw))
+
+    def weight_versions(self) -> list[str]:
+        return self.for_each(lambda c: c.weight_version())
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
