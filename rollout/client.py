@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import itertools
 import threading
 import time
 from typing import Any, Sequence

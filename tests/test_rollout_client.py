@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import http.server
 import json
-import socket
 import threading
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from fixtures_models import hf_response_logprobs, tiny_model_dir
