@@ -58,12 +58,13 @@ def _run(rank, world, layout_kwargs, options, init_state):
     from gspo_megatron.actor.forward import LogProbSettings
     from gspo_megatron.actor.train import LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.qwen3_moe import tiny_hf_config
+    from model_specs import qwen3, qwen3_moe
 
     if options.get("wrong_scale"):  # the classic bug: forget the DP factor of the loss scale
         actor_train.ps = type("PS", (), {"__getattr__": lambda self, n: getattr(ps, n),
                                          "get_data_parallel_world_size": staticmethod(lambda: 1)})()
-    actor = Actor(tiny_hf_config(), ParallelLayout(**layout_kwargs),
+    family = qwen3 if options.get("dense") else qwen3_moe
+    actor = Actor(family.tiny_hf_config(), ParallelLayout(**layout_kwargs),
                   optimizer=OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0,
                                               use_distributed_optimizer=options.get("dist_opt", False)),
                   loss=LossSettings(name="gspo", eps_low=0.02, eps_high=0.002),
@@ -93,6 +94,11 @@ def _run(rank, world, layout_kwargs, options, init_state):
 @pytest.fixture(scope="session")
 def reference():
     return run_distributed(_run, 1, ({}, {"micro_batch_size": 64}, None), timeout=180)[0]
+
+
+@pytest.fixture(scope="session")
+def dense_reference():
+    return run_distributed(_run, 1, ({}, {"micro_batch_size": 64, "dense": True}, None), timeout=180)[0]
 
 
 def _old_log_probs(results) -> torch.Tensor:
@@ -158,6 +164,11 @@ def test_logprobs_pp2_vpp2(reference):
 def test_logprobs_tp2_pp2_ep2(reference):
     # 8 ranks: TP2 x PP2 x DP2, EP2 x expert-TP2, distributed optimizer.
     _check_layout(reference, 8, dict(tensor=2, pipeline=2, expert=2), dist_opt=True)
+
+
+def test_logprobs_tp2_dense(dense_reference):
+    # Dense Qwen3: TP without sequence parallelism (replicated hidden states on the last stage).
+    _check_layout(dense_reference, 2, dict(tensor=2), dense=True)
 
 
 def test_wrong_scale_is_caught(reference):
