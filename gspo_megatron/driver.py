@@ -19,10 +19,7 @@ import torch.distributed as dist
 from gspo_megatron.actor.batch import TrainBatch
 from gspo_megatron.algorithms import group_advantages
 from gspo_megatron.config import ConfigError, RunConfig
-try:
-    from rollout.pool import ServerPool
-except ImportError:  # rollout/ before ServerPool moved out of rollout/client.py
-    from rollout.client import ServerPool
+from rollout.pool import ServerPool
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
 from rollout.manager import RolloutConfig as ManagerConfig
 from rollout.manager import RolloutManager
