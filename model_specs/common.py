@@ -72,15 +72,17 @@ class ModelSpec:
 
 def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """A config dict from a dict, a config.json path, or an HF model directory."""
+    from model_specs.weight_maps import normalize_hf_config
+
     if isinstance(source, Mapping):
-        return dict(source)
+        return normalize_hf_config(dict(source))
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no HF config.json at {path}")
     try:
-        return json.loads(path.read_text())
+        return normalize_hf_config(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
