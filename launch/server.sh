@@ -16,19 +16,9 @@ if (( GSPO_GPUS_PER_NODE > 0 && GSPO_SERVERS_PER_NODE > 1 )); then
 fi
 if [[ -n ${GSPO_SERVER_CMD:-} ]]; then
   read -ra cmd <<<"$GSPO_SERVER_CMD"
-elif grep -q '__main__' "$GSPO_ROOT/rollout/server.py" 2>/dev/null; then
-  cmd=("$GSPO_PYTHON" -m rollout.server)
 else
-  # rollout.server has no command line yet: SGLang's own launcher. On CPU, the flags and the
-  # sgl_kernel stand-in that ENVIRONMENT.md found necessary.
-  cmd=("$GSPO_PYTHON" -m sglang.launch_server)
-  if (( GSPO_GPUS_PER_NODE == 0 )); then
-    cmd+=(--device cpu --attention-backend torch_native --dtype float32
-          --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled
-          --max-total-tokens 16384 --mem-fraction-static 0.05 --skip-server-warmup --sleep-on-idle)
-    export SGLANG_USE_CPU_ENGINE=1 HF_HUB_OFFLINE=1
-    export PYTHONPATH=$GSPO_ROOT/rollout/cpu_stand_ins${PYTHONPATH:+:$PYTHONPATH}
-  fi
+  # The trainer's own server launcher: on CPU the CPU engine, float32 and the sgl_kernel stand-in.
+  cmd=("$GSPO_PYTHON" -m rollout.server)
 fi
 read -ra extra <<<"${GSPO_SERVER_ARGS:-}"
 if [[ -n ${GSPO_LOG_DIR:-} ]]; then

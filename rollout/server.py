@@ -306,3 +306,36 @@ class ServerGroup:
     def __repr__(self) -> str:
         return f"ServerGroup(servers={self.server_urls}, router={self.router_url})"
 
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m rollout.server --model-path DIR --host H --port P [SGLang flags...]`: one SGLang
+    server in the foreground, with the same command line and environment the trainer's own servers
+    get (on CPU: the CPU engine, float32, the sgl_kernel stand-in). The launch scripts
+    (launch/server.sh) run it under srun; unknown flags go to sglang.launch_server verbatim.
+    The process execs SGLang, so SIGTERM reaches SGLang directly."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m rollout.server", description=main.__doc__)
+    parser.add_argument("--model-path", required=True, help="HF model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    args, extra = parser.parse_known_args(argv)
+    if not (Path(args.model_path) / "config.json").is_file():
+        parser.error(f"--model-path {args.model_path}: no config.json (expected a Hugging Face model directory)")
+    config = ServerConfig(model_path=args.model_path, device=args.device, dtype=args.dtype,
+                          host=args.host, port=args.port, tp_size=args.tp_size,
+                          max_total_tokens=args.max_total_tokens,
+                          mem_fraction_static=args.mem_fraction_static, extra_args=extra)
+    proc = server_process(config, Path(tempfile.gettempdir()))
+    print(f"rollout.server: {' '.join(proc.cmd)}", file=sys.stderr, flush=True)
+    os.execvpe(proc.cmd[0], proc.cmd, proc.env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
