@@ -1,12 +1,15 @@
 """The SLURM launch scripts, submitted for real (`sbatch --wait`) to a two-node Slurm on this host.
 
-The cluster is tests/slurm_cluster.py's (slurmctld + slurmd n1, n2; 2 CPUs each). The jobs run the
-same scripts users run, with GPUs=0 (gloo). Until the trainer exists, the trainer command is
-tests/launch_toy_trainer.py (all-reduce across ranks and nodes, atomic per-step checkpoints, resume
-from `latest`) and the server command tests/launch_toy_server.py (/health): the scripts' defaults
-stay the real trainer and SGLang server. To run these tests on the real trainer, drop
-GSPO_TRAIN_CMD from TOY and pass a real config; the checks on the checkpoint history become checks
-on the trainer's own resume state.
+The cluster is tests/slurm_cluster.py's (slurmctld + slurmd n1, n2; 2 CPUs each). Every job runs the
+same scripts users run, with GPUs=0 (gloo).
+
+- The real run: `gspo-megatron train` (TP2 on one node) against a real SGLang server on the other
+  node (`python -m rollout.server`, the scripts' defaults), requeued mid-run by Slurm and resumed
+  from its checkpoint with no step lost or repeated.
+- The launcher's edge cases (colocated and disaggregated shapes, the two preemption paths, a failing
+  trainer, bad input) run with stand-ins that take seconds instead of minutes: tests/
+  launch_toy_trainer.py (a real all-reduce across ranks and nodes, atomic per-step checkpoints,
+  resume from `latest`) and tests/launch_toy_server.py (/health).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures_models import tiny_model_dir
 from slurm_cluster import slurm_cluster  # noqa: F401  (the session fixture)
 
 pytestmark = pytest.mark.slow
@@ -95,6 +99,57 @@ d.destroy_process_group()"'
     assert proc.returncode == 0, out
     results = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT"))
     assert results == [["0", "n1", "3.0"], ["1", "n2", "3.0"]], out
+
+
+def test_real_trainer_and_sglang_requeued_mid_run_resume_without_losing_a_step(slurm_cluster, tmp_path):
+    """The tiny MoE job as users submit it: trainer ranks (TP2) on n1, a real SGLang server on n2.
+    After the step-2 checkpoint Slurm requeues the job (`scontrol requeue`: SIGTERM, as preemption);
+    the second attempt resumes from `latest` and the run ends with each step's metrics exactly once."""
+    from gspo_megatron.metrics import read_jsonl, read_scalars
+    steps, run_dir = 4, tmp_path / "run"
+    sets = {"model.hf_path": tiny_model_dir("qwen3_moe", 0), "parallel.tensor": 2,
+            "rollout.group_size": 4, "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 6,
+            "train.steps": steps, "train.mini_batches": 2, "train.micro_batch_size": 4,
+            "train.warm_start_steps": 0, "checkpoint.interval": 1, "checkpoint.export_hf": "null",
+            "logging.tensorboard_dir": run_dir / "tb"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GSPO_", "SLURM_"))}
+    env["GSPO_PYTHON"] = PY  # the trainer command stays the default, .venv/bin/gspo-megatron train
+    cmd = [str(ROOT / "launch/slurm/submit.sh"), "--wait", "--mode", "disaggregated", "--nodes", "2",
+           "--server-nodes", "1", "--procs-per-node", "2", "--gpus-per-node", "0",
+           "--model-path", str(sets["model.hf_path"]), "--run-dir", str(run_dir),
+           str(ROOT / "examples/tiny_moe_larger_digit.yaml"),
+           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    proc = slurm_cluster.popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert marker.exists(), "no step-2 checkpoint:\n" + explain(proc, {"dir": run_dir})
+        job_id = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()[0]
+        slurm_cluster.run(["scontrol", "requeue", job_id])
+        proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            slurm_cluster.cancel_all()
+    run = {"dir": run_dir}
+    assert proc.returncode == 0, explain(proc, run)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
+    records = read_jsonl(run_dir / "tb" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(steps)), explain(proc, run)
+    assert [s for s, _ in read_scalars(run_dir / "tb")["rollout/reward_mean"]] == list(range(steps))
+    log = batch_log(run)
+    assert "SIGTERM (cancel, preemption or requeue)" in log
+    assert log.count("has 'latest': the trainer resumes from it") == 1, log
+    logs = step_logs(run)
+    attempts = sorted({p.split("/")[0] for p in logs})
+    assert [a.split(".")[1] for a in attempts] == ["0", "1"], logs
+    assert sorted(p.split("/")[1] for p in logs if p.startswith(attempts[1])) == [
+        "server-n2-s0.log", "trainer-n1-r0.log", "trainer-n1-r1.log"]
+    resumed = (run_dir / "logs" / attempts[1] / "trainer-n1-r0.log").read_text()
+    assert "resumed from" in resumed and "layout TP2" in resumed, resumed[-3000:]
+    assert "servers: http://n2:30000" in log
 
 
 def test_colocated_servers_and_ranks_on_both_nodes(slurm_cluster, run):
