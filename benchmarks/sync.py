@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                                     WeightSync, build_plan, stream_hf_weights)
     from model_specs import load_hf_config
     from model_specs.weight_maps import normalize_hf_config, weight_map_for
-    from rollout.client import ServerPool
+    from rollout.pool import ServerPool
     from rollout.server import ServerConfig, ServerGroup
     from tools.make_tiny_model import make_tiny_model
 

@@ -306,11 +306,3 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, Any]]) -> str:
     ForkingPickler(buf).dump([(str(n), t.detach().cpu().contiguous()) for n, t in named_tensors])
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
-
-def __getattr__(name: str) -> Any:
-    # ServerPool lived here first and is still imported from here; lazily, as rollout.pool
-    # imports this module.
-    if name == "ServerPool":
-        from rollout.pool import ServerPool
-        return ServerPool
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -70,7 +70,7 @@ def _body(rank, world, ckpt, url, disk_root, port):
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import (DiskTransport, DistributedTransport, TensorTransport,
                                     WeightSync, WeightSyncError)
-    from rollout.client import ServerPool
+    from rollout.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     actor = actor_mod.Actor(hf, ParallelLayout(tensor=2), micro_batch_size=2,
@@ -125,7 +125,7 @@ def _body(rank, world, ckpt, url, disk_root, port):
 
 def test_gspo_step_then_sync_per_transport(qwen3_server, tmp_path):
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
-    from rollout.client import ServerPool
+    from rollout.pool import ServerPool
 
     hf_dir = tiny_model_dir("qwen3", 0)  # what the session server serves
     url = qwen3_server.server_urls[0]

@@ -90,7 +90,7 @@ def shard_of(full: torch.Tensor, dim: int, stride: int, tp_size: int, tp_rank: i
     return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in blocks], dim=dim)
 
 
-def _full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
+def full_tensor_over_tp(param: torch.nn.Parameter) -> torch.Tensor:
     """This parameter joined over its TP group (a collective over that group)."""
     local = param.detach()
     if not _is_tp_sharded(param):
@@ -103,7 +103,7 @@ def _full_tensor(param: torch.nn.Parameter) -> torch.Tensor:
     return join_tp_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1))
 
 
-def _owns_full_copy(param: torch.nn.Parameter) -> bool:
+def owns_full_copy(param: torch.nn.Parameter) -> bool:
     """One rank per distinct tensor contributes it: DP rank 0 (expert-DP rank 0 for experts) and
     TP rank 0 (expert-TP rank 0) of its group."""
     if is_expert_param(param):
@@ -121,8 +121,8 @@ def full_state_dict(chunks: list[torch.nn.Module], *, to_all_ranks: bool = True
     """
     mine: dict[str, torch.Tensor] = {}
     for name, param in named_parameters_global(chunks):
-        full = _full_tensor(param)  # every rank of the TP group takes part
-        if _owns_full_copy(param):
+        full = full_tensor_over_tp(param)  # every rank of the TP group takes part
+        if owns_full_copy(param):
             mine[name] = full
     world = dist.get_world_size()
     if to_all_ranks:

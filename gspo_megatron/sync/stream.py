@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.weights import _full_tensor as full_tensor_over_tp
-from gspo_megatron.actor.weights import _owns_full_copy as owns_full_copy
-from gspo_megatron.actor.weights import is_expert_param, named_parameters_global
+from gspo_megatron.actor.weights import (full_tensor_over_tp, is_expert_param, named_parameters_global,
+                                         owns_full_copy)
 from model_specs.weight_maps import ParamMapping, WeightMap, WeightMapError, canonical_megatron_name
 
 

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from gspo_megatron.checkpoint.hf_files import INDEX_NAME, copy_metadata_files
 
 if TYPE_CHECKING:  # duck-typed: anything with ServerPool's methods
-    from rollout.client import ServerPool
+    from rollout.pool import ServerPool
 
 Bucket = Sequence[tuple[str, torch.Tensor]]
 
