@@ -139,4 +139,5 @@ def test_vpp_forces_batch_p2p_comm_off():
     from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 
     assert cpu_config_overrides(2)["batch_p2p_comm"] is False
+    assert cpu_config_overrides(2)["variable_seq_lengths"] is False
     assert "batch_p2p_comm" not in cpu_config_overrides(None)

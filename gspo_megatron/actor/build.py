@@ -138,17 +138,13 @@ def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
     for chunk in chunks:
         chunk.broadcast_params()  # identical replicas across DP (init is seeded, this makes it sure)
     if layout.vpp > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
-        if config.batch_p2p_comm:
-            raise ValueError("an interleaved pipeline on gloo needs batch_p2p_comm=False (with True "
-                             "the losses are silently wrong, ENVIRONMENT.md #10); model_specs sets it "
-                             "through cpu_config_overrides")
-        # megatron's shape exchange for variable sequence lengths (p2p_communication.py:213-238,
-        # _communicate_shapes) always uses batch_isend_irecv, whatever batch_p2p_comm says. With
-        # an interleaved schedule on PP=2 the previous and next stage are the same rank and gloo
-        # pairs the two shape messages the wrong way round (the same fault as batch_p2p_comm,
-        # ENVIRONMENT.md #10): the ranks then crash on mismatched sizes. Fixed shapes instead:
-        # forward.py pads every micro-batch to one [rows, seq] shape in this case.
-        config.variable_seq_lengths = False
+        # Both faults are gloo's pairing of batched p2p messages when the previous and next
+        # stage are one rank (ENVIRONMENT.md #10); cpu_compat.cpu_config_overrides explains them.
+        for field in ("batch_p2p_comm", "variable_seq_lengths"):
+            if getattr(config, field):
+                raise ValueError(f"an interleaved pipeline on gloo needs {field}=False (with True "
+                                 "the run is silently wrong or crashes); model_specs sets it "
+                                 "through cpu_config_overrides")
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
     return chunks

@@ -209,7 +209,11 @@ def cpu_config_overrides(virtual_pipeline: int | None = None) -> dict[str, Any]:
     All fusions are CUDA kernels; `use_cpu_initialization` avoids CUDA-side init; grouped GEMM and
     permute fusion need CUDA kernels. With an interleaved (virtual) pipeline on gloo,
     `batch_p2p_comm=True` gives silently wrong losses (with PP=2 the previous and next stage are the
-    same rank and batched isend/irecv pair the messages the wrong way), so it is forced off.
+    same rank and batched isend/irecv pair the messages the wrong way), so it is forced off. For
+    the same reason `variable_seq_lengths` is forced off there: megatron's shape exchange
+    (core/pipeline_parallel/p2p_communication.py:213-238, _communicate_shapes) always uses
+    batch_isend_irecv, whatever batch_p2p_comm says, and the ranks then crash on mismatched sizes;
+    actor/forward.py pads every micro-batch to one [rows, seq] shape instead.
     """
     overrides: dict[str, Any] = dict(
         gradient_accumulation_fusion=False,
@@ -225,4 +229,5 @@ def cpu_config_overrides(virtual_pipeline: int | None = None) -> dict[str, Any]:
     )
     if virtual_pipeline and virtual_pipeline > 1:
         overrides["batch_p2p_comm"] = False
+        overrides["variable_seq_lengths"] = False
     return overrides
