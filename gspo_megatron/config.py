@@ -46,25 +46,6 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class ParallelConfig:
-    tensor: int = 1
-    """Tensor-parallel size (TP)."""
-    pipeline: int = 1
-    """Pipeline-parallel size (PP)."""
-    virtual_pipeline: int | None = None
-    """Virtual stages per pipeline rank (interleaved schedule); null = off."""
-    expert: int = 1
-    """Expert-parallel size (EP)."""
-    expert_tensor: int | None = None
-    """Tensor-parallel size inside experts; null = same as tensor."""
-    sequence_parallel: bool | None = None
-    """Sequence parallelism between TP ranks; null = on for MoE with tensor > 1 (required there)."""
-
-    def layout(self) -> ParallelLayout:
-        return ParallelLayout(**dataclasses.asdict(self))
-
-
-@dataclasses.dataclass
 class LossConfig:
     name: Literal["gspo", "gspo_token", "grpo"] = "gspo"
     """Policy loss: gspo (sequence ratio, Eq. 5), gspo_token (Eqs. 13-14) or grpo (token ratio)."""
@@ -209,7 +190,7 @@ class LoggingConfig:
 class RunConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The policy model."""
-    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    parallel: ParallelLayout = dataclasses.field(default_factory=ParallelLayout)
     """Parallel layout of the trainer ranks (data parallel = the rest of the world size)."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     """Policy-gradient loss and its clip ranges."""

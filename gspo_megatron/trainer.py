@@ -243,7 +243,7 @@ def setup(cfg: RunConfig) -> Run:
         print(f"[gspo] {cfg.describe_loss()}", flush=True)
     eps_low, eps_high = cfg.loss.clip_range()
     actor = actor_mod.Actor(
-        hf_config(cfg), cfg.parallel.layout(),
+        hf_config(cfg), cfg.parallel,
         optimizer=OptimizerSettings(
             optimizer=t.optimizer, lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
             lr_decay_steps=max(1, t.steps * t.mini_batches), lr_decay_style=t.lr_decay_style,

@@ -5,6 +5,7 @@ import pytest
 
 from gspo_megatron.config import (ConfigError, RunConfig, config_from_dict, describe_fields,
                                   field_docs, load_config, parse_override)
+from gspo_megatron.parallel.layout import ParallelLayout
 
 BASE = {"model": {"hf_path": "/m"}, "rollout": {"prompts": "p.jsonl"}}
 
@@ -17,7 +18,7 @@ def test_yaml_and_overrides(tmp_path):
                           "train.use_distributed_optimizer=true", "loss.eps_high=0.001",
                           "checkpoint.dir=/tmp/ck", "parallel.virtual_pipeline=null"])
     assert cfg.train.lr == 1e-5 and cfg.train.steps == 7 and cfg.rollout.group_size == 4
-    assert cfg.parallel.tensor == 2 and cfg.parallel.layout().tensor == 2
+    assert cfg.parallel.tensor == 2 and isinstance(cfg.parallel, ParallelLayout)
     assert cfg.rollout.server_urls == ["http://a:1", "http://b:2"]
     assert cfg.train.use_distributed_optimizer is True
     assert cfg.loss.clip_range() == (3e-4, 0.001)
