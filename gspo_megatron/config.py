@@ -54,7 +54,8 @@ class LossConfig:
     eps_high: float | None = None
     """Upper clip range; null = the paper's value for the loss (gspo 4e-4, grpo 0.27)."""
     kl_coef: float = 0.0
-    """Weight of a KL penalty against the initial policy; 0 = off (the paper omits it)."""
+    """Weight of a KL penalty against the policy RL starts from (after any warm start; saved in
+    checkpoint.dir/reference); 0 = off (the GSPO paper omits it)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator when kl_coef > 0."""
 

@@ -46,6 +46,7 @@ TAGS = {
     "train/logprob_abs_diff": "mean |trainer log-prob - SGLang log-prob| over trainable tokens",
     "time/rollout": "seconds generating + scoring",
     "time/log_probs": "seconds computing old log-probs",
+    "time/ref_log_probs": "seconds computing the KL reference log-probs (when loss.kl_coef > 0)",
     "time/train": "seconds of the mini-batch updates",
     "time/sync": "seconds of the weight sync into SGLang",
     "time/checkpoint": "seconds saving a checkpoint",

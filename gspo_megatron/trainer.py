@@ -66,6 +66,9 @@ def run_loop(run: Run) -> None:
             shard = actor.shard(batch, num_mini_batches=cfg.train.mini_batches)  # my DP rows
             with t("log_probs"):  # pi_old: forward-only recompute, or the engine's log-probs
                 old = actor.compute_old_log_probs(shard)
+            if cfg.loss.kl_coef > 0:
+                with t("ref_log_probs"):  # the KL reference: forward-only with its weights swapped in
+                    actor.compute_ref_log_probs(shard)
             with t("train"):  # k mini-batch GSPO updates (paper: 4)
                 updates = [actor.train_step(mini) for mini in shard.mini_batches()]
             with t("sync"):  # new weights into SGLang before the next rollout
@@ -181,9 +184,6 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():
         raise FileNotFoundError(f"model.megatron_checkpoint={cfg.model.megatron_checkpoint!r}: not a "
                                 f"megatron dist_checkpointing directory (no metadata.json)")
-    if cfg.loss.kl_coef > 0:
-        raise ConfigError(f"loss.kl_coef={cfg.loss.kl_coef}: the KL penalty needs reference "
-                          f"log-probs, which the actor does not compute yet; use 0")
 
 
 def initial_megatron_checkpoint(cfg: RunConfig, rank: int, world: int) -> Path:
@@ -250,7 +250,8 @@ def setup(cfg: RunConfig) -> Run:
             weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
             clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer),
         loss=LossSettings(name=cfg.loss.name, eps_low=eps_low, eps_high=eps_high,
-                          old_log_probs=t.old_log_probs),
+                          old_log_probs=t.old_log_probs, kl_coef=cfg.loss.kl_coef,
+                          kl_estimator=cfg.loss.kl_estimator),
         logprob=LogProbSettings(temperature=r.temperature), micro_batch_size=t.micro_batch_size,
         seed=t.seed, params_dtype=getattr(torch, cfg.model.dtype))
     if rank == 0:
@@ -270,6 +271,8 @@ def setup(cfg: RunConfig) -> Run:
     run.sync = build_sync(cfg, actor, run.driver)
     if not resume_from and t.warm_start_steps > 0:
         warm_start(run)
+    if cfg.loss.kl_coef > 0:
+        set_up_reference(run, resume_from)
     # Servers started here hold the HF weights; attached ones may hold anything (another run's
     # policy): always give them the policy this run starts from, under a new weight version.
     run.loop.weight_version += 1
@@ -279,6 +282,31 @@ def setup(cfg: RunConfig) -> Run:
                                    purge_step=run.loop.step if resume_from else None)
         print(f"[gspo] TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}", flush=True)
     return run
+
+
+def set_up_reference(run: Run, resume_from: Path | None) -> None:
+    """The KL reference is the policy RL starts from (after the warm start). It is saved once, to
+    checkpoint.dir/reference/model.safetensors (one-process tensors, rank 0, atomic), so that a
+    resumed run, in any layout, penalises against the same policy."""
+    from safetensors.torch import load_file, save_file
+    path = Path(run.cfg.checkpoint.dir) / "reference" / "model.safetensors" if run.ckpt else None
+    if resume_from is not None and path is not None:
+        if not path.is_file():
+            raise ConfigError(f"loss.kl_coef={run.cfg.loss.kl_coef}: resuming from {resume_from}, "
+                              f"but {path} (the KL reference of this run) does not exist; was the "
+                              "run started with kl_coef=0? Start a new run (new checkpoint.dir)")
+        run.actor.set_reference(load_file(str(path)))
+        return
+    run.actor.set_reference()
+    if path is None:
+        return
+    full = run.actor.full_state_dict(to_all_ranks=False)
+    if run.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file({k: v.contiguous() for k, v in full.items()}, str(tmp))
+        os.replace(tmp, path)
+    dist.barrier()
 
 
 def _start_driver(run: Run) -> Driver | None:

@@ -79,13 +79,20 @@ def _check_run(run_dir: Path, steps: int) -> None:
 @pytest.mark.slow
 def test_train_tp2_end_to_end(tmp_path, server_url):
     proc = run_train(["examples/tiny_moe_larger_digit.yaml", *base_overrides(
-        tmp_path, server_url, **{"parallel.tensor": 2, "checkpoint.export_hf": str(tmp_path / "hf")})],
+        tmp_path, server_url, **{"parallel.tensor": 2, "checkpoint.export_hf": str(tmp_path / "hf"),
+                                 "loss.kl_coef": 0.01})],
         nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "layout TP2xPP1xEP1xETP2xDP1 on 2 rank(s)" in proc.stdout
     assert "loss=gspo eps_low=0.0003 eps_high=0.0004" in proc.stdout
     assert proc.stdout.count("step ") >= 3
     _check_run(tmp_path, 3)
+    # KL penalty on: reference log-probs each step, the reference saved once for resumes.
+    from gspo_megatron.metrics import read_scalars
+    scalars = read_scalars(tmp_path / "tb")
+    kl = [v for _, v in scalars["train/kl"]]
+    assert len(kl) == 3 and all(v >= 0 for v in kl) and len(scalars["time/ref_log_probs"]) == 3
+    assert (tmp_path / "ckpt" / "reference" / "model.safetensors").is_file()
     assert (tmp_path / "hf" / "config.json").is_file()
     assert list((tmp_path / "hf").glob("*.safetensors"))
 

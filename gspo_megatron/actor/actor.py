@@ -62,6 +62,7 @@ class Actor:
             grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32)
         set_fused(self.chunks, self.logprob.fused)
         self.optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
+        self._reference: list[torch.Tensor] | None = None  # KL reference: this rank's shards, on CPU
 
     # --- layout facts -------------------------------------------------------------------------
     @property
@@ -110,6 +111,52 @@ class Actor:
         entropy_mean, logprob_abs_diff_vs_rollout (with rollout log-probs), tokens, num_sequences."""
         return train_step(self.chunks, self.optimizer, self.scheduler, batch,
                           micro_batch_size=self.micro_batch_size, loss=self.loss, logprob=self.logprob)
+
+    # --- KL reference policy -------------------------------------------------------------------
+    def _local_params(self) -> list[torch.nn.Parameter]:
+        return [p for chunk in self.chunks for p in unwrap(chunk).parameters()]
+
+    @torch.no_grad()
+    def set_reference(self, full: dict[str, torch.Tensor] | None = None) -> None:
+        """Keep this rank's parameter shards as the KL reference policy: the current weights, or
+        those of `full` (one-process megatron tensors, e.g. a saved reference; every rank passes
+        it, and the current weights are left as they were). The copy lives in host memory: one
+        extra copy of the rank's shards, never a second model or optimizer."""
+        params = self._local_params()
+        if full is None:
+            self._reference = [p.detach().to("cpu", copy=True) for p in params]
+            return
+        current = [p.detach().clone() for p in params]
+        load_full_state_dict(self.chunks, full)
+        self._reference = [p.detach().to("cpu", copy=True) for p in params]
+        for p, c in zip(params, current):
+            p.copy_(c)
+
+    @property
+    def has_reference(self) -> bool:
+        return self._reference is not None
+
+    @torch.no_grad()
+    def _swap_reference(self) -> None:
+        """Exchange the parameters with the reference copy, in place (the DDP buffers and the
+        optimizer's main params are untouched; swapping twice restores every bit)."""
+        for p, r in zip(self._local_params(), self._reference):
+            held = p.detach().to("cpu", copy=True)
+            p.copy_(r.to(p.device))
+            r.copy_(held)
+
+    def compute_ref_log_probs(self, batch: TrainBatch) -> dict[str, float]:
+        """log-probs under the reference policy (set_reference), kept in `batch.ref_log_probs` on
+        the last stage, for the KL penalty (loss.kl_coef > 0). A forward-only pass with the
+        reference weights swapped in, then swapped back."""
+        if self._reference is None:
+            raise RuntimeError("compute_ref_log_probs needs a reference policy: call set_reference() first")
+        self._swap_reference()
+        try:
+            return compute_old_log_probs(self.chunks, batch, micro_batch_size=self.micro_batch_size,
+                                         logprob=self.logprob, into="ref_log_probs")
+        finally:
+            self._swap_reference()
 
     # --- weights ------------------------------------------------------------------------------
     def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:

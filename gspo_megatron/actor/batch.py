@@ -4,7 +4,8 @@ Alignment (one convention everywhere in the actor): every per-token tensor is in
 position `t` of the TARGET token. `loss_mask[i, t] = True` means token `tokens[i, t]` is trained,
 as predicted by the model from `tokens[i, :t]`; so `loss_mask[:, 0]` is always False (nothing
 predicts the first token) and positions `t >= lengths[i]` (right padding) are False.
-`rollout_log_probs[i, t]`, `old_log_probs[i, t]`, `weight_versions[i, t]` and, for gspo_token,
+`rollout_log_probs[i, t]`, `old_log_probs[i, t]`, `ref_log_probs[i, t]` (KL reference),
+`weight_versions[i, t]` and, for gspo_token,
 `advantages[i, t]` refer to the same token `tokens[i, t]`. Values at untrained positions are
 ignored (the losses mask with torch.where, so even NaN there is harmless).
 
@@ -37,6 +38,7 @@ class TrainBatch:
     rollout_log_probs: torch.Tensor | None = None  # [b, s] float, the engine's log p(tokens[:, t])
     weight_versions: torch.Tensor | None = None    # [b, s] int64, policy version that sampled token t
     old_log_probs: torch.Tensor | None = None      # [b, s] float; set on the LAST pipeline stage
+    ref_log_probs: torch.Tensor | None = None      # [b, s] float, KL reference; LAST stage only
     global_rows: torch.Tensor | None = None        # [b] int64, row index in the global batch
     mini_batch_sizes: list[int] | None = None      # rows of each mini-batch (set by shard())
 
@@ -50,7 +52,8 @@ class TrainBatch:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({b},)")
         if self.mini_batch_sizes is not None and sum(self.mini_batch_sizes) != b:
             raise ValueError(f"mini_batch_sizes {self.mini_batch_sizes} do not sum to {b} rows")
-        for name in ("loss_mask", "rollout_log_probs", "weight_versions", "old_log_probs"):
+        for name in ("loss_mask", "rollout_log_probs", "weight_versions", "old_log_probs",
+                     "ref_log_probs"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b, s):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({b}, {s}) like tokens")
@@ -153,6 +156,7 @@ class MicroBatch:
     advantages: torch.Tensor                 # [m] or [m, s_m]
     old_log_probs: torch.Tensor | None       # [m, s_m]
     rollout_log_probs: torch.Tensor | None   # [m, s_m]
+    ref_log_probs: torch.Tensor | None = None  # [m, s_m]
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return dataclasses.replace(self, **{
@@ -196,7 +200,8 @@ def micro_batches(batch: TrainBatch, num_microbatches: int, *, seq_multiple: int
             loss_mask=_pad_to(part.loss_mask, s, False),
             advantages=_pad_to(part.advantages, s),
             old_log_probs=_pad_to(part.old_log_probs, s),
-            rollout_log_probs=_pad_to(part.rollout_log_probs, s)))
+            rollout_log_probs=_pad_to(part.rollout_log_probs, s),
+            ref_log_probs=_pad_to(part.ref_log_probs, s)))
     return out
 
 
@@ -218,7 +223,8 @@ def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
                        position_ids=torch.arange(s).unsqueeze(0).expand(m, s).contiguous(),
                        loss_mask=grow(mb.loss_mask, False), advantages=grow(mb.advantages),
                        old_log_probs=grow(mb.old_log_probs),
-                       rollout_log_probs=grow(mb.rollout_log_probs)) for mb in mbs]
+                       rollout_log_probs=grow(mb.rollout_log_probs),
+                       ref_log_probs=grow(mb.ref_log_probs)) for mb in mbs]
 
 
 def _filler_like(batch: TrainBatch) -> TrainBatch:
@@ -231,4 +237,5 @@ def _filler_like(batch: TrainBatch) -> TrainBatch:
                       loss_mask=torch.zeros(1, 1, dtype=torch.bool), advantages=like(batch.advantages),
                       rollout_log_probs=like(batch.rollout_log_probs),
                       weight_versions=like(batch.weight_versions),
-                      old_log_probs=like(batch.old_log_probs))
+                      old_log_probs=like(batch.old_log_probs),
+                      ref_log_probs=like(batch.ref_log_probs))

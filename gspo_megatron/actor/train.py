@@ -60,6 +60,10 @@ class LossSettings:
     old_log_probs: str = "recompute"
     """pi_old source: recompute (forward-only pass before the updates) or engine (the rollout
     engine's log-probs, GSPO paper section 5.4)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty against the reference policy (batch.ref_log_probs); 0 = off."""
+    kl_estimator: str = "k3"
+    """KL estimator when kl_coef > 0: k1 or k3 (algorithms/kl.py)."""
 
     def __post_init__(self) -> None:
         if self.name not in LOSSES:
@@ -67,6 +71,11 @@ class LossSettings:
         if self.old_log_probs not in OLD_LOG_PROB_SOURCES:
             raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROB_SOURCES}, got "
                              f"{self.old_log_probs!r}")
+        if self.kl_coef < 0 or self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"need kl_coef >= 0 and kl_estimator in ('k1', 'k3'), got "
+                             f"kl_coef={self.kl_coef}, kl_estimator={self.kl_estimator!r}")
+        if self.kl_coef > 0 and self.name == "ce":
+            raise ValueError("the ce loss takes no KL penalty (kl_coef must be 0)")
 
     def clip_kwargs(self) -> dict[str, float]:
         out = {}
@@ -133,8 +142,8 @@ def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, 
     return out
 
 
-def _loss_metric_keys(name: str, with_rollout: bool) -> dict[str, str]:
-    keys = {k: op for k, op in METRIC_REDUCTIONS.items() if k != "kl_sum"}
+def _loss_metric_keys(name: str, with_rollout: bool, with_kl: bool = False) -> dict[str, str]:
+    keys = {k: op for k, op in METRIC_REDUCTIONS.items() if with_kl or k != "kl_sum"}
     if name != "gspo":
         keys.pop("clipped_sequences")
     if name == "ce":
@@ -163,23 +172,25 @@ def _finish(totals: dict[str, torch.Tensor], name: str | None) -> dict[str, floa
 
 @torch.no_grad()
 def compute_old_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *, micro_batch_size: int,
-                          logprob: LogProbSettings) -> dict[str, float]:
-    """Forward-only pass: set `batch.old_log_probs` `[b, s]` on the last pipeline stage (left None
-    elsewhere); return scalar metrics (mean log-prob, entropy, |train - rollout| mismatch) on every
-    rank. `batch` is this DP rank's shard."""
+                          logprob: LogProbSettings, into: str = "old_log_probs") -> dict[str, float]:
+    """Forward-only pass: set `batch.<into>` `[b, s]` (old_log_probs, or ref_log_probs for the KL
+    reference) on the last pipeline stage (left None elsewhere); return scalar metrics (mean
+    log-prob, entropy, |train - rollout| mismatch) on every rank. `batch` is this DP rank's shard."""
+    if into not in ("old_log_probs", "ref_log_probs"):
+        raise ValueError(f"into must be 'old_log_probs' or 'ref_log_probs', got {into!r}")
     mbs = micro_batches(batch, num_microbatches_for(batch.num_rows, micro_batch_size),
                         seq_multiple=seq_multiple())
     b, s = batch.tokens.shape
-    old = torch.zeros(b, s, dtype=torch.float32)
+    out = torch.zeros(b, s, dtype=torch.float32)
 
     def keep(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
         real = mb.rows >= 0
         width = min(s, log_probs.shape[1])
-        old[mb.rows[real].cpu(), :width] = log_probs[real, :width].float().cpu()
+        out[mb.rows[real].cpu(), :width] = log_probs[real, :width].float().cpu()
         return log_probs.sum() * 0.0, _token_totals(mb, log_probs, entropy)
 
     reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True)
-    batch.old_log_probs = old if is_last_stage_rank() else None
+    setattr(batch, into, out if is_last_stage_rank() else None)
     with_rollout = batch.rollout_log_probs is not None
     keys = {k: "sum" for k in ("num_tokens", "entropy_sum", "log_prob_sum")}
     if with_rollout:
@@ -202,6 +213,10 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
         elif batch.old_log_probs is None:
             raise ValueError("train_step needs batch.old_log_probs on the last pipeline stage: call "
                              "compute_old_log_probs first (or use old_log_probs='engine')")
+        if loss.kl_coef > 0 and batch.ref_log_probs is None:
+            raise ValueError(f"kl_coef={loss.kl_coef} needs batch.ref_log_probs on the last pipeline "
+                             "stage: call compute_old_log_probs(..., into='ref_log_probs') with the "
+                             "reference weights first (Actor.compute_ref_log_probs)")
     num_mb = num_microbatches_for(batch.num_rows, micro_batch_size)
     mbs = micro_batches(batch, num_mb, seq_multiple=seq_multiple())
     local = int(batch.loss_mask.sum()) if loss.name == "ce" else batch.num_valid_sequences()
@@ -209,6 +224,8 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
     scale = num_mb * ps.get_data_parallel_world_size() / max(global_count, 1)
     loss_fn, clip = LOSSES[loss.name], loss.clip_kwargs()
+    if loss.kl_coef > 0:
+        clip.update(kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator)
 
     def loss_func(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
         report = _token_totals(mb, log_probs, entropy)
@@ -219,8 +236,9 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
             adv = mb.advantages
             if loss.name == "gspo_token" and adv.dim() == 1:
                 adv = adv[:, None].expand_as(log_probs)
-            total, metrics = loss_fn(log_probs, mb.old_log_probs, adv, mb.loss_mask,
-                                     reduction="sum", **clip)
+            total, metrics = loss_fn(log_probs, mb.old_log_probs, adv, mb.loss_mask, reduction="sum",
+                                     ref_log_probs=mb.ref_log_probs if loss.kl_coef > 0 else None,
+                                     **clip)
             report.update({k: v for k, v in metrics.items() if k in METRIC_REDUCTIONS})
         report["loss_sum"] = total.detach()
         return total * scale, report
@@ -235,7 +253,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     lr = optimizer.param_groups[0]["lr"]
     if update_ok:
         scheduler.step(increment=1)
-    keys = _loss_metric_keys(loss.name, batch.rollout_log_probs is not None)
+    keys = _loss_metric_keys(loss.name, batch.rollout_log_probs is not None, loss.kl_coef > 0)
     metrics = _finish(reduce_to_all_ranks(reports, keys), loss.name)
     metrics.update(grad_norm=float(grad_norm), lr=float(lr), update_successful=float(bool(update_ok)),
                    num_microbatches=float(num_mb))
