@@ -1,6 +1,6 @@
 """GSPO vs GRPO on the same task and seeds: reward per step side by side.
 
-    .venv/bin/python benchmarks/gspo_vs_grpo.py                       # the main job's task, 30 steps
+    .venv/bin/python benchmarks/gspo_vs_grpo.py                       # the main job's task and length (100 steps)
     .venv/bin/python benchmarks/gspo_vs_grpo.py --steps 60 --set rollout.prompts_per_step=8
 
 Runs `gspo-megatron train` twice with one config (examples/tiny_moe_larger_digit.yaml by default),
@@ -40,7 +40,8 @@ def run(loss: str, args) -> dict[int, dict[str, float]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="examples/tiny_moe_larger_digit.yaml")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--every", type=int, default=5, help="print every N-th step (and the last)")
     p.add_argument("--set", action="append", default=[], help="extra overrides for both runs")
     p.add_argument("--resume", action="store_true", help="keep earlier run dirs (resume them)")
     args = p.parse_args()
@@ -52,7 +53,8 @@ def main() -> None:
     print(f"\n{'step':>4} | {'GSPO reward':>11} {'acc':>5} {'clip':>6} | {'GRPO reward':>11} "
           f"{'acc':>5} {'clip':>6}")
     print("-" * 60)
-    for step in sorted(set(gspo) | set(grpo)):
+    steps = sorted(set(gspo) | set(grpo))
+    for step in [s for s in steps if s % args.every == 0 or s == steps[-1]]:
         cells = []
         for res in (gspo, grpo):
             r = res.get(step, {})
