@@ -1,7 +1,9 @@
 """launch/local.sh: servers + torchrun on one machine, then the same command again resumes.
 
-The trainer and server commands are the launch tests' stand-ins (see test_launch_slurm.py): a real
-torch.distributed all-reduce with atomic per-step checkpoints, and a /health server.
+One run is the real thing (gspo-megatron train, TP2 under torchrun, a real SGLang server started by
+the script); the other uses the launch tests' stand-ins (see test_launch_slurm.py) to check the
+script's own bookkeeping quickly: a real torch.distributed all-reduce with atomic per-step
+checkpoints, and a /health server.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from distributed import free_port
+from fixtures_models import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +56,32 @@ def test_local_run_then_rerun_resumes_from_latest(tmp_path):
     host = socket.gethostname().split(".")[0]  # what `hostname -s` prints
     assert names == [f"server-{host}-s0.log", f"trainer-{host}-r0.log", f"trainer-{host}-r1.log"]
     assert "SIGTERM, stopping" in (runs[-1] / f"server-{host}-s0.log").read_text()  # stopped at the end
+
+
+def test_local_real_trainer_and_server_then_rerun_resumes(tmp_path):
+    from gspo_megatron.metrics import read_jsonl
+    model, run_dir = tiny_model_dir("qwen3_moe", 0), tmp_path / "run"
+    sets = {"model.hf_path": model, "parallel.tensor": 2, "rollout.group_size": 4,
+            "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 6, "train.steps": 2,
+            "train.mini_batches": 2, "train.micro_batch_size": 4, "train.warm_start_steps": 0,
+            "checkpoint.interval": 1, "checkpoint.export_hf": "null",
+            "logging.tensorboard_dir": run_dir / "tb"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GSPO_", "SLURM_"))}
+    env.update(GSPO_PYTHON=PY, GSPO_SERVER_PORT=str(free_port()))
+    cmd = ["bash", str(ROOT / "launch/local.sh"), "--gpus", "0", "--procs", "2", "--model-path", str(model),
+           "--run-dir", str(run_dir), str(ROOT / "examples/tiny_moe_larger_digit.yaml"),
+           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
+    assert "layout TP2" in first.stdout and "resumed from" not in first.stdout
+    second = subprocess.run([*cmd, "--set", "train.steps=3"], capture_output=True, text=True,
+                            timeout=600, env=env, cwd=ROOT)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
+    assert "resumed from" in second.stdout and "(step 2)" in second.stdout
+    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl")] == [0, 1, 2]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    host = socket.gethostname().split(".")[0]
+    for logs in sorted((run_dir / "logs").iterdir()):
+        names = sorted(p.name for p in logs.iterdir())
+        assert names == [f"server-{host}-s0.log", f"trainer-{host}-r0.log", f"trainer-{host}-r1.log"]
+        assert "rollout.server:" in (logs / f"server-{host}-s0.log").read_text()
