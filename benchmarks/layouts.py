@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
-from distributed import run_distributed  # noqa: E402  (the tests' gloo launcher)
+from distributed import gather_row_values, run_distributed  # noqa: E402  (the tests' gloo launcher)
 
 LAYOUTS = {
     "1proc": (1, {}),
@@ -91,15 +91,6 @@ def _bench(rank, world, layout_kwargs, args, init_state):
                 init=init_state if rank == 0 else None)
 
 
-def _old_log_probs(results, rows: int, seq: int) -> torch.Tensor:
-    out = torch.full((rows, seq), float("nan"))
-    for r in results:
-        if r["old"] is not None:
-            idx, values = r["old"]
-            out[torch.from_numpy(idx), : values.shape[1]] = torch.from_numpy(values)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ",".join(LAYOUTS))
@@ -120,7 +111,7 @@ def main() -> None:
     batch = make_batch(opts.rows, opts.seq)
     t = torch.arange(opts.seq)[None]
     real = (t >= 1) & (t < batch.lengths[:, None])
-    want = _old_log_probs([reference], opts.rows, opts.seq)
+    want = gather_row_values([reference["old"]], opts.rows, opts.seq)
     print(f"tiny Qwen3-MoE (4 layers, hidden 64, 4 experts top-2), {opts.rows} rows x <= {opts.seq} "
           f"tokens, micro-batch {opts.micro_batch_size}, {'logits' if opts.logits else 'fused'} "
           f"log-probs, best of {opts.reps}")
@@ -132,7 +123,7 @@ def main() -> None:
         world, layout = LAYOUTS[name]
         results = [reference] if name == "1proc" else run_distributed(
             _bench, world, (layout, args, reference["init"]), timeout=1800)
-        got = _old_log_probs(results, opts.rows, opts.seq)
+        got = gather_row_values([r["old"] for r in results], opts.rows, opts.seq)
         lp_err = float((got - want)[real].abs().max())
         state = results[0]["state"]
         p_err = max(float(abs(torch.from_numpy(state[k]) - torch.from_numpy(v)).max())

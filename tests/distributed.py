@@ -77,3 +77,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
                 p.kill()
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+def gather_row_values(parts: list[tuple[Any, Any] | None], rows: int, seq: int) -> torch.Tensor:
+    """Per-rank `(row indices, values [n, <=seq])` pieces (None from ranks that hold none, e.g.
+    earlier pipeline stages), as numpy arrays, placed into one `[rows, seq]` tensor; NaN where no
+    rank reported."""
+    out = torch.full((rows, seq), float("nan"))
+    for part in parts:
+        if part is not None:
+            idx, values = part
+            out[torch.from_numpy(idx), : values.shape[1]] = torch.from_numpy(values)
+    return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_distributed
+from distributed import gather_row_values, run_distributed
 
 pytestmark = pytest.mark.slow
 
@@ -101,15 +101,6 @@ def dense_reference():
     return run_distributed(_run, 1, ({}, {"micro_batch_size": 64, "dense": True}, None), timeout=180)[0]
 
 
-def _old_log_probs(results) -> torch.Tensor:
-    out = torch.full((ROWS, SEQ), float("nan"))
-    for r in results:
-        if r["old"] is not None:
-            rows, values = r["old"]
-            out[torch.from_numpy(rows), : values.shape[1]] = torch.from_numpy(values)
-    return out
-
-
 def _max_state_diff(a: dict, b: dict) -> float:
     assert list(a) == list(b)
     return max(float(abs(torch.from_numpy(a[k]) - torch.from_numpy(b[k])).max()) for k in a)
@@ -119,7 +110,8 @@ def _check_layout(reference, world, layout, **options):
     results = run_distributed(_run, world, (layout, options, reference["init"]), timeout=420)
     batch = make_batch()
     valid = (torch.arange(SEQ)[None] >= 1) & (torch.arange(SEQ)[None] < batch.lengths[:, None])
-    got, want = _old_log_probs(results), _old_log_probs([reference])
+    got = gather_row_values([r["old"] for r in results], ROWS, SEQ)
+    want = gather_row_values([reference["old"]], ROWS, SEQ)
     assert not got[valid].isnan().any(), "some rows' old log-probs were not computed"
     assert float((got - want)[valid].abs().max()) <= TOL
     moved = _max_state_diff(reference["states"][0], reference["init"])

@@ -132,10 +132,6 @@ class Actor:
         for p, c in zip(params, current):
             p.copy_(c)
 
-    @property
-    def has_reference(self) -> bool:
-        return self._reference is not None
-
     @torch.no_grad()
     def _swap_reference(self) -> None:
         """Exchange the parameters with the reference copy, in place (the DDP buffers and the
