@@ -76,7 +76,7 @@ def _bench(rank, world, layout_kwargs, args, init_state):
     else:
         actor.load_full_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()})
     shard = actor.shard(make_batch(args["rows"], args["seq"]))
-    actor.compute_old_log_probs(shard)
+    shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
     old = (shard.global_rows.numpy(), shard.old_log_probs.numpy()) if actor.is_last_stage else None
     actor.train_step(shard)
     state = actor.full_state_dict(to_all_ranks=False)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout.client import SGLangClient  # noqa: E402
 from rollout.pool import ServerPool  # noqa: E402
-from rollout.manager import RolloutConfig, RolloutManager  # noqa: E402
+from rollout.manager import ManagerConfig, RolloutManager  # noqa: E402
 from rollout.server import ServerConfig, ServerGroup  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def via_client(client: SGLangClient, b: int, n: int) -> int:
 
 def via_manager(pool: ServerPool, b: int, n: int) -> int:
     g = min(b, 8)
-    cfg = RolloutConfig(group_size=g, max_new_tokens=n, ignore_eos=True, max_in_flight_requests=max(b, 1))
+    cfg = ManagerConfig(group_size=g, max_new_tokens=n, ignore_eos=True, max_in_flight_requests=max(b, 1))
     prompts = iter([{"prompt": "p", "answer": "0", "ids": p} for p in _prompts(b // g)])
     mgr = RolloutManager(pool, cfg, encode_prompt=lambda rec: rec["ids"], decode=lambda ids: "",
                          reward_fn=lambda rec, text: 0.0)

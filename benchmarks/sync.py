@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     from gspo_megatron.sync import (DiskTransport, DistributedTransport, TensorTransport,
                                     WeightSync, build_plan, stream_hf_weights)
     from model_specs import load_hf_config
-    from model_specs.weight_maps import normalize_hf_config, weight_map_for
+    from model_specs.hf_config import normalize_hf_config
+    from model_specs.weight_maps import weight_map_for
     from rollout.pool import ServerPool
     from rollout.server import ServerConfig, ServerGroup
     from tools.make_tiny_model import make_tiny_model

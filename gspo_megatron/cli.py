@@ -1,12 +1,13 @@
 """The `gspo-megatron` command.
 
-    gspo-megatron train examples/tiny_moe_digits.yaml [--set a.b=c ...]
+    gspo-megatron train examples/tiny_moe_larger_digit.yaml [--set a.b=c ...]
     torchrun --nproc-per-node 2 $(which gspo-megatron) train CONFIG --set parallel.tensor=2
     gspo-megatron config                      # every config field with its docstring and default
 
 Known failures (bad config, missing file, unreachable server, impossible layout, unusable
 checkpoint) print one line `gspo-megatron: error: ...` on stderr and exit with code 2; anything
-else is a bug and keeps its traceback.
+else is a bug and keeps its traceback. The config is read and validated before torch and
+megatron-core are imported, so a config error costs a fraction of a second.
 """
 from __future__ import annotations
 
@@ -16,20 +17,21 @@ import sys
 
 
 def known_errors() -> tuple[type[BaseException], ...]:
+    from gspo_megatron.checkpoint.hf_files import DamagedFileError
     from gspo_megatron.checkpoint.manager import CheckpointError
     from gspo_megatron.checkpoint.model_io import CheckpointMismatchError
     from gspo_megatron.config import ConfigError
+    from gspo_megatron.driver import DriverError
     from gspo_megatron.parallel.layout import LayoutError
     from gspo_megatron.sync.weight_sync import WeightSyncError
-    from gspo_megatron.trainer import DriverError
-    from model_specs.common import ConfigError as ModelConfigError
+    from model_specs import HFConfigError
     from rollout.client import SGLangError
     from rollout.dataset import PromptFileError
     from rollout.rewards import RewardErrorBudgetExceeded
     from rollout.server import ServerStartError
-    return (ConfigError, ModelConfigError, LayoutError, FileNotFoundError, PromptFileError,
+    return (ConfigError, HFConfigError, LayoutError, FileNotFoundError, PromptFileError,
             ServerStartError, SGLangError, CheckpointError, CheckpointMismatchError,
-            WeightSyncError, RewardErrorBudgetExceeded, DriverError)
+            WeightSyncError, RewardErrorBudgetExceeded, DriverError, DamagedFileError)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,29 +45,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _error(e: BaseException) -> int:
+    where = f" (rank {os.environ.get('RANK', '0')})" if os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    message = " ".join(str(e).split()) if "\n" not in str(e) else str(e).strip()
+    print(f"gspo-megatron: error{where}: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from gspo_megatron.config import ConfigError, describe_fields, load_config
     if args.command == "config":
-        from gspo_megatron.config import describe_fields
         print(describe_fields())
         return 0
-    rank = os.environ.get("RANK", "0")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        return _error(e)
     errors = known_errors()
     try:
-        from gspo_megatron.config import load_config
-        cfg = load_config(args.config, args.overrides)
         from gspo_megatron.trainer import train
         return train(cfg)
     except KeyboardInterrupt:
-        print(f"gspo-megatron: interrupted (rank {rank})", file=sys.stderr)
+        print(f"gspo-megatron: interrupted (rank {os.environ.get('RANK', '0')})", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - filtered just below
         if not isinstance(e, errors):
             raise
-        where = f" (rank {rank})" if os.environ.get("WORLD_SIZE", "1") != "1" else ""
-        message = " ".join(str(e).split()) if "\n" not in str(e) else str(e).strip()
-        print(f"gspo-megatron: error{where}: {message}", file=sys.stderr)
-        return 2
+        return _error(e)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,35 @@
-"""Run configuration: dataclasses with one docstring per field (megatron style), YAML + overrides.
+"""Run configuration: the schema. One dataclass per section, one docstring per field (megatron style).
 
-    cfg = load_config("examples/tiny_moe_digits.yaml", ["parallel.tensor=2", "train.steps=3"])
+    cfg = load_config("examples/tiny_moe_larger_digit.yaml", ["parallel.tensor=2", "train.steps=3"])
     print(cfg.describe_loss())   # the effective loss settings, printed by the trainer at start
 
 A YAML file holds any subset of the sections below; `--set a.b=c` overrides one field, the value
 parsed as YAML (`3`, `1e-6`, `true`, `[http://h:1, http://h:2]`, `null`). Everything is validated
 before the run starts: an unknown key, a wrong type or an out-of-range value raises ConfigError that
 names the field and the bad value. `gspo-megatron config` prints every field with its docstring.
+
+The sections ARE the settings of the components that use them, not copies: `parallel` is the
+actor's ParallelLayout, `loss` its LossSettings, `train` its OptimizerSettings (plus the loop's own
+fields), `rollout` the rollout manager's ManagerConfig (plus prompts, reward and servers). Nothing
+here imports torch (a config error costs a fraction of a second); config_parsing.py is the generic
+YAML / override machinery.
 """
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
-import difflib
-import inspect
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal
 
-import yaml
-
+from gspo_megatron.actor.settings import OptimizerSettings
+from gspo_megatron.algorithms.registry import LossSettings, RLLossName
+from gspo_megatron.config_parsing import (ConfigError, apply_overrides, build, describe, field_docs,
+                                          parse_override, read_yaml_mapping)
 from gspo_megatron.parallel.layout import ParallelLayout
+from rollout.manager import ManagerConfig
 
-LOSS_NAMES = ("gspo", "gspo_token", "grpo")
-# The paper's clip ranges (GSPO.md): GSPO 3e-4 / 4e-4, GRPO baseline 0.2 / 0.27.
-DEFAULT_CLIP = {"gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4), "grpo": (0.2, 0.27)}
-
-
-class ConfigError(ValueError):
-    """A bad run configuration: the message names the field and the offending value."""
+__all__ = ["ConfigError", "RunConfig", "config_from_dict", "describe_fields", "field_docs",
+           "load_config", "parse_override"]
 
 
 @dataclasses.dataclass
@@ -46,56 +45,21 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class LossConfig:
-    name: Literal["gspo", "gspo_token", "grpo"] = "gspo"
+class LossConfig(LossSettings):
+    name: RLLossName = "gspo"
     """Policy loss: gspo (sequence ratio, Eq. 5), gspo_token (Eqs. 13-14) or grpo (token ratio)."""
-    eps_low: float | None = None
-    """Lower clip range; null = the paper's value for the loss (gspo 3e-4, grpo 0.2)."""
-    eps_high: float | None = None
-    """Upper clip range; null = the paper's value for the loss (gspo 4e-4, grpo 0.27)."""
-    kl_coef: float = 0.0
-    """Weight of a KL penalty against the policy RL starts from (after any warm start; saved in
-    checkpoint.dir/reference); 0 = off (the GSPO paper omits it)."""
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator when kl_coef > 0."""
-
-    def clip_range(self) -> tuple[float, float]:
-        lo, hi = DEFAULT_CLIP[self.name]
-        return (lo if self.eps_low is None else self.eps_low,
-                hi if self.eps_high is None else self.eps_high)
 
 
 @dataclasses.dataclass
-class RolloutConfig:
+class RolloutConfig(ManagerConfig):
     prompts: str = ""
     """Prompt file: jsonl, one {"prompt": ..., "answer": ...} record per line."""
     reward: str = "math"
     """Reward function name (rollout.rewards.get_reward_fn): math, exact_match, ..."""
-    group_size: int = 8
-    """G: responses sampled per prompt (GSPO's group)."""
     prompts_per_step: int = 8
     """Prompts (groups) per rollout batch; the batch has prompts_per_step x group_size responses."""
-    max_new_tokens: int = 64
-    """Response budget per sample."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer computes log-probs at the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold (1.0 = off)."""
-    top_k: int = -1
-    """Top-k sampling (-1 = off; 1 = greedy, with log-probs of the full temperature-1 softmax)."""
-    seed: int | None = None
-    """Base of a per-request SGLang `sampling_seed` derived from (seed, group id, sample index,
-    segment): rollouts fixed by the seed and the weights. Needs SGLang's deterministic inference
-    (--enable-deterministic-inference, added to servers the run starts), which SGLang supports on
-    GPU attention backends only, not on CPU. null = unseeded sampling."""
     shuffle_prompts: bool = True
     """Shuffle the prompt file each epoch (with train.seed)."""
-    dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal and over-sample prompts to refill the batch."""
-    partial_rollouts: bool = False
-    """Abort unfinished samples once the batch is full and resume them next step."""
-    mask_stale_tokens: bool = False
-    """With partial rollouts: loss-mask tokens produced by older weights."""
     server_urls: list[str] = dataclasses.field(default_factory=list)
     """SGLang servers to use (cluster mode). Empty = the run starts num_servers local servers."""
     router_url: str | None = None
@@ -108,14 +72,10 @@ class RolloutConfig:
     """More `sglang.launch_server` flags for local servers."""
     server_startup_timeout_s: float = 300.0
     """How long to wait for a local server (or an attached one) to become healthy."""
-    request_timeout_s: float = 600.0
-    """Bound on any single wait for generation results."""
-    max_reward_error_fraction: float = 0.0
-    """The run fails once more than this fraction of reward calls raised."""
 
 
 @dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(OptimizerSettings):
     steps: int = 100
     """RL steps (rollout batches) to run in total (a resumed run continues up to this)."""
     mini_batches: int = 4
@@ -126,33 +86,18 @@ class TrainConfig:
     """pi_old: recompute with a forward-only pass, or use SGLang's own log-probs (paper §5.4)."""
     seed: int = 1234
     """Seed of model init, prompt order and everything else random in the trainer."""
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """Optimizer (adam = AdamW)."""
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay."""
-    lr_warmup_steps: int = 0
-    """Linear warm-up over this many optimizer steps."""
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up (decays over all optimizer steps of the run)."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this; 0 = off."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
     warm_start_steps: int = 0
     """Supervised warm start: this many cross-entropy steps on the prompt file's answers before RL
     (0 = none). Teaches a tiny random model the answer format so the reward is not all zeros."""
     warm_start_lr: float = 1e-3
-    """Learning rate of the warm start (a separate optimizer; RL's optimizer is untouched)."""
+    """Learning rate of the warm start. It uses RL's optimizer, whose state is then cleared (RL
+    starts with fresh Adam moments and its own learning-rate schedule)."""
     warm_start_batch_size: int = 32
     """Examples per warm-start step."""
+
+    def decay_steps(self) -> int:
+        """The learning rate decays over every optimizer step of the run unless lr_decay_steps says."""
+        return self.lr_decay_steps or max(1, self.steps * self.mini_batches)
 
 
 @dataclasses.dataclass
@@ -208,23 +153,20 @@ class RunConfig:
 
     # --- derived -----------------------------------------------------------------------------
     def describe_loss(self) -> str:
-        lo, hi = self.loss.clip_range()
-        kl = (f"kl_coef={self.loss.kl_coef} ({self.loss.kl_estimator})" if self.loss.kl_coef
-              else "KL off")
-        return (f"loss={self.loss.name} eps_low={lo:g} eps_high={hi:g} {kl} | "
-                f"G={self.rollout.group_size} x {self.rollout.prompts_per_step} prompts, "
-                f"{self.train.mini_batches} mini-batches/step, old_log_probs="
-                f"{self.train.old_log_probs}, temperature={self.rollout.temperature:g}")
+        return (f"{self.loss.describe()} | G={self.rollout.group_size} x "
+                f"{self.rollout.prompts_per_step} prompts, {self.train.mini_batches} mini-batches/step, "
+                f"old_log_probs={self.train.old_log_probs}, temperature={self.rollout.temperature:g}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def validate(self) -> None:
-        """Range and cross-field checks (types are checked while parsing)."""
+        """Range and cross-field checks (types are checked while parsing, and each section's
+        own checks when it is built)."""
         def need(cond: bool, field: str, value: Any, expected: str) -> None:
             if not cond:
                 raise ConfigError(f"{field}={value!r}: expected {expected}")
-        m, r, t, l, c = self.model, self.rollout, self.train, self.loss, self.checkpoint
+        m, r, t, c = self.model, self.rollout, self.train, self.checkpoint
         need(bool(m.hf_path), "model.hf_path", m.hf_path, "a Hugging Face model directory")
         need(bool(r.prompts), "rollout.prompts", r.prompts, "a jsonl prompt file")
         for name in ("tensor", "pipeline", "expert"):
@@ -257,139 +199,15 @@ class RunConfig:
         need(t.warm_start_steps >= 0, "train.warm_start_steps", t.warm_start_steps, ">= 0")
         need(t.warm_start_batch_size >= 1, "train.warm_start_batch_size", t.warm_start_batch_size,
              ">= 1")
-        lo, hi = l.clip_range()
-        need(0 <= lo < 1, "loss.eps_low", lo, "in [0, 1)")
-        need(hi >= 0, "loss.eps_high", hi, ">= 0")
-        need(l.kl_coef >= 0, "loss.kl_coef", l.kl_coef, ">= 0")
         need(c.interval >= 1, "checkpoint.interval", c.interval, ">= 1")
         need(c.keep >= 0, "checkpoint.keep", c.keep, ">= 0")
         need(self.sync.bucket_mb >= 1, "sync.bucket_mb", self.sync.bucket_mb, ">= 1")
 
 
-# --- parsing -------------------------------------------------------------------------------------
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return " | ".join(repr(a) for a in get_args(tp))
-    if get_origin(tp) in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in get_args(tp))
-    if get_origin(tp) is list:
-        return f"list[{_type_name(get_args(tp)[0])}]"
-    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, field: str) -> Any:
-    """`value` as type `tp`, or ConfigError naming the field, the value and the expected type."""
-    origin = get_origin(tp)
-    bad = ConfigError(f"{field}={value!r}: expected {_type_name(tp)}")
-    if origin in (typing.Union, types.UnionType):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, field)
-            except ConfigError:
-                pass
-        raise bad
-    if origin is Literal:
-        if value in get_args(tp):
-            return value
-        raise bad
-    if origin is list:
-        if isinstance(value, str):  # `--set a=x` for a one-element list
-            value = [value]
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        return [_coerce(v, get_args(tp)[0], f"{field}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise bad
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise bad
-    raise bad
-
-
-def _section_types(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls, globalns=vars(typing) | globals())
-
-
-def _unknown(key: str, known: list[str], where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return ConfigError(f"unknown key '{where}{key}'{hint}; known: {', '.join(known)}")
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = _section_types(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            raise _unknown(str(key), names, prefix)
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
-    return cls(**kwargs)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b=c` -> (["a", "b"], value parsed as YAML: ints, floats, bools, lists, null)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.steps=3")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"override {text!r}: bad key {key!r}")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
-    return key.split("."), value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for text in overrides:
-        path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            if not isinstance(node.get(part, {}), dict):
-                raise ConfigError(f"override {text!r}: {part!r} is not a section")
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    return data
-
-
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """A validated RunConfig from a mapping of sections and `a.b=c` overrides."""
     data = apply_overrides(copy.deepcopy(dict(data or {})), list(overrides or []))
-    cfg = _build(RunConfig, data, "")
+    cfg = build(RunConfig, data)
     cfg.validate()
     return cfg
 
@@ -399,46 +217,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
     Relative paths in the file (model.hf_path, rollout.prompts) stay relative to the working
     directory, as the user typed them."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections, got "
-                              f"{type(data).__name__}")
-    return config_from_dict(data, overrides)
-
-
-# --- documentation -------------------------------------------------------------------------------
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a config dataclass (read from the source, as Sphinx does)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
-                and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
-                and isinstance(b.value.value, str)):
-            docs[a.target.id] = " ".join(b.value.value.split())
-    return docs
+    return config_from_dict(read_yaml_mapping(path) if path is not None else {}, overrides)
 
 
 def describe_fields() -> str:
     """Every field: `section.name (type, default) docstring` — `gspo-megatron config`."""
-    lines = []
-    top_docs = field_docs(RunConfig)
-    defaults = RunConfig()
-    for sect in dataclasses.fields(RunConfig):
-        cls = _section_types(RunConfig)[sect.name]
-        lines.append(f"{sect.name}:  # {top_docs.get(sect.name, '')}")
-        docs, hints = field_docs(cls), _section_types(cls)
-        for f in dataclasses.fields(cls):
-            default = getattr(getattr(defaults, sect.name), f.name)
-            lines.append(f"  {f.name}: {default!r}  # ({_type_name(hints[f.name])}) "
-                         f"{docs.get(f.name, '')}")
-    return "\n".join(lines)
+    return describe(RunConfig)

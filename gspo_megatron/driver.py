@@ -1,9 +1,9 @@
 """The driver side of the RL loop (trainer rank 0): SGLang servers, prompts, rollouts, rewards,
 group advantages, and the hand-off of each rollout batch to every trainer rank.
 
-    driver = Driver.start(cfg)                  # rank 0 only: starts or attaches servers
-    batch, metrics = driver.rollout_batch(step, weight_version)
-    batch = broadcast_batch(batch)              # every rank: the same TrainBatch (default group)
+    driver = Driver.start(cfg)                                   # rank 0: starts or attaches servers
+    batch, metrics = driver.rollout_batch(weight_version="3")    # rank 0: a TrainBatch
+    batch, metrics = on_driver(rank, lambda: driver.rollout_batch("3"))  # every rank gets it
 
 rollout/ knows nothing of megatron; this module turns its Samples into the actor's TrainBatch.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,17 +21,22 @@ from gspo_megatron.algorithms import group_advantages
 from gspo_megatron.config import ConfigError, RunConfig
 from rollout.pool import ServerPool
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
-from rollout.manager import RolloutConfig as ManagerConfig
 from rollout.manager import RolloutManager
 from rollout.rewards import get_reward_fn
 from rollout.sample import Sample
 from rollout.server import ServerConfig, ServerGroup
 
 
+def _version_number(label: str) -> int:
+    """The trainer labels weight versions with step counters ("0", "1", ...); anything else (the
+    server's initial "default", an environment token's "") is -1."""
+    return int(label) if label.isdigit() else -1
+
+
 def samples_to_batch(groups: list[list[Sample]], group_size: int) -> TrainBatch:
-    """Rows = prompt + response of each sample, right-padded; loss_mask / rollout log-probs at
-    the position of the token they belong to (TrainBatch's target alignment); advantages group-
-    normalised (GSPO Eq. 6) from the rewards."""
+    """Rows = prompt + response of each sample, right-padded; loss_mask / rollout log-probs /
+    weight versions at the position of the token they belong to (TrainBatch's target alignment);
+    advantages group-normalised (GSPO Eq. 6) from the rewards."""
     samples = [s for g in groups for s in g]
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
     advantages = group_advantages(rewards, group_size).float()  # [b]
@@ -40,15 +45,25 @@ def samples_to_batch(groups: list[list[Sample]], group_size: int) -> TrainBatch:
     tokens = torch.zeros(b, width, dtype=torch.long)
     loss_mask = torch.zeros(b, width, dtype=torch.bool)
     logp = torch.zeros(b, width, dtype=torch.float32)
+    versions = torch.full((b, width), -1, dtype=torch.long)
     lengths = torch.zeros(b, dtype=torch.long)
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, :p + r] = torch.tensor(s.tokens, dtype=torch.long)
         loss_mask[i, p:p + r] = torch.tensor(s.loss_mask, dtype=torch.bool)
         logp[i, p:p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
+        versions[i, p:p + r] = torch.tensor([_version_number(v) for v in s.weight_versions],
+                                            dtype=torch.long)
         lengths[i] = p + r
     return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=advantages,
-                      rollout_log_probs=logp)
+                      rollout_log_probs=logp, weight_versions=versions)
+
+
+def policy_lag(batch: TrainBatch, current_version: int) -> float:
+    """The largest number of weight updates between the policy that sampled a trained token and
+    the current one (0: fully on-policy; > 0 only with partial rollouts)."""
+    sampled = batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)]
+    return float(current_version - int(sampled.min())) if sampled.numel() else 0.0
 
 
 def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float]) -> dict[str, float]:
@@ -83,14 +98,7 @@ class Driver:
         self.stream = PromptStream(self.records, seed=cfg.train.seed, shuffle=r.shuffle_prompts)
         self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s)
         self.manager = RolloutManager(
-            self.pool, ManagerConfig(group_size=r.group_size, max_new_tokens=r.max_new_tokens,
-                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                    dynamic_sampling=r.dynamic_sampling,
-                                    partial_rollouts=r.partial_rollouts,
-                                    mask_stale_tokens=r.mask_stale_tokens,
-                                    request_timeout_s=r.request_timeout_s,
-                                    max_reward_error_fraction=r.max_reward_error_fraction,
-                                    seed=r.seed),
+            self.pool, r,  # the rollout config section is the manager's config (and more)
             encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec),
             decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
             reward_fn=get_reward_fn(r.reward))
@@ -123,14 +131,15 @@ class Driver:
             servers.stop()
             raise
 
-    def rollout_batch(self, weight_version: str) -> tuple[TrainBatch, dict[str, float], int]:
-        """One rollout batch: (TrainBatch, rollout metrics, generated tokens)."""
+    def rollout_batch(self, weight_version: str) -> tuple[TrainBatch, dict[str, float]]:
+        """One rollout batch from the policy of `weight_version`: (TrainBatch, rollout metrics)."""
         r = self.cfg.rollout
         result = self.manager.generate_step(self.stream, r.prompts_per_step,
                                             current_weight_version=weight_version)
         batch = samples_to_batch(result.groups, r.group_size)
-        tokens = sum(len(s.response_ids) for g in result.groups for s in g)
-        return batch, rollout_metrics(result.groups, result.metrics), tokens
+        metrics = rollout_metrics(result.groups, result.metrics)
+        metrics["rollout/policy_lag_max"] = policy_lag(batch, int(weight_version))
+        return batch, metrics
 
     def warm_start_examples(self, n: int, offset: int) -> list[tuple[list[int], list[int]]]:
         """n (prompt ids, answer ids + EOS) pairs for the supervised warm start, cycling through
@@ -179,6 +188,28 @@ def sft_batch(examples: list[tuple[list[int], list[int]]]) -> TrainBatch:
                       advantages=torch.zeros(b))
 
 
+class DriverError(RuntimeError):
+    """Raised on every rank when rank 0 (the driver) failed; the message is rank 0's error."""
+
+
+def on_driver(rank: int, fn: Callable[[], Any]) -> Any:
+    """Run fn on rank 0 and broadcast its result to every rank. If it raises on rank 0, every
+    rank raises (rank 0 the original error, the others DriverError): no rank is left waiting."""
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other ranks
+            error = e
+    payload = broadcast_object(("error", f"{type(error).__name__}: {error}") if error
+                               else ("ok", result))
+    if error is not None:
+        raise error
+    if payload[0] == "error":
+        raise DriverError(f"rank 0 failed: {payload[1]}")
+    return payload[1]
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """`obj` from rank `src` to every rank of the default group (pickled; CPU tensors inside)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -188,10 +219,11 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def scratch_dir(cfg: RunConfig, name: str) -> Path:
+def scratch_dir(cfg: RunConfig, name: str, create: bool = True) -> Path:
     """A directory every rank can see: under checkpoint.dir when set (shared storage on a
-    cluster), else under the TensorBoard dir, else ./runs."""
+    cluster), else under the TensorBoard dir, else ./runs. Created unless create=False (then
+    its parent is)."""
     root = cfg.checkpoint.dir or cfg.logging.tensorboard_dir or "runs"
     path = Path(root) / name
-    path.mkdir(parents=True, exist_ok=True)
+    (path if create else path.parent).mkdir(parents=True, exist_ok=True)
     return path

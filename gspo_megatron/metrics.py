@@ -10,8 +10,9 @@ section. What the trainer logs each step (TAGS below documents every tag):
   rollout/  reward mean/std, accuracy, response length mean/max, partial-rollout and dropped-group counts
   train/    sequence clip fraction, sequence-ratio mean/min/max, KL (if on), grad norm, lr, entropy,
             train-vs-rollout log-prob |diff|, loss
+  sync/     weight sync size and buckets
   time/     seconds per phase: rollout, log_probs, train, sync, checkpoint, step
-  perf/     tokens/s (trained tokens / step time) and rollout tokens/s
+  perf/     tokens/s (trained tokens / step time), rollout tokens/s, weight sync GB/s
 The metrics.jsonl holds exactly the same numbers (one JSON object per step), for scripts and tests.
 """
 from __future__ import annotations
@@ -34,6 +35,8 @@ TAGS = {
     "rollout/partial_resumed": "samples resumed from a partial rollout this step",
     "rollout/partial_buffered": "groups left unfinished in the partial-rollout buffer",
     "rollout/reward_errors": "reward function calls that raised",
+    "rollout/policy_lag_max": "most weight updates between the policy that sampled a trained token "
+                              "and the current one (0 = on-policy; > 0 with partial rollouts)",
     "train/loss": "policy loss (mean over mini-batches)",
     "train/clip_fraction": "fraction of sequences clipped (gspo) / tokens (grpo, gspo_token)",
     "train/seq_ratio_mean": "mean sequence importance ratio s_i",
@@ -44,6 +47,8 @@ TAGS = {
     "train/lr": "learning rate",
     "train/entropy": "mean per-token entropy of the policy",
     "train/logprob_abs_diff": "mean |trainer log-prob - SGLang log-prob| over trainable tokens",
+    "sync/gb": "GB of HF-named tensors sent per sync",
+    "sync/buckets": "transfer buckets per sync (sync.bucket_mb each at most)",
     "time/rollout": "seconds generating + scoring",
     "time/log_probs": "seconds computing old log-probs",
     "time/ref_log_probs": "seconds computing the KL reference log-probs (when loss.kl_coef > 0)",
@@ -53,6 +58,7 @@ TAGS = {
     "time/step": "seconds of the whole step",
     "perf/tokens_per_s": "trained tokens (prompt + response) / step seconds",
     "perf/rollout_tokens_per_s": "generated tokens / rollout seconds",
+    "perf/sync_gb_per_s": "weight sync throughput into SGLang (GB of HF tensors / sync seconds)",
 }
 
 

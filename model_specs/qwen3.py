@@ -3,17 +3,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
-
-from gspo_megatron.parallel.layout import ParallelLayout
 from model_specs.common import FamilyTraits, ModelSpec, build_model_spec
 
 TRAITS = FamilyTraits(name="qwen3", model_types=("qwen3",), qk_layernorm=True)
 
 
-def model_spec(hf_config: Mapping[str, Any], layout: ParallelLayout, *,
-               params_dtype: torch.dtype = torch.float32, overrides=None) -> ModelSpec:
-    return build_model_spec(TRAITS, hf_config, layout, params_dtype=params_dtype, overrides=overrides)
+def model_spec(hf_config: Mapping[str, Any], **kwargs: Any) -> ModelSpec:
+    """See common.build_model_spec (params_dtype, overrides, transformer_engine)."""
+    return build_model_spec(TRAITS, hf_config, **kwargs)
 
 
 def tiny_hf_config(**overrides: Any) -> dict[str, Any]:

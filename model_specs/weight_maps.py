@@ -26,6 +26,9 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from model_specs import family_for
+from model_specs.hf_config import moe_layer_pattern, normalize_hf_config
+
 # The parameter kinds: how a megatron tensor relates to its HF tensors.
 COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
 
@@ -213,28 +216,8 @@ def _check_rows(name: str, t: torch.Tensor, rows: int) -> None:
 
 
 # ---- building the map from an HF config ----
-def normalize_hf_config(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """An HF config dict with the field names model_specs reads.
-
-    transformers >= 5 writes `num_local_experts` (attribute_map of num_experts) and nests
-    `rope_theta` under `rope_parameters`; older configs have `num_experts` and `rope_theta`. Without
-    this, a transformers-5 Qwen3 config (rope_theta 1e6) would silently get RoPE base 10000."""
-    out = dict(hf)
-    if out.get("num_experts") is None and out.get("num_local_experts") is not None:
-        out["num_experts"] = out["num_local_experts"]
-    rope = out.get("rope_parameters") or {}
-    if out.get("rope_theta") is None and "rope_theta" in rope:
-        out["rope_theta"] = rope["rope_theta"]
-    if rope.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
-        out["rope_scaling"] = rope  # model_specs rejects RoPE scaling with a clear error
-    return out
-
-
 def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
-    """The weight map of an HF model (config dict); raises ConfigError for unknown families."""
-    from model_specs import family_for
-    from model_specs.common import _moe_layer_pattern
-
+    """The weight map of an HF model (config dict); raises HFConfigError for unknown families."""
     hf = normalize_hf_config(hf_config)
     traits = family_for(hf).TRAITS
     layers = int(hf["num_hidden_layers"])
@@ -246,7 +229,7 @@ def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
         flags.add("qkv_bias")
     if not hf.get("tie_word_embeddings", False):
         flags.add("untied")
-    moe = [bool(x) for x in _moe_layer_pattern(hf, layers)] if traits.moe else [False] * layers
+    moe = [bool(x) for x in moe_layer_pattern(hf, layers)] if traits.moe else [False] * layers
     return WeightMap(
         family=traits.name, num_layers=layers, num_heads=heads,
         num_query_groups=int(hf.get("num_key_value_heads") or heads),

@@ -24,7 +24,7 @@ class SGLangError(RuntimeError):
     """A server answered, but not as expected (HTTP error status or malformed body)."""
 
     def __init__(self, url: str, message: str, status: int | None = None, body: str | None = None):
-        self.url, self.status, self.body = url, status, body
+        self.url, self.status, self.body, self.message = url, status, body, message
         detail = f" (HTTP {status})" if status is not None else ""
         text = f"{url}{detail}: {message}"
         if body is not None:
@@ -81,6 +81,20 @@ def parse_generate_item(item: Any, url: str) -> GenerateOutput:
     return GenerateOutput(ids, lps, finish_type, versions, prompt_tokens, str(item.get("text", "")), url)
 
 
+def connection_failure_reason(exc: BaseException) -> str:
+    """A short reason for a failed connection, without requests' repetition of host and port."""
+    text = repr(exc)
+    if "Connection refused" in text:
+        return "connection refused"
+    if isinstance(exc, requests.ReadTimeout):
+        return "ReadTimeout (no reply in time)"
+    if isinstance(exc, requests.ConnectTimeout):
+        return "connection timed out"
+    if any(k in text for k in ("RemoteDisconnected", "Connection aborted", "Connection reset")):
+        return "the server closed the connection (did it die?)"
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
 def _is_connect_failure(exc: BaseException) -> bool:
     """True when the request never reached the server (safe to retry anything)."""
     if isinstance(exc, requests.ConnectTimeout):
@@ -121,8 +135,9 @@ class SGLangClient:
                              and not isinstance(e, requests.ReadTimeout)) or \
                             (retry in ("connection", "connect") and _is_connect_failure(e))
                 if not retryable or attempt >= self.retries:
+                    reason = connection_failure_reason(e)
                     raise ServerUnavailable(self.url, f"{method} {path} failed after {attempt + 1} "
-                                            f"attempt(s): {type(e).__name__}: {e}") from e
+                                            f"attempt(s): {reason}") from e
                 time.sleep(self.backoff_s * 2 ** attempt)
                 continue
             if not 200 <= resp.status_code < 300:
@@ -238,7 +253,7 @@ class SGLangClient:
 
         Call between begin_weight_update() and end_weight_update(). Tensors go through
         torch.multiprocessing's "file_system" sharing strategy (the default strategy crashes the
-        server, ENVIRONMENT.md); keep them alive until this returns. `tp_size`: the server's TP size
+        server, docs/cpu.md); keep them alive until this returns. `tp_size`: the server's TP size
         (each TP rank receives the same list). A partial list updates only those parameters.
         """
         payload = _drop_none(serialized_named_tensors=[serialize_named_tensors(named_tensors)] * tp_size,

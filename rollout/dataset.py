@@ -24,26 +24,34 @@ def load_prompts(path: str | Path, required: tuple[str, ...] = REQUIRED_FIELDS) 
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"{path}: prompt file not found")
+    try:
+        lines = path.read_text(encoding="utf-8-sig").split("\n")  # a leading BOM is not JSON
+    except UnicodeDecodeError as e:
+        raise PromptFileError(f"{path}: not UTF-8 text ({e.reason} at byte offset {e.start})") from None
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFileError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(rec, dict):
-                raise PromptFileError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            missing = [k for k in required if k not in rec]
-            if missing:
-                raise PromptFileError(f"{where}: missing field(s) {missing}; has {sorted(rec)}")
-            prompt = rec.get("prompt")
-            if not (isinstance(prompt, str) and prompt) and not _is_messages(prompt):
-                raise PromptFileError(f"{where}: 'prompt' must be a non-empty string or a list of "
-                                      f"{{'role', 'content'}} messages, got {prompt!r:.80}")
-            records.append(rec)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            # Column in characters of the line (not bytes), with the text around it: the
+            # position is then unambiguous whatever the editor counts.
+            text = line.rstrip("\r\n")
+            near = f"{text[max(0, e.pos - 25):e.pos]}>>>{text[e.pos:e.pos + 10]}"
+            raise PromptFileError(f"{where}: not valid JSON: {e.msg} at character {e.pos + 1} "
+                                  f"of the line, here: {near!r}") from None
+        if not isinstance(rec, dict):
+            raise PromptFileError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        missing = [k for k in required if k not in rec]
+        if missing:
+            raise PromptFileError(f"{where}: missing field(s) {missing}; has {sorted(rec)}")
+        prompt = rec.get("prompt")
+        if not (isinstance(prompt, str) and prompt) and not _is_messages(prompt):
+            raise PromptFileError(f"{where}: 'prompt' must be a non-empty string or a list of "
+                                  f"{{'role', 'content'}} messages, got {prompt!r:.80}")
+        records.append(rec)
     if not records:
         raise PromptFileError(f"{path}: no records")
     return records

@@ -1,6 +1,6 @@
 """Rollout manager: G samples per prompt from SGLang, dynamic sampling, partial rollouts.
 
-    manager = RolloutManager(pool, RolloutConfig(group_size=8, max_new_tokens=512),
+    manager = RolloutManager(pool, ManagerConfig(group_size=8, max_new_tokens=512),
                              encode_prompt=lambda rec: chat_prompt_ids(tok, rec),
                              decode=tok.decode, reward_fn=math_reward)
     result = manager.generate_step(prompt_iter, num_groups=32)   # -> result.groups, result.metrics
@@ -32,42 +32,51 @@ from rollout.sample import ABORTED, DONE, PENDING, Sample
 
 
 @dataclasses.dataclass
-class RolloutConfig:
+class ManagerConfig:
+    """How the rollout manager samples: groups, budgets, sampling parameters, partial rollouts.
+    (The trainer's `rollout:` config section is this plus prompts, reward and servers.)"""
+
     group_size: int = 8
-    """G: responses per prompt (GSPO's group)."""
-    max_new_tokens: int = 512
+    """G: responses sampled per prompt (GSPO's group)."""
+    max_new_tokens: int = 64
     """Response budget per sample (all segments / turns together); a prompt record's own
     "max_new_tokens" field overrides it for that prompt."""
     temperature: float = 1.0
+    """Sampling temperature; the trainer computes log-probs at the same temperature."""
     top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
     top_k: int = -1
+    """Top-k sampling (-1 = off; 1 = greedy, with log-probs of the full temperature-1 softmax)."""
     max_turn_tokens: int | None = None
-    """Multi-turn: cap on one model turn (None: the remaining budget)."""
-    stop_token_ids: list[int] | None = None
+    """Multi-turn: cap on one model turn (null: the remaining budget)."""
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     """Extra stop tokens; the model's EOS always stops (unless ignore_eos)."""
     ignore_eos: bool = False
     """Generate to the budget through EOS (benchmarks, tests)."""
     seed: int | None = None
-    """Sampling seed: each request gets sampling_seed = f(seed, group id, index, tokens so far),
-    so a rerun (or a resumed run) with the same seed draws the same responses. SGLang honours it
-    only with --enable-deterministic-inference, which needs a GPU attention backend (fa3, triton,
-    flashinfer, ...): on CPU (torch_native) the server refuses that flag and the seed is ignored
-    (sglang/srt/sampling/sampling_batch_info.py:157). None: no seed sent."""
+    """Base of a per-request SGLang `sampling_seed` derived from (seed, group id, sample index,
+    tokens so far): rollouts fixed by the seed and the weights. SGLang honours it only with
+    --enable-deterministic-inference (added to servers the run starts), which needs a GPU
+    attention backend: on CPU (torch_native) the server refuses that flag and the seed is
+    ignored (sglang/srt/sampling/sampling_batch_info.py:157). null = unseeded sampling."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage) and draw more prompts to refill."""
     oversample_groups: int = 0
     """Groups kept in flight beyond those still needed (a faster fill; leftovers are aborted)."""
     max_draw_factor: float = 8.0
-    """A step fails once it has drawn this many times num_groups new prompts without filling up."""
+    """A step fails once it has drawn this many times the needed groups of new prompts without
+    filling the batch."""
     partial_rollouts: bool = False
-    """Buffer groups cut by the end-of-step abort and resume them next step."""
+    """Abort unfinished samples once the batch is full and resume them next step (their
+    remaining budget only)."""
     mask_stale_tokens: bool = False
-    """loss_mask 0 on tokens produced by weights older than the newest version in the step."""
+    """With partial rollouts: loss-mask tokens produced by weights older than the current ones."""
     max_in_flight_requests: int = 256
+    """Generation requests in flight at once (SGLang batches them)."""
     request_timeout_s: float = 600.0
     """Bound on any single wait for generation results (nothing waits forever)."""
     max_reward_error_fraction: float = 0.0
-    """The run fails when more than this fraction of reward calls raised."""
+    """The run fails once more than this fraction of reward calls raised."""
 
     def sampling_params(self, max_new_tokens: int, sample: Sample | None = None) -> dict[str, Any]:
         params = {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
@@ -91,7 +100,7 @@ class StepResult:
 
 
 class RolloutManager:
-    def __init__(self, pool: ServerPool, config: RolloutConfig, *,
+    def __init__(self, pool: ServerPool, config: ManagerConfig, *,
                  encode_prompt: Callable[[dict], list[int]] | None = None, decode: Callable[[list[int]], str],
                  reward_fn: RewardFn | None = None, env_factory: Callable[[dict], Any] | None = None,
                  encode_text: Callable[[str], list[int]] | None = None):

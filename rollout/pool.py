@@ -52,28 +52,27 @@ class ServerPool:
         with self._lock:
             self._dead.add(url)
 
-    def _next_client(self) -> SGLangClient:
+    def _next_client(self) -> SGLangClient | None:
         live = self.live_clients()
-        if not live:
-            raise ServerUnavailable(", ".join(self.server_urls), "no live SGLang server left "
-                                    f"(all of {len(self.clients)} failed)")
-        return live[next(self._rr) % len(live)]
+        return live[next(self._rr) % len(live)] if live else None
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: str | None = None,
                  timeout_s: float | None = None) -> GenerateOutput:
         """One prompt -> one GenerateOutput (see SGLangClient.generate)."""
         if self.router is not None:
             return self.router.generate(input_ids, sampling_params, rid=rid, timeout_s=timeout_s)[0]
-        errors = []
+        errors: dict[str, str] = {}
         while True:
-            try:
-                client = self._next_client()
-            except ServerUnavailable as e:
-                raise ServerUnavailable(e.url, f"{e}; errors: {'; '.join(errors)}") from None
+            client = self._next_client()
+            if client is None:  # one line, each server's URL once
+                what = "; ".join(f"{u}: {r}" for u, r in errors.items()) if len(errors) != 1 else \
+                    next(iter(errors.values()))
+                raise ServerUnavailable(", ".join(self.server_urls),
+                                        f"no live SGLang server left ({what})")
             try:
                 return client.generate(input_ids, sampling_params, rid=rid, timeout_s=timeout_s)[0]
             except ServerUnavailable as e:
-                errors.append(str(e))
+                errors[client.url] = e.message
                 self.mark_dead(client.url)
 
     def for_each(self, fn: Callable[[SGLangClient], Any], live_only: bool = True) -> list[Any]:

@@ -10,7 +10,7 @@ Every child runs in its own process group (SGLang forks a scheduler and a detoke
 file, and is stopped with SIGTERM to the group, then SIGKILL after a grace period. Startup waits for
 /health with a timeout; a child that dies meanwhile raises ServerStartError with the log's tail.
 On CPU (no CUDA) the child gets SGLang's CPU engine and the `sgl_kernel` stand-in on its PYTHONPATH
-(rollout/cpu_stand_ins, ENVIRONMENT.md); on GPU machines nothing is substituted.
+(rollout/cpu_stand_ins, docs/cpu.md); on GPU machines nothing is substituted.
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
         cmd += ["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "disabled",
                 "--cuda-graph-backend-prefill", "disabled", "--dtype", config.dtype or "float32",
                 "--mem-fraction-static", str(config.mem_fraction_static or 0.05),
-                # without it the idle scheduler busy-polls a core (ENVIRONMENT.md)
+                # without it the idle scheduler busy-polls a core (docs/cpu.md)
                 "--sleep-on-idle"]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(

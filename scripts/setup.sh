@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the project's virtual environment (.venv at the repository root) on a fresh CPU machine.
 #   bash scripts/setup.sh          # idempotent: does nothing when .venv matches the inputs
-# One venv serves the trainer and the SGLang servers (ENVIRONMENT.md):
+# One venv serves the trainer and the SGLang servers (docs/cpu.md):
 #   torch 2.14.1 + torchvision 0.29.1 (wheels on local disk; the versions sglang pins),
 #   megatron-core and this project (editable), sglang --no-deps + its CPU-safe requirements.
 # On GPU clusters install torch/TE/apex/sglang the usual way and `pip install -e .[gpu,rollout]`.

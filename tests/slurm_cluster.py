@@ -20,8 +20,7 @@ The Slurm packages are installed with apt-get when missing (`apt-get update` onc
 here, no systemd). Every step has a timeout; teardown cancels jobs, stops the daemons by their PIDs,
 ends what is left in the namespace (job steps) by PID, deletes the namespace and restores /etc/hosts.
 
-ENVIRONMENT.md (shared/) records what this took; the config below is its slurm.conf.example with a
-short `cred_expire`: a requeued job may start again only `cred_expire` seconds after the requeue
+docs/cpu.md ("A real Slurm") records what this took; the config below sets a short `cred_expire`: a requeued job may start again only `cred_expire` seconds after the requeue
 (120 s by default), which would make the preemption test wait two minutes for nothing.
 """
 from __future__ import annotations
@@ -244,7 +243,7 @@ class SlurmCluster:
                                                cpus=CPUS_PER_NODE))
         _check(["ip", "netns", "add", self.netns], 10)
         _check(self._nsenter(["ip", "link", "set", "lo", "up"]), 10)
-        # slurmctld loops on getaddrinfo when loopback holds only 127.0.0.1 (ENVIRONMENT.md).
+        # slurmctld loops on getaddrinfo when loopback holds only 127.0.0.1 (docs/cpu.md).
         _check(self._nsenter(["ip", "addr", "add", "127.0.0.2/8", "dev", "lo"]), 10)
         self._add_hosts_line()
         self._spawn("slurmctld", ["slurmctld", "-D", "-f", str(self.conf)])

@@ -36,15 +36,15 @@ def test_actor_rejects_impossible_layout_before_any_collective(monkeypatch, hf, 
 
 def test_actor_rejects_spec_built_for_another_layout():
     from gspo_megatron.actor.build import build_model_chunks
-    from model_specs import model_spec_for
+    from gspo_megatron.actor.build import spec_for_layout
 
-    spec = model_spec_for(qwen3.tiny_hf_config(), ParallelLayout())
+    spec = spec_for_layout(qwen3.tiny_hf_config(), ParallelLayout())
     with pytest.raises(ValueError, match="ModelSpec was built for another layout"):
         build_model_chunks(spec, ParallelLayout(tensor=2))
 
 
 def test_distributed_optimizer_needs_adam():
-    from gspo_megatron.actor.build import OptimizerSettings
+    from gspo_megatron.actor.settings import OptimizerSettings
 
     with pytest.raises(ValueError, match="use_distributed_optimizer=True needs optimizer='adam', got 'sgd'"):
         OptimizerSettings(optimizer="sgd", use_distributed_optimizer=True)

@@ -44,13 +44,13 @@ def _kl_steps(rank, world, pipeline, start=None):
     actor.set_reference()
     # lp0: the reference weights' log-probs; then one GSPO step moves the weights away.
     shard = actor.shard(_batch())
-    actor.compute_old_log_probs(shard)
+    shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
     lp0 = shard.old_log_probs
     actor.train_step(shard)
     trained = actor.full_state_dict()
 
     probe = actor.shard(_batch())
-    actor.compute_ref_log_probs(probe)
+    probe.ref_log_probs, _ = actor.compute_ref_log_probs(probe)
     after_swap = actor.full_state_dict()
     swap_exact = max(float((trained[k] - v).abs().max()) for k, v in after_swap.items())
     ref_err = None if lp0 is None else float((probe.ref_log_probs - lp0).abs()[probe.loss_mask].max())
@@ -59,15 +59,15 @@ def _kl_steps(rank, world, pipeline, start=None):
     # The same reference, loaded from the saved one-process tensors.
     actor.set_reference(init)
     probe2 = actor.shard(_batch())
-    actor.compute_ref_log_probs(probe2)
+    probe2.ref_log_probs, _ = actor.compute_ref_log_probs(probe2)
     ref2_err = None if lp0 is None else float((probe2.ref_log_probs - lp0).abs()[probe2.loss_mask].max())
     assert max(float((after_swap[k] - v).abs().max()) for k, v in actor.full_state_dict().items()) == 0.0
 
     # Zero advantages: without KL nothing moves; with KL (k3) the step pulls towards the reference.
     zero = actor.shard(_batch(advantages=0.0))
-    actor.compute_old_log_probs(zero)
+    zero.old_log_probs, _ = actor.compute_old_log_probs(zero)
     lp1 = zero.old_log_probs
-    actor.compute_ref_log_probs(zero)
+    zero.ref_log_probs, _ = actor.compute_ref_log_probs(zero)
     actor.train_step(zero)
     no_kl_move = max(float((actor.full_state_dict()[k] - v).abs().max()) for k, v in trained.items())
     actor.loss = LossSettings(name="gspo", kl_coef=1.0, kl_estimator="k3")

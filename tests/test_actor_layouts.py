@@ -52,16 +52,16 @@ def _run(rank, world, layout_kwargs, options, init_state):
     """One layout on `world` ranks; returns what rank 0 / the last stage saw, as numpy."""
     from megatron.core import parallel_state as ps
 
-    from gspo_megatron.actor import train as actor_train
+    from gspo_megatron.actor import steps as actor_steps
     from gspo_megatron.actor.actor import Actor
-    from gspo_megatron.actor.build import OptimizerSettings
-    from gspo_megatron.actor.forward import LogProbSettings
-    from gspo_megatron.actor.train import LossSettings
+    from gspo_megatron.actor.settings import OptimizerSettings
+    from gspo_megatron.actor.settings import LogProbSettings
+    from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
     from model_specs import qwen3, qwen3_moe
 
     if options.get("wrong_scale"):  # the classic bug: forget the DP factor of the loss scale
-        actor_train.ps = type("PS", (), {"__getattr__": lambda self, n: getattr(ps, n),
+        actor_steps.ps = type("PS", (), {"__getattr__": lambda self, n: getattr(ps, n),
                                          "get_data_parallel_world_size": staticmethod(lambda: 1)})()
     family = qwen3 if options.get("dense") else qwen3_moe
     actor = Actor(family.tiny_hf_config(), ParallelLayout(**layout_kwargs),
@@ -76,7 +76,8 @@ def _run(rank, world, layout_kwargs, options, init_state):
     else:
         actor.load_full_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()})
     shard = actor.shard(make_batch(), num_mini_batches=MINI)
-    metrics = [actor.compute_old_log_probs(shard)]
+    shard.old_log_probs, old_metrics = actor.compute_old_log_probs(shard)
+    metrics = [old_metrics]
     keeps_old = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
     old = (shard.global_rows.numpy(), shard.old_log_probs.numpy()) if keeps_old else None
     if actor.is_last_stage:

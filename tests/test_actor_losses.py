@@ -37,17 +37,19 @@ def _losses(rank, world):
         actor.load_full_state_dict(init)
         actor.loss = LossSettings(name=name)
         shard = actor.shard(_batch())
-        old = actor.compute_old_log_probs(shard)
+        shard.old_log_probs, old = actor.compute_old_log_probs(shard)
         metrics = actor.train_step(shard)
         state = actor.full_state_dict()
         out[name] = (old, metrics, {k: v.numpy() for k, v in state.items()} if rank == 0 else None)
     actor.load_full_state_dict(init)
-    actor.loss = LossSettings(name="gspo", old_log_probs="engine")
-    shard = actor.shard(_batch())
-    out["engine"] = (actor.compute_old_log_probs(shard), actor.train_step(shard), None)
     actor.loss = LossSettings(name="gspo")
+    actor.old_log_probs = "engine"
+    shard = actor.shard(_batch())
+    shard.old_log_probs, engine_old = actor.compute_old_log_probs(shard)
+    out["engine"] = (engine_old, actor.train_step(shard), None)
+    actor.old_log_probs = "recompute"
     actor.logprob = LogProbSettings(temperature=2.0)
-    out["hot"] = (actor.compute_old_log_probs(shard), None, None)
+    out["hot"] = (actor.compute_old_log_probs(shard)[1], None, None)
     return out
 
 

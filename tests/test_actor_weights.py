@@ -23,12 +23,12 @@ def _build(layout_kwargs: dict, seed: int):
     from gspo_megatron.actor.build import build_model_chunks
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.process_groups import init_process_groups
-    from model_specs import model_spec_for
+    from gspo_megatron.actor.build import spec_for_layout
     from model_specs.qwen3_moe import tiny_hf_config
 
     layout = ParallelLayout(**layout_kwargs)
     init_process_groups(layout, seed=seed)
-    return build_model_chunks(model_spec_for(tiny_hf_config(), layout), layout)
+    return build_model_chunks(spec_for_layout(tiny_hf_config(), layout), layout)
 
 
 def _one_process_state(rank: int, world: int) -> dict:

@@ -1,4 +1,4 @@
-"""group_advantages: GSPO.md property 9 and Eq. 6."""
+"""group_advantages: docs/algorithm.md property 9 and Eq. 6."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""GSPO.md property 11 in its single-process form: reduction="sum" over uneven chunks, divided by the
+"""docs/algorithm.md property 11 in its single-process form: reduction="sum" over uneven chunks, divided by the
 global number of valid sequences, equals reduction="mean" on the whole batch (value, gradient and
 metrics), also under megatron-core's schedule contract (divide by micro-batches, average over DP)."""
 import pytest

@@ -1,4 +1,4 @@
-"""GSPO and GSPO-token losses: GSPO.md properties 1-8, 10 and 12, by autograd against hand-derived
+"""GSPO and GSPO-token losses: docs/algorithm.md properties 1-8, 10 and 12, by autograd against hand-derived
 gradients and by finite differences (gradcheck, fp64)."""
 import math
 

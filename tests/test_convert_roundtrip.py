@@ -34,18 +34,19 @@ def _load_forward_save(rank, world, cases):
     """Per case: load under the layout, forward (log-probs + entropy of TOKENS), save elsewhere."""
     from gspo_megatron.actor.batch import MicroBatch
     from gspo_megatron.actor.build import build_model_chunks
-    from gspo_megatron.actor.forward import LogProbSettings, is_last_stage_rank, run_schedule, set_fused
+    from gspo_megatron.actor.forward import is_last_stage_rank, run_schedule, set_fused
+    from gspo_megatron.actor.settings import LogProbSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config, load_model, save_model
     from gspo_megatron.parallel.process_groups import init_process_groups
     from gspo_megatron.sync import build_plan, stream_hf_weights
-    from model_specs import model_spec_for
+    from gspo_megatron.actor.build import spec_for_layout
     from model_specs.weight_maps import weight_map_for
 
     out = {}
     for name, kind, ckpt, saved in cases:
         layout = _layout(kind)
         init_process_groups(layout)
-        spec = model_spec_for(checkpoint_hf_config(ckpt), layout)
+        spec = spec_for_layout(checkpoint_hf_config(ckpt), layout)
         chunks = build_model_chunks(spec, layout)
         load_model(chunks, ckpt)
         set_fused(chunks, False)

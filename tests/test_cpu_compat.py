@@ -1,6 +1,6 @@
 """Each CPU/gloo adaptation of megatron-core (gspo_megatron/parallel/cpu_compat.py) is tested twice:
 with every adaptation applied, the megatron-core code path works and gives the right numbers; with
-all but this one applied (a fresh process), it still fails the way ENVIRONMENT.md recorded. If a
+all but this one applied (a fresh process), it still fails the way docs/cpu.md records. If a
 megatron-core upgrade fixes the problem, the second test fails: drop the adaptation then.
 """
 import os

@@ -16,31 +16,25 @@ from distributed import run_distributed
 
 
 def _build(layout_kwargs, dist_opt):
-    import torch
-    from gspo_megatron.actor.build import OptimizerSettings, build_model_chunks, build_optimizer
+    from gspo_megatron.actor import Actor
+    from gspo_megatron.actor.settings import OptimizerSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.parallel.process_groups import init_process_groups
-    from model_specs import model_spec_for
     from model_specs.qwen3_moe import tiny_hf_config
-    layout = ParallelLayout(**layout_kwargs)
-    init_process_groups(layout, seed=7)
-    spec = model_spec_for(tiny_hf_config(), layout)
-    chunks = build_model_chunks(spec, layout, use_distributed_optimizer=dist_opt)
-    opt, sched = build_optimizer(chunks, OptimizerSettings(lr=1e-2, use_distributed_optimizer=dist_opt,
-                                                           lr_decay_style="linear", lr_decay_steps=10))
-    return chunks, opt, sched
+    return Actor(tiny_hf_config(), ParallelLayout(**layout_kwargs), seed=7,
+                 optimizer=OptimizerSettings(lr=1e-2, use_distributed_optimizer=dist_opt,
+                                             lr_decay_style="linear", lr_decay_steps=10))
 
 
-def _one_step(chunks, opt, sched):
+def _one_step(actor):
     import torch
-    for c in chunks:
+    for c in actor.chunks:
         c.zero_grad_buffer()
-    opt.zero_grad()
-    for c in chunks:
+    actor.optimizer.zero_grad()
+    for c in actor.chunks:
         for p in c.parameters():
             p.main_grad.copy_(torch.randn_like(p) * 0.01)
-    opt.step()
-    sched.step(1)
+    actor.optimizer.step()
+    actor.scheduler.step(1)
 
 
 def _params(chunks):
@@ -58,29 +52,29 @@ def _roundtrip(rank, world, root, layout_kwargs, dist_opt):
     import torch
     from gspo_megatron.checkpoint.loop_state import LoopState
     from gspo_megatron.checkpoint.manager import CheckpointManager
-    chunks, opt, sched = _build(layout_kwargs, dist_opt)
-    _one_step(chunks, opt, sched)
+    actor = _build(layout_kwargs, dist_opt)
+    _one_step(actor)
     mgr = CheckpointManager(root, keep=2)
     mgr.clean_incomplete()
     loop = LoopState(step=1, data_cursor={"epoch": 0, "index": 5},
                      rollout_buffer={"buffer": [[{"x": 1}]]}, weight_version=3)
-    path = mgr.save(1, chunks, opt, sched, loop)
-    saved = _params(chunks)
+    path = mgr.save(1, actor, loop)
+    saved = _params(actor.chunks)
     after_rng = (torch.rand(3), random.random())
     # Continue one step from the live state, then restore and repeat: must match bit for bit.
-    _one_step(chunks, opt, sched)
-    cont = _params(chunks)
-    lr_cont = opt.param_groups[0]["lr"]
-    chunks2, opt2, sched2 = _build(layout_kwargs, dist_opt)
-    loop2 = mgr.load(mgr.latest(), chunks2, opt2, sched2)
-    restored = _params(chunks2)
+    _one_step(actor)
+    cont = _params(actor.chunks)
+    lr_cont = actor.optimizer.param_groups[0]["lr"]
+    actor2 = _build(layout_kwargs, dist_opt)
+    loop2 = mgr.load(mgr.latest(), actor2)
+    restored = _params(actor2.chunks)
     rng_again = (torch.rand(3), random.random())
-    _one_step(chunks2, opt2, sched2)
-    cont2 = _params(chunks2)
+    _one_step(actor2)
+    cont2 = _params(actor2.chunks)
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
     return dict(path=str(path), loop=loop2.to_dict(), restored=same(saved, restored),
                 continued=same(cont, cont2), rng=torch.equal(after_rng[0], rng_again[0])
-                and after_rng[1] == rng_again[1], lr=(lr_cont, opt2.param_groups[0]["lr"]))
+                and after_rng[1] == rng_again[1], lr=(lr_cont, actor2.optimizer.param_groups[0]["lr"]))
 
 
 @pytest.mark.slow
@@ -116,13 +110,20 @@ def test_latest_pointer_and_incomplete_dirs(tmp_path):
         mgr.latest()
 
 
-def _fake_model_io(path, chunks, optimizer):
-    path.mkdir(parents=True)
-    (path / "weights.bin").write_bytes(b"x" * 1000)
-    if os.environ.get("SLOW_SAVE"):
-        import time
-        (Path(os.environ["SLOW_SAVE"])).write_text("saving")
-        time.sleep(60)
+class FakeActor:
+    """Stands in for the Actor's model/optimizer part of a checkpoint (the manager's protocol)."""
+
+    def save(self, path):
+        path.mkdir(parents=True)
+        (path / "weights.bin").write_bytes(b"x" * 1000)
+        if os.environ.get("SLOW_SAVE"):
+            import time
+            (Path(os.environ["SLOW_SAVE"])).write_text("saving")
+            time.sleep(60)
+        return {}
+
+    def load(self, path, scheduler_state):
+        pass
 
 
 _KILL_SCRIPT = textwrap.dedent("""
@@ -131,11 +132,10 @@ _KILL_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     from gspo_megatron.checkpoint.loop_state import LoopState
     from gspo_megatron.checkpoint.manager import CheckpointManager
-    from test_resume_checkpoint import _fake_model_io
-    mgr = CheckpointManager(Path({root!r}), keep=2, save_model=_fake_model_io,
-                            load_model=lambda *a: None)
+    from test_resume_checkpoint import FakeActor
+    mgr = CheckpointManager(Path({root!r}), keep=2)
     step = int(sys.argv[1])
-    mgr.save(step, [], None, None, LoopState(step=step))
+    mgr.save(step, FakeActor(), LoopState(step=step))
 """)
 
 
@@ -148,8 +148,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     from gspo_megatron.checkpoint.loop_state import LoopState
     from gspo_megatron.checkpoint.manager import CheckpointManager
     for step in (1, 2, 3):
-        CheckpointManager(root, keep=2, save_model=_fake_model_io).save(
-            step, [], None, None, LoopState(step=step))
+        CheckpointManager(root, keep=2).save(step, FakeActor(), LoopState(step=step))
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
     proc = subprocess.Popen([sys.executable, str(script), "4"], env={**env, "SLOW_SAVE": str(marker)})
     for _ in range(600):

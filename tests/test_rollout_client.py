@@ -15,7 +15,7 @@ from fixtures_models import hf_response_logprobs, tiny_model_dir
 from fixtures_servers import launch_tiny_server
 from rollout.client import SGLangClient, SGLangError, ServerUnavailable
 from rollout.pool import ServerPool
-from rollout.manager import RolloutConfig, RolloutManager
+from rollout.manager import ManagerConfig, RolloutManager
 from rollout.server import ServerGroup, free_port, router_process
 
 GOOD_ITEM = {"text": "x", "output_ids": [5, 6],
@@ -168,7 +168,7 @@ def test_server_killed_mid_rollout_work_moves_on(qwen3_server, victim_server):
     victim = victim_server.servers[0]
     pool = ServerPool([victim.url] + qwen3_server.server_urls, retries=1, backoff_s=0.1)
     tok_ids = lambda rec: [1, 2, 3, int(rec["answer"])]  # noqa: E731
-    mgr = RolloutManager(pool, RolloutConfig(group_size=4, max_new_tokens=120, ignore_eos=True,
+    mgr = RolloutManager(pool, ManagerConfig(group_size=4, max_new_tokens=120, ignore_eos=True,
                                              request_timeout_s=120),
                          encode_prompt=tok_ids, decode=lambda ids: "", reward_fn=lambda r, t: 0.0)
     prefills = victim.log_path.read_text().count("Prefill batch")

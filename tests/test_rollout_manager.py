@@ -10,7 +10,7 @@ from fixtures_models import hf_response_logprobs, tiny_model_dir
 from rollout.client import SGLangClient
 from rollout.pool import ServerPool
 from rollout.dataset import chat_prompt_ids
-from rollout.manager import RolloutConfig, RolloutManager
+from rollout.manager import ManagerConfig, RolloutManager
 from rollout.rewards import RewardErrorBudgetExceeded
 from rollout.sample import DONE, PENDING
 
@@ -36,7 +36,7 @@ def _prompts(n, **extra):
 @pytest.mark.parametrize("fixture", ["qwen3_server", "moe_server"])
 def test_group_sampling_exactly_g_aligned(fixture, request):
     group = request.getfixturevalue(fixture)
-    cfg = RolloutConfig(group_size=4, max_new_tokens=12)
+    cfg = ManagerConfig(group_size=4, max_new_tokens=12)
     mgr = _manager(group, cfg)
     # the servers are shared by the session; an earlier test may have reloaded weights under
     # another label, so expect whatever label the server reports now
@@ -62,7 +62,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills(qwen3_server):
     def reward(rec, text):
         return float(rec["id"] % 2 and len(text) % 3)
 
-    cfg = RolloutConfig(group_size=4, max_new_tokens=16, dynamic_sampling=True)
+    cfg = ManagerConfig(group_size=4, max_new_tokens=16, dynamic_sampling=True)
     mgr = _manager(qwen3_server, cfg, reward)
     prompts = iter([{"prompt": f"q{i}", "answer": "0", "id": i} for i in range(40)])
     result = mgr.generate_step(prompts, num_groups=3)
@@ -71,7 +71,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_refills(qwen3_server):
         assert len({s.reward for s in g}) > 1
     assert result.metrics["groups_dropped_equal_reward"] >= 3  # ids 0, 2, 4 at least
     # impossible to fill: every group has equal rewards -> a clear error, not a hang
-    mgr2 = _manager(qwen3_server, RolloutConfig(group_size=2, max_new_tokens=4, dynamic_sampling=True,
+    mgr2 = _manager(qwen3_server, ManagerConfig(group_size=2, max_new_tokens=4, dynamic_sampling=True,
                                                 max_draw_factor=2.0), lambda r, t: 1.0)
     with pytest.raises(RuntimeError, match="cannot fill 2 groups"):
         mgr2.generate_step(_prompts(100), num_groups=2)
@@ -82,7 +82,7 @@ def test_partial_rollout_resume_has_exact_budget_and_versions(qwen3_server):
     pool = ServerPool(qwen3_server.server_urls)
     model_dir = str(tiny_model_dir("qwen3", 0))
     budget = 160
-    cfg = RolloutConfig(group_size=2, max_new_tokens=budget, partial_rollouts=True, ignore_eos=True,
+    cfg = ManagerConfig(group_size=2, max_new_tokens=budget, partial_rollouts=True, ignore_eos=True,
                         oversample_groups=2)
     mgr = _manager(qwen3_server, cfg)
     pool.update_weights_from_disk(model_dir, weight_version="v1")
@@ -133,13 +133,13 @@ def test_reward_errors_are_recorded_and_budgeted(qwen3_server):
             raise ValueError("boom")
         return 1.0
 
-    mgr = _manager(qwen3_server, RolloutConfig(group_size=4, max_new_tokens=4,
+    mgr = _manager(qwen3_server, ManagerConfig(group_size=4, max_new_tokens=4,
                                                max_reward_error_fraction=0.3), flaky)
     result = mgr.generate_step(_prompts(4), num_groups=2)
     errors = [s for g in result.groups for s in g if s.reward_error]
     assert len(errors) == 2 and all(s.reward == 0.0 and "boom" in s.reward_error for s in errors)
     assert result.metrics["reward_errors"] == 2
-    mgr = _manager(qwen3_server, RolloutConfig(group_size=4, max_new_tokens=4,
+    mgr = _manager(qwen3_server, ManagerConfig(group_size=4, max_new_tokens=4,
                                                max_reward_error_fraction=0.1), flaky)
     with pytest.raises(RewardErrorBudgetExceeded, match="boom"):
         mgr.generate_step(_prompts(4), num_groups=2)
@@ -150,12 +150,12 @@ def test_sampling_seed_is_stable_per_sample_and_position():
     # SGLang honours sampling_seed only on servers launched with --enable-deterministic-inference,
     # which its CPU attention backend (torch_native) refuses: checked here at the request level.
     from rollout.sample import Sample
-    cfg = RolloutConfig(seed=7)
+    cfg = ManagerConfig(seed=7)
     a, b = Sample(3, 0, {}, [1], 8), Sample(3, 1, {}, [1], 8)
     seed = cfg.sampling_params(8, a)["sampling_seed"]
-    assert seed == RolloutConfig(seed=7).sampling_params(8, Sample(3, 0, {}, [2, 2], 8))["sampling_seed"]
+    assert seed == ManagerConfig(seed=7).sampling_params(8, Sample(3, 0, {}, [2, 2], 8))["sampling_seed"]
     assert seed != cfg.sampling_params(8, b)["sampling_seed"]
-    assert seed != RolloutConfig(seed=8).sampling_params(8, a)["sampling_seed"]
+    assert seed != ManagerConfig(seed=8).sampling_params(8, a)["sampling_seed"]
     a.append_model_tokens([5], [-1.0], ["v"])
     assert seed != cfg.sampling_params(7, a)["sampling_seed"]
-    assert "sampling_seed" not in RolloutConfig().sampling_params(8, a)
+    assert "sampling_seed" not in ManagerConfig().sampling_params(8, a)

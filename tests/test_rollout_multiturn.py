@@ -10,7 +10,7 @@ from fixtures_models import tiny_model_dir
 from rollout.pool import ServerPool
 from rollout.envs import CalculatorEnv, GuessingGameEnv
 from rollout.envs.calculator import safe_eval
-from rollout.manager import RolloutConfig, RolloutManager
+from rollout.manager import ManagerConfig, RolloutManager
 from rollout.multiturn import ChatFormat
 
 
@@ -66,7 +66,7 @@ def test_episode_token_in_token_out(qwen3_server, env_cls):
         return tok.encode(text, add_special_tokens=False)
 
     budget = 120
-    cfg = RolloutConfig(group_size=3, max_new_tokens=budget, max_turn_tokens=16)
+    cfg = ManagerConfig(group_size=3, max_new_tokens=budget, max_turn_tokens=16)
     mgr = RolloutManager(pool, cfg, decode=tok.decode, env_factory=lambda rec: env_cls(max_turns=4),
                          encode_text=encode_text)
     records = [{"prompt": "What is 6*7?", "answer": "42"}, {"prompt": "Guess.", "answer": "7"}]

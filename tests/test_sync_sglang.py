@@ -24,7 +24,7 @@ def _trainer_log_probs(actor, tokens: list[int], n_prompt: int) -> torch.Tensor 
     batch = TrainBatch(tokens=t, lengths=torch.tensor([len(tokens)]),
                        loss_mask=torch.arange(len(tokens))[None] >= n_prompt,
                        advantages=torch.zeros(1))
-    actor.compute_old_log_probs(batch)
+    batch.old_log_probs, _ = actor.compute_old_log_probs(batch)
     return batch.old_log_probs[0, n_prompt:] if actor.is_last_stage else None
 
 
@@ -36,7 +36,7 @@ def _gspo_step(actor, seed: int) -> None:
     batch = TrainBatch(tokens=tokens, lengths=torch.full((4,), 24),
                        loss_mask=torch.arange(24)[None].expand(4, 24) >= 8,
                        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
-    actor.compute_old_log_probs(batch)
+    batch.old_log_probs, _ = actor.compute_old_log_probs(batch)
     actor.train_step(batch)
 
 
@@ -64,8 +64,8 @@ class _DiskFullTransport:
 
 def _body(rank, world, ckpt, url, disk_root, port):
     from gspo_megatron.actor import actor as actor_mod
-    from gspo_megatron.actor.build import OptimizerSettings
-    from gspo_megatron.actor.train import LossSettings
+    from gspo_megatron.actor.settings import OptimizerSettings
+    from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config, load_model
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import (DiskTransport, DistributedTransport, TensorTransport,

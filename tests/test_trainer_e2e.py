@@ -71,6 +71,9 @@ def _check_run(run_dir: Path, steps: int) -> None:
                 "train/grad_norm", "train/lr", "train/entropy", "train/logprob_abs_diff",
                 "perf/tokens_per_s", "time/rollout", "time/log_probs", "time/train", "time/sync"):
         assert [s for s, _ in scalars[tag]] == list(range(steps)), tag
+    from gspo_megatron.metrics import TAGS
+    assert set(scalars) <= set(TAGS), set(scalars) - set(TAGS)  # every logged tag is documented
+    assert all(v > 0 for _, v in scalars["perf/sync_gb_per_s"])
     # Trainer and SGLang on the same weights (fp32, CPU): log-probs agree closely.
     assert all(v < 1e-3 for _, v in scalars["train/logprob_abs_diff"])
     assert (run_dir / "ckpt" / "latest").read_text().strip() == f"step_{steps:08d}"

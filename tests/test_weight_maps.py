@@ -4,9 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_specs.weight_maps import (GATE_UP, QKV, fuse_qkv, normalize_hf_config, split_qkv,
+from model_specs.hf_config import normalize_hf_config
+from model_specs.weight_maps import (GATE_UP, QKV, fuse_qkv, split_qkv,
                                      weight_map_for)
-from model_specs import ConfigError, qwen3, qwen3_moe
+from model_specs import HFConfigError as ConfigError
+from model_specs import qwen3, qwen3_moe
 
 
 def test_fused_qkv_is_what_megatron_attention_splits():

@@ -2,16 +2,31 @@
 old log-probs (forward only) and GSPO train steps through megatron's pipeline schedule.
 
     from gspo_megatron.actor import Actor, TrainBatch, OptimizerSettings, LossSettings
-"""
-from gspo_megatron.actor.actor import Actor
-from gspo_megatron.actor.batch import MicroBatch, TrainBatch, balanced_sizes, micro_batches
-from gspo_megatron.actor.build import OptimizerSettings, build_model_chunks, build_optimizer, check_layout
-from gspo_megatron.actor.forward import LogProbSettings
-from gspo_megatron.actor.train import LossSettings, compute_old_log_probs, train_step
-from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
 
-__all__ = [
-    "Actor", "TrainBatch", "MicroBatch", "balanced_sizes", "micro_batches", "OptimizerSettings",
-    "build_model_chunks", "build_optimizer", "check_layout", "LogProbSettings", "LossSettings",
-    "compute_old_log_probs", "train_step", "full_state_dict", "load_full_state_dict",
-]
+Names are imported on first use (PEP 562): the run config reads `actor.settings` without
+importing torch or megatron-core.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Actor": "actor", "TrainBatch": "batch", "MicroBatch": "batch", "balanced_sizes": "batch",
+    "micro_batches": "batch", "OptimizerSettings": "settings", "LogProbSettings": "settings",
+    "build_model_chunks": "build", "build_optimizer": "build", "check_layout": "build",
+    "spec_for_layout": "build", "compute_log_probs": "steps", "train_step": "steps",
+    "full_state_dict": "weights", "load_full_state_dict": "weights",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LossSettings":  # the loss table's settings, re-exported for convenience
+        from gspo_megatron.algorithms.registry import LossSettings
+        return LossSettings
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS) + ["LossSettings"]

@@ -1,12 +1,14 @@
-"""The Actor: the policy model on megatron-core, as the trainer uses it.
+"""The Actor: the policy model on megatron-core, and every verb the trainer needs from it.
 
     actor = Actor(hf_config_or_dir, ParallelLayout(tensor=2, pipeline=2, expert=2),
                   optimizer=OptimizerSettings(lr=1e-6), loss=LossSettings(name="gspo"),
                   micro_batch_size=4)
     shard = actor.shard(rollout_batch, num_mini_batches=4)  # this DP rank's rows of each mini-batch
-    actor.compute_old_log_probs(shard)            # kept on the last pipeline stage
+    shard.old_log_probs, metrics = actor.compute_old_log_probs(shard)   # last stage: [b, s]
     for mini in shard.mini_batches():
         metrics = actor.train_step(mini)          # same scalar dict on every rank
+    scheduler_state = actor.save(path)            # model + optimizer shards (collective)
+    actor.load(path, scheduler_state)
 
 Every rank of the job constructs the Actor (torchrun / srun set RANK, WORLD_SIZE, MASTER_*).
 The layout is checked against the real world size and the model before any collective.
@@ -22,14 +24,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from gspo_megatron.actor.batch import TrainBatch
-from gspo_megatron.actor.build import (OptimizerSettings, build_model_chunks, build_optimizer,
-                                       check_layout, unwrap)
-from gspo_megatron.actor.forward import LogProbSettings, is_last_stage_rank, set_fused
-from gspo_megatron.actor.train import LossSettings, compute_old_log_probs, train_step
+from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
+                                       spec_for_layout, unwrap)
+from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
+from gspo_megatron.actor.settings import OLD_LOG_PROB_SOURCES, LogProbSettings, OptimizerSettings
+from gspo_megatron.actor.steps import compute_log_probs, train_step
 from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
+from gspo_megatron.algorithms.registry import LossSettings
+from gspo_megatron.checkpoint.model_io import load_model, load_model_and_optimizer, save_model_and_optimizer
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.process_groups import init_process_groups
-from model_specs import ModelSpec, model_spec_for
+from model_specs import ModelSpec
 
 
 def _world_size() -> int:
@@ -44,15 +49,21 @@ class Actor:
     def __init__(self, model: ModelSpec | Mapping[str, Any] | str | Path, layout: ParallelLayout, *,
                  optimizer: OptimizerSettings | None = None, loss: LossSettings | None = None,
                  logprob: LogProbSettings | None = None, micro_batch_size: int = 1,
-                 seed: int = 1234, params_dtype: torch.dtype = torch.float32) -> None:
+                 old_log_probs: str = "recompute", seed: int = 1234,
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        """old_log_probs: where pi_old comes from, "recompute" (a forward-only pass before the
+        updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4)."""
         self.layout = layout
         self.optimizer_settings = optimizer or OptimizerSettings()
         self.loss = loss or LossSettings()
         self.logprob = logprob or LogProbSettings()
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if old_log_probs not in OLD_LOG_PROB_SOURCES:
+            raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROB_SOURCES}, got {old_log_probs!r}")
         self.micro_batch_size = micro_batch_size
-        self.spec = model if isinstance(model, ModelSpec) else model_spec_for(
+        self.old_log_probs = old_log_probs
+        self.spec = model if isinstance(model, ModelSpec) else spec_for_layout(
             model, layout, params_dtype=params_dtype)
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
@@ -90,20 +101,20 @@ class Actor:
         return batch.shard(self.dp_rank, self.dp_size, num_mini_batches)
 
     # --- compute ------------------------------------------------------------------------------
-    def compute_old_log_probs(self, batch: TrainBatch) -> dict[str, float]:
-        """pi_old for the coming updates, kept in `batch.old_log_probs` on the last stage.
+    def compute_old_log_probs(self, batch: TrainBatch) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """pi_old for the coming updates: `(old_log_probs [b, s] on the last stage else None,
+        metrics)`; the caller sets `batch.old_log_probs`.
 
         recompute: a forward-only pass (metrics: log_prob_mean, entropy_mean and, with rollout
         log-probs, logprob_abs_diff_vs_rollout = the train/inference mismatch). engine: the
-        rollout log-probs are used as they are (no pass, no metrics).
+        rollout log-probs as they are (no pass, no metrics).
         """
-        if self.loss.old_log_probs == "engine":
+        if self.old_log_probs == "engine":
             if batch.rollout_log_probs is None:
-                raise ValueError("loss.old_log_probs='engine' needs batch.rollout_log_probs")
-            batch.old_log_probs = batch.rollout_log_probs if self.is_last_stage else None
-            return {}
-        return compute_old_log_probs(self.chunks, batch, micro_batch_size=self.micro_batch_size,
-                                     logprob=self.logprob)
+                raise ValueError("old_log_probs='engine' needs batch.rollout_log_probs")
+            return (batch.rollout_log_probs if self.is_last_stage else None), {}
+        return compute_log_probs(self.chunks, batch, micro_batch_size=self.micro_batch_size,
+                                 logprob=self.logprob)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch; the same metrics on every rank:
@@ -111,6 +122,21 @@ class Actor:
         entropy_mean, logprob_abs_diff_vs_rollout (with rollout log-probs), tokens, num_sequences."""
         return train_step(self.chunks, self.optimizer, self.scheduler, batch,
                           micro_batch_size=self.micro_batch_size, loss=self.loss, logprob=self.logprob)
+
+    def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
+        """One supervised (cross-entropy over trained tokens) step at learning rate `lr`, leaving
+        the LR schedule where it is; for a warm start before RL (then `reset_optimizer()`)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return train_step(self.chunks, self.optimizer, None, batch, micro_batch_size=self.micro_batch_size,
+                          loss=LossSettings(name="ce"), logprob=self.logprob)
+
+    def reset_optimizer(self) -> None:
+        """Forget the optimizer state (Adam moments, step counts) and put the scheduled learning
+        rate back: RL after a warm start begins with a fresh optimizer on the new weights."""
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            sub.optimizer.state.clear()
+        self.scheduler.step(increment=0)
 
     # --- KL reference policy -------------------------------------------------------------------
     def _local_params(self) -> list[torch.nn.Parameter]:
@@ -141,20 +167,20 @@ class Actor:
             p.copy_(r.to(p.device))
             r.copy_(held)
 
-    def compute_ref_log_probs(self, batch: TrainBatch) -> dict[str, float]:
-        """log-probs under the reference policy (set_reference), kept in `batch.ref_log_probs` on
-        the last stage, for the KL penalty (loss.kl_coef > 0). A forward-only pass with the
-        reference weights swapped in, then swapped back."""
+    def compute_ref_log_probs(self, batch: TrainBatch) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """Log-probs under the reference policy (set_reference), for the KL penalty: `(ref_log_probs
+        [b, s] on the last stage else None, metrics)`; the caller sets `batch.ref_log_probs`.
+        A forward-only pass with the reference weights swapped in, then swapped back."""
         if self._reference is None:
             raise RuntimeError("compute_ref_log_probs needs a reference policy: call set_reference() first")
         self._swap_reference()
         try:
-            return compute_old_log_probs(self.chunks, batch, micro_batch_size=self.micro_batch_size,
-                                         logprob=self.logprob, into="ref_log_probs")
+            return compute_log_probs(self.chunks, batch, micro_batch_size=self.micro_batch_size,
+                                     logprob=self.logprob)
         finally:
             self._swap_reference()
 
-    # --- weights ------------------------------------------------------------------------------
+    # --- weights and checkpoints ----------------------------------------------------------------
     def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
         """All parameters as one-process (TP1/PP1/EP1) megatron tensors; see weights.py."""
         return full_state_dict(self.chunks, to_all_ranks=to_all_ranks)
@@ -163,3 +189,22 @@ class Actor:
         """Load one-process megatron tensors into this layout (every rank passes the dict)."""
         load_full_state_dict(self.chunks, full)
         self.optimizer.reload_model_params()  # refresh fp32 main copies of bf16/fp16 params
+
+    def save(self, path: str | Path) -> dict[str, Any]:
+        """Collective: write this rank's model and optimizer shards into `path` (megatron
+        dist_checkpointing; loads under any layout). Returns the LR scheduler's state (small,
+        the same on every rank) for the caller to keep with its loop state."""
+        save_model_and_optimizer(Path(path), self.chunks, self.optimizer)
+        return self.scheduler.state_dict()
+
+    def load(self, path: str | Path, scheduler_state: dict[str, Any] | None = None) -> None:
+        """Collective: load model and optimizer shards written by `save` under any layout, and the
+        scheduler state `save` returned."""
+        load_model_and_optimizer(Path(path), self.chunks, self.optimizer)
+        if scheduler_state:
+            self.scheduler.load_state_dict(scheduler_state)
+
+    def load_weights(self, path: str | Path) -> None:
+        """Collective: load the model weights of a model-only checkpoint (converter output)."""
+        load_model(self.models, path)
+        self.optimizer.reload_model_params()

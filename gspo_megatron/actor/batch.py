@@ -74,10 +74,6 @@ class TrainBatch:
     def num_rows(self) -> int:
         return self.tokens.shape[0]
 
-    @property
-    def token_advantages(self) -> bool:
-        return self.advantages.dim() == 2
-
     def select(self, rows: torch.Tensor | list[int] | slice) -> "TrainBatch":
         """A batch of the given rows (index tensor, list or slice), trimmed to its longest row."""
         if isinstance(rows, list):

@@ -1,6 +1,6 @@
 """Build the megatron-core model for a parallel layout: model chunks, DDP, optimizer, scheduler.
 
-    spec = model_spec_for(hf_config, layout)
+    spec = spec_for_layout(hf_config, layout)           # model_specs + the layout's fields
     check_layout(spec, layout, world_size)            # before any collective
     init_process_groups(layout)
     chunks = build_model_chunks(spec, layout)         # one DDP-wrapped GPTModel per virtual stage
@@ -14,7 +14,8 @@ without finalize_model_grads_func the schedule never synchronises gradients acro
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,47 +29,33 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from gspo_megatron.actor.settings import OptimizerSettings
+from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 from gspo_megatron.parallel.layout import ParallelLayout
-from model_specs import ModelSpec
+from gspo_megatron.parallel.model_chunks import unwrap
+from model_specs import ModelSpec, load_hf_config, model_dims_for, model_spec_for
 
 
-@dataclass
-class OptimizerSettings:
-    """Optimizer, learning-rate schedule and gradient settings of the actor."""
+def spec_for_layout(model: str | Path | Mapping[str, Any], layout: ParallelLayout, *,
+                    params_dtype: torch.dtype = torch.float32,
+                    overrides: Mapping[str, Any] | None = None,
+                    transformer_engine: bool | None = None) -> ModelSpec:
+    """model_specs' ModelSpec of an HF model (dict, config.json or directory) for `layout`.
 
-    optimizer: str = "adam"
-    """"adam" (AdamW, decoupled weight decay) or "sgd"."""
-    lr: float = 1e-6
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay (ignored by the "constant" style)."""
-    lr_warmup_steps: int = 0
-    """Linear warm-up from 0 over this many optimizer steps."""
-    lr_decay_steps: int = 1
-    """Steps over which the learning rate decays from `lr` to `min_lr` (after warm-up)."""
-    lr_decay_style: str = "constant"
-    """megatron OptimizerParamScheduler style: constant, linear, cosine, inverse-square-root, WSD."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW)."""
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    sgd_momentum: float = 0.0
-    """SGD momentum (megatron's default is 0.9; 0 makes one step exactly lr x gradient)."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping."""
-    use_distributed_optimizer: bool = False
-    """Shard optimizer state (and the gradient reduce-scatter) over data-parallel ranks (ZeRO-1)."""
-    grad_reduce_in_fp32: bool = True
-    """Accumulate and all-reduce gradients in fp32 when the model is bf16/fp16."""
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in ("adam", "sgd"):
-            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        if self.use_distributed_optimizer and self.optimizer != "adam":
-            # megatron-core's DistributedOptimizer asserts Adam (checkpointing requirements).
-            raise ValueError(f"use_distributed_optimizer=True needs optimizer='adam', got "
-                             f"{self.optimizer!r}")
+    The layout is checked against the model's dimensions first (LayoutError naming the numbers;
+    the world size is checked later, by check_layout, with the real one). The layout's
+    TransformerConfig fields, the CPU adaptations when CUDA is absent, then `overrides` are
+    handed to model_specs, which knows nothing of layouts or machines.
+    """
+    hf = load_hf_config(model)
+    dims = model_dims_for(hf)
+    layout.validate_model(**dims)
+    fields = layout.transformer_config_fields(is_moe=bool(dims["num_experts"]))
+    if not torch.cuda.is_available():
+        fields.update(cpu_config_overrides(layout.vpp))
+    fields.update(overrides or {})
+    return model_spec_for(hf, params_dtype=params_dtype, overrides=fields,
+                          transformer_engine=transformer_engine)
 
 
 def check_layout(spec: ModelSpec, layout: ParallelLayout, world_size: int) -> None:
@@ -90,10 +77,10 @@ def _check_config_matches_layout(spec: ModelSpec, layout: ParallelLayout) -> Non
     got = {k: getattr(c, k) for k in want}
     if got != want:
         raise ValueError(f"ModelSpec was built for another layout: config has {got}, layout {layout} "
-                         f"needs {want}; build the spec with model_spec_for(hf_config, layout)")
+                         f"needs {want}; build the spec with spec_for_layout(hf_config, layout)")
     if c.calculate_per_token_loss:
         raise ValueError("TransformerConfig.calculate_per_token_loss=True is not supported: the "
-                         "actor scales the loss itself (see actor/train.py)")
+                         "actor scales the loss itself (see actor/steps.py)")
 
 
 def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
@@ -139,7 +126,7 @@ def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
         chunk.broadcast_params()  # identical replicas across DP (init is seeded, this makes it sure)
     if layout.vpp > 1 and dist.is_initialized() and dist.get_backend() == "gloo":
         # Both faults are gloo's pairing of batched p2p messages when the previous and next
-        # stage are one rank (ENVIRONMENT.md #10); cpu_compat.cpu_config_overrides explains them.
+        # stage are one rank (docs/cpu.md #10); cpu_compat.cpu_config_overrides explains them.
         for field in ("batch_p2p_comm", "variable_seq_lengths"):
             if getattr(config, field):
                 raise ValueError(f"an interleaved pipeline on gloo needs {field}=False (with True "
@@ -171,16 +158,7 @@ def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimizerSe
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if settings.lr_warmup_steps else settings.lr, max_lr=settings.lr,
         min_lr=settings.min_lr, lr_warmup_steps=settings.lr_warmup_steps,
-        lr_decay_steps=max(settings.lr_decay_steps, settings.lr_warmup_steps + 1),
+        lr_decay_steps=max(settings.decay_steps(), settings.lr_warmup_steps + 1),
         lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay,
         end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
     return optimizer, scheduler
-
-
-def unwrap(chunk: torch.nn.Module) -> GPTModel:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while not isinstance(chunk, GPTModel):
-        if not hasattr(chunk, "module"):
-            raise TypeError(f"expected a (wrapped) GPTModel, got {type(chunk).__name__}")
-        chunk = chunk.module
-    return chunk

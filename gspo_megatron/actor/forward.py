@@ -5,7 +5,7 @@ of the given targets (vocab-parallel, never gathering the vocabulary) and hands 
 `last_stage_fn(micro_batch, log_probs, entropy)` that reduces them there (to old log-probs kept on
 that stage, or to the loss). Two ways to get the log-probs, chosen by `LogProbSettings.fused`:
 
-- fused (default, issue 7): the output layer is bypassed (`install_hidden_output`), the model
+- fused (default): the output layer is bypassed (`install_hidden_output`), the model
   returns the final-norm hidden states and `fused_token_logprobs` computes the log-probs chunk by
   chunk from them and the output weight: `[t, v/tp]` logits never exist in full.
 - logits: the model's own output layer gives `[b, s, v/tp]` logits and
@@ -14,7 +14,6 @@ Temperature divides the logits as SGLang does before its softmax.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,20 +22,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from gspo_megatron.actor.batch import MicroBatch, pad_to_uniform_shape
-from gspo_megatron.actor.build import unwrap
+from gspo_megatron.parallel.model_chunks import unwrap
 from gspo_megatron.actor.logprobs import fused_token_logprobs, vocab_parallel_token_logprobs
-
-
-@dataclass
-class LogProbSettings:
-    """How the last stage computes per-token log-probs."""
-
-    temperature: float = 1.0
-    """Sampling temperature of the rollouts: log-probs are of softmax(logits / temperature)."""
-    fused: bool = True
-    """Compute log-probs from hidden states + output weight in token chunks (no full logits)."""
-    chunk_tokens: int = 1024
-    """Tokens per chunk of the fused path."""
+from gspo_megatron.actor.settings import LogProbSettings
 
 
 def install_hidden_output(chunks: list[torch.nn.Module]) -> None:
@@ -118,7 +106,7 @@ def run_schedule(chunks: list[torch.nn.Module], mbs: list[MicroBatch], settings:
     """Run megatron's forward(-backward) schedule over the micro-batches of this rank.
 
     `last_stage_fn(mb, log_probs, entropy) -> (loss, report)` runs on the last stage per micro-batch;
-    its loss follows the schedule's 2-tuple loss_func contract (see train.py for the scaling).
+    its loss follows the schedule's 2-tuple loss_func contract (see steps.py for the scaling).
     Returns the reports of the micro-batches this rank's last stage saw (empty on other stages).
     """
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""Per-token log-probs (and entropies) of given targets from a vocab-parallel output layer (issue 7).
+"""Per-token log-probs (and entropies) of given targets from a vocab-parallel output layer.
 
 Two paths with the same results (tests/test_logprobs*.py hold them to 1e-5 of a dense log_softmax):
 
@@ -14,7 +14,7 @@ vocab divides evenly). Targets are global ids; a target outside [0, v) (a pad id
 a finite, meaningless log-prob: mask it in the loss, which then gives it zero gradient.
 
 Temperature divides the logits before the softmax: SGLang reports log-probs of the distribution it
-sampled from, i.e. of softmax(logits / T), and the trainer must compare at the same T (GSPO.md).
+sampled from, i.e. of softmax(logits / T), and the trainer must compare at the same T.
 
 `tp_group=None` means no tensor parallelism (nothing is communicated), not the default group.
 All softmax arithmetic is fp32 whatever the input dtype (fp64 inputs stay fp64, for tests); the logits GEMM runs in the input dtype

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 
-from gspo_megatron.actor.build import unwrap
+from gspo_megatron.parallel.model_chunks import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")

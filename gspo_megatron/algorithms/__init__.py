@@ -1,19 +1,30 @@
 """GSPO, GSPO-token and GRPO losses, group advantages and KL penalty: pure torch, no megatron.
 
-See ../shared/GSPO.md for the equations; tests/test_algorithms_*.py prove its properties 1-12.
+The equations and the properties the tests prove are in docs/algorithm.md (the paper: arXiv
+2507.18071); tests/test_algorithms_*.py prove properties 1-12. The loss table (names, clip ranges,
+metric keys) is registry.py. Names are imported on first use (PEP 562), so that reading the
+registry (config validation) does not import torch.
 """
-from .advantages import group_advantages
-from .grpo import grpo_loss
-from .gspo import gspo_loss, gspo_token_loss
-from .kl import KL_ESTIMATORS, kl_penalty, token_kl
-from .metrics import METRIC_REDUCTIONS, combine_metrics, finalize_metrics
-from .rows import LOG_RATIO_CLAMP
+from __future__ import annotations
 
-# The loss a run uses is chosen by name from its config (one field, logged at start-up).
-# "gspo_token" takes per-token advantages [b, s]; the others one per sequence [b].
-LOSS_FUNCTIONS = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
+import importlib
+from typing import Any
 
-__all__ = [
-    "group_advantages", "gspo_loss", "gspo_token_loss", "grpo_loss", "kl_penalty", "token_kl",
-    "LOSS_FUNCTIONS", "KL_ESTIMATORS", "METRIC_REDUCTIONS", "combine_metrics", "finalize_metrics", "LOG_RATIO_CLAMP",
-]
+_EXPORTS = {
+    "group_advantages": "advantages", "gspo_loss": "gspo", "gspo_token_loss": "gspo", "grpo_loss": "grpo",
+    "kl_penalty": "kl", "token_kl": "kl", "combine_metrics": "loss_metrics",
+    "finalize_metrics": "loss_metrics", "LOG_RATIO_CLAMP": "rows", "KL_ESTIMATORS": "registry",
+    "METRIC_REDUCTIONS": "registry", "LOSSES": "registry", "LossSettings": "registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LOSS_FUNCTIONS":  # the RL losses by config name
+        from .registry import LOSSES
+        return {n: s.function() for n, s in LOSSES.items() if s.rl}
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS) + ["LOSS_FUNCTIONS"]

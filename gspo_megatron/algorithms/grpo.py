@@ -5,11 +5,12 @@ import torch
 
 from .gspo import clipped_objective_loss
 from .kl import rows_kl
+from .registry import GRPO_CLIP
 from .rows import LOG_RATIO_CLAMP, finish_loss, prepare_rows
 
 
 def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-              loss_mask: torch.Tensor, *, eps_low: float = 0.2, eps_high: float = 0.27,
+              loss_mask: torch.Tensor, *, eps_low: float = GRPO_CLIP[0], eps_high: float = GRPO_CLIP[1],
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
               kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: per row `(1/L_i) sum_t -min(w_{i,t} A, clip(w_{i,t}) A)`, `w = exp(l_{i,t})`.

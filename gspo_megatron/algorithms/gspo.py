@@ -7,7 +7,7 @@ Reductions and the pipeline-schedule contract
 divides by the number of valid sequences of the whole global batch itself; megatron-core's schedule
 divides each micro-batch loss by the number of micro-batches and the DP gradient all-reduce averages
 over ranks, so the actor multiplies by `num_microbatches * dp_size` as well. Then the gradient equals
-the full-batch gradient for any split, uneven ones included (GSPO.md "Aggregation", property 11).
+the full-batch gradient for any split, uneven ones included (docs/algorithm.md "Aggregation", property 11).
 
 Loss terms use an explicit clip decision instead of `min(.)`: for A > 0 the row is clipped when
 s > 1 + eps_high, for A < 0 when s < 1 - eps_low; a clipped row contributes the constant
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .kl import rows_kl
+from .registry import GSPO_CLIP
 from .rows import finish_loss, prepare_rows
 
 
@@ -37,7 +38,7 @@ def clipped_objective_loss(ratio: torch.Tensor, advantages: torch.Tensor, eps_lo
 
 
 def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-              loss_mask: torch.Tensor, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
+              loss_mask: torch.Tensor, *, eps_low: float = GSPO_CLIP[0], eps_high: float = GSPO_CLIP[1],
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
               kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO loss `-J` (Eq. 5) with the sequence ratio `s_i` of Eq. 7.
@@ -46,7 +47,7 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     `[b]`. `s_i = exp(masked mean of (log_probs - old_log_probs))`, the log-ratio clamped to +-20
     before exp (see rows.LOG_RATIO_CLAMP). With `ref_log_probs`, `kl_coef * KL_i` (per-row masked
     mean of the k1/k3 estimate) is added to each row's term. Returns `(loss, metrics)`; metrics are
-    detached, see metrics.py (`clip_fraction` = clipped sequences / valid sequences).
+    detached, see loss_metrics.py (`clip_fraction` = clipped sequences / valid sequences).
     """
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row",), reduction,
                              eps_low, eps_high, ref_log_probs, kl_coef)
@@ -58,7 +59,7 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
 
 
 def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                    loss_mask: torch.Tensor, *, eps_low: float = 3e-4, eps_high: float = 4e-4,
+                    loss_mask: torch.Tensor, *, eps_low: float = GSPO_CLIP[0], eps_high: float = GSPO_CLIP[1],
                     reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
                     kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token (Eqs. 13-14): per-token advantages `[b, s]`, otherwise as `gspo_loss`.

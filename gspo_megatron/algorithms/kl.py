@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .registry import KL_ESTIMATORS
 from .rows import LOG_RATIO_CLAMP, Rows
-
-KL_ESTIMATORS = ("k1", "k3")
 
 
 def token_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Masked positions are replaced with `torch.where`, never multiplied by the mask: a NaN or inf in a
 padded position (a log-prob of a pad token, garbage after a packed segment) then changes neither
-the value nor the gradient, and the position gets exactly zero gradient (GSPO.md property 6).
+the value nor the gradient, and the position gets exactly zero gradient (docs/algorithm.md, property 6).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metrics import finalize_metrics
+from .loss_metrics import finalize_metrics
 
 # Log-ratios are clamped to [-20, 20] before exp: e^20 ~ 4.9e8 is finite in fp32/bf16, and no
 # ratio that is not clipped anyway lies near it (clip ranges are 3e-4 .. 0.27), so the clamp cannot

@@ -26,10 +26,9 @@ from tqdm import tqdm
 
 from gspo_megatron.checkpoint.hf_files import HFTensorReader, copy_metadata_files
 from gspo_megatron.checkpoint.model_io import EXTRA_STATE, HF_SUBDIR, TorchDcpSaveStrategy
-from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 from model_specs import load_hf_config, model_spec_for
-from model_specs.weight_maps import IGNORED_HF, WeightMap, WeightMapError, normalize_hf_config, \
-    weight_map_for
+from model_specs.weight_maps import IGNORED_HF, WeightMap, WeightMapError, weight_map_for
 
 
 @contextlib.contextmanager
@@ -52,9 +51,10 @@ def meta_model_state(hf: dict[str, Any], dtype: torch.dtype) -> tuple[dict[str, 
     from megatron.core.models.gpt import GPTModel
 
     # The alltoall dispatcher creates a CUDA stream when built; the dispatcher holds no weights.
-    overrides = dict(use_cpu_initialization=True, perform_initialization=False,
+    overrides = dict(cpu_config_overrides() if not torch.cuda.is_available() else {},
+                     use_cpu_initialization=True, perform_initialization=False,
                      moe_token_dispatcher_type="allgather")
-    spec = model_spec_for(hf, ParallelLayout(), params_dtype=dtype, overrides=overrides)
+    spec = model_spec_for(hf, params_dtype=dtype, overrides=overrides)
     with torch.device("meta"):
         model = GPTModel(spec.config, spec.block_spec(None), pre_process=True, post_process=True,
                          **spec.gpt_model_kwargs())
@@ -117,7 +117,7 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
                            dtype: torch.dtype | None = None) -> Path:
     """Write HF safetensors at hf_dir as a megatron checkpoint at out_dir (+ out_dir/hf/)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    hf = normalize_hf_config(load_hf_config(hf_dir))
+    hf = load_hf_config(hf_dir)
     wmap = weight_map_for(hf)
     reader = HFTensorReader(hf_dir)
     by_name = wmap.by_megatron_name()

@@ -4,13 +4,16 @@
     t = reader.get("model.embed_tokens.weight")
     with HFShardWriter(out_dir, max_shard_bytes=5 << 30) as w:
         w.add("model.embed_tokens.weight", t)  # flushed to a shard when the shard is full
+    check_weight_files(hf_dir)                 # DamagedFileError naming a truncated / broken file
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import struct
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
@@ -31,20 +34,80 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
                        "F64": torch.float64}
 
 
+class DamagedFileError(ValueError):
+    """A file that exists but cannot be used (truncated, not the format it claims); the message
+    names the file and what is wrong with it."""
+
+
+@dataclasses.dataclass
+class SafetensorsHeader:
+    raw: bytes                     # the header's JSON bytes as stored
+    tensors: dict[str, Any]        # name -> {"dtype", "shape", "data_offsets"}
+    data_bytes: int                # where the last tensor ends (bytes after the header)
+
+
+def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
+    """The header of a .safetensors file, checked against the file's size: DamagedFileError names
+    the file if the header is unreadable or the file is shorter or longer than the header says.
+    (safetensors' own error for a truncated file, "incomplete metadata", names no file.)"""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise DamagedFileError(f"{path} is damaged: {size} bytes, too short for a safetensors "
+                                   f"header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise DamagedFileError(f"{path} is truncated: its header needs {n} bytes, the file has "
+                                   f"{size - 8} after the length prefix")
+        raw = f.read(n)
+    try:
+        tensors = {k: v for k, v in json.loads(raw).items() if k != "__metadata__"}
+        data_bytes = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise DamagedFileError(f"{path} is damaged: unreadable safetensors header "
+                               f"({type(e).__name__}: {e})") from None
+    if size != 8 + n + data_bytes:
+        state = "truncated" if size < 8 + n + data_bytes else "damaged"
+        raise DamagedFileError(f"{path} is {state}: {size} bytes, its header describes "
+                               f"{8 + n + data_bytes}")
+    return SafetensorsHeader(raw, tensors, data_bytes)
+
+
+def weight_files(hf_dir: str | Path) -> list[Path]:
+    """The safetensors files of an HF model directory (the index's, or model.safetensors)."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / INDEX_NAME
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise DamagedFileError(f"{index} is damaged: not a safetensors index "
+                                   f"({type(e).__name__}: {e})") from None
+        missing = [n for n in names if not (hf_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists {missing[0]}, which is not in {hf_dir}")
+        return [hf_dir / n for n in names]
+    if (hf_dir / SINGLE_NAME).is_file():
+        return [hf_dir / SINGLE_NAME]
+    raise FileNotFoundError(f"no {SINGLE_NAME} or {INDEX_NAME} in {hf_dir}")
+
+
+def check_weight_files(hf_dir: str | Path) -> None:
+    """Every weight file of an HF model is present and as long as its header says."""
+    for path in weight_files(hf_dir):
+        read_safetensors_header(path)
+
+
 class HFTensorReader:
     """Name -> tensor access to an HF safetensors checkpoint, one tensor in memory at a time."""
 
     def __init__(self, hf_dir: str | Path) -> None:
         self.dir = Path(hf_dir)
-        index = self.dir / INDEX_NAME
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (self.dir / SINGLE_NAME).is_file():
-            with safe_open(str(self.dir / SINGLE_NAME), "pt") as f:
-                weight_map = {k: SINGLE_NAME for k in f.keys()}
-        else:
-            raise FileNotFoundError(f"no {SINGLE_NAME} or {INDEX_NAME} in {self.dir}")
-        self.file_of: dict[str, str] = dict(weight_map)
+        self.file_of: dict[str, str] = {}
+        for path in weight_files(self.dir):
+            self.file_of.update({k: path.name for k in read_safetensors_header(path).tensors})
         self._open: dict[str, object] = {}
 
     @property

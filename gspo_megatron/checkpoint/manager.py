@@ -1,16 +1,17 @@
 """Atomic step checkpoints with a `latest` pointer, and resume from it.
 
     ckpt = CheckpointManager("ckpts/run1", keep=2)
-    path = ckpt.latest()                                  # None on a fresh run
-    if path: loop = ckpt.load(path, chunks, optimizer, scheduler)
+    path = ckpt.latest()                 # None on a fresh run
+    if path: loop = ckpt.load(path, actor)
     ...
-    ckpt.save(step, chunks, optimizer, scheduler, loop)   # collective: every rank calls it
+    ckpt.save(step, actor, loop)         # collective: every rank calls it
 
 On disk:
     ckpts/run1/step_00000012/   model/       megatron dist_checkpointing (model + optimizer shards,
                                              HF config/tokenizer in model/hf: exportable to HF)
                                 driver.json  step, data cursor, partial-rollout buffer, scheduler
                                 rng/rank_R.pt
+                                MANIFEST.json  every file and its size (checked on resume)
                                 COMPLETE     written last, before the rename
     ckpts/run1/latest           "step_00000012" (replaced atomically)
 
@@ -22,25 +23,32 @@ next run. Old checkpoints are deleted only after `latest` names the new one.
 
 Model and optimizer use megatron-core dist_checkpointing with the chunks' sharded state dicts, so
 a checkpoint saved under one layout loads under another (the distributed optimizer's state is
-saved `dp_reshardable`: reshardable over DP only, ENVIRONMENT.md #11).
+saved `dp_reshardable`: reshardable over DP only, docs/cpu.md #11).
 """
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
-from gspo_megatron.checkpoint.loop_state import (LoopState, fsync_dir, fsync_file,
+from gspo_megatron.checkpoint.hf_files import copy_metadata_files
+
+from gspo_megatron.checkpoint.loop_state import (RNG_DIR, LoopState, fsync_dir, fsync_file,
                                                  load_driver_state, load_rng, save_driver_state,
-                                                 save_rng)
+                                                 save_rng, write_json)
+from gspo_megatron.checkpoint.model_io import HF_SUBDIR
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 MODEL_DIR = "model"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
@@ -62,94 +70,22 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-# --- model + optimizer via megatron dist_checkpointing ------------------------------------------
-def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
-    from gspo_megatron.checkpoint.model_io import model_sharded_state_dict
-    sd = model_sharded_state_dict(chunks)  # {"model0": ..., ...}: the model checkpoint format
-    if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(
-            sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-    return sd
-
-
-def save_model_and_optimizer(path: Path, chunks: list, optimizer, hf_dir: str | None = None) -> None:
-    """Collective: every rank writes its shards of the model (+ optimizer) into `path`.
-
-    The model part is exactly model_io's format (with the HF metadata files in path/hf), so
-    `step_N/model` also loads with model_io.load_model and exports with convert_megatron_to_hf."""
-    from megatron.core import dist_checkpointing
-
-    from gspo_megatron.checkpoint.hf_files import copy_metadata_files
-    from gspo_megatron.checkpoint.model_io import HF_SUBDIR, TorchDcpSaveStrategy
-    if _rank() == 0:
-        path.mkdir(parents=True, exist_ok=False)
-        if hf_dir is not None:
-            copy_metadata_files(hf_dir, path / HF_SUBDIR)
-    _barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(path),
-                            sharded_strategy=TorchDcpSaveStrategy())
-
-
-def _ensure_optimizer_state(optimizer) -> None:
-    """A distributed optimizer that has not stepped yet has no state to load into (megatron asserts
-    on the missing Adam 'step' without TE/apex): give it dummy state, as megatron does for its
-    fsdp path; the load below overwrites all of it, and the model weights too."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(sub, DistributedOptimizer) and not sub.optimizer.state:
-            sub._init_optimizer_states_with_dummy_values()
-
-
-def load_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
-    """Collective: load model (+ optimizer) shards for this rank's layout from `path`."""
-    from megatron.core import dist_checkpointing
-    if not (path / "metadata.json").is_file():
-        raise CheckpointError(f"{path} is not a megatron dist_checkpointing directory "
-                              f"(no metadata.json)")
-    if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
-    from gspo_megatron.checkpoint.model_io import (EXTRA_STATE, CheckpointMismatchError,
-                                                   check_matches, model_sharded_state_dict)
-    check_matches(model_sharded_state_dict(chunks), path)
-    state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
-    for i, c in enumerate(chunks):
-        missing, unexpected = c.module.load_state_dict(state[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
-        if missing or unexpected:
-            raise CheckpointMismatchError(f"loading {path} into model chunk {i}: missing {missing}, "
-                                          f"unexpected {unexpected}")
-    if optimizer is not None:
-        # The fp32 distributed optimizer copies into leaf params in load_state_dict (ENVIRONMENT #11).
-        with torch.no_grad():
-            optimizer.load_state_dict(state["optimizer"])
-        _unshare_adam_steps(optimizer)
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """megatron-core 0.16.1 bug (distrib_optimizer.py load_state_dict, non-TE/apex path): one
-    `step` tensor object is put into every parameter's Adam state; torch's Adam increments it in
-    place once per parameter, so after a resume the bias correction is wrong (the continued run
-    drifts by ~lr per step). Give every parameter its own copy."""
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        for st in getattr(inner, "state", {}).values():
-            if isinstance(st, dict) and torch.is_tensor(st.get("step")):
-                st["step"] = st["step"].clone()
-
-
 # --- the manager ------------------------------------------------------------------------------------
+class TrainState(Protocol):
+    """What a checkpoint holds besides the loop state: the Actor (model, optimizer, schedule)."""
+
+    def save(self, path: Path) -> dict[str, Any]: ...  # collective; returns the scheduler state
+
+    def load(self, path: Path, scheduler_state: dict[str, Any] | None) -> None: ...  # collective
+
+
 class CheckpointManager:
-    def __init__(self, root: str | Path, *, keep: int = 2, hf_dir: str | None = None,
-                 save_model: Callable[[Path, list, object], None] | None = None,
-                 load_model: Callable[[Path, list, object], None] = load_model_and_optimizer):
+    def __init__(self, root: str | Path, *, keep: int = 2, hf_dir: str | None = None):
         """root: checkpoint.dir. keep: complete checkpoints kept (0 = all). hf_dir: the HF model
-        whose config/tokenizer files go with each checkpoint (for export). save_model/load_model:
-        the model+optimizer part (collective); the default is megatron dist_checkpointing."""
+        whose config/tokenizer files go with each checkpoint (model/hf/, for export)."""
         self.root = Path(root)
         self.keep = keep
-        self._save_model = save_model or (
-            lambda path, chunks, opt: save_model_and_optimizer(path, chunks, opt, hf_dir))
-        self._load_model = load_model
+        self.hf_dir = hf_dir
 
     # --- discovery ---------------------------------------------------------------------------
     def complete_steps(self) -> list[int]:
@@ -167,7 +103,12 @@ class CheckpointManager:
         complete step directory (a crash between the rename and the pointer update), else None."""
         pointer = self.root / LATEST
         if pointer.is_file():
-            name = pointer.read_text().strip()
+            try:
+                name = pointer.read_bytes().decode("ascii").strip()
+            except UnicodeDecodeError:
+                raise CheckpointError(f"{pointer} holds non-text bytes, expected a step name like "
+                                      f"step_00000010; delete it to resume from the newest complete "
+                                      f"step directory") from None
             path = self.root / name
             if not _STEP_RE.match(name):
                 raise CheckpointError(f"{pointer} names {name!r}, expected step_NNNNNNNN")
@@ -180,6 +121,37 @@ class CheckpointManager:
         steps = self.complete_steps()
         return self.root / step_dir_name(steps[-1]) if steps else None
 
+    def verify(self, path: Path) -> None:
+        """CheckpointError naming the first file of `path` that is missing or shorter/longer than
+        the manifest written at save time says (a copy or a disk that lost part of it)."""
+        if not (path / COMPLETE).is_file():
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+        manifest = path / MANIFEST
+        if not manifest.is_file():
+            return  # saved before manifests existed: COMPLETE is all there is to check
+        try:
+            sizes = json.loads(manifest.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{manifest} is damaged ({type(e).__name__}: {e})") from None
+        for rel, size in sizes.items():
+            f = path / rel
+            if not f.is_file() and rel.startswith(f"{RNG_DIR}/"):
+                continue  # RNG state is optional per rank (load() says which ranks lack it)
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint {path} is damaged: {rel} is missing (the "
+                                      f"manifest lists {size} bytes)")
+            actual = f.stat().st_size
+            if actual != size:
+                raise CheckpointError(f"checkpoint {path} is damaged: {f} has {actual} bytes, the "
+                                      f"manifest says {size} ({'truncated' if actual < size else 'changed'})")
+
+    def size_bytes(self, path: Path) -> int | None:
+        """Total bytes of a checkpoint according to its manifest (None without one)."""
+        try:
+            return sum(json.loads((path / MANIFEST).read_text())["files"].values())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def clean_incomplete(self) -> None:
         """Rank 0: delete `*.tmp` leftovers of a save that was interrupted."""
         if _rank() == 0 and self.root.is_dir():
@@ -189,8 +161,9 @@ class CheckpointManager:
         _barrier()
 
     # --- save / load -------------------------------------------------------------------------
-    def save(self, step: int, chunks: list, optimizer, scheduler, loop: LoopState) -> Path:
-        """Collective. Writes step_N atomically and points `latest` at it; returns its path."""
+    def save(self, step: int, state: TrainState, loop: LoopState) -> Path:
+        """Collective. Writes step_N atomically (the actor's model/optimizer shards, the loop
+        state, every rank's RNG) and points `latest` at it; returns its path."""
         rank = _rank()
         final = self.root / step_dir_name(step)
         tmp = self.root / (final.name + ".tmp")
@@ -202,15 +175,27 @@ class CheckpointManager:
                 shutil.rmtree(final)
             tmp.mkdir()
         _barrier()
-        self._save_model(tmp / MODEL_DIR, chunks, optimizer)
-        save_rng(tmp, rank)
-        if rank == 0:
-            if scheduler is not None:
-                loop.scheduler = scheduler.state_dict()
-            save_driver_state(tmp, loop)
-        _barrier()
-        _fsync_tree(tmp, only_mine=rank != 0)
-        _barrier()
+        try:
+            loop.scheduler = state.save(tmp / MODEL_DIR)  # collective: fails on every rank
+
+            def write_mine() -> None:
+                save_rng(tmp, rank)
+                if rank == 0:
+                    if self.hf_dir is not None:
+                        copy_metadata_files(self.hf_dir, tmp / MODEL_DIR / HF_SUBDIR)
+                    save_driver_state(tmp, loop)
+                _fsync_tree(tmp, only_mine=rank != 0)
+            _on_every_rank(write_mine)
+            if rank == 0:
+                write_manifest(tmp)
+        except (Exception, CheckpointException) as e:  # a full disk gets its own one-line error
+            # (torch's CheckpointException derives from BaseException, not Exception)
+            full = self._disk_full_error(e, final.name)
+            if full is None:
+                raise
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # give the space back; nothing is published
+            raise full from e
         if rank == 0:
             (tmp / COMPLETE).write_text(f"{step}\n")
             fsync_file(tmp / COMPLETE)
@@ -226,23 +211,96 @@ class CheckpointManager:
         _barrier()
         return final
 
-    def load(self, path: Path, chunks: list, optimizer, scheduler) -> LoopState:
+    def load(self, path: Path, state: TrainState) -> LoopState:
         """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the loop state."""
-        if not (path / COMPLETE).is_file():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+        self.verify(path)
         loop = load_driver_state(path)
-        self._load_model(path / MODEL_DIR, chunks, optimizer)
-        if scheduler is not None and loop.scheduler:
-            scheduler.load_state_dict(loop.scheduler)
-        load_rng(path, _rank())
+        state.load(path / MODEL_DIR, loop.scheduler)
+        found = load_rng(path, _rank())
+        # A resume may change the world size: ranks without a saved RNG state keep their seeded one.
+        missing = [r for r, ok in enumerate(_gather(found)) if not ok]
+        if missing and _rank() == 0:
+            try:  # how many ranks saved the checkpoint: the manifest knows, even if files are gone
+                listed = json.loads((path / MANIFEST).read_text())["files"]
+                saved = sum(1 for rel in listed if rel.startswith(f"{RNG_DIR}/"))
+            except (OSError, ValueError, KeyError, TypeError):
+                saved = len(list((path / RNG_DIR).glob("rank_*.pt")))
+            print(f"gspo-megatron: warning: {path / RNG_DIR} has no RNG state for rank(s) {missing} "
+                  f"(the checkpoint was saved by {saved} rank(s)); they continue with freshly "
+                  "seeded RNG", file=sys.stderr, flush=True)
         _barrier()
         return loop
+
+    def _disk_full_error(self, error: BaseException, name: str) -> CheckpointError | None:
+        """A one-line CheckpointError if `error` came from a full disk, else None.
+
+        torch's writers do not always surface ENOSPC: a short write of torch.save's zip archive
+        comes out as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos N vs M".
+        So: ENOSPC anywhere in the exception chain, or a short write while the free space is less
+        than a checkpoint needs (the previous one's size, else 64 MiB), or almost no space left."""
+        chain, seen, enospc, short_write = [error], set(), False, False
+        while chain:
+            e = chain.pop()
+            if id(e) in seen:
+                continue
+            seen.add(id(e))
+            text = str(e)
+            enospc |= (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in text
+            short_write |= "unexpected pos" in text
+            chain += [x for x in (e.__cause__, e.__context__) if x is not None]
+            for failure in getattr(e, "failures", {}).values():  # dcp: rank -> (exception, trace)
+                chain += [x for x in (failure if isinstance(failure, tuple) else (failure,))
+                          if isinstance(x, BaseException)]
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return None
+        previous = [self.size_bytes(self.root / step_dir_name(s)) for s in self.complete_steps()]
+        need = next((b for b in reversed(previous) if b), None)
+        if not (enospc or free < (1 << 20) or (short_write and free < (need or 64 << 20))):
+            return None
+        need_text = (f"about {need} bytes needed (the previous checkpoint's size)" if need
+                     else "bytes needed unknown")
+        return CheckpointError(f"saving checkpoint {name} under {self.root} failed: no space left "
+                               f"on device ({free} bytes free, {need_text}); the previous "
+                               f"checkpoints are intact, free space and rerun to resume")
 
     def _prune(self) -> None:
         if self.keep <= 0:
             return
         for s in self.complete_steps()[:-self.keep]:
             shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+
+
+def write_manifest(directory: Path) -> None:
+    """Every file under `directory` with its size (MANIFEST.json), for verify() at load time."""
+    files = {str(p.relative_to(directory)): p.stat().st_size
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    write_json(directory / MANIFEST, {"files": files})
+
+
+def _gather(value: Any) -> list[Any]:
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _on_every_rank(fn) -> None:
+    """Run fn on every rank; if it raised anywhere, raise on every rank (no rank is left waiting
+    in a barrier for one that failed)."""
+    error = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below on every rank
+        error = e
+    failed = [(r, m) for r, m in enumerate(_gather(None if error is None else
+                                                  f"{type(error).__name__}: {error}")) if m]
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"rank {failed[0][0]} failed writing the checkpoint: {failed[0][1]}")
 
 
 def _fsync_tree(root: Path, only_mine: bool) -> None:

@@ -26,10 +26,11 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
-from gspo_megatron.actor.build import unwrap  # DDP / Float16Module prefix names with 'module.'
 from gspo_megatron.checkpoint.hf_files import copy_metadata_files
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
-from model_specs.weight_maps import normalize_hf_config
+from gspo_megatron.parallel.model_chunks import unwrap  # DDP / Float16Module prefix names with 'module.'
+from model_specs import model_dims_for
+from model_specs.hf_config import normalize_hf_config
 
 HF_SUBDIR = "hf"
 EXTRA_STATE = "_extra_state"
@@ -118,13 +119,8 @@ def checkpoint_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:
 def check_layout_fits(ckpt_dir: str | Path, layout: ParallelLayout, world_size: int) -> None:
     """Raise CheckpointMismatchError if the checkpoint's model cannot be loaded (resharded) under
     `layout` on `world_size` ranks; call it before building the model or any collective."""
-    hf = checkpoint_hf_config(ckpt_dir)
-    heads = int(hf["num_attention_heads"])
     try:
-        layout.validate(world_size, num_layers=int(hf["num_hidden_layers"]),
-                        num_attention_heads=heads,
-                        num_query_groups=int(hf.get("num_key_value_heads") or heads),
-                        vocab_size=int(hf["vocab_size"]), num_experts=hf.get("num_experts"))
+        layout.validate(world_size, **model_dims_for(checkpoint_hf_config(ckpt_dir)))
     except LayoutError as e:
         raise CheckpointMismatchError(f"checkpoint {ckpt_dir} cannot be resharded to "
                                       f"{layout.describe(world_size)}: {e}") from None
@@ -167,3 +163,66 @@ def check_matches(sharded_sd: dict[str, Any], ckpt_dir: str | Path) -> None:
         raise CheckpointMismatchError(f"checkpoint {ckpt_dir} does not match the model "
                                       f"(another model, or a config/checkpoint mismatch):\n  "
                                       f"{shown}{more}")
+
+
+# --- model + optimizer (the Actor's part of a training checkpoint) ----------------------------
+def _sharded_state_dict(chunks: list, optimizer, is_loading: bool) -> dict:
+    sd = model_sharded_state_dict(chunks)  # {"model0": ..., ...}: the model checkpoint format
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(
+            sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+    return sd
+
+
+def save_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
+    """Collective: every rank writes its shards of the model (+ optimizer) into `path`.
+
+    The model part is exactly save_model's format, so a training checkpoint's model/ also loads
+    with load_model and exports with convert_megatron_to_hf (given its hf/ metadata files)."""
+    if dist.get_rank() == 0:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, is_loading=False), str(path),
+                            sharded_strategy=TorchDcpSaveStrategy())
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """A distributed optimizer that has not stepped yet has no state to load into (megatron asserts
+    on the missing Adam 'step' without TE/apex): give it dummy state, as megatron does for its
+    fsdp path; the load below overwrites all of it, and the model weights too."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(sub, DistributedOptimizer) and not sub.optimizer.state:
+            sub._init_optimizer_states_with_dummy_values()
+
+
+def load_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
+    """Collective: load model (+ optimizer) shards for this rank's layout from `path`."""
+    check_is_checkpoint(path)
+    if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
+    check_matches(model_sharded_state_dict(chunks), path)
+    state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
+    for i, c in enumerate(chunks):
+        missing, unexpected = unwrap(c).load_state_dict(state[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
+        if missing or unexpected:
+            raise CheckpointMismatchError(f"loading {path} into model chunk {i}: missing {missing}, "
+                                          f"unexpected {unexpected}")
+    if optimizer is not None:
+        # The fp32 distributed optimizer copies into leaf params in load_state_dict (ENVIRONMENT #11).
+        with torch.no_grad():
+            optimizer.load_state_dict(state["optimizer"])
+        _unshare_adam_steps(optimizer)
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron-core 0.16.1 bug (distrib_optimizer.py load_state_dict, non-TE/apex path): one
+    `step` tensor object is put into every parameter's Adam state; torch's Adam increments it in
+    place once per parameter, so after a resume the bias correction is wrong (the continued run
+    drifts by ~lr per step). Give every parameter its own copy."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        for st in getattr(inner, "state", {}).values():
+            if isinstance(st, dict) and torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()

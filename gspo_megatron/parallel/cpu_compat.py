@@ -7,7 +7,7 @@ It is applied only when CUDA is absent (`apply()` is a no-op otherwise) and is i
 
 Each adaptation below names what in megatron-core (0.16.1) needs it; tests/test_cpu_compat.py has
 one test per adaptation that fails if a megatron-core change makes it wrong or unnecessary
-(ENVIRONMENT.md, "Real megatron-core runs on CPU with gloo", items 1-9).
+(docs/cpu.md, items 1-9).
 
 Config-level adaptations (fusions off, CPU initialisation, batch_p2p_comm=False with VPP on gloo)
 are not patches: `cpu_config_overrides()` returns them and model_specs applies them.
@@ -204,7 +204,7 @@ def apply(skip: frozenset[str] | set[str] = frozenset()) -> bool:
 
 
 def cpu_config_overrides(virtual_pipeline: int | None = None) -> dict[str, Any]:
-    """TransformerConfig fields that must be set for megatron-core to run on CPU (ENVIRONMENT.md #9).
+    """TransformerConfig fields that must be set for megatron-core to run on CPU (docs/cpu.md #9).
 
     All fusions are CUDA kernels; `use_cpu_initialization` avoids CUDA-side init; grouped GEMM and
     permute fusion need CUDA kernels. With an interleaved (virtual) pipeline on gloo,

@@ -53,9 +53,39 @@ class ParallelLayout:
         parts += [f"EP{self.expert}", f"ETP{self.etp}", f"DP{self.data_parallel(world_size)}"]
         return "x".join(parts)
 
+    def transformer_config_fields(self, is_moe: bool) -> dict:
+        """The TransformerConfig fields this layout decides (model_specs takes them as overrides)."""
+        return dict(
+            tensor_model_parallel_size=self.tensor,
+            pipeline_model_parallel_size=self.pipeline,
+            virtual_pipeline_model_parallel_size=self.vpp if self.vpp > 1 else None,
+            expert_model_parallel_size=self.expert,
+            expert_tensor_parallel_size=self.etp,
+            sequence_parallel=self.use_sequence_parallel(is_moe),
+            # Per-micro-batch sequence lengths differ in RL: PP stages exchange shapes first.
+            variable_seq_lengths=self.pipeline > 1,
+            # Also for dense models: TransformerConfig rejects variable_seq_lengths with the
+            # default allgather dispatcher even when there are no experts.
+            moe_token_dispatcher_type="alltoall",
+        )
+
     def validate(self, world_size: int, *, num_layers: int, num_attention_heads: int,
                  num_query_groups: int, vocab_size: int, num_experts: int | None = None) -> None:
         """Raise LayoutError naming the numbers if this layout cannot run the model on world_size."""
+        self.validate_sizes()
+        tp, pp, ep, etp = self.tensor, self.pipeline, self.expert, self.etp
+        if world_size % (tp * pp):
+            raise LayoutError(f"world size {world_size} is not divisible by tensor x pipeline = "
+                              f"{tp} x {pp} = {tp * pp}")
+        if world_size % (etp * ep * pp):
+            raise LayoutError(f"world size {world_size} is not divisible by expert_tensor x expert x "
+                              f"pipeline = {etp} x {ep} x {pp} = {etp * ep * pp}")
+        self.validate_model(num_layers=num_layers, num_attention_heads=num_attention_heads,
+                            num_query_groups=num_query_groups, vocab_size=vocab_size,
+                            num_experts=num_experts)
+
+    def validate_sizes(self) -> None:
+        """The sizes themselves (>= 1; VPP needs PP), without a world size or a model."""
         for name in ("tensor", "pipeline", "expert"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
@@ -63,15 +93,14 @@ class ParallelLayout:
             raise LayoutError(f"parallel.expert_tensor must be >= 1, got {self.expert_tensor}")
         if self.virtual_pipeline is not None and self.virtual_pipeline < 1:
             raise LayoutError(f"parallel.virtual_pipeline must be >= 1, got {self.virtual_pipeline}")
-        tp, pp, vpp, ep, etp = self.tensor, self.pipeline, self.vpp, self.expert, self.etp
-        if world_size % (tp * pp):
-            raise LayoutError(f"world size {world_size} is not divisible by tensor x pipeline = "
-                              f"{tp} x {pp} = {tp * pp}")
-        if world_size % (etp * ep * pp):
-            raise LayoutError(f"world size {world_size} is not divisible by expert_tensor x expert x "
-                              f"pipeline = {etp} x {ep} x {pp} = {etp * ep * pp}")
-        if vpp > 1 and pp == 1:
-            raise LayoutError(f"virtual_pipeline={vpp} needs pipeline > 1, got pipeline={pp}")
+        if self.vpp > 1 and self.pipeline == 1:
+            raise LayoutError(f"virtual_pipeline={self.vpp} needs pipeline > 1, got pipeline=1")
+
+    def validate_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int,
+                       vocab_size: int, num_experts: int | None = None) -> None:
+        """The checks that need the model's dimensions but not the world size."""
+        self.validate_sizes()
+        tp, pp, vpp, ep = self.tensor, self.pipeline, self.vpp, self.expert
         if num_layers % (pp * vpp):
             raise LayoutError(f"num_layers {num_layers} is not divisible by pipeline x "
                               f"virtual_pipeline = {pp} x {vpp} = {pp * vpp}")

@@ -13,7 +13,7 @@
   /end_weight_update.
 - DistributedTransport: a weights-update process group (trainer rank 0 = group rank 0, the servers'
   ranks after it; gloo on CPU, NCCL on GPU); per bucket /update_weights_from_distributed is posted
-  in threads while rank 0 broadcasts the tensors in the same order (ENVIRONMENT.md protocol).
+  in threads while rank 0 broadcasts the tensors in the same order (docs/cpu.md, "SGLang on CPU").
 The servers are reached through rollout.client (ServerPool / SGLangClient).
 """
 from __future__ import annotations
@@ -57,6 +57,10 @@ class DiskTransport:
 
     def __init__(self, pool: "ServerPool", root: str | Path, hf_metadata_dir: str | Path) -> None:
         self.pool, self.root, self.metadata_dir = pool, Path(root), Path(hf_metadata_dir)
+        # Weight directories a previous (killed) run left behind are never served again: remove
+        # them, so that nothing in `root` predates this run.
+        for stale in self.root.glob("weights-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         self._dir: Path | None = None
         self._weight_map: dict[str, str] = {}
         self._total = 0
@@ -172,7 +176,7 @@ class DistributedTransport:
     def begin(self, version: str) -> None:
         self._ensure_group()
         # Must succeed before any broadcast: a server outside begin/end answers 400 to the update
-        # and never joins the broadcast (ENVIRONMENT.md).
+        # and never joins the broadcast (docs/cpu.md).
         self.pool.for_each(lambda c: c.begin_weight_update())
 
     def send(self, bucket: Bucket, final: bool, version: str) -> None:

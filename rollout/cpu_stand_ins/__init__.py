@@ -1,7 +1,7 @@
 """Stand-ins for CUDA/AMX-only packages, used ONLY by SGLang server child processes on CPU.
 
 `sgl_kernel/` is a test double for SGLang's kernel package, which has no build for CPUs without
-Intel AMX/AVX-512 (ENVIRONMENT.md): `SGLANG_USE_CPU_ENGINE=1` makes SGLang import it at module level,
+Intel AMX/AVX-512 (docs/cpu.md): `SGLANG_USE_CPU_ENGINE=1` makes SGLang import it at module level,
 but on such hosts SGLang takes its torch-native paths and never calls a kernel. Every attribute is a
 function raising NotImplementedError naming the op, so a call that does happen fails loudly.
 `rollout.server` puts this directory on the child's PYTHONPATH; nothing in this project imports it.

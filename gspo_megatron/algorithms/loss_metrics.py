@@ -23,16 +23,8 @@ from typing import Iterable
 
 import torch
 
-METRIC_REDUCTIONS: dict[str, str] = {
-    "num_sequences": "sum",
-    "num_tokens": "sum",
-    "clipped_sequences": "sum",
-    "clipped_tokens": "sum",
-    "seq_ratio_sum": "sum",
-    "kl_sum": "sum",
-    "seq_ratio_min": "min",
-    "seq_ratio_max": "max",
-}
+from .registry import METRIC_REDUCTIONS
+
 
 
 def finalize_metrics(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,11 +1,11 @@
-"""Old log-probs (forward only) and the train step (forward-backward + optimizer step).
+"""Log-probs (forward only) and the train step (forward-backward + optimizer step).
 
 Both run megatron-core's pipeline schedule over this rank's micro-batches; per-token log-probs
-exist only on the last pipeline stage, where they are reduced to old log-probs (kept there, in
-`batch.old_log_probs`) or to the loss. Only scalar totals leave the last stage (metrics below).
+exist only on the last pipeline stage, where they are returned (old / reference log-probs) or
+reduced to the loss. Only scalar totals leave the last stage (metrics below).
 
-How the loss is scaled (megatron-core 0.16.1; GSPO.md "Aggregation")
-----------------------------------------------------------------------
+How the loss is scaled (megatron-core 0.16.1; docs/algorithm.md "Aggregation")
+------------------------------------------------------------------------------
 The objective is a mean over the N valid sequences of the whole (mini-)batch, over all DP ranks:
 `L = (1/N) sum_i l_i` (l_i = the row's -J_i term; for "ce" a token and N = trained tokens).
 Before the schedule, N is all-reduced over the DP group (`_global_count`). Each micro-batch's
@@ -31,59 +31,15 @@ wrong scale), and that a deliberately wrong scale fails that check.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from gspo_megatron.actor.batch import MicroBatch, TrainBatch, micro_batches
-from gspo_megatron.actor.forward import (LogProbSettings, is_last_stage_rank, num_microbatches_for,
-                                         run_schedule, seq_multiple)
-from gspo_megatron.algorithms import METRIC_REDUCTIONS, finalize_metrics, grpo_loss, gspo_loss, gspo_token_loss
-
-LOSSES = {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss, "ce": None}
-OLD_LOG_PROB_SOURCES = ("recompute", "engine")
-
-
-@dataclass
-class LossSettings:
-    """Which loss the train step applies on the last pipeline stage."""
-
-    name: str = "gspo"
-    """gspo (sequence ratio, Eq. 5-7), gspo_token (Eqs. 13-14), grpo (token ratio), or ce (plain
-    next-token cross-entropy over trained tokens, for cost comparisons)."""
-    eps_low: float | None = None
-    """Lower clip range; None = the loss's default (GSPO 3e-4, GRPO 0.2)."""
-    eps_high: float | None = None
-    """Upper clip range; None = the loss's default (GSPO 4e-4, GRPO 0.27)."""
-    old_log_probs: str = "recompute"
-    """pi_old source: recompute (forward-only pass before the updates) or engine (the rollout
-    engine's log-probs, GSPO paper section 5.4)."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty against the reference policy (batch.ref_log_probs); 0 = off."""
-    kl_estimator: str = "k3"
-    """KL estimator when kl_coef > 0: k1 or k3 (algorithms/kl.py)."""
-
-    def __post_init__(self) -> None:
-        if self.name not in LOSSES:
-            raise ValueError(f"loss name must be one of {sorted(LOSSES)}, got {self.name!r}")
-        if self.old_log_probs not in OLD_LOG_PROB_SOURCES:
-            raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROB_SOURCES}, got "
-                             f"{self.old_log_probs!r}")
-        if self.kl_coef < 0 or self.kl_estimator not in ("k1", "k3"):
-            raise ValueError(f"need kl_coef >= 0 and kl_estimator in ('k1', 'k3'), got "
-                             f"kl_coef={self.kl_coef}, kl_estimator={self.kl_estimator!r}")
-        if self.kl_coef > 0 and self.name == "ce":
-            raise ValueError("the ce loss takes no KL penalty (kl_coef must be 0)")
-
-    def clip_kwargs(self) -> dict[str, float]:
-        out = {}
-        if self.eps_low is not None:
-            out["eps_low"] = self.eps_low
-        if self.eps_high is not None:
-            out["eps_high"] = self.eps_high
-        return out
+from gspo_megatron.actor.forward import is_last_stage_rank, num_microbatches_for, run_schedule, seq_multiple
+from gspo_megatron.actor.settings import LogProbSettings
+from gspo_megatron.algorithms.loss_metrics import finalize_metrics
+from gspo_megatron.algorithms.registry import LossSettings
 
 
 # Totals the last stage reports per micro-batch, beyond the loss functions' own (METRIC_REDUCTIONS).
@@ -142,13 +98,9 @@ def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, 
     return out
 
 
-def _loss_metric_keys(name: str, with_rollout: bool, with_kl: bool = False) -> dict[str, str]:
-    keys = {k: op for k, op in METRIC_REDUCTIONS.items() if with_kl or k != "kl_sum"}
-    if name != "gspo":
-        keys.pop("clipped_sequences")
-    if name == "ce":
-        for k in ("clipped_tokens", "seq_ratio_sum", "seq_ratio_min", "seq_ratio_max"):
-            keys.pop(k)
+def _metric_keys(loss: LossSettings, with_rollout: bool) -> dict[str, str]:
+    """{key: reduction} of everything the last stage reports per micro-batch for `loss`."""
+    keys = loss.spec.reported_keys(with_kl=loss.kl_coef > 0)
     keys.update({k: "sum" for k in _EXTRA_SUMS if with_rollout or not k.startswith("rollout")})
     return keys
 
@@ -171,13 +123,14 @@ def _finish(totals: dict[str, torch.Tensor], name: str | None) -> dict[str, floa
 
 
 @torch.no_grad()
-def compute_old_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *, micro_batch_size: int,
-                          logprob: LogProbSettings, into: str = "old_log_probs") -> dict[str, float]:
-    """Forward-only pass: set `batch.<into>` `[b, s]` (old_log_probs, or ref_log_probs for the KL
-    reference) on the last pipeline stage (left None elsewhere); return scalar metrics (mean
-    log-prob, entropy, |train - rollout| mismatch) on every rank. `batch` is this DP rank's shard."""
-    if into not in ("old_log_probs", "ref_log_probs"):
-        raise ValueError(f"into must be 'old_log_probs' or 'ref_log_probs', got {into!r}")
+def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *, micro_batch_size: int,
+                      logprob: LogProbSettings) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Forward-only pass over this DP rank's shard: `(log_probs [b, s], metrics)`.
+
+    The log-probs exist on the last pipeline stage only (None elsewhere); the caller keeps them as
+    the batch's old_log_probs or ref_log_probs. The metrics (mean log-prob, entropy and, with
+    rollout log-probs, the |train - rollout| mismatch) are the same on every rank.
+    """
     mbs = micro_batches(batch, num_microbatches_for(batch.num_rows, micro_batch_size),
                         seq_multiple=seq_multiple())
     b, s = batch.tokens.shape
@@ -190,42 +143,35 @@ def compute_old_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *, m
         return log_probs.sum() * 0.0, _token_totals(mb, log_probs, entropy)
 
     reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True)
-    setattr(batch, into, out if is_last_stage_rank() else None)
-    with_rollout = batch.rollout_log_probs is not None
     keys = {k: "sum" for k in ("num_tokens", "entropy_sum", "log_prob_sum")}
-    if with_rollout:
+    if batch.rollout_log_probs is not None:
         keys.update(rollout_abs_diff_sum="sum", rollout_tokens="sum")
-    return _finish(reduce_to_all_ranks(reports, keys), None)
+    metrics = _finish(reduce_to_all_ranks(reports, keys), None)
+    return (out if is_last_stage_rank() else None), metrics
 
 
 def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: TrainBatch, *,
                micro_batch_size: int, loss: LossSettings, logprob: LogProbSettings) -> dict[str, float]:
     """One optimizer step on this DP rank's shard of a (mini-)batch; metrics on every rank.
 
-    The last stage needs `batch.old_log_probs` (compute_old_log_probs, or the rollout log-probs
-    with loss.old_log_probs="engine"), except for the "ce" loss.
+    The last stage needs `batch.old_log_probs` (and `batch.ref_log_probs` with a KL penalty),
+    except for the "ce" loss. `scheduler=None` leaves the learning rate where it is (warm start).
     """
-    if loss.name != "ce" and is_last_stage_rank():
-        if loss.old_log_probs == "engine":
-            if batch.rollout_log_probs is None:
-                raise ValueError("loss.old_log_probs='engine' needs batch.rollout_log_probs")
-            batch.old_log_probs = batch.rollout_log_probs
-        elif batch.old_log_probs is None:
-            raise ValueError("train_step needs batch.old_log_probs on the last pipeline stage: call "
-                             "compute_old_log_probs first (or use old_log_probs='engine')")
+    spec = loss.spec
+    if spec.function_path is not None and is_last_stage_rank():
+        if batch.old_log_probs is None:
+            raise ValueError("train_step needs batch.old_log_probs on the last pipeline stage: "
+                             "compute them first (Actor.compute_old_log_probs)")
         if loss.kl_coef > 0 and batch.ref_log_probs is None:
             raise ValueError(f"kl_coef={loss.kl_coef} needs batch.ref_log_probs on the last pipeline "
-                             "stage: call compute_old_log_probs(..., into='ref_log_probs') with the "
-                             "reference weights first (Actor.compute_ref_log_probs)")
+                             "stage (Actor.compute_ref_log_probs)")
     num_mb = num_microbatches_for(batch.num_rows, micro_batch_size)
     mbs = micro_batches(batch, num_mb, seq_multiple=seq_multiple())
     local = int(batch.loss_mask.sum()) if loss.name == "ce" else batch.num_valid_sequences()
     global_count = _global_count(local)
     # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
     scale = num_mb * ps.get_data_parallel_world_size() / max(global_count, 1)
-    loss_fn, clip = LOSSES[loss.name], loss.clip_kwargs()
-    if loss.kl_coef > 0:
-        clip.update(kl_coef=loss.kl_coef, kl_estimator=loss.kl_estimator)
+    loss_fn, loss_kwargs = spec.function(), loss.function_kwargs()
 
     def loss_func(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
         report = _token_totals(mb, log_probs, entropy)
@@ -234,12 +180,12 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
             report["num_sequences"] = mb.loss_mask.any(dim=1).sum().to(total.dtype)
         else:
             adv = mb.advantages
-            if loss.name == "gspo_token" and adv.dim() == 1:
-                adv = adv[:, None].expand_as(log_probs)
+            if spec.advantages == "token" and adv.dim() == 1:
+                adv = adv[:, None].expand_as(log_probs)  # one advantage per row, on every token
             total, metrics = loss_fn(log_probs, mb.old_log_probs, adv, mb.loss_mask, reduction="sum",
                                      ref_log_probs=mb.ref_log_probs if loss.kl_coef > 0 else None,
-                                     **clip)
-            report.update({k: v for k, v in metrics.items() if k in METRIC_REDUCTIONS})
+                                     **loss_kwargs)
+            report.update({k: metrics[k] for k in spec.reported_keys(loss.kl_coef > 0)})
         report["loss_sum"] = total.detach()
         return total * scale, report
 
@@ -251,10 +197,10 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     if grad_norm is None:  # megatron computes it only when clipping; report it anyway
         grad_norm = optimizer.get_grad_norm()
     lr = optimizer.param_groups[0]["lr"]
-    if update_ok:
+    if update_ok and scheduler is not None:
         scheduler.step(increment=1)
-    keys = _loss_metric_keys(loss.name, batch.rollout_log_probs is not None, loss.kl_coef > 0)
-    metrics = _finish(reduce_to_all_ranks(reports, keys), loss.name)
+    metrics = _finish(reduce_to_all_ranks(reports, _metric_keys(loss, batch.rollout_log_probs is not None)),
+                      loss.name)
     metrics.update(grad_norm=float(grad_norm), lr=float(lr), update_successful=float(bool(update_ok)),
                    num_microbatches=float(num_mb))
     return metrics

@@ -1,0 +1,142 @@
+"""The one table of policy losses: names, the paper's clip ranges, advantage shapes, metric keys.
+
+    spec = LOSSES["gspo"]            # LossSpec
+    loss, metrics = spec.function()(log_probs, old_log_probs, advantages, loss_mask, ...)
+    settings = LossSettings(name="grpo")   # clip_range() -> the paper's (0.2, 0.27)
+
+The run config (gspo_megatron/config.py), the actor (actor/steps.py) and the package's exports
+read this table; nothing else writes a loss name, a default clip range or a metric key. The module
+imports no torch (the config is validated before torch is imported), so the functions are named
+here and imported on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+# The paper's clip ranges (arXiv 2507.18071 §5.1): GSPO 3e-4 / 4e-4; the GRPO baseline 0.2 / 0.27.
+GSPO_CLIP = (3e-4, 4e-4)
+GRPO_CLIP = (0.2, 0.27)
+
+KL_ESTIMATORS = ("k1", "k3")
+
+# How each loss metric combines over micro-batches and ranks (loss_metrics.py explains the keys).
+METRIC_REDUCTIONS: dict[str, str] = {
+    "num_sequences": "sum",
+    "num_tokens": "sum",
+    "clipped_sequences": "sum",
+    "clipped_tokens": "sum",
+    "seq_ratio_sum": "sum",
+    "kl_sum": "sum",
+    "seq_ratio_min": "min",
+    "seq_ratio_max": "max",
+}
+_RATIO_KEYS = ("num_sequences", "num_tokens", "clipped_tokens", "seq_ratio_sum", "seq_ratio_min",
+               "seq_ratio_max")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """One policy loss: what the config, the actor and the metrics need to know about it."""
+
+    name: str
+    function_path: str | None
+    """`module:function` under gspo_megatron.algorithms; None for "ce" (the actor computes it)."""
+    clip: tuple[float, float] | None
+    """The paper's (eps_low, eps_high) for this loss; None: the loss does not clip."""
+    advantages: Literal["sequence", "token"]
+    """Shape the function takes: one advantage per sequence `[b]`, or per token `[b, s]` (the
+    actor broadcasts sequence advantages along the row for a "token" loss)."""
+    metric_keys: tuple[str, ...]
+    """Keys of METRIC_REDUCTIONS its metrics carry (kl_sum is added when a KL penalty is on)."""
+    description: str
+    rl: bool = True
+    """A policy-gradient loss the run config may select (False: "ce", for warm starts/benchmarks)."""
+
+    def function(self) -> Callable | None:
+        if self.function_path is None:
+            return None
+        module, name = self.function_path.split(":")
+        return getattr(importlib.import_module(f"gspo_megatron.algorithms.{module}"), name)
+
+    def reported_keys(self, with_kl: bool) -> dict[str, str]:
+        """{metric key: reduction op} this loss reports per micro-batch."""
+        keys = list(self.metric_keys) + (["kl_sum"] if with_kl else [])
+        return {k: METRIC_REDUCTIONS[k] for k in keys}
+
+
+LOSSES: dict[str, LossSpec] = {s.name: s for s in (
+    LossSpec("gspo", "gspo:gspo_loss", GSPO_CLIP, "sequence",
+             _RATIO_KEYS + ("clipped_sequences",),
+             "sequence-level ratio s_i = exp(mean log-ratio), clipped per sequence (Eqs. 5-7)"),
+    LossSpec("gspo_token", "gspo:gspo_token_loss", GSPO_CLIP, "token", _RATIO_KEYS,
+             "GSPO-token: s_i per token with per-token advantages (Eqs. 13-14)"),
+    LossSpec("grpo", "grpo:grpo_loss", GRPO_CLIP, "sequence", _RATIO_KEYS,
+             "GRPO baseline: token-level ratios (Eqs. 2-3)"),
+    LossSpec("ce", None, None, "sequence", ("num_sequences", "num_tokens"),
+             "next-token cross-entropy over trained tokens (warm start, cost comparisons)", rl=False),
+)}
+RL_LOSSES = tuple(n for n, s in LOSSES.items() if s.rl)
+# A Literal of the names, so the config parser names them in its errors.
+RLLossName = Literal[RL_LOSSES]  # type: ignore[valid-type]
+
+
+@dataclass
+class LossSettings:
+    """Which loss the train step applies on the last pipeline stage, and its parameters."""
+
+    name: str = "gspo"
+    """gspo (sequence ratio, Eqs. 5-7), gspo_token (Eqs. 13-14), grpo (token ratio), or ce (plain
+    next-token cross-entropy over trained tokens)."""
+    eps_low: float | None = None
+    """Lower clip range; null = the paper's value for the loss (gspo 3e-4, grpo 0.2)."""
+    eps_high: float | None = None
+    """Upper clip range; null = the paper's value for the loss (gspo 4e-4, grpo 0.27)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty against the reference policy (the policy RL starts from, after any
+    warm start; saved in checkpoint.dir/reference); 0 = off (the GSPO paper omits it)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator when kl_coef > 0 (algorithms/kl.py)."""
+
+    def __post_init__(self) -> None:
+        # Errors read "field=value: expected ..." so that the config can prefix its section.
+        if self.name not in LOSSES:
+            raise ValueError(f"name={self.name!r}: expected one of {sorted(LOSSES)}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
+        if not self.kl_coef >= 0:
+            raise ValueError(f"kl_coef={self.kl_coef!r}: expected >= 0")
+        if self.kl_coef > 0 and self.spec.clip is None:
+            raise ValueError(f"kl_coef={self.kl_coef!r}: expected 0 with the {self.name} loss "
+                             "(it takes no KL penalty)")
+        lo, hi = self.clip_range()
+        if not 0 <= lo < 1:
+            raise ValueError(f"eps_low={lo!r}: expected in [0, 1)")
+        if not hi >= 0:
+            raise ValueError(f"eps_high={hi!r}: expected >= 0")
+
+    @property
+    def spec(self) -> LossSpec:
+        return LOSSES[self.name]
+
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high): the configured values, else the paper's for this loss."""
+        lo, hi = self.spec.clip or (0.0, 0.0)
+        return (lo if self.eps_low is None else self.eps_low,
+                hi if self.eps_high is None else self.eps_high)
+
+    def function_kwargs(self) -> dict[str, float | str]:
+        """Keyword arguments of the loss function: clip range, and the KL term when it is on."""
+        lo, hi = self.clip_range()
+        out: dict[str, float | str] = dict(eps_low=lo, eps_high=hi)
+        if self.kl_coef > 0:
+            out.update(kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
+        return out
+
+    def describe(self) -> str:
+        if self.spec.clip is None:
+            return f"loss={self.name}"
+        lo, hi = self.clip_range()
+        kl = f"kl_coef={self.kl_coef} ({self.kl_estimator})" if self.kl_coef else "KL off"
+        return f"loss={self.name} eps_low={lo:g} eps_high={hi:g} {kl}"

@@ -1,0 +1,212 @@
+"""Typed dataclass configs from YAML and `a.b=c` overrides: the generic machinery behind
+gspo_megatron/config.py (which holds the schema).
+
+    data = apply_overrides(yaml_dict, ["train.steps=3"])   # values parsed as YAML
+    cfg = build(RunConfig, data)                           # types checked, unknown keys named
+    print(describe(RunConfig))                             # every field with its docstring
+
+Every error is a ConfigError that names the field and the offending value. A section's dataclass
+may validate itself in __post_init__ by raising ValueError("field=value: expected ..."); the
+error comes out as a ConfigError with the section's prefix ("train.field=value: ...").
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad run configuration: the message names the field and the offending value."""
+
+
+def type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in get_args(tp))
+    if get_origin(tp) is list:
+        return f"list[{type_name(get_args(tp)[0])}]"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, field: str) -> Any:
+    """`value` as type `tp`, or ConfigError naming the field, the value and the expected type."""
+    origin = get_origin(tp)
+    bad = ConfigError(f"{field}={value!r}: expected {type_name(tp)}")
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, field)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise bad
+    if origin is list:
+        if isinstance(value, str):  # `--set a=x` for a one-element list
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_coerce(v, get_args(tp)[0], f"{field}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    raise bad
+
+
+def section_types(cls: type) -> dict[str, Any]:
+    """Field name -> type of a config dataclass (each annotation resolved in the module of the
+    class that declares it, base classes included)."""
+    return get_type_hints(cls)
+
+
+def _unknown(key: str, known: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"unknown key '{where}{key}'{hint}; known: {', '.join(known)}")
+
+
+def build(cls: type, data: Any, prefix: str = "") -> Any:
+    """An instance of config dataclass `cls` from a (YAML) mapping; nested dataclass fields are
+    sections. Types are checked, unknown keys named (with a close match), and a ValueError from
+    the class's own validation comes out with the section prefix."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = section_types(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown(str(key), names, prefix)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = build(tp, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        message = str(e)
+        if not re.match(r"^\w+=", message):  # a message without the "field=value" form
+            message = f"{prefix.rstrip('.') or 'config'}: {message}"
+        else:
+            message = prefix + message
+        raise ConfigError(message) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=c` -> (["a", "b"], value parsed as YAML: ints, floats, bools, lists, null)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.steps=3")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {text!r}: bad key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            if not isinstance(node.get(part, {}), dict):
+                raise ConfigError(f"override {text!r}: {part!r} is not a section")
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return data
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a config dataclass (read from the source, as Sphinx does),
+    inherited fields included (a subclass's redeclaration wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for a, b in zip(body, body[1:]):
+            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+                    and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)
+                    and isinstance(b.value.value, str)):
+                docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def describe(cls: type) -> str:
+    """Every field of a config of sections: `section:` then `  name: default  # (type) doc`."""
+    lines = []
+    top_docs = field_docs(cls)
+    defaults = cls()
+    for sect in dataclasses.fields(cls):
+        sect_cls = section_types(cls)[sect.name]
+        lines.append(f"{sect.name}:  # {top_docs.get(sect.name, '')}")
+        docs, hints = field_docs(sect_cls), section_types(sect_cls)
+        for f in dataclasses.fields(sect_cls):
+            default = getattr(getattr(defaults, sect.name), f.name)
+            lines.append(f"  {f.name}: {default!r}  # ({type_name(hints[f.name])}) "
+                         f"{docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML file, or ConfigError naming the file and what is wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte "
+                          f"{e.start})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: "
+                          f"{' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections, got "
+                          f"{type(data).__name__}")
+    return data

@@ -1,0 +1,289 @@
+"""Start-up and tear-down of a training run: everything the RL loop (trainer.py) works with.
+
+    run = setup(cfg)        # checks, actor, SGLang servers, weights (initial or resumed)
+    begin_rl(run)           # KL reference; the servers get the policy RL starts from
+    ...                     # trainer.run_loop(run)
+    teardown(run)
+
+Order matters: every input that can be checked is checked (config, layout against the world size
+and the model, prompt file, model files, the resume checkpoint) before anything is written, converted
+or started, so a bad input costs seconds and leaves nothing behind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.checkpoint.loop_state import LoopState
+from gspo_megatron.checkpoint.manager import CheckpointManager
+from gspo_megatron.config import ConfigError, RunConfig
+from gspo_megatron.driver import Driver, on_driver, scratch_dir
+from gspo_megatron.metrics import MetricsWriter
+from gspo_megatron.parallel.process_groups import free_port
+
+INITIAL_DIR = "initial_megatron"
+REFERENCE_DIR = "reference"
+# At least one of these makes a tokenizer AutoTokenizer can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop works with (built by `setup`)."""
+    cfg: RunConfig
+    rank: int
+    world: int
+    actor: Any                       # gspo_megatron.actor.Actor
+    driver: Driver | None            # rank 0 only
+    sync: Any                        # gspo_megatron.sync.WeightSync
+    ckpt: CheckpointManager | None
+    writer: MetricsWriter
+    loop: LoopState
+    resumed_from: Path | None = None
+    export_src: Path | None = None   # megatron checkpoint of the final policy, for export_hf
+
+    def final_model_checkpoint(self) -> Path:
+        """Collective. A megatron checkpoint of the current policy: the last checkpoint's model if
+        it is of this step, else a fresh model-only checkpoint in a scratch directory."""
+        from gspo_megatron.checkpoint.model_io import save_model
+        latest = self.ckpt.latest() if self.ckpt else None
+        if latest is not None and latest.name.endswith(f"{self.loop.step:08d}"):
+            return latest / "model"
+        src = scratch_dir(self.cfg, "final_megatron")
+        if self.rank == 0 and src.exists():
+            shutil.rmtree(src)
+        dist.barrier()
+        save_model(self.actor.models, src, hf_dir=self.cfg.model.hf_path)
+        dist.barrier()
+        return src
+
+
+# --- checks before anything is spent ----------------------------------------------------------------
+def rank_env() -> tuple[int, int]:
+    """torchrun / srun variables; a plain `gspo-megatron train` is a one-rank job."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What check_inputs established about the run's inputs."""
+    model_fingerprint: dict[str, Any]     # what the run's derived state must have been made from
+    resume_from: Path | None              # the complete, verified checkpoint to resume from
+
+
+def check_inputs(cfg: RunConfig, world: int) -> Inputs:
+    """Cheap checks every rank makes before anything is written or started: the model directory
+    (config, layout against the world size and the model, weight files, tokenizer), the prompt
+    file, the initial checkpoint, and the checkpoint a resume would load."""
+    from gspo_megatron.checkpoint.fingerprint import describe_change, model_fingerprint, read_fingerprint
+    from gspo_megatron.checkpoint.loop_state import load_driver_state
+    from gspo_megatron.checkpoint.manager import CheckpointError
+    from model_specs import load_hf_config, model_dims_for
+    from rollout.dataset import load_prompts
+    hf = Path(cfg.model.hf_path)
+    if not (hf / "config.json").is_file():
+        raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no config.json there (expected a "
+                                f"Hugging Face model directory)")
+    dims = model_dims_for(load_hf_config(hf))
+    cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
+    cfg.parallel.validate(world, **dims)
+    fingerprint = model_fingerprint(hf)  # reads every weight file's header: DamagedFileError names it
+    if not any((hf / n).is_file() for n in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
+                                f"{', '.join(TOKENIZER_FILES)})")
+    if not Path(cfg.rollout.prompts).is_file():
+        raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")
+    load_prompts(cfg.rollout.prompts)  # PromptFileError names the file and line
+    if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():
+        raise FileNotFoundError(f"model.megatron_checkpoint={cfg.model.megatron_checkpoint!r}: not a "
+                                f"megatron dist_checkpointing directory (no metadata.json)")
+    resume_from = None
+    if cfg.checkpoint.dir:
+        ckpt = CheckpointManager(cfg.checkpoint.dir)
+        resume_from = ckpt.latest()
+    if resume_from is not None:
+        ckpt.verify(resume_from)  # the manifest: names the first missing or short file
+        change = describe_change(load_driver_state(resume_from).extra.get("source_model"), fingerprint)
+        if change and "no record" not in change:
+            raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
+                                  f"than model.hf_path={str(hf)!r} ({change}); resume with that "
+                                  f"model, or start over in a new checkpoint.dir")
+        if cfg.loss.kl_coef > 0:
+            ref = Path(cfg.checkpoint.dir) / REFERENCE_DIR
+            if not (ref / "model.safetensors").is_file():
+                raise ConfigError(f"loss.kl_coef={cfg.loss.kl_coef}: resuming from {resume_from}, "
+                                  f"but {ref / 'model.safetensors'} (the KL reference of this run) does "
+                                  "not exist; was the run started with kl_coef=0? Start a new run "
+                                  "(new checkpoint.dir)")
+            change = describe_change(read_fingerprint(ref)[1], fingerprint)
+            if change and "no record" not in change:
+                raise CheckpointError(f"{ref} (the KL reference) was made from another model than "
+                                      f"model.hf_path={str(hf)!r} ({change}); start a new run")
+    return Inputs(fingerprint, resume_from)
+
+
+def initial_megatron_checkpoint(cfg: RunConfig, rank: int, fingerprint: dict[str, Any]) -> Path:
+    """The megatron checkpoint of the initial policy: model.megatron_checkpoint, or hf_path
+    converted once by rank 0 (before torch.distributed starts: the converter runs its own
+    one-process megatron) into a scratch dir every rank can read.
+
+    The conversion is written into a temporary directory and renamed into place when complete,
+    with the fingerprint of the model it was made from: a conversion of another model (or of a
+    changed one) is made again, a killed one leaves nothing that looks complete."""
+    from gspo_megatron.checkpoint.fingerprint import describe_change, read_fingerprint, write_fingerprint
+    if cfg.model.megatron_checkpoint:
+        return Path(cfg.model.megatron_checkpoint)
+    out = scratch_dir(cfg, INITIAL_DIR, create=False)
+    if rank == 0:
+        source, stored = read_fingerprint(out)
+        change = describe_change(stored, fingerprint) if (out / "metadata.json").is_file() else "incomplete"
+        if change:
+            from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+            if out.exists():
+                print(f"[gspo] {out} is not a conversion of {cfg.model.hf_path} ({change}; made from "
+                      f"{source}): converting again", flush=True)
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            convert_hf_to_megatron(cfg.model.hf_path, tmp)
+            write_fingerprint(tmp, fingerprint, cfg.model.hf_path)
+            shutil.rmtree(out, ignore_errors=True)
+            os.rename(tmp, out)
+    return out  # the other ranks read it after the first collective (Actor construction)
+
+
+# --- building ---------------------------------------------------------------------------------------
+def build_actor(cfg: RunConfig):
+    from gspo_megatron.actor import Actor, LogProbSettings
+    t = cfg.train
+    return Actor(cfg.model.hf_path, cfg.parallel, optimizer=t, loss=cfg.loss,
+                 logprob=LogProbSettings(temperature=cfg.rollout.temperature),
+                 micro_batch_size=t.micro_batch_size, old_log_probs=t.old_log_probs, seed=t.seed,
+                 params_dtype=getattr(torch, cfg.model.dtype))
+
+
+def start_driver(cfg: RunConfig, rank: int) -> Driver | None:
+    """Rank 0 starts (or attaches) the servers; a failure there stops every rank."""
+    holder: list[Driver] = []
+
+    def start() -> str:
+        holder.append(Driver.start(cfg, str(scratch_dir(cfg, "logs"))))
+        return "ok"
+    on_driver(rank, start)
+    return holder[0] if holder else None
+
+
+def build_sync(cfg: RunConfig, actor, driver: Driver | None):
+    from gspo_megatron.sync.transports import DiskTransport, DistributedTransport, TensorTransport
+    from gspo_megatron.sync.weight_sync import WeightSync
+    from model_specs import load_hf_config
+    transport = None
+    if driver is not None:
+        kind = cfg.sync.transport
+        if kind == "disk":
+            root = Path(cfg.sync.dir) if cfg.sync.dir else scratch_dir(cfg, "sync")
+            transport = DiskTransport(driver.pool, root, cfg.model.hf_path)
+        elif kind == "tensor":
+            transport = TensorTransport(driver.pool)
+        else:
+            addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            transport = DistributedTransport(driver.pool, addr, free_port())
+    return WeightSync(actor.chunks, load_hf_config(cfg.model.hf_path), transport,
+                      driver.pool if driver else None, bucket_bytes=cfg.sync.bucket_mb << 20)
+
+
+def setup(cfg: RunConfig) -> Run:
+    rank, world = rank_env()
+    inputs = check_inputs(cfg, world)
+    ckpt = CheckpointManager(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
+                             hf_dir=cfg.model.hf_path) if cfg.checkpoint.dir else None
+    resume_from = inputs.resume_from
+    init_ckpt = None if resume_from else initial_megatron_checkpoint(cfg, rank, inputs.model_fingerprint)
+    if rank == 0:
+        print(f"[gspo] {cfg.describe_loss()}", flush=True)
+    actor = build_actor(cfg)
+    if rank == 0:
+        print(f"[gspo] layout {actor.layout.describe(world)} on {world} rank(s)", flush=True)
+    run = Run(cfg, rank, world, actor, None, None, ckpt, MetricsWriter(None, enabled=False),
+              LoopState(extra={"source_model": inputs.model_fingerprint}), resumed_from=resume_from)
+    if ckpt:
+        ckpt.clean_incomplete()
+    run.driver = start_driver(cfg, rank)
+    if resume_from:
+        run.loop = ckpt.load(resume_from, actor)
+        if rank == 0:
+            run.driver.load_state(run.loop.data_cursor, run.loop.rollout_buffer)
+            print(f"[gspo] resumed from {resume_from} (step {run.loop.step})", flush=True)
+    else:
+        actor.load_weights(init_ckpt)
+    run.sync = build_sync(cfg, actor, run.driver)
+    if rank == 0 and cfg.logging.tensorboard_dir:
+        run.writer = MetricsWriter(cfg.logging.tensorboard_dir, jsonl_path=cfg.logging.metrics_jsonl,
+                                   purge_step=run.loop.step if resume_from else None)
+        print(f"[gspo] TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}", flush=True)
+    return run
+
+
+def begin_rl(run: Run) -> None:
+    """After any warm start: the KL reference is the current policy, and the servers get it."""
+    if run.cfg.loss.kl_coef > 0:
+        set_up_reference(run)
+    # Servers started here hold the HF weights; attached ones may hold anything (another run's
+    # policy): always give them the policy this run starts from, under a new weight version.
+    run.loop.weight_version += 1
+    run.sync.sync(run.loop.weight_version)
+
+
+def set_up_reference(run: Run) -> None:
+    """The KL reference is the policy RL starts from (after the warm start). It is saved once, to
+    checkpoint.dir/reference/model.safetensors (one-process tensors, rank 0, atomic), so that a
+    resumed run, in any layout, penalises against the same policy."""
+    from safetensors.torch import load_file, save_file
+    path = Path(run.cfg.checkpoint.dir) / REFERENCE_DIR / "model.safetensors" if run.ckpt else None
+    if run.resumed_from is not None and path is not None:  # check_inputs found it, same model
+        run.actor.set_reference(load_file(str(path)))
+        return
+    run.actor.set_reference()
+    if path is None:
+        return
+    from gspo_megatron.checkpoint.fingerprint import write_fingerprint
+    full = run.actor.full_state_dict(to_all_ranks=False)
+    if run.rank == 0:  # the directory appears complete (weights + source) or not at all
+        tmp = path.parent.with_name(path.parent.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / path.name))
+        write_fingerprint(tmp, run.loop.extra["source_model"], run.cfg.model.hf_path)
+        shutil.rmtree(path.parent, ignore_errors=True)
+        os.rename(tmp, path.parent)
+    dist.barrier()
+
+
+# --- tear-down --------------------------------------------------------------------------------------
+def teardown(run: Run | None) -> None:
+    """Close the metrics, stop the servers this run started, leave the process groups."""
+    from gspo_megatron.parallel.process_groups import destroy_process_groups
+    if run is not None:
+        run.writer.close()
+        if run.driver is not None:
+            run.driver.stop()
+    if dist.is_initialized():
+        destroy_process_groups()
+
+
+def export_hf(src: Path, out_dir: str) -> None:
+    """The final policy as HF safetensors (rank 0, after the process groups are gone)."""
+    from gspo_megatron.checkpoint.export import convert_megatron_to_hf
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    convert_megatron_to_hf(src, out)
+    print(f"[gspo] exported the final policy to {out} (HF format)", flush=True)

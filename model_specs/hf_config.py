@@ -1,0 +1,75 @@
+"""Reading Hugging Face config.json files: the one place that knows HF's field names.
+
+    hf = load_hf_config("/models/Qwen3-30B-A3B")     # dict, field names normalised
+    pattern = moe_layer_pattern(hf, hf["num_hidden_layers"])   # 1 = MoE layer, 0 = dense
+
+Every model_specs module reads HF configs through here; an HF config this project cannot map
+raises `HFConfigError` naming the field.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class HFConfigError(ValueError):
+    """An HF config.json that this project cannot map; the message names the field."""
+
+
+def normalize_hf_config(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """An HF config dict with the field names model_specs reads.
+
+    transformers >= 5 writes `num_local_experts` (attribute_map of num_experts) and nests
+    `rope_theta` under `rope_parameters`; older configs have `num_experts` and `rope_theta`. Without
+    this, a transformers-5 Qwen3 config (rope_theta 1e6) would silently get RoPE base 10000."""
+    out = dict(hf)
+    if out.get("num_experts") is None and out.get("num_local_experts") is not None:
+        out["num_experts"] = out["num_local_experts"]
+    rope = out.get("rope_parameters") or {}
+    if out.get("rope_theta") is None and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+    if rope.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
+        out["rope_scaling"] = rope  # model_specs rejects RoPE scaling with a clear error
+    return out
+
+
+def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """A normalised config dict from a dict, a config.json path, or an HF model directory."""
+    if isinstance(source, Mapping):
+        return normalize_hf_config(dict(source))
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no HF config.json at {path}")
+    try:
+        return normalize_hf_config(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise HFConfigError(f"{path} is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise HFConfigError(f"{path} is not UTF-8 text ({e.reason} at byte offset {e.start})") from None
+
+
+def require(hf: Mapping[str, Any], key: str, family: str) -> Any:
+    """hf[key], or HFConfigError naming the family and the missing field."""
+    if key not in hf or hf[key] is None:
+        raise HFConfigError(f"{family} config.json lacks required field '{key}'")
+    return hf[key]
+
+
+def moe_layer_pattern(hf: Mapping[str, Any], num_layers: int) -> list[int]:
+    """Qwen3-MoE: layer i is sparse (1) unless listed in mlp_only_layers or off the sparse step."""
+    step = int(hf.get("decoder_sparse_step", 1) or 1)
+    dense = set(hf.get("mlp_only_layers") or [])
+    return [0 if (i in dense or (i + 1) % step) else 1 for i in range(num_layers)]
+
+
+def model_dims(hf: Mapping[str, Any], family: str, moe: bool) -> dict[str, Any]:
+    """The dimensions a parallel layout must divide: num_layers, num_attention_heads,
+    num_query_groups, vocab_size, num_experts (None for a dense model)."""
+    heads = int(require(hf, "num_attention_heads", family))
+    return dict(num_layers=int(require(hf, "num_hidden_layers", family)), num_attention_heads=heads,
+                num_query_groups=int(hf.get("num_key_value_heads") or heads),
+                vocab_size=int(require(hf, "vocab_size", family)),
+                num_experts=int(require(hf, "num_experts", family)) if moe else None)

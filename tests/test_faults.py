@@ -1,0 +1,301 @@
+"""Fault injection: damaged inputs and faults, each with its exact behaviour: the exit code, one line
+naming the file or field, nothing written, and a clean resume afterwards where one applies.
+
+The fast cases fail in the trainer's input checks, before torch.distributed, a conversion or a
+server starts, so they run in-process. The slow ones run `gspo-megatron train` as a user does,
+against the session's shared SGLang server (attached by URL, as test_trainer_e2e does).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fixtures_models import tiny_model_dir
+from test_trainer_e2e import ROOT, _error_line, base_overrides, env, run_train, server_url, train_cmd  # noqa: F401
+
+CONFIG = "examples/tiny_moe_larger_digit.yaml"
+
+
+def _dead_url() -> str:
+    from gspo_megatron.parallel.process_groups import free_port
+    return f"http://127.0.0.1:{free_port()}"
+
+
+def _in_process_error(capsys, argv: list[str]) -> str:
+    """`gspo-megatron train argv` in this process: exit code 2 and exactly one error line."""
+    from gspo_megatron.cli import main
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("gspo-megatron: error")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def _args(run_dir: Path, url: str, **extra) -> list[str]:
+    return [CONFIG, *base_overrides(run_dir, url, **extra)]
+
+
+# --- fast: caught by the input checks -----------------------------------------------------------
+def test_config_error_comes_before_torch_without_warnings(tmp_path):
+    """Item 7: a config error is one line, with no Transformer Engine / Apex warnings, because
+    torch and megatron-core are not imported before the config is valid."""
+    code = ("import sys, time; t = time.perf_counter(); from gspo_megatron.cli import main; "
+            f"rc = main(['train', {CONFIG!r}, '--set', 'train.stepz=3']); "
+            "print(rc, 'torch' in sys.modules, 'megatron' in sys.modules, time.perf_counter() - t)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=60)
+    rc, torch_loaded, megatron_loaded, seconds = proc.stdout.split()
+    assert (rc, torch_loaded, megatron_loaded) == ("2", "False", "False"), proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "gspo-megatron: error: unknown key 'train.stepz' (did you mean 'steps'?); known: "
+        + ", ".join(_train_keys())]
+    print(f"config error in {float(seconds):.2f} s")
+
+
+def _train_keys() -> list[str]:
+    import dataclasses
+    from gspo_megatron.config import TrainConfig
+    return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def test_layout_and_prompt_errors_write_nothing(tmp_path, capsys):
+    """Item 7 (and item 1's precondition): layout and prompt-file errors come before anything is
+    converted or written; a malformed JSON line is shown where it breaks."""
+    ck = tmp_path / "ck"
+    hf = str(tiny_model_dir("qwen3_moe", 0))
+    base = [CONFIG, "--set", f"model.hf_path={hf}", "--set", f"checkpoint.dir={ck}",
+            "--set", f"logging.tensorboard_dir={tmp_path / 'tb'}"]
+    line = _in_process_error(capsys, base + ["--set", "parallel.tensor=3"])
+    assert "num_attention_heads 4 is not divisible by tensor 3" in line
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi", "answer": "1"}\n{"prompt": "h\u00e9llo", "answer": }\n')
+    line = _in_process_error(capsys, base + ["--set", f"rollout.prompts={bad}"])
+    assert f"{bad}:2: not valid JSON: Expecting value at character 31 of the line" in line
+    assert "'mpt\": \"h\u00e9llo\", \"answer\": >>>}'" in line
+    bad.write_bytes(b'{"prompt": "hi", "answer": "1"}\n{"prompt": "\xff"}\n')
+    line = _in_process_error(capsys, base + ["--set", f"rollout.prompts={bad}"])
+    assert f"{bad}: not UTF-8 text (invalid start byte at byte offset 44)" in line
+    assert not ck.exists() and not (tmp_path / "tb").exists()
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (lambda f: f.write_bytes(f.read_bytes()[:-1000]), "is truncated: 564424 bytes, its header describes 565424"),
+    (lambda f: f.write_bytes(f.read_bytes()[:4]), "too short for a safetensors header"),
+    (lambda f: f.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}"), "unreadable safetensors header"),
+])
+def test_damaged_model_safetensors_is_named(tmp_path, capsys, damage, needle):
+    """Item 4: a truncated or garbled model.safetensors gets one line with its path, before
+    anything is written (safetensors' own error names no file)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen3_moe", 0), model)
+    damage(model / "model.safetensors")
+    line = _in_process_error(capsys, [CONFIG, "--set", f"model.hf_path={model}",
+                                      "--set", f"checkpoint.dir={tmp_path / 'ck'}"])
+    assert f"{model / 'model.safetensors'}" in line and needle in line, line
+    assert not (tmp_path / "ck").exists()
+
+
+def test_undecodable_latest_pointer_is_one_line(tmp_path, capsys):
+    """Item 5: non-UTF-8 bytes in checkpoint.dir/latest get the same kind of line as ASCII garbage."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    args = [CONFIG, "--set", f"model.hf_path={tiny_model_dir('qwen3_moe', 0)}",
+            "--set", f"checkpoint.dir={ck}"]
+    (ck / "latest").write_bytes(b"\xff\xfe\x00step")
+    line = _in_process_error(capsys, args)
+    assert f"{ck / 'latest'} holds non-text bytes, expected a step name like step_00000010" in line
+    (ck / "latest").write_text("garbage\n")
+    assert f"{ck / 'latest'} names 'garbage', expected step_NNNNNNNN" in _in_process_error(capsys, args)
+
+
+# --- slow: real runs ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, server_url):  # noqa: F811
+    """One real run of one step with a checkpoint (step_00000001), copied by each test."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    proc = run_train(_args(run_dir, server_url, **{"train.steps": 1}))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return run_dir
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_damaged_checkpoint_shard_is_named_before_start_then_resumes(tmp_path, capsys, trained,
+                                                                     server_url, damage):  # noqa: F811
+    """Item 3: a missing or truncated shard of the latest checkpoint is named (from the manifest)
+    before any server or process group starts; restored, the run resumes."""
+    run_dir = _copy(trained, tmp_path / "run")
+    shard = sorted((run_dir / "ckpt" / "step_00000001" / "model").glob("*.distcp"))[0]
+    original = shard.read_bytes()
+    if damage == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(original[: len(original) // 2])
+    t0 = time.perf_counter()
+    line = _in_process_error(capsys, _args(run_dir, server_url, **{"train.steps": 2}))
+    seconds = time.perf_counter() - t0
+    rel = shard.relative_to(run_dir / "ckpt" / "step_00000001")
+    if damage == "missing":
+        assert f"is damaged: {rel} is missing (the manifest lists {len(original)} bytes)" in line
+    else:
+        assert f"is damaged: {shard} has {len(original) // 2} bytes, the manifest says " \
+               f"{len(original)} (truncated)" in line
+    assert seconds < 5, seconds  # no server was started (that takes 20-50 s)
+    shard.write_bytes(original)
+    proc = run_train(_args(run_dir, server_url, **{"train.steps": 2}))
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000002"
+
+
+@pytest.mark.slow
+def test_missing_rng_state_resumes_with_one_warning(tmp_path, trained, server_url):  # noqa: F811
+    """Item 6: a resume without a rank's RNG state (a changed world size) says so in one line."""
+    run_dir = _copy(trained, tmp_path / "run")
+    rng = run_dir / "ckpt" / "step_00000001" / "rng"
+    (rng / "rank_0.pt").unlink()
+    proc = run_train(_args(run_dir, server_url, **{"train.steps": 2}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("gspo-megatron: warning")]
+    assert warnings == [f"gspo-megatron: warning: {rng} has no RNG state for rank(s) [0] (the "
+                        "checkpoint was saved by 1 rank(s)); they continue with freshly seeded RNG"], \
+        proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, capsys, trained, server_url):  # noqa: F811
+    run_dir = _copy(trained, tmp_path / "run")
+    other = tiny_model_dir("qwen3_moe", 1)
+    line = _in_process_error(capsys, _args(run_dir, server_url, **{"model.hf_path": str(other)}))
+    assert f"checkpoint.dir='{run_dir / 'ckpt'}' holds a run of another model than " \
+           f"model.hf_path='{other}' (model.safetensors differs (contents)); resume with that model, " \
+           "or start over in a new checkpoint.dir" in line
+
+
+@pytest.mark.slow
+def test_stale_initial_conversion_of_another_model_is_redone(tmp_path, server_url):  # noqa: F811
+    """Item 1: a run that fails after converting model A leaves CK/initial_megatron; a run of
+    model B in the same checkpoint.dir converts B again and trains B (exported at lr=0: B's weights)."""
+    from safetensors.torch import load_file
+    ck = tmp_path / "ckpt"
+    model_a, model_b = tiny_model_dir("qwen3_moe", 0), tiny_model_dir("qwen3_moe", 1)
+    first = run_train(_args(tmp_path, _dead_url(), **{"model.hf_path": str(model_a),
+                                                      "rollout.server_startup_timeout_s": 2}))
+    assert "no healthy SGLang server" in _error_line(first)
+    assert (ck / "initial_megatron" / "metadata.json").is_file()
+    out = tmp_path / "exported"
+    second = run_train(_args(tmp_path, server_url, **{
+        "model.hf_path": str(model_b), "train.lr": 0.0, "train.steps": 1, "train.warm_start_steps": 0,
+        "checkpoint.export_hf": str(out)}))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"{ck / 'initial_megatron'} is not a conversion of {model_b}" in second.stdout
+    want, got = load_file(str(model_b / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert sorted(want) == sorted(got)
+    assert all((want[k] == got[k]).all() for k in want)
+
+
+@pytest.mark.slow
+def test_sigkill_during_initial_conversion_leaves_nothing_complete_and_rerun_converts(tmp_path):
+    """A conversion killed half-way leaves only initial_megatron.tmp; the rerun converts again and
+    its result equals the HF weights. (Both runs stop at the unreachable server, after converting.)"""
+    from gspo_megatron.checkpoint.export import convert_megatron_to_hf
+    from safetensors.torch import load_file
+    from tools.make_tiny_model import make_tiny_model
+    model = make_tiny_model("qwen3_moe", tmp_path / "model", seed=3, num_hidden_layers=8,
+                            num_experts=16)  # ~400 tensors: a conversion that takes a moment
+    args = _args(tmp_path, _dead_url(), **{"model.hf_path": str(model),
+                                           "rollout.server_startup_timeout_s": 2})
+    ck = tmp_path / "ckpt"
+    proc = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    tmp = ck / "initial_megatron.tmp"
+    while not (tmp.is_dir() and len(list(tmp.glob("*"))) > 3) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the run ended before its conversion was caught"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert tmp.is_dir() and not (ck / "initial_megatron").exists()
+    rerun = run_train(args)
+    assert "no healthy SGLang server" in _error_line(rerun)
+    assert not tmp.exists() and (ck / "initial_megatron" / "source.json").is_file()
+    convert_megatron_to_hf(ck / "initial_megatron", tmp_path / "back")
+    want, got = load_file(str(model / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(want) == sorted(got) and all((want[k] == got[k]).all() for k in want)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: room for one tiny-MoE checkpoint with its optimizer state, not for two."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_disk_full_during_checkpoint_save_is_one_line_and_resumes(tmp_path, small_disk, server_url):  # noqa: F811
+    """Item 2: the second checkpoint does not fit: one line with the path and "no space left on
+    device", nothing published (latest still names step 1); with more space the run resumes."""
+    ck = small_disk / "ck"
+    args = _args(tmp_path, server_url, **{
+        "checkpoint.dir": str(ck), "checkpoint.keep": 2, "train.steps": 2,
+        "model.megatron_checkpoint": str(_initial_conversion(tmp_path)),
+        "sync.dir": str(tmp_path / "sync")})
+    proc = run_train(args)
+    line = _error_line(proc)
+    assert f"saving checkpoint step_00000002 under {ck} failed: no space left on device (" in line
+    assert "bytes needed (the previous checkpoint's size)" in line
+    assert (ck / "latest").read_text().strip() == "step_00000001"
+    assert not (ck / "step_00000002.tmp").exists() and not (ck / "step_00000002").exists()
+    subprocess.run(["mount", "-o", "remount,size=32m", str(small_disk)], check=True)
+    proc = run_train(args)
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert (ck / "latest").read_text().strip() == "step_00000002"
+
+
+def _initial_conversion(tmp_path: Path) -> Path:
+    out = tmp_path / "initial"
+    subprocess.run([sys.executable, "tools/convert_hf_to_megatron.py", "--hf",
+                    str(tiny_model_dir("qwen3_moe", 0)), "--out", str(out)], cwd=ROOT, env=env(),
+                   check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.slow
+def test_server_death_mid_run_is_one_line_with_the_url_once(tmp_path):
+    """A server killed after the first step: the run stops with one line naming it once."""
+    from fixtures_servers import launch_tiny_server
+    from gspo_megatron.metrics import read_jsonl
+    with launch_tiny_server("qwen3_moe") as group:
+        url = group.server_urls[0]
+        proc = subprocess.Popen(train_cmd(1) + _args(tmp_path, url, **{"train.steps": 20}), cwd=ROOT,
+                                env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        jsonl = tmp_path / "tb" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (jsonl.is_file() and read_jsonl(jsonl)) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        group.stop()
+        _, err = proc.communicate(timeout=300)
+    lines = [ln for ln in err.splitlines() if ln.startswith("gspo-megatron: error")]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert lines[0].count(url) == 1, lines[0]
+    assert json.loads(jsonl.read_text().splitlines()[0])["step"] == 0

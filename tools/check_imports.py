@@ -1,0 +1,204 @@
+"""Check the direction of the project's imports, and that there are no import cycles.
+
+    python tools/check_imports.py            # prints the package graph; exit 1 on any violation
+
+Every `import` / `from ... import` in gspo_megatron/, model_specs/, rollout/ and tools/ counts,
+the ones inside functions included (a lazy import is still a dependency). An import resolves to
+the most specific project module (`from a.b import c` is a.b.c when that is a module, else a.b);
+a package whose __init__ re-exports lazily (an `_EXPORTS` table of name -> submodule) depends on
+those submodules. The rules (README "The house"):
+- model_specs knows Hugging Face and megatron-core, nothing of the RL library (no gspo_megatron,
+  no rollout);
+- rollout knows nothing of megatron (no megatron, gspo_megatron or model_specs);
+- gspo_megatron.algorithms is pure torch (no megatron, no other gspo_megatron package);
+- loading the run config (gspo_megatron.config and what it imports when imported, function
+  bodies aside) imports neither torch nor megatron-core: a config error comes before they load;
+- no module imports itself through a chain of others (no cycles).
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("gspo_megatron", "model_specs", "rollout", "tools")
+
+
+def module_files() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = path
+    return out
+
+
+def _lazy_exports(tree: ast.Module, module: str) -> set[str]:
+    """Submodules named by an `_EXPORTS = {"name": "submodule", ...}` table (PEP 562 packages)."""
+    found = set()
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_EXPORTS"
+                                                 for t in node.targets)
+                and isinstance(node.value, ast.Dict)):
+            found |= {f"{module}.{v.value}" for v in node.value.values
+                      if isinstance(v, ast.Constant) and isinstance(v.value, str)}
+    return found
+
+
+def _eager_nodes(tree: ast.Module):
+    """The nodes that run when the module is imported (function bodies left out)."""
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def imports_of(module: str, path: Path, modules: set[str], eager_only: bool = False
+               ) -> tuple[set[str], set[str]]:
+    """(project modules, external top-level packages) that `module` imports; eager_only: only
+    the imports that run when the module itself is imported."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    internal, external = (set() if eager_only else _lazy_exports(tree, module)), set()
+
+    def add(name: str) -> None:
+        top = name.split(".")[0]
+        if top not in PACKAGES:
+            external.add(top)
+            return
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            internal.add(name)
+
+    for node in (_eager_nodes(tree) if eager_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = module.split(".")
+                base = base if is_pkg else base[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            for a in node.names:
+                full = f"{target}.{a.name}"
+                add(full if full in modules else target)
+    return internal, external
+
+
+def graph(eager_only: bool = False) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    files = module_files()
+    internal, external = {}, {}
+    for module, path in files.items():
+        internal[module], external[module] = imports_of(module, path, set(files), eager_only)
+    return internal, external
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), plus self-loops."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in edges.get(v, ()):
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def closure(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        v = todo.pop()
+        if v not in seen:
+            seen.add(v)
+            todo += edges.get(v, ())
+    return seen
+
+
+def violations() -> list[str]:
+    internal, external = graph()
+    problems = []
+
+    def forbid(prefix: str, banned_internal: tuple[str, ...], banned_external: tuple[str, ...],
+               why: str) -> None:
+        for m in sorted(internal):
+            if m != prefix and not m.startswith(prefix + "."):
+                continue
+            bad = sorted(d for d in internal[m] if d.split(".")[0] in banned_internal
+                         or any(d == b or d.startswith(b + ".") for b in banned_internal))
+            bad += sorted(x for x in external[m] if x in banned_external)
+            if bad:
+                problems.append(f"{m} imports {', '.join(bad)} ({why})")
+
+    forbid("model_specs", ("gspo_megatron", "rollout"), (), "model_specs is a leaf")
+    forbid("rollout", ("gspo_megatron", "model_specs"), ("megatron",), "rollout knows nothing of megatron")
+    others = tuple(f"gspo_megatron.{p}" for p in ("actor", "checkpoint", "parallel", "sync", "config",
+                                                   "driver", "trainer", "startup", "metrics", "cli"))
+    forbid("gspo_megatron.algorithms", others, ("megatron",), "algorithms are pure torch")
+    eager_internal, eager_external = graph(eager_only=True)
+    for m in sorted(closure(eager_internal, "gspo_megatron.config")):
+        heavy = eager_external.get(m, set()) & {"torch", "megatron", "transformer_engine"}
+        if heavy:
+            problems.append(f"{m} imports {', '.join(sorted(heavy))}, and gspo_megatron.config "
+                            f"imports {m}: the config must load without torch")
+    for comp in find_cycles(internal):
+        problems.append(f"import cycle: {' <-> '.join(comp)}")
+    return problems
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Second-level packages (gspo_megatron.actor, model_specs, ...) and what they import."""
+    internal, _ = graph()
+
+    def pkg(m: str) -> str:
+        parts = m.split(".")
+        return ".".join(parts[:2]) if parts[0] == "gspo_megatron" and len(parts) > 1 else parts[0]
+    out: dict[str, set[str]] = {}
+    for m, deps in internal.items():
+        out.setdefault(pkg(m), set()).update(pkg(d) for d in deps if pkg(d) != pkg(m))
+    return out
+
+
+def main() -> int:
+    for p, deps in sorted(package_graph().items()):
+        print(f"{p:28s} -> {', '.join(sorted(deps)) or '-'}")
+    problems = violations()
+    for p in problems:
+        print(f"VIOLATION: {p}")
+    print(f"{len(module_files())} modules, {len(problems)} violation(s)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
