@@ -115,7 +115,8 @@ def measure_once(path: str, t: int, v: int, args) -> dict | str:
            "--hidden", str(args.hidden), "--dtype", args.dtype, "--device", args.device,
            "--chunk-tokens", str(args.chunk_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])})
     if proc.returncode != 0:
         return f"failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])

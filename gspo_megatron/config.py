@@ -9,7 +9,7 @@ before the run starts: an unknown key, a wrong type or an out-of-range value rai
 names the field and the bad value. `gspo-megatron config` prints every field with its docstring.
 
 The sections ARE the settings of the components that use them, not copies: `parallel` is the
-actor's ParallelLayout, `loss` its LossSettings, `train` its OptimizerSettings (plus the loop's own
+actor's ParallelLayout, `compute` its ComputeSettings, `loss` its LossSettings, `train` its OptimizerSettings (plus the loop's own
 fields), `rollout` the rollout manager's ManagerConfig (plus prompts, reward and servers). Nothing
 here imports torch (a config error costs a fraction of a second); config_parsing.py is the generic
 YAML / override machinery.
@@ -21,7 +21,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from gspo_megatron.actor.settings import OptimizerSettings
+from gspo_megatron.actor.settings import ComputeSettings, OptimizerSettings
 from gspo_megatron.algorithms.registry import LossSettings, RLLossName
 from gspo_megatron.config_parsing import (ConfigError, apply_overrides, build, describe, field_docs,
                                           parse_override, read_yaml_mapping)
@@ -138,6 +138,9 @@ class RunConfig:
     """The policy model."""
     parallel: ParallelLayout = dataclasses.field(default_factory=ParallelLayout)
     """Parallel layout of the trainer ranks (data parallel = the rest of the world size)."""
+    compute: ComputeSettings = dataclasses.field(default_factory=ComputeSettings)
+    """Layer implementation (TE or local), fused kernels and recomputation; null = what the
+    machine supports."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     """Policy-gradient loss and its clip ranges."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.actor.settings import Available
 from gspo_megatron.checkpoint.loop_state import LoopState
 from gspo_megatron.checkpoint.manager import CheckpointManager
 from gspo_megatron.config import ConfigError, RunConfig
@@ -96,6 +97,10 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     dims = model_dims_for(load_hf_config(hf))
     cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
     cfg.parallel.validate(world, **dims)
+    try:
+        cfg.compute.resolve(Available.detect())  # a kernel this machine lacks: named now
+    except ValueError as e:
+        raise ConfigError(f"compute.{e}") from None
     fingerprint = model_fingerprint(hf)  # reads every weight file's header: DamagedFileError names it
     if not any((hf / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
@@ -167,7 +172,7 @@ def build_actor(cfg: RunConfig):
     return Actor(cfg.model.hf_path, cfg.parallel, optimizer=t, loss=cfg.loss,
                  logprob=LogProbSettings(temperature=cfg.rollout.temperature),
                  micro_batch_size=t.micro_batch_size, old_log_probs=t.old_log_probs, seed=t.seed,
-                 params_dtype=getattr(torch, cfg.model.dtype))
+                 params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute)
 
 
 def start_driver(cfg: RunConfig, rank: int) -> Driver | None:
@@ -211,7 +216,8 @@ def setup(cfg: RunConfig) -> Run:
         print(f"[gspo] {cfg.describe_loss()}", flush=True)
     actor = build_actor(cfg)
     if rank == 0:
-        print(f"[gspo] layout {actor.layout.describe(world)} on {world} rank(s)", flush=True)
+        print(f"[gspo] layout {actor.layout.describe(world)} on {world} rank(s); compute: "
+              f"{cfg.compute.resolve(Available.detect()).describe()}", flush=True)
     run = Run(cfg, rank, world, actor, None, None, ckpt, MetricsWriter(None, enabled=False),
               LoopState(extra={"source_model": inputs.model_fingerprint}), resumed_from=resume_from)
     if ckpt:

@@ -19,7 +19,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from model_specs.hf_config import HFConfigError, moe_layer_pattern, require
-from model_specs.norms import HAVE_TE, replace_local_norms
+from model_specs.norms import HAVE_TE, replace_local_norms, te_checkpoint_keys
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                           normalization="RMSNorm", vp_stage=vp_stage,
                                           pp_rank=pp_rank)
-        return spec if use_te else replace_local_norms(spec)
+        return spec if use_te else te_checkpoint_keys(replace_local_norms(spec))
 
     return ModelSpec(
         family=fam,

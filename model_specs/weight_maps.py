@@ -84,15 +84,19 @@ RULES: tuple[WeightRule, ...] = (
     WeightRule("output_layer.weight", ("lm_head.weight",), tp_dim=0, when="untied"),
 )
 
-# megatron's TE layer spec fuses the norms into the following linear layer, so a live TE model
-# names them differently (checkpoint keys are the same for both specs: megatron maps the local
-# names to the TE ones on save). canonical_megatron_name() maps a TE name to the map's name.
+# A live TE-spec model names some parameters differently from the local spec (whose names the map
+# uses): TE fuses the norms into the following linear layer, and its grouped-GEMM experts hold
+# one `weight{e}` per expert. canonical_megatron_name() maps either to the map's name. (Checkpoint
+# keys agree between the specs: model_specs.norms.te_checkpoint_keys.)
 _TE_NAMES = ((re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
-             (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"))
+             (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
+             (re.compile(r"\.mlp\.experts\.linear_fc([12])\.(weight|bias)(\d+)$"),
+              r".mlp.experts.local_experts.\3.linear_fc\1.\2"))
 
 
 def canonical_megatron_name(name: str) -> str:
-    """The weight-map name of a live parameter, whichever layer spec (local or TE) built it."""
+    """The weight-map name of a live parameter, whichever layer spec (local or TE, sequential or
+    grouped experts) built it."""
     for pattern, local in _TE_NAMES:
         name = pattern.sub(local, name)
     return name

@@ -216,8 +216,12 @@ def router_process(worker_urls: Sequence[str], log_dir: Path, host: str = "127.0
                    startup_timeout_s: float = 120.0) -> ManagedProcess:
     """sglang-router in front of `worker_urls` (not started)."""
     port = port or free_port(host)
+    # The router's Prometheus exporter binds port 29000 unless told otherwise, and panics when that
+    # is taken (another router, another job): give it a free one too.
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-           "--policy", policy, "--worker-startup-check-interval", "1", "--worker-urls", *worker_urls]
+           "--policy", policy, "--worker-startup-check-interval", "1",
+           "--prometheus-host", host, "--prometheus-port", str(free_port(host)),
+           "--worker-urls", *worker_urls]
     return ManagedProcess(f"sglang-router (port {port})", cmd, dict(os.environ),
                           f"http://{host}:{port}", log_dir / f"router-{port}.log", "/health",
                           startup_timeout_s, ready_probe=_router_serves)

@@ -23,7 +23,7 @@ import torch
 
 from distributed import gather_row_values, run_distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mcore019]
 
 ROWS, SEQ, MINI = 11, 24, 2
 TOL = 1e-5

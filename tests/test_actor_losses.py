@@ -8,7 +8,7 @@ import torch
 
 from distributed import run_distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mcore019]
 
 
 def _batch():

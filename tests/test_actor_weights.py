@@ -6,7 +6,7 @@ import torch
 
 from distributed import run_distributed
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.mcore019]
 
 
 # Tensors returned through the launcher's queue are shared by file descriptor and vanish when the

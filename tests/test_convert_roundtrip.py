@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 from distributed import run_distributed
 from tools.make_tiny_model import make_tiny_model
 
+pytestmark = pytest.mark.mcore019  # also run against megatron-core 0.19.2 (scripts/test.sh)
+
 TOKENS = torch.randint(3, 512, (4, 16), generator=torch.Generator().manual_seed(7))  # [b, s]
 
 

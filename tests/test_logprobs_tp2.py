@@ -8,6 +8,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 from gspo_megatron.actor.logprobs import fused_token_logprobs, vocab_parallel_token_logprobs
 
+pytestmark = pytest.mark.mcore019  # also run against megatron-core 0.19.2 (scripts/test.sh)
+
 T, H, V = 23, 12, 2 * 37
 CASES = [(1.0, 5), (0.6, 7), (1.3, 64)]  # (temperature, chunk_tokens): 5 and 7 do not divide 23
 

@@ -14,6 +14,8 @@ import pytest
 
 from distributed import run_distributed
 
+pytestmark = pytest.mark.mcore019  # also run against megatron-core 0.19.2 (scripts/test.sh)
+
 
 def _build(layout_kwargs, dist_opt):
     from gspo_megatron.actor import Actor

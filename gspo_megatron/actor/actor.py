@@ -27,7 +27,8 @@ from gspo_megatron.actor.batch import TrainBatch
 from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
                                        spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
-from gspo_megatron.actor.settings import OLD_LOG_PROB_SOURCES, LogProbSettings, OptimizerSettings
+from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, ComputeSettings, LogProbSettings,
+                                          OptimizerSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
 from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
 from gspo_megatron.algorithms.registry import LossSettings
@@ -50,9 +51,11 @@ class Actor:
                  optimizer: OptimizerSettings | None = None, loss: LossSettings | None = None,
                  logprob: LogProbSettings | None = None, micro_batch_size: int = 1,
                  old_log_probs: str = "recompute", seed: int = 1234,
-                 params_dtype: torch.dtype = torch.float32) -> None:
+                 params_dtype: torch.dtype = torch.float32,
+                 compute: ComputeSettings | None = None) -> None:
         """old_log_probs: where pi_old comes from, "recompute" (a forward-only pass before the
-        updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4)."""
+        updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4). compute: TE
+        spec, fused kernels, recomputation (None: what this machine supports)."""
         self.layout = layout
         self.optimizer_settings = optimizer or OptimizerSettings()
         self.loss = loss or LossSettings()
@@ -64,7 +67,7 @@ class Actor:
         self.micro_batch_size = micro_batch_size
         self.old_log_probs = old_log_probs
         self.spec = model if isinstance(model, ModelSpec) else spec_for_layout(
-            model, layout, params_dtype=params_dtype)
+            model, layout, params_dtype=params_dtype, compute=compute)
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)

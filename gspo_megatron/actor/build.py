@@ -29,7 +29,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
-from gspo_megatron.actor.settings import OptimizerSettings
+from gspo_megatron.actor.settings import Available, ComputeSettings, OptimizerSettings
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.model_chunks import unwrap
@@ -39,23 +39,26 @@ from model_specs import ModelSpec, load_hf_config, model_dims_for, model_spec_fo
 def spec_for_layout(model: str | Path | Mapping[str, Any], layout: ParallelLayout, *,
                     params_dtype: torch.dtype = torch.float32,
                     overrides: Mapping[str, Any] | None = None,
-                    transformer_engine: bool | None = None) -> ModelSpec:
+                    compute: ComputeSettings | None = None) -> ModelSpec:
     """model_specs' ModelSpec of an HF model (dict, config.json or directory) for `layout`.
 
     The layout is checked against the model's dimensions first (LayoutError naming the numbers;
     the world size is checked later, by check_layout, with the real one). The layout's
-    TransformerConfig fields, the CPU adaptations when CUDA is absent, then `overrides` are
-    handed to model_specs, which knows nothing of layouts or machines.
+    TransformerConfig fields, the CPU adaptations when CUDA is absent, the compute settings
+    (resolved against this machine: TE spec, grouped GEMM, fusions, recomputation), then
+    `overrides` are handed to model_specs, which knows nothing of layouts or machines.
     """
     hf = load_hf_config(model)
     dims = model_dims_for(hf)
     layout.validate_model(**dims)
+    compute = (compute or ComputeSettings()).resolve(Available.detect())
     fields = layout.transformer_config_fields(is_moe=bool(dims["num_experts"]))
     if not torch.cuda.is_available():
         fields.update(cpu_config_overrides(layout.vpp))
+    fields.update(compute.transformer_config_fields())
     fields.update(overrides or {})
     return model_spec_for(hf, params_dtype=params_dtype, overrides=fields,
-                          transformer_engine=transformer_engine)
+                          transformer_engine=compute.transformer_engine)
 
 
 def check_layout(spec: ModelSpec, layout: ParallelLayout, world_size: int) -> None:

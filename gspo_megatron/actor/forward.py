@@ -25,6 +25,7 @@ from gspo_megatron.actor.batch import MicroBatch, pad_to_uniform_shape
 from gspo_megatron.parallel.model_chunks import unwrap
 from gspo_megatron.actor.logprobs import fused_token_logprobs, vocab_parallel_token_logprobs
 from gspo_megatron.actor.settings import LogProbSettings
+from gspo_megatron.parallel.comm import comm_device
 
 
 def install_hidden_output(chunks: list[torch.nn.Module]) -> None:
@@ -142,9 +143,10 @@ def num_microbatches_for(local_rows: int, micro_batch_size: int) -> int:
     over DP), rounded up to a multiple of PP with an interleaved schedule (megatron requires it)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    need = torch.tensor([max(1, -(-local_rows // micro_batch_size))], dtype=torch.long)
-    torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX,
-                                 group=ps.get_data_parallel_group())
+    group = ps.get_data_parallel_group()
+    need = torch.tensor([max(1, -(-local_rows // micro_batch_size))], dtype=torch.long,
+                        device=comm_device(group))
+    torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=group)
     n = int(need.item())
     pp = ps.get_pipeline_model_parallel_world_size()
     if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:

@@ -78,3 +78,104 @@ class LogProbSettings:
             raise ValueError(f"temperature={self.temperature!r}: expected > 0")
         if self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={self.chunk_tokens!r}: expected >= 1")
+
+
+@dataclass(frozen=True)
+class Available:
+    """What this machine can run (detected once at start; tests pass their own)."""
+    cuda: bool
+    transformer_engine: bool
+    apex_wgrad: bool  # apex's fused_weight_gradient_mlp_cuda extension
+
+    @staticmethod
+    def detect() -> "Available":
+        import importlib.util
+
+        import torch
+
+        from model_specs.norms import HAVE_TE
+        return Available(cuda=torch.cuda.is_available(), transformer_engine=HAVE_TE,
+                         apex_wgrad=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
+
+
+@dataclass(frozen=True)
+class ComputeSettings:
+    """How the model runs on this machine: layer implementation, fused kernels, recomputation.
+    Each null follows what the machine has: with CUDA and Transformer Engine the TE layer spec,
+    grouped-GEMM experts and the fusions are on; on a CPU all of them are off."""
+
+    transformer_engine: bool | None = None
+    """Build the layers with Transformer Engine's spec (null: when TE imports, which needs CUDA and
+    cuDNN); false: megatron's local spec. Checkpoints load under either."""
+    moe_grouped_gemm: bool | None = None
+    """All local experts of a layer in one grouped GEMM (TE's GroupedLinear) instead of one GEMM per
+    expert (null: with TE)."""
+    moe_permute_fusion: bool | None = None
+    """Fused token permute / unpermute in the MoE dispatcher (TE >= 2.1; null: with TE)."""
+    apply_rope_fusion: bool | None = None
+    """Fused rotary-embedding kernel (TE; null: with TE)."""
+    bias_activation_fusion: bool | None = None
+    """Fused SwiGLU (megatron's fused kernel; null: on CUDA)."""
+    gradient_accumulation_fusion: bool | None = None
+    """Accumulate weight gradients inside the GEMM into the fp32 main_grad (TE's layers, or apex's
+    fused_weight_gradient_mlp_cuda with the local spec; null: with TE)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation in backward: none; selective (recompute_modules); full (every
+    transformer layer, uniformly)."""
+    recompute_modules: list[str] | None = None
+    """With recompute=selective: megatron's module names (core_attn, moe_act, layernorm, mlp, moe,
+    shared_experts); null: megatron's default (core_attn)."""
+
+    def resolve(self, available: Available) -> "ComputeSettings":
+        """Nulls replaced by what `available` supports; ValueError naming the setting when one that
+        was asked for cannot run here (at start, never deep in a step)."""
+        te, cuda = available.transformer_engine, available.cuda
+        spec_te = te if self.transformer_engine is None else self.transformer_engine
+        out = ComputeSettings(
+            transformer_engine=spec_te,
+            moe_grouped_gemm=spec_te if self.moe_grouped_gemm is None else self.moe_grouped_gemm,
+            moe_permute_fusion=te if self.moe_permute_fusion is None else self.moe_permute_fusion,
+            apply_rope_fusion=te if self.apply_rope_fusion is None else self.apply_rope_fusion,
+            bias_activation_fusion=(cuda if self.bias_activation_fusion is None
+                                    else self.bias_activation_fusion),
+            gradient_accumulation_fusion=(spec_te if self.gradient_accumulation_fusion is None
+                                          else self.gradient_accumulation_fusion),
+            recompute=self.recompute, recompute_modules=self.recompute_modules)
+        missing_te = "Transformer Engine, which does not import here (it needs CUDA and cuDNN)"
+        for name in ("transformer_engine", "moe_grouped_gemm", "moe_permute_fusion", "apply_rope_fusion"):
+            if getattr(out, name) and not te:
+                raise ValueError(f"{name}=True needs {missing_te}")
+        if out.moe_grouped_gemm and not out.transformer_engine:
+            raise ValueError("moe_grouped_gemm=True needs transformer_engine=True (TE's grouped GEMM)")
+        if out.bias_activation_fusion and not cuda:
+            raise ValueError("bias_activation_fusion=True needs CUDA")
+        if out.gradient_accumulation_fusion and not (out.transformer_engine or available.apex_wgrad):
+            raise ValueError("gradient_accumulation_fusion=True needs the TE layer spec or apex's "
+                             "fused_weight_gradient_mlp_cuda extension, which is not installed")
+        if self.recompute_modules is not None and self.recompute != "selective":
+            raise ValueError(f"recompute_modules={self.recompute_modules}: expected null unless "
+                             "recompute is 'selective'")
+        return out
+
+    def transformer_config_fields(self) -> dict:
+        """The TransformerConfig fields of resolved settings (model_specs takes them as overrides)."""
+        if self.transformer_engine is None:
+            raise ValueError("resolve() the compute settings first")
+        fields = dict(moe_grouped_gemm=self.moe_grouped_gemm, moe_permute_fusion=self.moe_permute_fusion,
+                      apply_rope_fusion=self.apply_rope_fusion,
+                      bias_activation_fusion=self.bias_activation_fusion,
+                      gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+        if self.recompute == "selective":
+            fields.update(recompute_granularity="selective")
+            if self.recompute_modules is not None:
+                fields.update(recompute_modules=list(self.recompute_modules))
+        elif self.recompute == "full":
+            fields.update(recompute_granularity="full", recompute_method="uniform",
+                          recompute_num_layers=1)
+        return fields
+
+    def describe(self) -> str:
+        on = [n for n in ("moe_grouped_gemm", "moe_permute_fusion", "apply_rope_fusion",
+                          "bias_activation_fusion", "gradient_accumulation_fusion") if getattr(self, n)]
+        return (f"{'TE' if self.transformer_engine else 'local'} spec, on: {', '.join(on) or 'none'}, "
+                f"recompute {self.recompute}")

@@ -40,6 +40,7 @@ from gspo_megatron.actor.forward import is_last_stage_rank, num_microbatches_for
 from gspo_megatron.actor.settings import LogProbSettings
 from gspo_megatron.algorithms.loss_metrics import finalize_metrics
 from gspo_megatron.algorithms.registry import LossSettings
+from gspo_megatron.parallel.comm import comm_device
 
 
 # Totals the last stage reports per micro-batch, beyond the loss functions' own (METRIC_REDUCTIONS).
@@ -48,8 +49,9 @@ _EXTRA_SUMS = ("loss_sum", "entropy_sum", "log_prob_sum", "rollout_abs_diff_sum"
 
 def _global_count(local: int) -> int:
     """Sum of a per-DP-rank count over the DP group (all TP/PP ranks of a replica hold the same)."""
-    t = torch.tensor([local], dtype=torch.long)
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    group = ps.get_data_parallel_group()
+    t = torch.tensor([local], dtype=torch.long, device=comm_device(group))
+    dist.all_reduce(t, group=group)
     return int(t.item())
 
 
@@ -74,16 +76,18 @@ def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, 
     on every rank. Every rank returns the result (rank 0 is the driver).
     """
     contributes = is_last_stage_rank() and ps.get_tensor_model_parallel_rank() == 0
+    device = comm_device()
     sums, extremes = [], []  # max-reduced; a min is reduced as the max of its negation
     for key, op in keys.items():
-        values = [r[key].double() for r in reports if key in r] if contributes else []
+        values = [r[key].double().to(device) for r in reports if key in r] if contributes else []
         if op == "sum":
-            sums.append(torch.stack(values).sum() if values else torch.zeros((), dtype=torch.float64))
+            sums.append(torch.stack(values).sum() if values else
+                        torch.zeros((), dtype=torch.float64, device=device))
         else:
             sign = -1.0 if op == "min" else 1.0
             extremes.append(max((sign * v).item() for v in values) if values else float("-inf"))
-    sum_t = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
-    ext_t = torch.tensor(extremes, dtype=torch.float64)
+    sum_t = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
+    ext_t = torch.tensor(extremes, dtype=torch.float64, device=device)
     dist.all_reduce(sum_t)
     dist.all_reduce(ext_t, op=dist.ReduceOp.MAX)
     out, i_sum, i_ext = {}, 0, 0

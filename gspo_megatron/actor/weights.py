@@ -4,8 +4,10 @@
     load_full_state_dict(chunks, full)        # the same weights into any TP/PP/VPP/EP layout
 
 Names are megatron's parameter names with GLOBAL indices, i.e. the names a TP1/PP1/EP1 model has:
-`decoder.layers.{global layer}.…` and `….experts.local_experts.{global expert}.…` (SequentialMLP;
-TE's grouped experts `….experts.linear_fc1.weight{e}` get the global index the same way). Tensor-
+`decoder.layers.{global layer}.…` and `….experts.local_experts.{global expert}.…`, in the local
+spec's spelling whichever spec built the model (TE's fused norm names and grouped experts
+`….experts.linear_fc1.weight{e}` are mapped by model_specs.weight_maps.canonical_megatron_name),
+so full state dicts move between a TE-spec and a local-spec model. Tensor-
 parallel shards are joined the way megatron splits them (`partition_dim`, `partition_stride`: a
 strided parameter, e.g. the gated fc1 [gate; up], is `stride` blocks each split over TP ranks), so
 the full tensor is exactly what the one-process model holds. With tied embeddings the output layer
@@ -26,6 +28,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 
 from gspo_megatron.parallel.model_chunks import unwrap
+from model_specs.weight_maps import canonical_megatron_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -54,13 +57,15 @@ def global_name(model: GPTModel, local_name: str) -> str:
 
 
 def named_parameters_global(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(global name, local parameter) over all model chunks of this rank; tied copies skipped."""
+    """(global canonical name, local parameter) over all model chunks of this rank; tied copies
+    skipped. Canonical: the local spec's names (model_specs.weight_maps.canonical_megatron_name),
+    so that a TE-spec model and a local-spec one list the same names."""
     for chunk in chunks:
         model = unwrap(chunk)
         for local_name, param in model.named_parameters():
             if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 continue
-            yield global_name(model, local_name), param
+            yield canonical_megatron_name(global_name(model, local_name)), param
 
 
 def _tp_group_of(param: torch.nn.Parameter):
@@ -123,7 +128,7 @@ def full_state_dict(chunks: list[torch.nn.Module], *, to_all_ranks: bool = True
     for name, param in named_parameters_global(chunks):
         full = full_tensor_over_tp(param)  # every rank of the TP group takes part
         if owns_full_copy(param):
-            mine[name] = full
+            mine[name] = full.cpu()  # pickled by the object collective below: host memory, any rank
     world = dist.get_world_size()
     if to_all_ranks:
         pieces: list = [None] * world
@@ -158,7 +163,8 @@ def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Te
         model = unwrap(chunk)
         for local_name, param in model.named_parameters():
             tied_output = local_name == "output_layer.weight" and model.share_embeddings_and_output_weights
-            name = "embedding.word_embeddings.weight" if tied_output else global_name(model, local_name)
+            name = "embedding.word_embeddings.weight" if tied_output else \
+                canonical_megatron_name(global_name(model, local_name))
             if name not in full:
                 problems.append(f"missing {name}")
                 continue

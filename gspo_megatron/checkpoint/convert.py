@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from tqdm import tqdm
@@ -54,7 +55,10 @@ def meta_model_state(hf: dict[str, Any], dtype: torch.dtype) -> tuple[dict[str, 
     overrides = dict(cpu_config_overrides() if not torch.cuda.is_available() else {},
                      use_cpu_initialization=True, perform_initialization=False,
                      moe_token_dispatcher_type="allgather")
-    spec = model_spec_for(hf, params_dtype=dtype, overrides=overrides)
+    # The local spec, also where Transformer Engine imports: TE's layers cannot be built on the
+    # meta device ("Cannot copy out of meta tensor"), and both specs have the same checkpoint keys
+    # (model_specs.norms.te_checkpoint_keys), so the result loads into either.
+    spec = model_spec_for(hf, params_dtype=dtype, overrides=overrides, transformer_engine=False)
     with torch.device("meta"):
         model = GPTModel(spec.config, spec.block_spec(None), pre_process=True, post_process=True,
                          **spec.gpt_model_kwargs())
@@ -100,6 +104,10 @@ class _StreamingSaveStrategy(TorchDcpSaveStrategy):
         pieces = {}
         for key, shards in by_key.items():
             for sh, flat_key in zip(shards, rename_mapping[key]):
+                if not isinstance(sh, ShardedTensor):
+                    # megatron-core 0.19 adds ShardedObjects of its own to what save() writes;
+                    # they carry their bytes and are written as they are (BYTE_IO items).
+                    continue
                 # At TP1 a parameter is the whole global tensor minus the prepended (layer /
                 # expert) axes, so a shard's offsets past those axes index into the parameter.
                 offs = sh.global_offset[sh.prepend_axis_num:]

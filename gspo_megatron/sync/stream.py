@@ -25,7 +25,8 @@ from megatron.core import parallel_state as ps
 
 from gspo_megatron.actor.weights import (full_tensor_over_tp, is_expert_param, named_parameters_global,
                                          owns_full_copy)
-from model_specs.weight_maps import ParamMapping, WeightMap, WeightMapError, canonical_megatron_name
+from gspo_megatron.parallel.comm import comm_device
+from model_specs.weight_maps import ParamMapping, WeightMap, WeightMapError
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
 
 def _local_params(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Parameter]:
     """Global weight-map name -> this rank's parameter (tied output copies left out)."""
-    return {canonical_megatron_name(n): p for n, p in named_parameters_global(chunks)}
+    return dict(named_parameters_global(chunks))  # canonical names (the weight map's)
 
 
 def _takes_part(param: torch.nn.Parameter) -> bool:
@@ -116,7 +117,7 @@ def stream_hf_weights(chunks: Sequence[torch.nn.Module], wmap: WeightMap,
             full = full_tensor_over_tp(param) if param is not None and _takes_part(param) else None
             if rank == 0:
                 if e.owner != 0:
-                    full = torch.empty(e.shape, dtype=e.dtype)
+                    full = torch.empty(e.shape, dtype=e.dtype, device=comm_device())
                     dist.recv(full, src=e.owner)
                 received.append((e.mapping, full))
             elif rank == e.owner:

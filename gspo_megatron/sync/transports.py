@@ -180,7 +180,9 @@ class DistributedTransport:
         self.pool.for_each(lambda c: c.begin_weight_update())
 
     def send(self, bucket: Bucket, final: bool, version: str) -> None:
-        device = "cuda" if self.backend == "nccl" else "cpu"
+        # The weights-update group is not one of torch's registered groups (comm_device cannot
+        # ask it its backend): NCCL moves tensors on the current GPU, gloo on the CPU.
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
         names = [n for n, _ in bucket]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Builds .venv-mcore019: Python 3.12 with megatron-core 0.19.2, the newest release the declared
+# range (pyproject.toml: megatron-core>=0.16.1,<0.20) admits and what `pip install` gives a Python
+# 3.12 user. scripts/test.sh runs the fast suite and the conversion and layout tests in it, so
+# both ends of the range are tested. No SGLang here (its tests run in .venv).
+#   bash scripts/setup_mcore019.sh     # idempotent; ~2 minutes and ~6 GB the first time
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON312:-}"
+if [[ -z "$PY" ]]; then
+  for c in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python; do
+    if command -v "$c" >/dev/null 2>&1; then PY="$c"; break; fi
+  done
+fi
+if [[ -z "$PY" ]]; then
+  echo "[setup-mcore019] no Python 3.12 found (set PYTHON312=/path/to/python3.12)" >&2
+  exit 1
+fi
+VENV="$ROOT/.venv-mcore019"
+STAMP="$VENV/.gspo_setup_stamp"
+want="$(cat pyproject.toml scripts/setup_mcore019.sh | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  exit 0
+fi
+echo "[setup-mcore019] building $VENV with $("$PY" --version)" >&2
+t0=$SECONDS
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+quiet() { "$@" 2>&1 | { grep -v -E "is ignored: it is neither|^$" || true; }; return "${PIPESTATUS[0]}"; }
+# torch 2.14.1 as in .venv (from PyPI for 3.12: a CUDA build, which runs on the CPU too).
+quiet "${PIP[@]}" install torch==2.14.1
+quiet "${PIP[@]}" install "megatron-core==0.19.2" "transformers==5.19.0" "tokenizers==0.23.2" -e ".[test]"
+"$VENV/bin/python" - <<'PY'
+import megatron.core, torch
+assert megatron.core.__version__ == "0.19.2", megatron.core.__version__
+print(f"[setup-mcore019] torch {torch.__version__}, megatron-core {megatron.core.__version__}")
+PY
+echo "$want" > "$STAMP"
+echo "[setup-mcore019] done in $((SECONDS - t0)) s" >&2

@@ -1,0 +1,192 @@
+"""The GPU acceptance run: the HF -> megatron -> train -> checkpoint -> HF path on one GPU, for the
+local and the Transformer Engine layer spec, as one table.
+
+    bash scripts/gpu_check.sh                  # on a GPU machine (megatron-core, TE if installed)
+    python tools/gpu_check.py --cpu-smoke      # the same steps on CPU: local spec, fp32 (CI)
+
+Steps, per spec (TE only where it imports) and dtype:
+1. a tiny HF Qwen3-MoE (tools/make_tiny_model.py), 2. converted to megatron (spec-independent),
+3. the actor built on the device in fp32 and bf16 and loaded from it, 4. its log-probs against
+transformers on the same device (fp32: max |diff| <= 1e-4; bf16: <= BF16_TOL, the figure two bf16
+implementations of the same model differ by), 5. one GSPO step, a checkpoint (model + optimizer)
+saved and loaded into a fresh actor of EACH spec (bit-exact), 6. the checkpoint exported to HF
+and compared bit-exactly with the trained weights, and the untrained conversion exported and
+compared with the original HF file, 7. the fused log-prob benchmark in bf16 (GPU only).
+Prints the table last; exits 1 if any row fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FP32_TOL = 1e-4
+BF16_TOL = 0.1  # nats: max |log p| difference between two bf16 implementations of the tiny model
+
+
+def _versions(device: str) -> str:
+    import megatron.core
+    import torch
+    parts = [f"torch {torch.__version__}", f"megatron-core {megatron.core.__version__}"]
+    try:
+        import transformer_engine
+        parts.append(f"TE {transformer_engine.__version__}")
+    except Exception:  # noqa: BLE001 - TE is optional
+        parts.append("TE not importable")
+    if device == "cuda":
+        parts.insert(0, torch.cuda.get_device_name(0))
+    return ", ".join(parts)
+
+
+def _batch(vocab: int, rows: int = 4, seq: int = 48, prompt: int = 8):
+    import torch
+
+    from gspo_megatron.actor.batch import TrainBatch
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, vocab, (rows, seq), generator=g)
+    lengths = torch.tensor([seq, seq - 5, seq - 11, seq - 2])[:rows]
+    t = torch.arange(seq)[None]
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=(t >= prompt) & (t < lengths[:, None]),
+                      advantages=torch.tensor([1.0, -0.5, 0.5, 0.25])[:rows])
+
+
+def _hf_log_probs(hf_dir: Path, batch, dtype, device: str):
+    """Target-aligned log-probs [b, s] of the transformers model (column t: log p(token t))."""
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        logits = model(batch.tokens.to(device)).logits.float()  # [b, s, v]
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.tokens[:, 1:, None].to(device))[..., 0]
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1).cpu()
+
+
+def _actor(hf_dir: Path, spec: str, dtype):
+    from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
+    from gspo_megatron.actor.settings import ComputeSettings
+    from gspo_megatron.parallel.layout import ParallelLayout
+    return Actor(str(hf_dir), ParallelLayout(), optimizer=OptimizerSettings(lr=1e-3),
+                 loss=LossSettings(name="gspo", eps_low=0.5, eps_high=0.5), micro_batch_size=2,
+                 params_dtype=dtype, compute=ComputeSettings(transformer_engine=spec == "te"))
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), sorted(set(a) ^ set(b))
+    return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
+
+
+def _export(ckpt: Path, dst: Path) -> Path:
+    """The converter runs in a process of its own (it needs no process group, this one has one)."""
+    subprocess.run([sys.executable, str(ROOT / "tools" / "convert_megatron_to_hf.py"), "--megatron",
+                    str(ckpt), "--out", str(dst)], check=True, capture_output=True)
+    return dst
+
+
+def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[dict]:
+    import torch
+    from safetensors.torch import load_file
+
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+    from gspo_megatron.checkpoint.export import convert_megatron_to_hf
+    from gspo_megatron.checkpoint.loop_state import LoopState
+    from gspo_megatron.checkpoint.manager import CheckpointManager
+    from model_specs.weight_maps import weight_map_for
+    from tools.make_tiny_model import make_tiny_model
+
+    hf_dir = make_tiny_model("qwen3_moe", out / "hf", seed=0)
+    mcore = convert_hf_to_megatron(hf_dir, out / "mcore")
+    back = convert_megatron_to_hf(mcore, out / "mcore_back")
+    original = load_file(str(hf_dir / "model.safetensors"))
+    untrained_export = _max_diff(original, load_file(str(back / "model.safetensors")))
+    batch = _batch(int(json.loads((hf_dir / "config.json").read_text())["vocab_size"]))
+    mask = batch.loss_mask
+    wmap = weight_map_for(json.loads((hf_dir / "config.json").read_text()))
+    rows = []
+    for spec in specs:
+        for name in dtypes:
+            dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[name])
+            actor = _actor(hf_dir, spec, dtype)
+            actor.load_weights(mcore)
+            lp, _ = actor.compute_old_log_probs(actor.shard(batch))
+            ref = _hf_log_probs(hf_dir, batch, dtype, device)
+            diff = (lp - ref).abs()[mask]
+            row = dict(spec=spec, dtype=name, lp_max=float(diff.max()), lp_mean=float(diff.mean()),
+                       tol=FP32_TOL if name == "fp32" else BF16_TOL)
+            row["ok"] = row["lp_max"] <= row["tol"]
+            shard = actor.shard(batch)
+            shard.old_log_probs = lp
+            metrics = actor.train_step(shard)
+            row["loss"] = metrics["loss"]
+            row["ok"] &= bool(torch.isfinite(torch.tensor(metrics["loss"])))
+            trained = actor.full_state_dict()
+            ckpt = CheckpointManager(out / f"ckpt_{spec}_{name}", hf_dir=str(hf_dir))
+            path = ckpt.save(1, actor, LoopState(step=1))
+            for target in specs:  # the checkpoint loads into either spec, model and optimizer
+                other = _actor(hf_dir, target, dtype)
+                ckpt.load(path, other)
+                row[f"load_{target}"] = _max_diff(trained, other.full_state_dict())
+                row["ok"] &= row[f"load_{target}"] == 0.0
+            exported = load_file(str(_export(path / "model", out / f"hf_{spec}_{name}") / "model.safetensors"))
+            expected = {h: t for m in wmap.mappings() for h, t in zip(m.hf, wmap.to_hf(m, trained[m.megatron]))}
+            row["export"] = _max_diff(expected, exported)
+            row["ok"] &= row["export"] == 0.0
+            rows.append(row)
+    rows.append(dict(spec="conversion", dtype="fp32", untrained_export=untrained_export,
+                     ok=untrained_export == 0.0))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| spec | dtype | log-prob max / mean abs diff vs transformers (tol) | GSPO step loss | "
+             "checkpoint -> local / te (max diff) | export vs trained (max diff) | result |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["spec"] == "conversion":
+            lines.append(f"| HF -> megatron -> HF | fp32 | - | - | - | {r['untrained_export']:.1e} | "
+                         f"{'PASS' if r['ok'] else 'FAIL'} |")
+            continue
+        loads = " / ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("load_local", "load_te"))
+        lines.append(f"| {r['spec']} | {r['dtype']} | {r['lp_max']:.2e} / {r['lp_mean']:.2e} "
+                     f"({r['tol']:g}) | {r['loss']:.4f} | {loads} | {r['export']:.1e} | "
+                     f"{'PASS' if r['ok'] else 'FAIL'} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="local spec, fp32, on the CPU")
+    p.add_argument("--out", default=None, help="work directory (default: a temporary one)")
+    p.add_argument("--no-bench", action="store_true", help="skip the fused log-prob benchmark")
+    args = p.parse_args()
+    import torch
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    from gspo_megatron.parallel.process_groups import free_port
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    device = "cpu" if args.cpu_smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (use --cpu-smoke for the CPU steps)", file=sys.stderr)
+        return 2
+    from model_specs.norms import HAVE_TE
+    specs = ["local"] + (["te"] if HAVE_TE and device == "cuda" else [])
+    dtypes = ["fp32"] if args.cpu_smoke else ["fp32", "bf16"]
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gspo-gpu-check-"))
+    rows = check(out, specs, dtypes, device)
+    print(f"\n{_versions(device)}; specs checked: {', '.join(specs)}")
+    print(table(rows))
+    if device == "cuda" and not args.no_bench:
+        print("\nfused log-prob benchmark (bf16):", flush=True)
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "logprobs_memory.py"), "--device", "cuda",
+                        "--dtype", "bf16", "--tokens", "2048", "8192", "--vocab", "151936",
+                        "--chunk-tokens", "8192"], check=False)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
