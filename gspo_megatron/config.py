@@ -9,8 +9,9 @@ before the run starts: an unknown key, a wrong type or an out-of-range value rai
 names the field and the bad value. `gspo-megatron config` prints every field with its docstring.
 
 The sections ARE the settings of the components that use them, not copies: `parallel` is the
-actor's ParallelLayout, `compute` its ComputeSettings, `loss` its LossSettings, `train` its OptimizerSettings (plus the loop's own
-fields), `rollout` the rollout manager's ManagerConfig (plus prompts, reward and servers). Nothing
+actor's ParallelLayout, `compute` its ComputeSettings, `loss` its LossSettings, `train` its
+OptimizerSettings and MicroBatchSettings (plus
+the loop's own fields), `rollout` the rollout manager's ManagerConfig (plus prompts, reward and servers). Nothing
 here imports torch (a config error costs a fraction of a second); config_parsing.py is the generic
 YAML / override machinery.
 """
@@ -21,7 +22,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from gspo_megatron.actor.settings import ComputeSettings, OptimizerSettings
+from gspo_megatron.actor.settings import ComputeSettings, MicroBatchSettings, OptimizerSettings
 from gspo_megatron.algorithms.registry import LossSettings, RLLossName
 from gspo_megatron.config_parsing import (ConfigError, apply_overrides, build, describe, field_docs,
                                           parse_override, read_yaml_mapping)
@@ -75,13 +76,11 @@ class RolloutConfig(ManagerConfig):
 
 
 @dataclasses.dataclass
-class TrainConfig(OptimizerSettings):
+class TrainConfig(OptimizerSettings, MicroBatchSettings):
     steps: int = 100
     """RL steps (rollout batches) to run in total (a resumed run continues up to this)."""
     mini_batches: int = 4
     """Optimizer updates per rollout batch (the paper splits each batch into 4 mini-batches)."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward micro-batch on one data-parallel rank."""
     old_log_probs: Literal["recompute", "engine"] = "recompute"
     """pi_old: recompute with a forward-only pass, or use SGLang's own log-probs (paper §5.4)."""
     seed: int = 1234
@@ -94,6 +93,10 @@ class TrainConfig(OptimizerSettings):
     starts with fresh Adam moments and its own learning-rate schedule)."""
     warm_start_batch_size: int = 32
     """Examples per warm-start step."""
+
+    def __post_init__(self) -> None:
+        OptimizerSettings.__post_init__(self)
+        MicroBatchSettings.__post_init__(self)
 
     def decay_steps(self) -> int:
         """The learning rate decays over every optimizer step of the run unless lr_decay_steps says."""

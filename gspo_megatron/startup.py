@@ -98,9 +98,12 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
     cfg.parallel.validate(world, **dims)
     try:
-        cfg.compute.resolve(Available.detect())  # a kernel this machine lacks: named now
+        compute = cfg.compute.resolve(Available.detect())  # a kernel this machine lacks: named now
     except ValueError as e:
         raise ConfigError(f"compute.{e}") from None
+    if cfg.train.pack_sequences and not (compute.transformer_engine and Available.detect().cuda):
+        raise ConfigError("train.pack_sequences=True: expected the Transformer Engine layer spec on "
+                          "CUDA (megatron's local attention refuses packed sequences)")
     fingerprint = model_fingerprint(hf)  # reads every weight file's header: DamagedFileError names it
     if not any((hf / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
@@ -171,7 +174,7 @@ def build_actor(cfg: RunConfig):
     t = cfg.train
     return Actor(cfg.model.hf_path, cfg.parallel, optimizer=t, loss=cfg.loss,
                  logprob=LogProbSettings(temperature=cfg.rollout.temperature),
-                 micro_batch_size=t.micro_batch_size, old_log_probs=t.old_log_probs, seed=t.seed,
+                 batching=t, old_log_probs=t.old_log_probs, seed=t.seed,
                  params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute)
 
 

@@ -54,8 +54,7 @@ def _run(rank, world, layout_kwargs, options, init_state):
 
     from gspo_megatron.actor import steps as actor_steps
     from gspo_megatron.actor.actor import Actor
-    from gspo_megatron.actor.settings import OptimizerSettings
-    from gspo_megatron.actor.settings import LogProbSettings
+    from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings, OptimizerSettings
     from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
     from model_specs import qwen3, qwen3_moe
@@ -69,7 +68,9 @@ def _run(rank, world, layout_kwargs, options, init_state):
                                               use_distributed_optimizer=options.get("dist_opt", False)),
                   loss=LossSettings(name="gspo", eps_low=0.02, eps_high=0.002),
                   logprob=LogProbSettings(fused=options.get("fused", True), chunk_tokens=40),
-                  micro_batch_size=options.get("micro_batch_size", 2), seed=11 + rank)
+                  batching=MicroBatchSettings(micro_batch_size=options.get("micro_batch_size", 2),
+                                              max_tokens_per_micro_batch=options.get("max_tokens")),
+                  seed=11 + rank)
     made_init = None
     if init_state is None:
         made_init = _np(actor.full_state_dict())
@@ -167,3 +168,20 @@ def test_logprobs_tp2_dense(dense_reference):
 def test_wrong_scale_is_caught(reference):
     with pytest.raises(AssertionError, match="parameters after step 1"):
         _check_layout(reference, 2, dict(), wrong_scale=True)
+
+
+# --- token-budget micro-batches (issue: policy-update throughput) ---------------------------------
+# Rows grouped longest first up to 48 computed tokens (rows are 6-24 tokens long): micro-batches of
+# different row counts and lengths, a different count per DP rank before agreement. The result
+# must still equal one process with one micro-batch (the padded path), and the budget must hold.
+BUDGET = 48
+
+
+@pytest.mark.parametrize("layout", [dict(tensor=2), dict(pipeline=2), dict(expert=2), dict()],
+                         ids=["tp2", "pp2", "ep2", "dp2"])
+def test_token_budget_micro_batches(reference, layout):
+    results = _check_layout(reference, 2, layout, micro_batch_size=8, max_tokens=BUDGET)
+    for step in results[0]["metrics"]:
+        assert step["max_micro_batch_tokens"] <= BUDGET
+        assert 0.0 <= step["padding_fraction"] < 0.5
+    assert max(step["num_microbatches"] for step in results[0]["metrics"]) > 1

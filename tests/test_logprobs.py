@@ -142,3 +142,30 @@ def test_bad_input_errors():
         vocab_parallel_token_logprobs(hidden @ weight.t(), targets, temperature=0)
     with pytest.raises(ValueError, match="bfloat16"):
         fused_token_logprobs(hidden.bfloat16(), weight, targets)
+
+
+def test_without_entropy_values_and_gradients_are_unchanged():
+    """with_entropy=False (the train step after a recomputed pi_old) skips one pass per chunk:
+    the same log-probs and gradients, zero entropies."""
+    hidden, weight, targets = make_inputs()
+    outs = []
+    for with_entropy in (True, False):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = fused_token_logprobs(h, w, targets, temperature=0.8, chunk_tokens=7,
+                                       with_entropy=with_entropy)
+        (lp * torch.arange(lp.numel())).sum().backward()
+        outs.append((lp.detach(), ent, h.grad, w.grad))
+    (lp1, ent1, gh1, gw1), (lp2, ent2, gh2, gw2) = outs
+    assert torch.equal(lp1, lp2) and torch.equal(gh1, gh2) and torch.equal(gw1, gw2)
+    assert float(ent1.abs().min()) > 0 and not ent2.any()
+
+
+def test_default_chunk_follows_the_memory_budget():
+    from gspo_megatron.actor.logprobs import default_chunk_tokens
+    assert default_chunk_tokens(151936, 1024) == (1024 << 20) // (151936 * 8)  # ~883 tokens
+    assert default_chunk_tokens(151936 // 8, 1024) == (1024 << 20) // (18992 * 8)
+    assert default_chunk_tokens(10 ** 9, 1) == 64  # never below 64 tokens
+    hidden, weight, targets = make_inputs()
+    a, _ = fused_token_logprobs(hidden, weight, targets, chunk_tokens=None, chunk_memory_mb=1)
+    b, _ = fused_token_logprobs(hidden, weight, targets, chunk_tokens=5)
+    assert float((a - b).abs().max()) < 1e-6

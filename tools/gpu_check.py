@@ -8,7 +8,8 @@ Steps, per spec (TE only where it imports) and dtype:
 1. a tiny HF Qwen3-MoE (tools/make_tiny_model.py), 2. converted to megatron (spec-independent),
 3. the actor built on the device in fp32 and bf16 and loaded from it, 4. its log-probs against
 transformers on the same device (fp32: max |diff| <= 1e-4; bf16: <= BF16_TOL, the figure two bf16
-implementations of the same model differ by), 5. one GSPO step, a checkpoint (model + optimizer)
+implementations of the same model differ by), (TE: packed THD micro-batches against padded rows, same tolerance), 5. one GSPO step, a
+checkpoint (model + optimizer)
 saved and loaded into a fresh actor of EACH spec (bit-exact), 6. the checkpoint exported to HF
 and compared bit-exactly with the trained weights, and the untrained conversion exported and
 compared with the original HF file, 7. the fused log-prob benchmark in bf16 (GPU only).
@@ -68,12 +69,13 @@ def _hf_log_probs(hf_dir: Path, batch, dtype, device: str):
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1).cpu()
 
 
-def _actor(hf_dir: Path, spec: str, dtype):
+def _actor(hf_dir: Path, spec: str, dtype, pack: bool = False):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
-    from gspo_megatron.actor.settings import ComputeSettings
+    from gspo_megatron.actor.settings import ComputeSettings, MicroBatchSettings
     from gspo_megatron.parallel.layout import ParallelLayout
     return Actor(str(hf_dir), ParallelLayout(), optimizer=OptimizerSettings(lr=1e-3),
-                 loss=LossSettings(name="gspo", eps_low=0.5, eps_high=0.5), micro_batch_size=2,
+                 loss=LossSettings(name="gspo", eps_low=0.5, eps_high=0.5),
+                 batching=MicroBatchSettings(micro_batch_size=2, pack_sequences=pack),
                  params_dtype=dtype, compute=ComputeSettings(transformer_engine=spec == "te"))
 
 
@@ -120,6 +122,13 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
             row = dict(spec=spec, dtype=name, lp_max=float(diff.max()), lp_mean=float(diff.mean()),
                        tol=FP32_TOL if name == "fp32" else BF16_TOL)
             row["ok"] = row["lp_max"] <= row["tol"]
+            if spec == "te":  # packed (THD) micro-batches: the same log-probs as padded rows
+                packed = _actor(hf_dir, spec, dtype, pack=True)
+                packed.load_weights(mcore)
+                plp, _ = packed.compute_old_log_probs(packed.shard(batch))
+                row["packed"] = float((plp - lp).abs()[mask].max())
+                row["ok"] &= row["packed"] <= row["tol"]
+                del packed
             shard = actor.shard(batch)
             shard.old_log_probs = lp
             metrics = actor.train_step(shard)
@@ -144,17 +153,18 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| spec | dtype | log-prob max / mean abs diff vs transformers (tol) | GSPO step loss | "
-             "checkpoint -> local / te (max diff) | export vs trained (max diff) | result |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| spec | dtype | log-prob max / mean abs diff vs transformers (tol) | packed vs padded | "
+             "GSPO step loss | checkpoint -> local / te (max diff) | export vs trained (max diff) | result |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["spec"] == "conversion":
-            lines.append(f"| HF -> megatron -> HF | fp32 | - | - | - | {r['untrained_export']:.1e} | "
+            lines.append(f"| HF -> megatron -> HF | fp32 | - | - | - | - | {r['untrained_export']:.1e} | "
                          f"{'PASS' if r['ok'] else 'FAIL'} |")
             continue
         loads = " / ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("load_local", "load_te"))
+        packed = f"{r['packed']:.1e}" if "packed" in r else "-"
         lines.append(f"| {r['spec']} | {r['dtype']} | {r['lp_max']:.2e} / {r['lp_mean']:.2e} "
-                     f"({r['tol']:g}) | {r['loss']:.4f} | {loads} | {r['export']:.1e} | "
+                     f"({r['tol']:g}) | {packed} | {r['loss']:.4f} | {loads} | {r['export']:.1e} | "
                      f"{'PASS' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines)
 

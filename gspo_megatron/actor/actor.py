@@ -15,6 +15,7 @@ The layout is checked against the real world size and the model before any colle
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -28,7 +29,7 @@ from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, chec
                                        spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, ComputeSettings, LogProbSettings,
-                                          OptimizerSettings)
+                                          MicroBatchSettings, OptimizerSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
 from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
 from gspo_megatron.algorithms.registry import LossSettings
@@ -49,25 +50,37 @@ class Actor:
 
     def __init__(self, model: ModelSpec | Mapping[str, Any] | str | Path, layout: ParallelLayout, *,
                  optimizer: OptimizerSettings | None = None, loss: LossSettings | None = None,
-                 logprob: LogProbSettings | None = None, micro_batch_size: int = 1,
+                 logprob: LogProbSettings | None = None, micro_batch_size: int | None = None,
+                 batching: MicroBatchSettings | None = None,
                  old_log_probs: str = "recompute", seed: int = 1234,
                  params_dtype: torch.dtype = torch.float32,
                  compute: ComputeSettings | None = None) -> None:
         """old_log_probs: where pi_old comes from, "recompute" (a forward-only pass before the
         updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4). compute: TE
-        spec, fused kernels, recomputation (None: what this machine supports)."""
+        spec, fused kernels, recomputation (None: what this machine supports). batching: how rows
+        become micro-batches (token budgets); micro_batch_size alone is the shorthand for
+        MicroBatchSettings(micro_batch_size=...)."""
         self.layout = layout
         self.optimizer_settings = optimizer or OptimizerSettings()
         self.loss = loss or LossSettings()
         self.logprob = logprob or LogProbSettings()
-        if micro_batch_size < 1:
+        if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if batching is not None and micro_batch_size is not None:
+            raise ValueError("pass micro_batch_size or batching, not both")
+        self.batching = batching or MicroBatchSettings(micro_batch_size=micro_batch_size or 1)
         if old_log_probs not in OLD_LOG_PROB_SOURCES:
             raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROB_SOURCES}, got {old_log_probs!r}")
-        self.micro_batch_size = micro_batch_size
         self.old_log_probs = old_log_probs
         self.spec = model if isinstance(model, ModelSpec) else spec_for_layout(
             model, layout, params_dtype=params_dtype, compute=compute)
+        # Packing needs TE's attention (THD) on CUDA: null means "whenever that is what runs".
+        can_pack = self.spec.transformer_engine and torch.cuda.is_available()
+        if self.batching.pack_sequences and not can_pack:
+            raise ValueError("pack_sequences=True needs the Transformer Engine layer spec on CUDA "
+                             "(megatron's local attention refuses packed sequences)")
+        self.batching = dataclasses.replace(self.batching, pack_sequences=bool(
+            can_pack if self.batching.pack_sequences is None else self.batching.pack_sequences))
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)
@@ -116,23 +129,25 @@ class Actor:
             if batch.rollout_log_probs is None:
                 raise ValueError("old_log_probs='engine' needs batch.rollout_log_probs")
             return (batch.rollout_log_probs if self.is_last_stage else None), {}
-        return compute_log_probs(self.chunks, batch, micro_batch_size=self.micro_batch_size,
+        return compute_log_probs(self.chunks, batch, batching=self.batching,
                                  logprob=self.logprob)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch; the same metrics on every rank:
         loss, clip_fraction, token_clip_fraction, seq_ratio_mean/min/max, grad_norm, lr,
         entropy_mean, logprob_abs_diff_vs_rollout (with rollout log-probs), tokens, num_sequences."""
+        # With recomputed pi_old the forward-only pass reported the entropy: not again here.
         return train_step(self.chunks, self.optimizer, self.scheduler, batch,
-                          micro_batch_size=self.micro_batch_size, loss=self.loss, logprob=self.logprob)
+                          batching=self.batching, loss=self.loss, logprob=self.logprob,
+                          with_entropy=self.old_log_probs == "engine")
 
     def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
         """One supervised (cross-entropy over trained tokens) step at learning rate `lr`, leaving
         the LR schedule where it is; for a warm start before RL (then `reset_optimizer()`)."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        return train_step(self.chunks, self.optimizer, None, batch, micro_batch_size=self.micro_batch_size,
-                          loss=LossSettings(name="ce"), logprob=self.logprob)
+        return train_step(self.chunks, self.optimizer, None, batch, batching=self.batching,
+                          loss=LossSettings(name="ce"), logprob=self.logprob, with_entropy=False)
 
     def reset_optimizer(self) -> None:
         """Forget the optimizer state (Adam moments, step counts) and put the scheduled learning
@@ -178,7 +193,7 @@ class Actor:
             raise RuntimeError("compute_ref_log_probs needs a reference policy: call set_reference() first")
         self._swap_reference()
         try:
-            return compute_log_probs(self.chunks, batch, micro_batch_size=self.micro_batch_size,
+            return compute_log_probs(self.chunks, batch, batching=self.batching,
                                      logprob=self.logprob)
         finally:
             self._swap_reference()

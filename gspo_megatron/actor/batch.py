@@ -153,11 +153,14 @@ class MicroBatch:
     old_log_probs: torch.Tensor | None       # [m, s_m]
     rollout_log_probs: torch.Tensor | None   # [m, s_m]
     ref_log_probs: torch.Tensor | None = None  # [m, s_m]
+    lengths: torch.Tensor | None = None        # [m] real tokens per row (0 for a filler row)
+    packed: "PackedInputs | None" = None       # the model's input as one packed sequence (packing.py)
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return dataclasses.replace(self, **{
             f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)})
+            if isinstance(getattr(self, f.name), torch.Tensor) or f.name == "packed"
+            and getattr(self, f.name) is not None})
 
 
 def _pad_to(t: torch.Tensor | None, s: int, value=0) -> torch.Tensor | None:
@@ -178,27 +181,32 @@ def micro_batches(batch: TrainBatch, num_microbatches: int, *, seq_multiple: int
     """
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    sizes = balanced_sizes(batch.num_rows, num_microbatches)
     out, start = [], 0
-    for index, n in enumerate(sizes):
-        if n:
-            rows = torch.arange(start, start + n)
-            part = batch.select(slice(start, start + n))
-        else:
-            rows = torch.tensor([-1])
-            part = _filler_like(batch)
+    for index, n in enumerate(balanced_sizes(batch.num_rows, num_microbatches)):
+        out.append(micro_batch(batch, index, list(range(start, start + n)), seq_multiple=seq_multiple))
         start += n
-        s = -(-part.tokens.shape[1] // seq_multiple) * seq_multiple
-        m = part.num_rows
-        out.append(MicroBatch(
-            index=index, rows=rows, tokens=_pad_to(part.tokens, s),
-            position_ids=torch.arange(s).unsqueeze(0).expand(m, s).contiguous(),
-            loss_mask=_pad_to(part.loss_mask, s, False),
-            advantages=_pad_to(part.advantages, s),
-            old_log_probs=_pad_to(part.old_log_probs, s),
-            rollout_log_probs=_pad_to(part.rollout_log_probs, s),
-            ref_log_probs=_pad_to(part.ref_log_probs, s)))
     return out
+
+
+def micro_batch(batch: TrainBatch, index: int, rows: list[int], *, seq_multiple: int = 1) -> MicroBatch:
+    """The micro-batch of the given rows of `batch` (any order), padded to its longest row rounded
+    up to `seq_multiple`; no rows: one filler row that trains nothing."""
+    if rows:
+        part = batch.select(torch.tensor(rows, dtype=torch.long))
+        row_index, lengths = torch.tensor(rows, dtype=torch.long), part.lengths
+    else:
+        part, row_index = _filler_like(batch), torch.tensor([-1])
+        lengths = torch.zeros(1, dtype=torch.long)
+    s = -(-part.tokens.shape[1] // seq_multiple) * seq_multiple
+    m = part.num_rows
+    return MicroBatch(
+        index=index, rows=row_index, tokens=_pad_to(part.tokens, s),
+        position_ids=torch.arange(s).unsqueeze(0).expand(m, s).contiguous(),
+        loss_mask=_pad_to(part.loss_mask, s, False),
+        advantages=_pad_to(part.advantages, s),
+        old_log_probs=_pad_to(part.old_log_probs, s),
+        rollout_log_probs=_pad_to(part.rollout_log_probs, s),
+        ref_log_probs=_pad_to(part.ref_log_probs, s), lengths=lengths)
 
 
 def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
@@ -220,7 +228,7 @@ def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
                        loss_mask=grow(mb.loss_mask, False), advantages=grow(mb.advantages),
                        old_log_probs=grow(mb.old_log_probs),
                        rollout_log_probs=grow(mb.rollout_log_probs),
-                       ref_log_probs=grow(mb.ref_log_probs)) for mb in mbs]
+                       ref_log_probs=grow(mb.ref_log_probs), lengths=grow(mb.lengths)) for mb in mbs]
 
 
 def _filler_like(batch: TrainBatch) -> TrainBatch:

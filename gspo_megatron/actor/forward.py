@@ -14,6 +14,7 @@ Temperature divides the logits as SGLang does before its softmax.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -24,8 +25,8 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from gspo_megatron.actor.batch import MicroBatch, pad_to_uniform_shape
 from gspo_megatron.parallel.model_chunks import unwrap
 from gspo_megatron.actor.logprobs import fused_token_logprobs, vocab_parallel_token_logprobs
+from gspo_megatron.actor.packing import rows_from_pack
 from gspo_megatron.actor.settings import LogProbSettings
-from gspo_megatron.parallel.comm import comm_device
 
 
 def install_hidden_output(chunks: list[torch.nn.Module]) -> None:
@@ -65,10 +66,11 @@ def _tp_group():
 
 
 def last_stage_log_probs(chunk: torch.nn.Module, output: torch.Tensor, mb: MicroBatch,
-                         settings: LogProbSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs `[m, s]` (differentiable) and entropies `[m, s]` (detached) of the micro-batch's
-    tokens, aligned to target positions (batch.py): column t is log p(tokens[:, t] | tokens[:, <t]),
-    column 0 is 0."""
+                         settings: LogProbSettings, with_entropy: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs `[m, s]` (differentiable) and entropies `[m, s]` (detached; zeros without
+    with_entropy on the fused path) of the micro-batch's tokens, aligned to target positions
+    (batch.py): column t is log p(tokens[:, t] | tokens[:, <t]), column 0 is 0."""
     model = unwrap(chunk)
     m, s = mb.tokens.shape
     targets = torch.cat([mb.tokens[:, 1:], torch.zeros_like(mb.tokens[:, :1])], dim=1)  # [m, s]
@@ -86,7 +88,8 @@ def last_stage_log_probs(chunk: torch.nn.Module, output: torch.Tensor, mb: Micro
         hidden = hidden.to(weight.dtype)
         log_probs, entropy = fused_token_logprobs(
             hidden.reshape(m * s, -1), weight, targets.reshape(-1), temperature=settings.temperature,
-            chunk_tokens=settings.chunk_tokens, tp_group=_tp_group())
+            chunk_tokens=settings.chunk_tokens, chunk_memory_mb=settings.chunk_memory_mb,
+            tp_group=_tp_group(), with_entropy=with_entropy)
     else:
         logits = output  # [m, s, v/tp]
         log_probs, entropy = vocab_parallel_token_logprobs(
@@ -103,7 +106,7 @@ LastStageFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Ten
 
 
 def run_schedule(chunks: list[torch.nn.Module], mbs: list[MicroBatch], settings: LogProbSettings,
-                 last_stage_fn: LastStageFn, *, forward_only: bool) -> list[dict]:
+                 last_stage_fn: LastStageFn, *, forward_only: bool, with_entropy: bool = True) -> list[dict]:
     """Run megatron's forward(-backward) schedule over the micro-batches of this rank.
 
     `last_stage_fn(mb, log_probs, entropy) -> (loss, report)` runs on the last stage per micro-batch;
@@ -114,16 +117,31 @@ def run_schedule(chunks: list[torch.nn.Module], mbs: list[MicroBatch], settings:
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
-        output = model(mb.tokens, mb.position_ids, None)
+        if mb.packed is not None:  # one THD sequence (packing.py)
+            output = model(mb.packed.tokens, mb.packed.position_ids, None,
+                           packed_seq_params=mb.packed.seq_params())
+        else:
+            output = model(mb.tokens, mb.position_ids, None)
 
         def loss_func(output_tensor):
-            log_probs, entropy = last_stage_log_probs(model, output_tensor, mb, settings)
+            if mb.packed is None:
+                log_probs, entropy = last_stage_log_probs(model, output_tensor, mb, settings, with_entropy)
+            else:  # the pack as one row, then each row's columns taken back out
+                pack_view = dataclasses.replace(mb, tokens=mb.packed.tokens, packed=None)
+                log_probs, entropy = last_stage_log_probs(model, output_tensor, pack_view, settings,
+                                                          with_entropy)
+                m, s = mb.tokens.shape
+                log_probs = rows_from_pack(log_probs[0], mb.packed, m, s)
+                entropy = rows_from_pack(entropy[0], mb.packed, m, s)
             return last_stage_fn(mb, log_probs, entropy)
 
         return output, loss_func
 
     config = unwrap(chunks[0]).config
+    packed = any(mb.packed is not None for mb in mbs)
     if ps.get_pipeline_model_parallel_world_size() > 1 and not config.variable_seq_lengths:
+        if packed:
+            raise ValueError("packed sequences need variable_seq_lengths=True with pipeline parallelism")
         mbs = pad_to_uniform_shape(mbs)  # the schedule allocates one fixed shape (see build.py)
     vpp = len(chunks)
     data_iterator = [iter(mbs) for _ in chunks] if vpp > 1 else iter(mbs)
@@ -134,24 +152,9 @@ def run_schedule(chunks: list[torch.nn.Module], mbs: list[MicroBatch], settings:
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data_iterator,
         model=chunks if vpp > 1 else chunks[0], num_microbatches=len(mbs),
-        seq_length=max(mb.tokens.shape[1] for mb in mbs),
-        micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only) or []
-
-
-def num_microbatches_for(local_rows: int, micro_batch_size: int) -> int:
-    """The number of micro-batches every rank uses: enough for the largest DP shard (all-reduce MAX
-    over DP), rounded up to a multiple of PP with an interleaved schedule (megatron requires it)."""
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    group = ps.get_data_parallel_group()
-    need = torch.tensor([max(1, -(-local_rows // micro_batch_size))], dtype=torch.long,
-                        device=comm_device(group))
-    torch.distributed.all_reduce(need, op=torch.distributed.ReduceOp.MAX, group=group)
-    n = int(need.item())
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if (ps.get_virtual_pipeline_model_parallel_world_size() or 1) > 1:
-        n = -(-n // pp) * pp
-    return n
+        seq_length=max((mb.packed or mb).tokens.shape[1] for mb in mbs),
+        micro_batch_size=max((mb.packed or mb).tokens.shape[0] for mb in mbs),
+        forward_only=forward_only) or []
 
 
 def seq_multiple() -> int:

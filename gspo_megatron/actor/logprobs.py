@@ -117,7 +117,7 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 
 class _FusedTokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, tp_group):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_tokens, tp_group, with_entropy):
         tp_size, tp_rank = _tp_size_rank(tp_group)
         t = hidden.shape[0]
         local_t, in_shard = _local_targets(targets, tp_rank, weight.shape[0])
@@ -132,8 +132,11 @@ class _FusedTokenLogProbs(torch.autograd.Function):
             z.sub_(m[:, None])
             e = torch.exp(z)
             torch.sum(e, dim=1, out=S)
-            torch.sum(e.mul_(z), dim=1, out=Q)
+            if with_entropy:  # one more pass over the chunk; skipped when nobody reads it
+                torch.sum(e.mul_(z), dim=1, out=Q)
             del z, e
+        if not with_entropy:
+            stats[2].zero_()
         m, S, Q, z_target = stats
         z_target = torch.where(in_shard, z_target, 0)
         if tp_size > 1:
@@ -148,7 +151,7 @@ class _FusedTokenLogProbs(torch.autograd.Function):
         log_S = S.log()
         log_sum_exp = m + log_S  # [t]
         log_probs = z_target - log_sum_exp
-        entropy = log_S - Q / S
+        entropy = log_S - Q / S if with_entropy else torch.zeros_like(log_S)
         ctx.save_for_backward(hidden, weight, local_t, in_shard, log_sum_exp)
         ctx.temperature, ctx.chunk_tokens, ctx.tp_group, ctx.tp_size = temperature, chunk_tokens, tp_group, tp_size
         ctx.mark_non_differentiable(entropy)
@@ -191,19 +194,29 @@ class _FusedTokenLogProbs(torch.autograd.Function):
             grad_hidden = grad_hidden.to(hidden.dtype)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def default_chunk_tokens(vocab_local: int, memory_mb: int) -> int:
+    """Tokens per chunk such that a chunk's fp32 logits and their exp ([c, v/tp] twice) fit in
+    `memory_mb`: the larger the chunk, the fewer (and larger, faster) GEMMs; the memory stays flat
+    in the number of tokens."""
+    return max(64, (memory_mb << 20) // (vocab_local * 4 * 2))
 
 
 def fused_token_logprobs(hidden: torch.Tensor, output_weight: torch.Tensor, targets: torch.Tensor, *,
-                         temperature: float = 1.0, chunk_tokens: int = 1024,
-                         tp_group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         temperature: float = 1.0, chunk_tokens: int | None = 1024,
+                         chunk_memory_mb: int = 1024, tp_group: dist.ProcessGroup | None = None,
+                         with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs and entropies from hidden states and the vocab-parallel output weight.
 
     hidden: `[t, h]`, the same on every rank of `tp_group` (gathered first under sequence
     parallelism); output_weight: `[v/tp, h]`, this rank's shard; targets: `[t]` global ids.
     Returns fp32 `[t]` log-probs of `softmax(hidden @ W^T / T)` at the targets and fp32 `[t]`
-    entropies (DETACHED: a metric, not differentiable). Logits are computed `chunk_tokens` tokens
-    at a time in forward and again in backward; only O(t) scalars are kept in between.
+    entropies (DETACHED: a metric, not differentiable; zeros with with_entropy=False, which saves a
+    pass over each chunk). Logits are computed `chunk_tokens` tokens at a time (None: as many as
+    fit in `chunk_memory_mb`, default_chunk_tokens) in forward and again in backward; only O(t)
+    scalars are kept in between.
 
     Gradient contract: the gradient returned for `hidden` is already ALL-REDUCED over `tp_group`
     (the full gradient, as megatron's copy_to_tensor_model_parallel_region would produce). So do
@@ -217,8 +230,11 @@ def fused_token_logprobs(hidden: torch.Tensor, output_weight: torch.Tensor, targ
                          f"and {tuple(output_weight.shape)}")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets have shape {tuple(targets.shape)}, expected ({hidden.shape[0]},)")
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(output_weight.shape[0], chunk_memory_mb)
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if hidden.dtype != output_weight.dtype:
         raise ValueError(f"hidden is {hidden.dtype} but output_weight is {output_weight.dtype}")
-    return _FusedTokenLogProbs.apply(hidden, output_weight, targets, float(temperature), int(chunk_tokens), tp_group)
+    return _FusedTokenLogProbs.apply(hidden, output_weight, targets, float(temperature), int(chunk_tokens),
+                                     tp_group, bool(with_entropy))

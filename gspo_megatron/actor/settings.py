@@ -63,6 +63,43 @@ class OptimizerSettings:
 
 
 @dataclass
+class MicroBatchSettings:
+    """How a rank's rows are grouped into micro-batches (actor/microbatches.py)."""
+
+    micro_batch_size: int = 8
+    """Sequences per forward/backward micro-batch on one data-parallel rank, at most."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of a train micro-batch: the tokens it computes (rows x longest row, padding
+    included; packed: the rows' lengths summed) stay within it; null = micro_batch_size alone
+    decides. Rows are grouped longest first; a row longer than the budget is a micro-batch of
+    its own."""
+    max_tokens_per_forward_micro_batch: int | None = None
+    """The same for the forward-only passes (old and reference log-probs keep no activations for
+    backward, so a larger budget fits); null = max_tokens_per_micro_batch."""
+    longest_first: bool = True
+    """Group rows longest first (rows of similar length share a micro-batch: little padding);
+    false: in rollout order, split into equal row counts (the project's layout before token
+    budgets, kept for comparisons)."""
+    pack_sequences: bool | None = None
+    """Concatenate a micro-batch's rows into one sequence without padding (megatron's THD layout,
+    cu_seqlens; RoPE positions restart per row). Needs Transformer Engine's attention (CUDA); null =
+    whenever the TE spec runs on CUDA. Unpacked micro-batches are built from length-sorted rows."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={self.micro_batch_size!r}: expected >= 1")
+        for name in ("max_tokens_per_micro_batch", "max_tokens_per_forward_micro_batch"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name}={v!r}: expected >= 1 or null")
+
+    def max_tokens(self, forward_only: bool) -> int | None:
+        if forward_only and self.max_tokens_per_forward_micro_batch is not None:
+            return self.max_tokens_per_forward_micro_batch
+        return self.max_tokens_per_micro_batch
+
+
+@dataclass
 class LogProbSettings:
     """How the last stage computes per-token log-probs."""
 
@@ -70,14 +107,19 @@ class LogProbSettings:
     """Sampling temperature of the rollouts: log-probs are of softmax(logits / temperature)."""
     fused: bool = True
     """Compute log-probs from hidden states + output weight in token chunks (no full logits)."""
-    chunk_tokens: int = 1024
-    """Tokens per chunk of the fused path."""
+    chunk_tokens: int | None = None
+    """Tokens per chunk of the fused path; None: as many as fit in chunk_memory_mb."""
+    chunk_memory_mb: int = 1024
+    """Memory for one chunk's fp32 logits (and their exp) when chunk_tokens is None: at vocab 152k
+    and TP1 about 880 tokens per chunk, at TP8 about 7000."""
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"temperature={self.temperature!r}: expected > 0")
-        if self.chunk_tokens < 1:
+        if self.chunk_tokens is not None and self.chunk_tokens < 1:
             raise ValueError(f"chunk_tokens={self.chunk_tokens!r}: expected >= 1")
+        if self.chunk_memory_mb < 1:
+            raise ValueError(f"chunk_memory_mb={self.chunk_memory_mb!r}: expected >= 1")
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.batch import MicroBatch, TrainBatch, micro_batches
-from gspo_megatron.actor.forward import is_last_stage_rank, num_microbatches_for, run_schedule, seq_multiple
-from gspo_megatron.actor.settings import LogProbSettings
+from gspo_megatron.actor import microbatches
+from gspo_megatron.actor.batch import MicroBatch, TrainBatch
+from gspo_megatron.actor.forward import is_last_stage_rank, run_schedule, seq_multiple
+from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings
 from gspo_megatron.algorithms.loss_metrics import finalize_metrics
 from gspo_megatron.algorithms.registry import LossSettings
 from gspo_megatron.parallel.comm import comm_device
@@ -126,8 +127,33 @@ def _finish(totals: dict[str, torch.Tensor], name: str | None) -> dict[str, floa
     return {k: float(v) for k, v in out.items()}
 
 
+def plan(batch: TrainBatch, batching: MicroBatchSettings, *, forward_only: bool) -> list[MicroBatch]:
+    """This rank's micro-batches (collective over DP: every rank gets the same count). Packed
+    when batching.pack_sequences is True (the Actor resolves null against its layer spec)."""
+    return microbatches.build(batch, max_rows=batching.micro_batch_size,
+                              max_tokens=batching.max_tokens(forward_only), seq_multiple=seq_multiple(),
+                              longest_first=batching.longest_first, packed=bool(batching.pack_sequences))
+
+
+def _padding_metrics(mbs: list[MicroBatch]) -> dict[str, float]:
+    """Real and computed (padding included) tokens of the step over every DP rank, and the largest
+    micro-batch's computed tokens: the same on every rank."""
+    group = ps.get_data_parallel_group()
+    real, computed = microbatches.padding_stats(mbs)
+    totals = torch.tensor([real, computed], dtype=torch.float64, device=comm_device(group))
+    largest = torch.tensor([max(mb.tokens.numel() for mb in mbs)], dtype=torch.float64,
+                           device=comm_device(group))
+    dist.all_reduce(totals, group=group)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    real, computed = totals.tolist()
+    return {"real_tokens": real, "computed_tokens": computed,
+            "padding_fraction": 1.0 - real / max(computed, 1.0),
+            "max_micro_batch_tokens": float(largest.item())}
+
+
 @torch.no_grad()
-def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *, micro_batch_size: int,
+def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
+                      batching: MicroBatchSettings,
                       logprob: LogProbSettings) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Forward-only pass over this DP rank's shard: `(log_probs [b, s], metrics)`.
 
@@ -135,8 +161,7 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *, micro
     the batch's old_log_probs or ref_log_probs. The metrics (mean log-prob, entropy and, with
     rollout log-probs, the |train - rollout| mismatch) are the same on every rank.
     """
-    mbs = micro_batches(batch, num_microbatches_for(batch.num_rows, micro_batch_size),
-                        seq_multiple=seq_multiple())
+    mbs = plan(batch, batching, forward_only=True)
     b, s = batch.tokens.shape
     out = torch.zeros(b, s, dtype=torch.float32)
 
@@ -151,15 +176,19 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *, micro
     if batch.rollout_log_probs is not None:
         keys.update(rollout_abs_diff_sum="sum", rollout_tokens="sum")
     metrics = _finish(reduce_to_all_ranks(reports, keys), None)
+    metrics.update(_padding_metrics(mbs), num_microbatches=float(len(mbs)))
     return (out if is_last_stage_rank() else None), metrics
 
 
 def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: TrainBatch, *,
-               micro_batch_size: int, loss: LossSettings, logprob: LogProbSettings) -> dict[str, float]:
+               batching: MicroBatchSettings, loss: LossSettings, logprob: LogProbSettings,
+               with_entropy: bool = True) -> dict[str, float]:
     """One optimizer step on this DP rank's shard of a (mini-)batch; metrics on every rank.
 
     The last stage needs `batch.old_log_probs` (and `batch.ref_log_probs` with a KL penalty),
     except for the "ce" loss. `scheduler=None` leaves the learning rate where it is (warm start).
+    with_entropy=False skips the entropy metric (a pass over the logits) when the forward-only
+    pass already reported it.
     """
     spec = loss.spec
     if spec.function_path is not None and is_last_stage_rank():
@@ -169,8 +198,8 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
         if loss.kl_coef > 0 and batch.ref_log_probs is None:
             raise ValueError(f"kl_coef={loss.kl_coef} needs batch.ref_log_probs on the last pipeline "
                              "stage (Actor.compute_ref_log_probs)")
-    num_mb = num_microbatches_for(batch.num_rows, micro_batch_size)
-    mbs = micro_batches(batch, num_mb, seq_multiple=seq_multiple())
+    mbs = plan(batch, batching, forward_only=False)
+    num_mb = len(mbs)
     local = int(batch.loss_mask.sum()) if loss.name == "ce" else batch.num_valid_sequences()
     global_count = _global_count(local)
     # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
@@ -196,7 +225,8 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = run_schedule(chunks, mbs, logprob, loss_func, forward_only=False)
+    reports = run_schedule(chunks, mbs, logprob, loss_func, forward_only=False,
+                           with_entropy=with_entropy)
     update_ok, grad_norm, _ = optimizer.step()
     if grad_norm is None:  # megatron computes it only when clipping; report it anyway
         grad_norm = optimizer.get_grad_norm()
@@ -206,5 +236,5 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     metrics = _finish(reduce_to_all_ranks(reports, _metric_keys(loss, batch.rollout_log_probs is not None)),
                       loss.name)
     metrics.update(grad_norm=float(grad_norm), lr=float(lr), update_successful=float(bool(update_ok)),
-                   num_microbatches=float(num_mb))
+                   num_microbatches=float(num_mb), **_padding_metrics(mbs))
     return metrics

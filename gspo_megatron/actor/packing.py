@@ -1,0 +1,73 @@
+"""Packed micro-batches: a micro-batch's rows concatenated into one sequence without padding
+(megatron's THD layout, Transformer Engine attention on CUDA).
+
+    packed = pack(mb, multiple=tp)                     # the model's input: [1, T] tokens, cu_seqlens
+    output = model(packed.tokens, packed.position_ids, None, packed_seq_params=packed.seq_params())
+    row_lp = rows_from_pack(pack_lp, packed, m, s)     # [1, T] -> the micro-batch's [m, s] layout
+
+Only the model's inputs are packed. The last stage computes per-token log-probs of the pack as if
+it were one row (column p: log p(token p | tokens before it in the pack)), then takes each row's
+columns back out: row i's column t (1 <= t < L_i) is the pack's column start_i + t; column 0 and
+the padding stay 0, and the pack's column start_i (a prediction across a row boundary) is never
+used. The losses then see the same [m, s] tensors as unpacked, so per-sequence GSPO sums, masks
+and metrics are unchanged. RoPE restarts at every row: position ids restart, and TE's attention
+and fused RoPE use cu_seqlens (megatron packed_seq_params.py, qkv_format "thd").
+
+The total is padded to a multiple of `multiple` (the TP size under sequence parallelism) with a
+segment of its own, which no row reads. Context parallelism is not supported here yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class PackedInputs:
+    tokens: torch.Tensor          # [1, T] the rows' real tokens, concatenated, then padding
+    position_ids: torch.Tensor    # [1, T] 0..L_i-1 per row, 0.. for the padding segment
+    cu_seqlens: torch.Tensor      # [n + 1] int32 segment boundaries (rows, then padding if any)
+    starts: torch.Tensor          # [m] where each row starts in the pack
+    lengths: torch.Tensor         # [m] real tokens per row
+    max_seqlen: int
+
+    def to(self, device) -> "PackedInputs":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
+                                            for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def seq_params(self):
+        from megatron.core.packed_seq_params import PackedSeqParams
+        cu = self.cu_seqlens.to(torch.int32)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu,
+                               max_seqlen_q=self.max_seqlen, max_seqlen_kv=self.max_seqlen)
+
+
+def pack(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int = 1) -> PackedInputs:
+    """Pack the rows of `tokens` [m, s] (row i's first lengths[i] tokens; a filler row of length
+    0 contributes nothing) into one sequence padded to a multiple of `multiple`."""
+    lengths = lengths.long()
+    parts = [tokens[i, :int(n)] for i, n in enumerate(lengths.tolist())]
+    real = int(lengths.sum())
+    total = max(multiple, -(-real // multiple) * multiple)
+    pad = total - real
+    flat = torch.cat(parts + [tokens.new_zeros(pad)])
+    positions = torch.cat([torch.arange(int(n)) for n in lengths.tolist()] + [torch.arange(pad)])
+    bounds = [0] + torch.cumsum(lengths[lengths > 0], 0).tolist() + ([total] if pad else [])
+    starts = torch.cumsum(lengths, 0) - lengths
+    max_seqlen = max([int(n) for n in lengths.tolist()] + [pad])
+    return PackedInputs(tokens=flat[None], position_ids=positions[None].to(tokens.device),
+                        cu_seqlens=torch.tensor(bounds, dtype=torch.int32), starts=starts,
+                        lengths=lengths, max_seqlen=max_seqlen)
+
+
+def rows_from_pack(pack_values: torch.Tensor, packed: PackedInputs, m: int, s: int) -> torch.Tensor:
+    """The pack's per-token values [T] (column p = the value for token p) as the micro-batch's
+    target-aligned [m, s]: row i's column t (1 <= t < L_i) is pack column starts[i] + t; all other
+    columns 0. Differentiable (a gather)."""
+    t = torch.arange(s, device=pack_values.device)[None, :]                          # [1, s]
+    valid = (t >= 1) & (t < packed.lengths.to(pack_values.device)[:, None])           # [m, s]
+    index = (packed.starts.to(pack_values.device)[:, None] + t).clamp(max=pack_values.numel() - 1)
+    return torch.where(valid, pack_values[index], pack_values.new_zeros(()))
