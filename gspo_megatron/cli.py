@@ -27,11 +27,13 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from model_specs import HFConfigError
     from rollout.client import SGLangError
     from rollout.dataset import PromptFileError
+    from rollout.envs import EnvironmentSpecError
     from rollout.rewards import RewardErrorBudgetExceeded
     from rollout.server import ServerStartError
     return (ConfigError, HFConfigError, LayoutError, FileNotFoundError, PromptFileError,
             ServerStartError, SGLangError, CheckpointError, CheckpointMismatchError,
-            WeightSyncError, RewardErrorBudgetExceeded, DriverError, DamagedFileError)
+            WeightSyncError, RewardErrorBudgetExceeded, DriverError, DamagedFileError,
+            EnvironmentSpecError)
 
 
 def _parser() -> argparse.ArgumentParser:

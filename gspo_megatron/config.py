@@ -73,6 +73,21 @@ class RolloutConfig(ManagerConfig):
     """More `sglang.launch_server` flags for local servers."""
     server_startup_timeout_s: float = 300.0
     """How long to wait for a local server (or an attached one) to become healthy."""
+    environment: str | None = None
+    """Multi-turn episodes with this environment: a shipped one (calculator, guessing) or a class
+    of your own, `package.module:ClassName` (rollout.multiturn.Environment); null = single-turn
+    responses scored by `reward`. The environment's rewards replace `reward`."""
+    environment_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the environment class (one instance per episode)."""
+    max_turns: int | None = None
+    """Bound on an episode's model turns (null: the environment's own max_turns)."""
+    turn_credit: Literal["episode", "return_to_go"] = "episode"
+    """How a multi-turn episode's rewards become advantages: episode = the episode return, one
+    advantage per sequence (GSPO); return_to_go = each turn gets the rewards from that turn on,
+    normalised over the group (algorithms/advantages.turn_advantages), one advantage per token:
+    needs loss.name=gspo_token."""
+    turn_discount: float = 1.0
+    """Discount of later turns' rewards in return_to_go."""
 
 
 @dataclasses.dataclass
@@ -133,6 +148,10 @@ class LoggingConfig:
     """Also append each step's metrics as one JSON line here (null: tensorboard_dir/metrics.jsonl)."""
     progress: bool = True
     """Print a one-line progress display per step on rank 0."""
+    rollout_records: str | None = None
+    """Append every rollout sample of every step as one JSON line here (null = off): prompt and
+    response ids, loss mask, log-probs, weight versions, rewards and, for episodes, each turn's
+    server output and environment tokens, with the trained row as the actor received it."""
 
 
 @dataclasses.dataclass
@@ -193,6 +212,12 @@ class RunConfig:
                  "URLs like http://host:port")
         need(not r.mask_stale_tokens or r.partial_rollouts, "rollout.mask_stale_tokens",
              r.mask_stale_tokens, "false unless rollout.partial_rollouts is true")
+        need(r.max_turns is None or r.max_turns >= 1, "rollout.max_turns", r.max_turns, ">= 1 or null")
+        need(r.turn_credit == "episode" or (r.environment and self.loss.name == "gspo_token"),
+             "rollout.turn_credit", r.turn_credit,
+             "'episode' unless rollout.environment is set and loss.name is gspo_token (per-token "
+             "advantages; gspo uses the episode return)")
+        need(0 < r.turn_discount <= 1, "rollout.turn_discount", r.turn_discount, "in (0, 1]")
         need(t.steps >= 0, "train.steps", t.steps, ">= 0")
         need(t.mini_batches >= 1, "train.mini_batches", t.mini_batches, ">= 1")
         batch = r.group_size * r.prompts_per_step

@@ -35,6 +35,8 @@ def type_name(tp: Any) -> str:
         return " | ".join(type_name(a) for a in get_args(tp))
     if get_origin(tp) is list:
         return f"list[{type_name(get_args(tp)[0])}]"
+    if get_origin(tp) is dict:
+        return "mapping"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -58,6 +60,10 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
         if value in get_args(tp):
             return value
         raise bad
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise bad
+        return dict(value)
     if origin is list:
         if isinstance(value, str):  # `--set a=x` for a one-element list
             value = [value]

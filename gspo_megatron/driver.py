@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.actor.batch import TrainBatch
-from gspo_megatron.algorithms import group_advantages
+from gspo_megatron.algorithms.advantages import group_advantages
 from gspo_megatron.config import ConfigError, RunConfig
+from gspo_megatron.episodes import RolloutRecords, demonstration, env_factory, token_advantages
 from rollout.pool import ServerPool
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
+from rollout.chat import ChatTemplate
 from rollout.manager import RolloutManager
 from rollout.rewards import get_reward_fn
 from rollout.sample import Sample
@@ -33,14 +35,20 @@ def _version_number(label: str) -> int:
     return int(label) if label.isdigit() else -1
 
 
-def samples_to_batch(groups: list[list[Sample]], group_size: int) -> TrainBatch:
+def samples_to_batch(groups: list[list[Sample]], group_size: int,
+                     turn_discount: float | None = None) -> TrainBatch:
     """Rows = prompt + response of each sample, right-padded; loss_mask / rollout log-probs /
     weight versions at the position of the token they belong to (TrainBatch's target alignment);
-    advantages group-normalised (GSPO Eq. 6) from the rewards."""
+    advantages group-normalised (GSPO Eq. 6) from the rewards, or, with `turn_discount` (per-turn
+    credit of multi-turn episodes, for gspo_token), per token from the per-turn rewards
+    (episodes.token_advantages)."""
     samples = [s for g in groups for s in g]
-    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
-    advantages = group_advantages(rewards, group_size).float()  # [b]
     width = max(len(s.tokens) for s in samples)
+    if turn_discount is None:
+        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
+        advantages = group_advantages(rewards, group_size).float()  # [b]
+    else:
+        advantages = token_advantages(samples, group_size, width, turn_discount)  # [b, s]
     b = len(samples)
     tokens = torch.zeros(b, width, dtype=torch.long)
     loss_mask = torch.zeros(b, width, dtype=torch.bool)
@@ -83,7 +91,12 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
         "rollout/partial_buffered": m.get("groups_partial_buffered", 0.0),
         "rollout/reward_errors": m.get("reward_errors", 0.0),
         "perf/rollout_tokens_per_s": m.get("rollout_tokens_per_second", 0.0),
+        **{f"rollout/{k}": m[k] for k in EPISODE_METRICS if k in m},
     }
+
+
+EPISODE_METRICS = ("turns_per_episode", "tool_calls_per_episode", "env_token_fraction",
+                   "reward_per_turn", "episode_length_mean", "env_error_fraction")
 
 
 class Driver:
@@ -94,14 +107,21 @@ class Driver:
         r = cfg.rollout
         self.cfg, self.servers = cfg, servers
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
-        self.records = records
-        self.stream = PromptStream(self.records, seed=cfg.train.seed, shuffle=r.shuffle_prompts)
+        self.prompts = records
+        self.stream = PromptStream(self.prompts, seed=cfg.train.seed, shuffle=r.shuffle_prompts)
         self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s)
-        self.manager = RolloutManager(
-            self.pool, r,  # the rollout config section is the manager's config (and more)
-            encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec),
-            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            reward_fn=get_reward_fn(r.reward))
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        self.env_factory = env_factory(r) if r.environment else None
+        if self.env_factory is not None:  # multi-turn: the environment gives the rewards
+            self.chat = ChatTemplate(self.tokenizer)
+            self.manager = RolloutManager(self.pool, r, decode=decode, env_factory=self.env_factory,
+                                          chat=self.chat, max_turns=r.max_turns)
+        else:
+            self.manager = RolloutManager(
+                self.pool, r,  # the rollout config section is the manager's config (and more)
+                encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec), decode=decode,
+                reward_fn=get_reward_fn(r.reward))
+        self.records = RolloutRecords(cfg.logging.rollout_records) if cfg.logging.rollout_records else None
 
     @classmethod
     def start(cls, cfg: RunConfig, log_dir: str | None = None) -> "Driver":
@@ -131,28 +151,37 @@ class Driver:
             servers.stop()
             raise
 
-    def rollout_batch(self, weight_version: str) -> tuple[TrainBatch, dict[str, float]]:
+    def rollout_batch(self, weight_version: str, step: int) -> tuple[TrainBatch, dict[str, float]]:
         """One rollout batch from the policy of `weight_version`: (TrainBatch, rollout metrics)."""
         r = self.cfg.rollout
         result = self.manager.generate_step(self.stream, r.prompts_per_step,
                                             current_weight_version=weight_version)
-        batch = samples_to_batch(result.groups, r.group_size)
+        per_token = r.environment is not None and r.turn_credit == "return_to_go"
+        batch = samples_to_batch(result.groups, r.group_size,
+                                 turn_discount=r.turn_discount if per_token else None)
         metrics = rollout_metrics(result.groups, result.metrics)
         metrics["rollout/policy_lag_max"] = policy_lag(batch, int(weight_version))
+        if self.records is not None:
+            self.records.write(step, [s for g in result.groups for s in g], batch)
         return batch, metrics
 
-    def warm_start_examples(self, n: int, offset: int) -> list[tuple[list[int], list[int]]]:
-        """n (prompt ids, answer ids + EOS) pairs for the supervised warm start, cycling through
-        the prompt file from `offset` (the answer field as the assistant's reply)."""
-        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if eos is None or eos < 0:
-            eos = self.tokenizer.eos_token_id
+    def warm_start_examples(self, n: int, offset: int) -> list[tuple[list[int], list[int], list[int]]]:
+        """n (prompt ids, response ids, response loss mask) for the supervised warm start, cycling
+        through the prompt file from `offset`: the solution (else the answer) field + EOS as the
+        assistant's reply, or, with an environment, the record's scripted turns played against it
+        (episodes.demonstration)."""
         out = []
         for k in range(n):
-            rec = self.records[(offset + k) % len(self.records)]
+            rec = self.prompts[(offset + k) % len(self.prompts)]
+            if self.env_factory is not None:
+                out.append(demonstration(rec, self.env_factory(rec), self.chat, self.tokenizer))
+                continue
+            eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            if eos is None or eos < 0:
+                eos = self.tokenizer.eos_token_id
             answer = rec.get("solution", rec["answer"])
             ids = self.tokenizer.encode(str(answer), add_special_tokens=False) + [int(eos)]
-            out.append((chat_prompt_ids(self.tokenizer, rec), ids))
+            out.append((chat_prompt_ids(self.tokenizer, rec), ids, [1] * len(ids)))
         return out
 
     # --- state -------------------------------------------------------------------------------
@@ -173,16 +202,20 @@ class Driver:
             self.servers.stop()
 
 
-def sft_batch(examples: list[tuple[list[int], list[int]]]) -> TrainBatch:
-    """Prompt + answer rows with loss on the answer tokens (the "ce" loss of the actor)."""
-    width = max(len(p) + len(a) for p, a in examples)
+def sft_batch(examples: list[tuple]) -> TrainBatch:
+    """Prompt + answer rows with loss on the answer tokens (the "ce" loss of the actor). An
+    example is (prompt ids, answer ids) or (prompt ids, answer ids, answer loss mask): an episode's
+    environment tokens are in the row but not trained."""
+    width = max(len(e[0]) + len(e[1]) for e in examples)
     b = len(examples)
     tokens = torch.zeros(b, width, dtype=torch.long)
     loss_mask = torch.zeros(b, width, dtype=torch.bool)
     lengths = torch.zeros(b, dtype=torch.long)
-    for i, (p, a) in enumerate(examples):
+    for i, e in enumerate(examples):
+        p, a = e[0], e[1]
+        mask = e[2] if len(e) > 2 else [1] * len(a)
         tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
-        loss_mask[i, len(p):len(p) + len(a)] = True
+        loss_mask[i, len(p):len(p) + len(a)] = torch.tensor(mask, dtype=torch.bool)
         lengths[i] = len(p) + len(a)
     return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask,
                       advantages=torch.zeros(b))

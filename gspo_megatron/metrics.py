@@ -35,6 +35,13 @@ TAGS = {
     "rollout/partial_resumed": "samples resumed from a partial rollout this step",
     "rollout/partial_buffered": "groups left unfinished in the partial-rollout buffer",
     "rollout/reward_errors": "reward function calls that raised",
+    "rollout/turns_per_episode": "multi-turn: model turns per episode",
+    "rollout/tool_calls_per_episode": "multi-turn: tool calls per episode",
+    "rollout/env_token_fraction": "multi-turn: environment tokens / response tokens (not trained)",
+    "rollout/reward_per_turn": "multi-turn: mean reward the environment gave per model turn",
+    "rollout/episode_length_mean": "multi-turn: tokens per episode after the prompt (model + environment)",
+    "rollout/env_error_fraction": "multi-turn: episodes ended by an environment that raised or "
+                                  "returned a malformed step (reward 0; counted like reward errors)",
     "rollout/policy_lag_max": "most weight updates between the policy that sampled a trained token "
                               "and the current one (0 = on-policy; > 0 with partial rollouts)",
     "train/loss": "policy loss (mean over mini-batches)",

@@ -111,6 +111,9 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     if not Path(cfg.rollout.prompts).is_file():
         raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")
     load_prompts(cfg.rollout.prompts)  # PromptFileError names the file and line
+    if cfg.rollout.environment:
+        from gspo_megatron.episodes import env_factory
+        env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args
     if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():
         raise FileNotFoundError(f"model.megatron_checkpoint={cfg.model.megatron_checkpoint!r}: not a "
                                 f"megatron dist_checkpointing directory (no metadata.json)")

@@ -35,7 +35,7 @@ def run_loop(run: Run) -> None:
         with t("step"):
             with t("rollout"):  # rank 0 generates and scores; every rank receives the batch
                 batch, metrics = on_driver(run.rank, lambda: run.driver.rollout_batch(
-                    str(loop.weight_version)))
+                    str(loop.weight_version), step))
             shard = actor.shard(batch, num_mini_batches=cfg.train.mini_batches)  # my DP rows
             with t("log_probs"):  # pi_old: forward-only recompute, or the engine's log-probs
                 shard.old_log_probs, old = actor.compute_old_log_probs(shard)

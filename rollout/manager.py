@@ -103,22 +103,26 @@ class RolloutManager:
     def __init__(self, pool: ServerPool, config: ManagerConfig, *,
                  encode_prompt: Callable[[dict], list[int]] | None = None, decode: Callable[[list[int]], str],
                  reward_fn: RewardFn | None = None, env_factory: Callable[[dict], Any] | None = None,
-                 encode_text: Callable[[str], list[int]] | None = None):
+                 encode_text: Callable[[str], list[int]] | None = None, chat: Any = None,
+                 max_turns: int | None = None):
         """encode_prompt: prompt record -> prompt token ids (e.g. dataset.chat_prompt_ids).
         decode: token ids -> text, for reward functions and environments (never re-encoded).
         reward_fn: (record, response_text) -> float; required for single-turn.
-        env_factory: record -> Environment, for multi-turn episodes (rollout.multiturn); needs
-        encode_text to tokenise the environment's observations (its reset() message is the prompt,
-        so encode_prompt is then unused)."""
+        env_factory: record -> Environment, for multi-turn episodes (rollout.multiturn), whose turns
+        go through `chat` (rollout.chat.ChatTemplate: the tokenizer's template) or, without it,
+        fixed ChatML markers tokenised with `encode_text` (its reset() message is the prompt, so
+        encode_prompt is then unused). max_turns: bound on an episode's model turns (None: the
+        environment's own)."""
         if env_factory is None and reward_fn is None:
             raise ValueError("RolloutManager needs a reward_fn (single-turn) or an env_factory")
         if env_factory is None and encode_prompt is None:
             raise ValueError("single-turn rollouts need encode_prompt")
-        if env_factory is not None and encode_text is None:
-            raise ValueError("multi-turn (env_factory) needs encode_text for observations")
+        if env_factory is not None and encode_text is None and chat is None:
+            raise ValueError("multi-turn (env_factory) needs a chat template (or encode_text)")
         self.pool, self.config = pool, config
         self.encode_prompt, self.decode = encode_prompt, decode
         self.reward_fn, self.env_factory, self.encode_text = reward_fn, env_factory, encode_text
+        self.chat, self.max_turns = chat, max_turns
         self.buffer: collections.deque[list[Sample]] = collections.deque()
         self.next_group_id = 0
         self.reward_budget = RewardErrorBudget(config.max_reward_error_fraction)
@@ -131,8 +135,14 @@ class RolloutManager:
     def _run_sample(self, sample: Sample) -> Sample:
         if self.env_factory is not None:
             from rollout.multiturn import run_episode
-            return run_episode(sample, self.env_factory(sample.prompt), self.pool, self.config,
-                               self.decode, self.encode_text, self._new_rid)
+            try:
+                env = self.env_factory(sample.prompt)
+            except Exception as e:  # noqa: BLE001 - a broken environment is recorded and counted
+                sample.prompt_ids, sample.reward, sample.status = sample.prompt_ids or [0], 0.0, DONE
+                sample.finish_reason, sample.metadata["env_error"] = "env_error", f"{type(e).__name__}: {e}"
+                return sample
+            return run_episode(sample, env, self.pool, self.config, self.decode, self.encode_text,
+                               self._new_rid, chat=self.chat, max_turns=self.max_turns)
         return self._generate_segment(sample)
 
     def _new_rid(self, sample: Sample) -> str:
@@ -184,6 +194,10 @@ class RolloutManager:
                     ok = score_sample(s, self.reward_fn, self.decode(s.response_ids))
                     m["reward_errors"] += not ok
                     self.reward_budget.record(ok, s.reward_error)
+                elif self.env_factory is not None:  # an episode's reward came from its environment
+                    error = s.metadata.get("env_error")
+                    m["env_errors"] += error is not None
+                    self.reward_budget.record(error is None, error)
                 if cfg.mask_stale_tokens:
                     versions = [v for v in s.weight_versions if v]
                     newest = current_weight_version or (versions[-1] if versions else "")
@@ -286,13 +300,16 @@ class RolloutManager:
         out.update({
             "reward_mean": sum(s.reward for s in samples) / n,
             "response_length_mean": resp_tokens / n,
-            "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / n,
+            # cut by the token budget: a response at max_new_tokens, an episode out of budget
+            "truncated_fraction": sum(s.finish_reason in ("length", "budget") for s in samples) / n,
             "multi_segment_fraction": sum(s.num_segments > 1 for s in samples) / n,
             "buffer_groups": float(len(self.buffer)),
             "reward_error_fraction_total": self.reward_budget.errors / max(1, self.reward_budget.calls),
             "rollout_seconds": seconds,
             "rollout_tokens_per_second": resp_tokens / max(seconds, 1e-9),
         })
+        if self.env_factory is not None:
+            out.update(episode_metrics(samples))
         return out
 
     # --- checkpointing -----------------------------------------------------------------------
@@ -309,3 +326,18 @@ class RolloutManager:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def episode_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Multi-turn episodes: turns and tool calls per episode, the share of environment tokens,
+    reward per turn, episode length (prompt excluded) and how many ended on an environment error."""
+    n = max(1, len(samples))
+    turns = sum(len(s.metadata.get("turn_rewards", [])) for s in samples)
+    env_tokens = sum(len(s.loss_mask) - sum(1 for k in s.loss_mask if k) for s in samples)
+    tokens = sum(len(s.response_ids) for s in samples)
+    return {"turns_per_episode": turns / n,
+            "tool_calls_per_episode": sum(s.metadata.get("tool_calls", 0) for s in samples) / n,
+            "env_token_fraction": env_tokens / max(1, tokens),
+            "reward_per_turn": sum(sum(s.metadata.get("turn_rewards", [])) for s in samples) / max(1, turns),
+            "episode_length_mean": tokens / n,
+            "env_error_fraction": sum("env_error" in s.metadata for s in samples) / n}

@@ -125,7 +125,7 @@ class RewardErrorBudget:
         if (self.calls >= self.min_calls
                 and self.errors > self.max_error_fraction * self.calls):
             raise RewardErrorBudgetExceeded(
-                f"reward function failed {self.errors} of {self.calls} times "
+                f"reward function (or environment) failed {self.errors} of {self.calls} times "
                 f"(> max_error_fraction {self.max_error_fraction}); last error: {self.last_error}")
 
     def to_state(self) -> dict[str, Any]:

@@ -9,8 +9,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON312:-}"
 if [[ -z "$PY" ]]; then
-  for c in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python; do
-    if command -v "$c" >/dev/null 2>&1; then PY="$c"; break; fi
+  # pyenv's shims exist for versions that are not selected: try each candidate for real.
+  for c in "$HOME"/.pyenv/versions/3.12*/bin/python python3.12; do
+    if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      PY="$c"; break
+    fi
   done
 fi
 if [[ -z "$PY" ]]; then

@@ -27,3 +27,39 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     adv = centered / (std + eps)
     all_equal = (r == r[:, :1]).all(dim=1, keepdim=True)
     return torch.where(all_equal, torch.zeros_like(adv), adv).view(n)
+
+
+def turn_advantages(turn_rewards: list[list[float]], group_size: int, discount: float = 1.0,
+                    eps: float = 1e-6) -> list[list[float]]:
+    """Per-turn advantages of multi-turn episodes from per-turn rewards (GSPO-token's A_{i,t}).
+
+    turn_rewards[i][k]: the environment's reward after model turn k of episode i (episodes ordered
+    group by group, as for group_advantages). The rule, with G_{i,k} the return from turn k on:
+
+        G_{i,k} = sum_{m >= k} discount^(m - k) r_{i,m}
+        A_{i,k} = (G_{i,k} - mean_j G_{j,1}) / (std_j G_{j,1} + eps)      (j over i's group)
+
+    i.e. a turn is credited with the rewards that came after it, centred and scaled by the group's
+    episode returns (Eq. 6 on G_{·,1}). Every token of model turn k gets A_{i,k}. A group whose
+    episode returns are all equal gets 0 everywhere (as group_advantages). With one reward at the
+    end of each episode and discount 1, G_{i,k} = R_i for every k, so A_{i,k} = A_i: GSPO-token
+    then equals GSPO.
+    """
+    n = len(turn_rewards)
+    if n % group_size:
+        raise ValueError(f"{n} episodes do not split into groups of {group_size}")
+    returns = []
+    for rewards in turn_rewards:
+        g, acc = [0.0] * len(rewards), 0.0
+        for k in range(len(rewards) - 1, -1, -1):
+            acc = rewards[k] + discount * acc
+            g[k] = acc
+        returns.append(g)
+    out = []
+    for start in range(0, n, group_size):
+        group = returns[start:start + group_size]
+        firsts = torch.tensor([g[0] if g else 0.0 for g in group], dtype=torch.float64)
+        equal = bool((firsts == firsts[0]).all())
+        mu, sigma = float(firsts.mean()), float(firsts.std(correction=0))
+        out += [[0.0 if equal else (x - mu) / (sigma + eps) for x in g] for g in group]
+    return out

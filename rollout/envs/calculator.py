@@ -68,6 +68,6 @@ class CalculatorEnv(Environment):
                 result = _fmt(safe_eval(calls[-1]))
             except ValueError as e:
                 result = f"error: {e}"
-            return EnvStep(f"<tool_response>{result}</tool_response>", 0.0, False)
+            return EnvStep(f"<tool_response>{result}</tool_response>", 0.0, False, tool_call=True)
         return EnvStep("No tool call or answer found. Use <tool_call>EXPRESSION</tool_call> "
                        "or \\boxed{ANSWER}.", 0.0, False)
