@@ -14,11 +14,11 @@ from typing import Any, Mapping
 
 import torch
 
-from model_specs import llama, qwen2, qwen3, qwen3_moe
+from model_specs import glm4_moe, llama, qwen2, qwen2_moe, qwen3, qwen3_moe
 from model_specs.common import ModelSpec
 from model_specs.hf_config import HFConfigError, load_hf_config, model_dims
 
-FAMILIES = {m.TRAITS.name: m for m in (qwen3, qwen3_moe, qwen2, llama)}
+FAMILIES = {m.TRAITS.name: m for m in (qwen3, qwen3_moe, qwen2, qwen2_moe, glm4_moe, llama)}
 _BY_MODEL_TYPE = {t: m for m in FAMILIES.values() for t in m.TRAITS.model_types}
 
 

@@ -1,8 +1,9 @@
 """HF config.json -> megatron-core TransformerConfig + layer spec, shared by the decoder families.
 
-A family module (qwen3, qwen3_moe, qwen2, llama) declares only what differs (`FamilyTraits`);
-`build_model_spec` does the mapping. The actor builds a GPTModel from the returned `ModelSpec`
-without knowing which family or backend (TE or local) it came from. This package knows HF and
+A family module (qwen3, qwen3_moe, qwen2, qwen2_moe, glm4_moe, llama) declares only what differs
+(`FamilyTraits`); `build_model_spec` does the mapping, with rope.py (RoPE / YaRN) and moe.py
+(routers, shared experts). The actor builds a GPTModel from the returned `ModelSpec` without
+knowing which family or backend (TE or local) it came from. This package knows HF and
 megatron-core only: the parallel layout and the machine's adaptations arrive as TransformerConfig
 `overrides` from the caller.
 """
@@ -18,8 +19,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from model_specs.hf_config import HFConfigError, moe_layer_pattern, require
+from model_specs.hf_config import HFConfigError, require
+from model_specs.moe import moe_config_fields, use_expert_bias_router
 from model_specs.norms import HAVE_TE, replace_local_norms, te_checkpoint_keys
+from model_specs.rope import rope_mapping
 
 
 @dataclass(frozen=True)
@@ -27,10 +30,31 @@ class FamilyTraits:
     """What distinguishes one decoder family's HF config from another's."""
 
     name: str
+    """The family's name (FAMILIES key)."""
     model_types: tuple[str, ...]
+    """HF `model_type` values of the family."""
     qk_layernorm: bool = False
+    """Always QK-norm (RMSNorm over each head's q and k before RoPE)."""
+    qk_norm_field: str | None = None
+    """A config field that turns QK-norm on (GLM-4.5: use_qk_norm)."""
     qkv_bias: bool = False
+    """q/k/v have a bias unless the config says `qkv_bias: false` (Qwen2-MoE spells it so);
+    `attention_bias: true` also turns it on."""
     moe: bool = False
+    """Routed experts (moe.py)."""
+    router: str = "softmax"
+    """MoE router: "softmax" (Qwen) or "sigmoid" (GLM-4.5: expert bias, groups, scaling)."""
+    shared_expert: str | None = None
+    """None, "gated" (Qwen2-MoE) or "plain" (GLM-4.5); see moe.py."""
+    partial_rotary: bool = False
+    """The HF class rotates only `partial_rotary_factor` of each head (GLM-4.5)."""
+
+
+def attention_options(traits: FamilyTraits, hf: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(QK-norm, q/k/v bias) of a config of this family; the weight map reads the same."""
+    qk_norm = traits.qk_layernorm or bool(traits.qk_norm_field and hf.get(traits.qk_norm_field))
+    qkv_bias = bool(hf.get("qkv_bias", traits.qkv_bias)) or bool(hf.get("attention_bias", False))
+    return qk_norm, qkv_bias
 
 
 @dataclass
@@ -47,6 +71,10 @@ class ModelSpec:
     layer_spec_fn: Callable[[int | None, int | None], TransformerBlockSubmodules] = field(repr=False)
     transformer_engine: bool = False
     """The layer spec is Transformer Engine's (True) or megatron's local one (False)."""
+    position_embedding_type: str = "rope"
+    """GPTModel position_embedding_type: "rope", or "yarn" (rope.py)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates (HF partial_rotary_factor)."""
 
     @property
     def is_moe(self) -> bool:
@@ -61,7 +89,8 @@ class ModelSpec:
         return dict(
             vocab_size=self.vocab_size,
             max_sequence_length=self.max_sequence_length,
-            position_embedding_type="rope",
+            position_embedding_type=self.position_embedding_type,
+            rotary_percent=self.rotary_percent,
             rotary_base=self.rotary_base,
             share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
         )
@@ -84,10 +113,11 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     if hf.get("model_type") not in traits.model_types:
         raise HFConfigError(f"model_type {hf.get('model_type')!r} is not a {fam} model "
                             f"(expected one of {traits.model_types})")
-    if hf.get("rope_scaling"):
-        raise HFConfigError(f"{fam}: rope_scaling={hf['rope_scaling']} is not supported yet")
     if hf.get("hidden_act", "silu") != "silu":
         raise HFConfigError(f"{fam}: hidden_act={hf['hidden_act']!r}, expected 'silu'")
+    if hf.get("use_sliding_window"):
+        raise HFConfigError(f"{fam}: use_sliding_window=true is not supported (sliding-window "
+                            f"attention, sliding_window={hf.get('sliding_window')})")
     use_te = HAVE_TE if transformer_engine is None else bool(transformer_engine)
     if use_te and not HAVE_TE:
         raise HFConfigError("transformer_engine=True, but Transformer Engine does not import here "
@@ -98,6 +128,8 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     kv_heads = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or hidden // heads)
     vocab = int(require(hf, "vocab_size", fam))
+    qk_norm, qkv_bias = attention_options(traits, hf)
+    rope = rope_mapping(hf, fam, head_dim, traits.partial_rotary)
 
     kwargs: dict[str, Any] = dict(
         num_layers=num_layers,
@@ -111,8 +143,8 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=traits.qkv_bias or bool(hf.get("attention_bias", False)),
-        qk_layernorm=traits.qk_layernorm,
+        add_qkv_bias=qkv_bias,
+        qk_layernorm=qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -122,30 +154,23 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
     )
+    kwargs.update(rope.config_fields)
     if traits.moe:
-        kwargs.update(
-            num_moe_experts=int(require(hf, "num_experts", fam)),
-            moe_router_topk=int(require(hf, "num_experts_per_tok", fam)),
-            moe_ffn_hidden_size=int(require(hf, "moe_intermediate_size", fam)),
-            moe_layer_freq=moe_layer_pattern(hf, num_layers),
-            moe_router_score_function="softmax",
-            # norm_topk_prob=True (Qwen3-MoE): softmax over all experts, top-k, renormalise, which
-            # equals megatron's top-k-then-softmax. False: keep the full-softmax probabilities.
-            moe_router_pre_softmax=not bool(hf.get("norm_topk_prob", True)),
-            # RL fine-tuning: no load-balancing loss by default (it would enter the GSPO gradient).
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-        )
+        kwargs.update(moe_config_fields(hf, fam, num_layers, traits.router, traits.shared_expert))
     kwargs.update(overrides or {})
-    unknown = set(kwargs) - {f.name for f in dataclasses.fields(TransformerConfig)}
+    config_class = rope.config_class
+    unknown = set(kwargs) - {f.name for f in dataclasses.fields(config_class)}
     if unknown:
         raise HFConfigError(f"unknown TransformerConfig fields in overrides: {sorted(unknown)}")
-    config = TransformerConfig(**kwargs)
+    config = config_class(**kwargs)
+    expert_bias = bool(config.moe_router_enable_expert_bias)
 
     def layer_spec_fn(vp_stage: int | None, pp_rank: int | None) -> TransformerBlockSubmodules:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                           normalization="RMSNorm", vp_stage=vp_stage,
                                           pp_rank=pp_rank)
+        if expert_bias:
+            spec = use_expert_bias_router(spec)
         return spec if use_te else te_checkpoint_keys(replace_local_norms(spec))
 
     return ModelSpec(
@@ -154,8 +179,10 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
         config=config,
         vocab_size=vocab,
         max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
-        rotary_base=float(hf.get("rope_theta", 10000.0)),
+        rotary_base=rope.rotary_base,
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         layer_spec_fn=layer_spec_fn,
         transformer_engine=use_te,
+        position_embedding_type=rope.position_embedding_type,
+        rotary_percent=rope.rotary_percent,
     )

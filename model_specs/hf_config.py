@@ -22,15 +22,25 @@ def normalize_hf_config(hf: Mapping[str, Any]) -> dict[str, Any]:
 
     transformers >= 5 writes `num_local_experts` (attribute_map of num_experts) and nests
     `rope_theta` under `rope_parameters`; older configs have `num_experts` and `rope_theta`. Without
-    this, a transformers-5 Qwen3 config (rope_theta 1e6) would silently get RoPE base 10000."""
+    this, a transformers-5 Qwen3 config (rope_theta 1e6) would silently get RoPE base 10000.
+    GLM-4.5 names its routed experts `n_routed_experts`; transformers 5 also moves
+    `partial_rotary_factor` into `rope_parameters`. Legacy `rope_scaling` dicts spell the type
+    `type`; it is copied to `rope_type`."""
     out = dict(hf)
-    if out.get("num_experts") is None and out.get("num_local_experts") is not None:
-        out["num_experts"] = out["num_local_experts"]
+    for alias in ("num_local_experts", "n_routed_experts"):
+        if out.get("num_experts") is None and out.get(alias) is not None:
+            out["num_experts"] = out[alias]
     rope = out.get("rope_parameters") or {}
-    if out.get("rope_theta") is None and "rope_theta" in rope:
-        out["rope_theta"] = rope["rope_theta"]
+    # transformers (modeling_rope_utils.py, standardize_rope_params): rope_parameters' values win
+    # over the top-level fields (setdefault into rope_parameters)
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if rope.get(key) is not None:
+            out[key] = rope[key]
     if rope.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
-        out["rope_scaling"] = rope  # model_specs rejects RoPE scaling with a clear error
+        out["rope_scaling"] = rope  # model_specs/rope.py maps YaRN, rejects the other types
+    scaling = out.get("rope_scaling")
+    if isinstance(scaling, Mapping) and "rope_type" not in scaling and "type" in scaling:
+        out["rope_scaling"] = {**scaling, "rope_type": scaling["type"]}
     return out
 
 
@@ -59,7 +69,11 @@ def require(hf: Mapping[str, Any], key: str, family: str) -> Any:
 
 
 def moe_layer_pattern(hf: Mapping[str, Any], num_layers: int) -> list[int]:
-    """Qwen3-MoE: layer i is sparse (1) unless listed in mlp_only_layers or off the sparse step."""
+    """1 = MoE layer, 0 = dense. GLM-4.5 (`first_k_dense_replace`): the first k layers are dense.
+    Qwen2/3-MoE: layer i is sparse unless listed in mlp_only_layers or off the sparse step."""
+    if hf.get("first_k_dense_replace") is not None:
+        k = int(hf["first_k_dense_replace"])
+        return [0 if i < k else 1 for i in range(num_layers)]
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     dense = set(hf.get("mlp_only_layers") or [])
     return [0 if (i in dense or (i + 1) % step) else 1 for i in range(num_layers)]

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from model_specs import family_for
+from model_specs.common import attention_options
 from model_specs.hf_config import moe_layer_pattern, normalize_hf_config
 
 # The parameter kinds: how a megatron tensor relates to its HF tensors.
@@ -49,7 +50,8 @@ class WeightRule:
     """model: once; layer: every layer; dense: dense-MLP layers; moe: MoE layers; expert: every
     expert of every MoE layer (split across expert-parallel ranks)."""
     when: str | None = None
-    """A condition on the model: 'qk_norm', 'qkv_bias', 'untied'."""
+    """A condition on the model: 'qk_norm', 'qkv_bias', 'untied', 'expert_bias' (sigmoid router),
+    'shared_expert' + 'shared_expert_gate' (Qwen2-MoE's names), 'shared_experts' (GLM-4.5's)."""
 
 
 L = "decoder.layers.{layer}."
@@ -75,11 +77,29 @@ RULES: tuple[WeightRule, ...] = (
                GATE_UP, tp_dim=0, scope="dense"),
     WeightRule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), tp_dim=1, scope="dense"),
     WeightRule(L + "mlp.router.weight", (H + "mlp.gate.weight",), scope="moe"),
+    # megatron keeps the expert bias as a buffer; model_specs.moe.ExpertBiasRouter makes it a
+    # frozen parameter under the same name (fp32, as HF keeps e_score_correction_bias).
+    WeightRule(L + "mlp.router.expert_bias", (H + "mlp.gate.e_score_correction_bias",),
+               scope="moe", when="expert_bias"),
     WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
                (H + "mlp.experts.{expert}.gate_proj.weight", H + "mlp.experts.{expert}.up_proj.weight"),
                GATE_UP, tp_dim=0, scope="expert"),
     WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
                (H + "mlp.experts.{expert}.down_proj.weight",), tp_dim=1, scope="expert"),
+    # Shared experts: an MLP over the (expert-independent) TP group, in every MoE layer.
+    WeightRule(L + "mlp.shared_experts.linear_fc1.weight",
+               (H + "mlp.shared_expert.gate_proj.weight", H + "mlp.shared_expert.up_proj.weight"),
+               GATE_UP, tp_dim=0, scope="moe", when="shared_expert"),
+    WeightRule(L + "mlp.shared_experts.linear_fc2.weight", (H + "mlp.shared_expert.down_proj.weight",),
+               tp_dim=1, scope="moe", when="shared_expert"),
+    WeightRule(L + "mlp.shared_experts.gate_weight", (H + "mlp.shared_expert_gate.weight",),
+               scope="moe", when="shared_expert_gate"),
+    WeightRule(L + "mlp.shared_experts.linear_fc1.weight",
+               (H + "mlp.shared_experts.gate_proj.weight", H + "mlp.shared_experts.up_proj.weight"),
+               GATE_UP, tp_dim=0, scope="moe", when="shared_experts"),
+    WeightRule(L + "mlp.shared_experts.linear_fc2.weight",
+               (H + "mlp.shared_experts.down_proj.weight",), tp_dim=1, scope="moe",
+               when="shared_experts"),
     WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
     WeightRule("output_layer.weight", ("lm_head.weight",), tp_dim=0, when="untied"),
 )
@@ -103,6 +123,7 @@ def canonical_megatron_name(name: str) -> str:
 
 # HF tensors that carry no weights (recomputed buffers some exporters include).
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class WeightMapError(ValueError):
@@ -137,6 +158,9 @@ class WeightMap:
     moe_layers: tuple[bool, ...]
     num_experts: int
     flags: frozenset[str]
+    extra_hf_layers: int = 0
+    """Layers after the model's in HF checkpoints that the model does not use (GLM-4.5's
+    multi-token-prediction layers, `num_nextn_predict_layers`)."""
 
     def mappings(self) -> Iterator[ParamMapping]:
         """Every megatron parameter of the model, in HF order (embedding, layers, head)."""
@@ -158,6 +182,13 @@ class WeightMap:
 
     def hf_names(self) -> list[str]:
         return [n for m in self.mappings() for n in m.hf]
+
+    def ignores_hf(self, name: str) -> bool:
+        """An HF tensor that carries nothing of this model (a recomputed buffer, an MTP layer)."""
+        if IGNORED_HF.match(name):
+            return True
+        m = _HF_LAYER.match(name)
+        return bool(m) and self.num_layers <= int(m.group(1)) < self.num_layers + self.extra_hf_layers
 
     # ---- conversions of full (TP-merged) tensors ----
     def to_megatron(self, m: ParamMapping, hf_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -227,16 +258,23 @@ def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
     layers = int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     flags = set()
-    if traits.qk_layernorm:
+    qk_norm, qkv_bias = attention_options(traits, hf)
+    if qk_norm:
         flags.add("qk_norm")
-    if traits.qkv_bias or hf.get("attention_bias"):
+    if qkv_bias:
         flags.add("qkv_bias")
     if not hf.get("tie_word_embeddings", False):
         flags.add("untied")
+    if traits.moe and traits.router == "sigmoid":
+        flags.add("expert_bias")
+    if traits.moe and traits.shared_expert == "gated":
+        flags.update(("shared_expert", "shared_expert_gate"))
+    elif traits.moe and traits.shared_expert == "plain":
+        flags.add("shared_experts")
     moe = [bool(x) for x in moe_layer_pattern(hf, layers)] if traits.moe else [False] * layers
     return WeightMap(
         family=traits.name, num_layers=layers, num_heads=heads,
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         moe_layers=tuple(moe), num_experts=int(hf.get("num_experts") or 0) if traits.moe else 0,
-        flags=frozenset(flags))
+        flags=frozenset(flags), extra_hf_layers=int(hf.get("num_nextn_predict_layers") or 0))

@@ -51,6 +51,16 @@ def test_loads_and_runs(arch):
     if arch == "qwen3_moe":
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 32)
         assert cfg.norm_topk_prob
+    if arch == "qwen2_moe":
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 32)
+        assert cfg.shared_expert_intermediate_size == 64 and not cfg.norm_topk_prob
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    if arch == "glm4_moe":
+        assert (cfg.n_routed_experts, cfg.num_experts_per_tok) == (8, 2)
+        assert (cfg.n_group, cfg.topk_group) == (2, 1)
+        assert cfg.first_k_dense_replace == 1 and cfg.routed_scaling_factor == 2.5
+        assert model.model.layers[0].self_attn.q_norm is not None  # use_qk_norm
+        assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0  # drawn
     logits = model(torch.tensor([[1, 5, 300, 511]])).logits
     assert logits.shape == (1, 4, VOCAB_SIZE) and torch.isfinite(logits).all()
 
@@ -74,6 +84,13 @@ def test_tied_embeddings_and_overrides(tmp_path):
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     assert model.config.num_hidden_layers == 3
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_new_archs_are_deterministic(tmp_path):
+    for arch in ("qwen2_moe", "glm4_moe"):
+        a = make_tiny_model(arch, tmp_path / f"{arch}-a", seed=7)
+        b = make_tiny_model(arch, tmp_path / f"{arch}-b", seed=7)
+        assert _digest(a) == _digest(b), arch
 
 
 def test_cli(tmp_path):

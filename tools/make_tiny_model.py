@@ -2,6 +2,7 @@
 
     python tools/make_tiny_model.py --arch qwen3_moe --out /tmp/tiny-moe --seed 0
     python tools/make_tiny_model.py --arch qwen3 --out /tmp/tiny --seed 1 --tie-embeddings
+    python tools/make_tiny_model.py --arch glm4_moe --out /tmp/tiny-glm --override num_hidden_layers=4
 
 or from Python (tests, examples, the checkpoint converter):
 
@@ -16,6 +17,12 @@ same (arch, seed, overrides) gives the same bytes on every machine.
 Shapes (the defaults; any config field can be overridden): vocab 512, hidden 64, 2 layers, 4 query
 heads / 2 KV heads of head_dim 16 (GQA), max_position_embeddings 4096; qwen3 and qwen3_moe have
 QK-norm; qwen3_moe has 4 experts, top-2, norm_topk_prob, moe_intermediate_size 32.
+qwen2_moe (q/k/v bias) has 4 experts, top-2, full-softmax weights (norm_topk_prob false, as
+Qwen2-57B-A14B), moe_intermediate_size 32 and a gated shared expert of 64. glm4_moe (GLM-4.5
+shaped: q/k/v bias, QK-norm, half-rotary heads) has its first layer dense, then 8 experts top-2 in
+2 groups of which 1 is chosen, routed_scaling_factor 2.5, one shared expert; its
+e_score_correction_bias (zeros in transformers' init) is drawn at random too, so that the
+bias-shifted expert choice is exercised.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama")
+ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe")
 VOCAB_SIZE = 512
 # ChatML, as Qwen models use. <|im_end|> ends a turn and is the EOS token.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -98,6 +105,17 @@ def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
         cls, extra = transformers.Qwen2Config, dict()
     elif arch == "llama":
         cls, extra = transformers.LlamaConfig, dict(head_dim=16)
+    elif arch == "qwen2_moe":
+        cls, extra = transformers.Qwen2MoeConfig, dict(
+            num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+            qkv_bias=True, use_sliding_window=False)
+    elif arch == "glm4_moe":
+        cls, extra = transformers.Glm4MoeConfig, dict(
+            head_dim=16, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0)
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     return cls(**{**common, **extra, **overrides})
@@ -122,6 +140,10 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, tie_word_embe
     try:
         torch.manual_seed(seed)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # GLM-4.5's expert bias: zeros at init, drawn here (docstring)
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.normal_(0.0, 0.05)
     finally:
         torch.random.set_rng_state(rng_state)
     model.generation_config = transformers.GenerationConfig(

@@ -29,7 +29,7 @@ from gspo_megatron.checkpoint.hf_files import HFTensorReader, copy_metadata_file
 from gspo_megatron.checkpoint.model_io import EXTRA_STATE, HF_SUBDIR, TorchDcpSaveStrategy
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 from model_specs import load_hf_config, model_spec_for
-from model_specs.weight_maps import IGNORED_HF, WeightMap, WeightMapError, weight_map_for
+from model_specs.weight_maps import WeightMap, WeightMapError, weight_map_for
 
 
 @contextlib.contextmanager
@@ -147,7 +147,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
                 m = by_name[name]
                 hf_tensors = [reader.get(n) for n in m.hf]
                 cache.clear()
-                cache[name] = wmap.to_megatron(m, hf_tensors).to(dtype)
+                # the checkpoint's dtype, except where megatron keeps fp32 (the expert bias)
+                cache[name] = wmap.to_megatron(m, hf_tensors).to(params[name].dtype)
             return cache[name]
 
         dist_checkpointing.save(sharded_sd, str(out_dir),
@@ -164,7 +165,7 @@ def _check_hf_shapes(reader: HFTensorReader, wmap: WeightMap, params: dict) -> N
 def _check_unused_hf(reader: HFTensorReader, wmap: WeightMap, hf: dict[str, Any]) -> None:
     """HF tensors that the map does not consume mean a model the map does not describe."""
     unused = set(reader.names) - set(wmap.hf_names())
-    unused = {n for n in unused if not IGNORED_HF.match(n)}
+    unused = {n for n in unused if not wmap.ignores_hf(n)}  # recomputed buffers, GLM-4.5's MTP layers
     if hf.get("tie_word_embeddings"):
         unused.discard("lm_head.weight")  # some exporters store the tied head anyway
     if unused:

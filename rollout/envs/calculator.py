@@ -4,7 +4,8 @@ Prompt record: {"prompt": "What is 12*7+3?", "answer": "87"}. Each model turn ei
   - calls the tool: <tool_call>12*7+3</tool_call>  -> observation <tool_response>87</tool_response>
   - answers: ... \\boxed{87}                       -> done, reward 1.0 if equal to the answer else 0.0
   - does neither                                  -> an observation saying how to call the tool.
-Episodes end after max_turns with reward 0.
+Episodes end after max_turns with reward 0. With tool_reward > 0 a tool call that computes the
+answer earns that much too (a per-turn reward).
 """
 from __future__ import annotations
 
@@ -45,12 +46,19 @@ def _fmt(x: float) -> str:
 
 
 class CalculatorEnv(Environment):
-    def __init__(self, max_turns: int = 4):
-        self.max_turns = max_turns
+    """tool_reward: reward of a turn whose tool call computes the answer (a per-turn reward: the
+    episode's reward is the sum, and GSPO-token's per-turn credit can use it); instructions:
+    append the how-to-answer sentence to the question (off: the question alone, a shorter
+    context for tiny models that learn the format in a warm start)."""
+
+    def __init__(self, max_turns: int = 4, tool_reward: float = 0.0, instructions: bool = True):
+        self.max_turns, self.tool_reward, self.instructions = max_turns, tool_reward, instructions
         self.answer = ""
 
     def reset(self, prompt: dict) -> str:
         self.answer = str(prompt["answer"])
+        if not self.instructions:
+            return str(prompt["prompt"])
         return (f"{prompt['prompt']}\nYou may use a calculator: write <tool_call>EXPRESSION</tool_call>. "
                 "Give the final answer as \\boxed{ANSWER}.")
 
@@ -64,10 +72,12 @@ class CalculatorEnv(Environment):
             return EnvStep("", float(ok), True)
         calls = _TOOL_CALL.findall(model_turn)
         if calls:
+            reward = 0.0
             try:
                 result = _fmt(safe_eval(calls[-1]))
+                reward = self.tool_reward * (abs(float(result) - float(self.answer)) < 1e-6)
             except ValueError as e:
                 result = f"error: {e}"
-            return EnvStep(f"<tool_response>{result}</tool_response>", 0.0, False, tool_call=True)
+            return EnvStep(f"<tool_response>{result}</tool_response>", reward, False, tool_call=True)
         return EnvStep("No tool call or answer found. Use <tool_call>EXPRESSION</tool_call> "
                        "or \\boxed{ANSWER}.", 0.0, False)

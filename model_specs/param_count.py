@@ -1,0 +1,80 @@
+"""Parameter counts of a ModelSpec, from its TransformerConfig alone (nothing is built).
+
+    counts = param_count(model_spec_for("/models/Qwen3-30B-A3B"))
+    counts.total, counts.active          # 30.5e9, 3.3e9
+
+Counted as megatron holds the model: embedding, output layer (unless tied), per layer the fused
+q/k/v projection (+ bias), output projection, QK-norm, the two RMSNorms, then either the dense MLP
+or the router (+ expert bias), every routed expert and the shared expert (+ gate); the final
+norm. `active` is what one token passes through: the same, with `moe_router_topk` routed experts
+per MoE layer instead of all of them. Vendors differ on whether the embedding tables count as
+active (Qwen's published "A3B" / "A22B" include them, GLM-4.5's "32B active" does not), hence
+`embedding` and `output` separately.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.transformer import TransformerConfig
+
+from model_specs.common import ModelSpec
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameter counts of one model (numbers of scalars)."""
+
+    total: int
+    """Every parameter."""
+    active: int
+    """Parameters one token uses: all but the routed experts it is not sent to."""
+    embedding: int
+    """The input embedding table (vocab x hidden)."""
+    output: int
+    """The output layer (vocab x hidden; 0 when tied to the embedding)."""
+    routed_experts: int
+    """All routed experts of all MoE layers."""
+
+
+def _attention(c: TransformerConfig) -> int:
+    h, d = c.hidden_size, c.kv_channels
+    q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
+    n = h * (q + 2 * kv) + q * h                    # linear_qkv + linear_proj
+    n += (q + 2 * kv) if c.add_qkv_bias else 0
+    n += 2 * d if c.qk_layernorm else 0             # q_layernorm, k_layernorm (per head dim)
+    return n + 2 * h                                # input_layernorm, pre_mlp_layernorm
+
+
+def _mlp(c: TransformerConfig, ffn: int) -> int:
+    return (3 if c.gated_linear_unit else 2) * c.hidden_size * ffn
+
+
+def _moe_layers(c: TransformerConfig) -> int:
+    if not c.num_moe_experts:
+        return 0
+    freq = c.moe_layer_freq
+    if isinstance(freq, int):
+        return sum(1 for i in range(c.num_layers) if i % freq == 0)
+    return sum(int(x) for x in freq)
+
+
+def param_count(spec: ModelSpec) -> ParamCount:
+    """The counts of `spec` (see the module docstring)."""
+    c = spec.config
+    h, experts = c.hidden_size, c.num_moe_experts or 0
+    moe = _moe_layers(c)
+    dense = c.num_layers - moe
+    per_expert = _mlp(c, c.moe_ffn_hidden_size or 0)
+    moe_fixed = experts * h                         # router
+    moe_fixed += experts if c.moe_router_enable_expert_bias else 0
+    if c.moe_shared_expert_intermediate_size:
+        moe_fixed += _mlp(c, c.moe_shared_expert_intermediate_size)
+        moe_fixed += h if c.moe_shared_expert_gate else 0
+    embedding = spec.vocab_size * h
+    output = 0 if spec.share_embeddings_and_output_weights else spec.vocab_size * h
+    shared = embedding + output + h                 # + final norm
+    layers = c.num_layers * _attention(c) + dense * _mlp(c, c.ffn_hidden_size) + moe * moe_fixed
+    routed = moe * experts * per_expert
+    active_routed = moe * (c.moe_router_topk or 0) * per_expert
+    return ParamCount(total=shared + layers + routed, active=shared + layers + active_routed,
+                      embedding=embedding, output=output, routed_experts=routed)

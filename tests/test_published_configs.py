@@ -1,0 +1,121 @@
+"""The published config.json of real MoE models map, and their parameter counts (computed from the
+mapped TransformerConfig by model_specs.param_count) are the published ones within 2%.
+
+The configs are the fields of each model's config.json on the Hugging Face hub (written here from
+the published files; no hub access in tests). Published sizes: Qwen3-30B-A3B 30.5B total / 3.3B
+active, Qwen3-235B-A22B 235B / 22B, Qwen2-57B-A14B 57B / 14B (Qwen count the embedding tables
+as active), GLM-4.5 355B / 32B and GLM-4.5-Air 106B / 12B (Zhipu's active counts leave the
+embedding tables out, and neither count includes the multi-token-prediction layer).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_specs import load_hf_config, model_spec_for
+from model_specs.param_count import param_count
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+QWEN3_235B_A22B = dict(
+    QWEN3_30B_A3B, hidden_size=4096, intermediate_size=12288, max_window_layers=94,
+    moe_intermediate_size=1536, num_attention_heads=64, num_hidden_layers=94,
+)
+QWEN2_57B_A14B = {
+    "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+    "model_type": "qwen2_moe", "moe_intermediate_size": 2560, "norm_topk_prob": False,
+    "num_attention_heads": 28, "num_experts": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "output_router_logits": False,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 20480, "sliding_window": 131072,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+GLM_45 = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 131072,
+    "model_type": "glm4_moe", "moe_intermediate_size": 1536, "norm_topk_prob": True,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
+    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0", "use_cache": True, "use_qk_norm": True,
+    "vocab_size": 151552,
+}
+GLM_45_AIR = dict(
+    GLM_45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+    n_routed_experts=128, routed_scaling_factor=1.0, first_k_dense_replace=1,
+    num_hidden_layers=46, use_qk_norm=False,
+)
+
+# name: (config, published total, published active, active counts the embedding tables)
+PUBLISHED = {
+    "Qwen3-30B-A3B": (QWEN3_30B_A3B, 30.5e9, 3.3e9, True),
+    "Qwen3-235B-A22B": (QWEN3_235B_A22B, 235e9, 22e9, True),
+    "Qwen2-57B-A14B": (QWEN2_57B_A14B, 57e9, 14e9, True),
+    "GLM-4.5": (GLM_45, 355e9, 32e9, False),
+    "GLM-4.5-Air": (GLM_45_AIR, 106e9, 12e9, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_are_the_published_ones(name):
+    config, total, active, embeddings_active = PUBLISHED[name]
+    counts = param_count(model_spec_for(config))
+    got_active = counts.active if embeddings_active else \
+        counts.active - counts.embedding - counts.output
+    print(f"{name}: {counts.total / 1e9:.2f}B total (published {total / 1e9:g}B), "
+          f"{got_active / 1e9:.2f}B active (published {active / 1e9:g}B)")
+    assert counts.total == pytest.approx(total, rel=0.02)
+    assert got_active == pytest.approx(active, rel=0.02)
+
+
+def test_published_configs_map_as_the_models_are_described():
+    glm = model_spec_for(GLM_45).config
+    assert glm.moe_layer_freq == [0] * 3 + [1] * 89 and glm.num_moe_experts == 160
+    assert glm.moe_router_score_function == "sigmoid" and glm.moe_router_enable_expert_bias
+    assert glm.moe_router_topk_scaling_factor == 2.5 and glm.moe_router_num_groups is None
+    assert glm.moe_shared_expert_intermediate_size == 1536 and glm.qk_layernorm
+    assert model_spec_for(GLM_45).rotary_percent == 0.5 and glm.kv_channels == 128
+    assert not model_spec_for(GLM_45_AIR).config.qk_layernorm
+    qwen2 = model_spec_for(QWEN2_57B_A14B).config
+    assert qwen2.moe_shared_expert_gate and qwen2.moe_shared_expert_intermediate_size == 20480
+    assert qwen2.add_qkv_bias and qwen2.moe_router_pre_softmax  # norm_topk_prob false
+    # Qwen3's published long-context recipe: YaRN x4 over the 32k pretraining context
+    yarn = model_spec_for(dict(QWEN3_235B_A22B, max_position_embeddings=131072, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))
+    assert yarn.position_embedding_type == "yarn"
+    assert yarn.config.yarn_original_max_position_embeddings == 32768
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe"])
+def test_count_equals_the_built_models_parameters(arch, tmp_path):
+    """param_count against a GPTModel built on the meta device from each tiny family model, and
+    with tied embeddings for the dense ones."""
+    from gspo_megatron.checkpoint.convert import meta_model_state, single_process_megatron
+    from model_specs import FAMILIES
+
+    family = FAMILIES[arch]
+    base = getattr(family, "tiny_hf_config", None)
+    hf = base() if base else dict(FAMILIES["qwen3"].tiny_hf_config(), model_type=arch)
+    for tie in ((False, True) if arch in ("qwen3", "llama") else (False,)):
+        cfg = load_hf_config(dict(hf, tie_word_embeddings=tie))
+        with single_process_megatron():
+            _, params = meta_model_state(cfg, torch.float32)
+        assert param_count(model_spec_for(cfg)).total == sum(p.numel() for p in params.values())
