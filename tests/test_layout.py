@@ -48,3 +48,26 @@ def test_sequence_parallel_default_on_only_for_moe_with_tp():
     assert not ParallelLayout(tensor=2).use_sequence_parallel(is_moe=False)
     assert not ParallelLayout().use_sequence_parallel(is_moe=True)
     assert ParallelLayout(tensor=2, sequence_parallel=True).use_sequence_parallel(is_moe=False)
+
+
+@pytest.mark.parametrize("layout, world, message", [
+    (ParallelLayout(pipeline=3, first_stage_layers=1), 3, r"num_layers 4 - first_stage_layers 1 = 3 middle layers are not divisible by middle stages x virtual_pipeline = 2 x 1 = 2"),
+    (ParallelLayout(pipeline=2, first_stage_layers=4), 2, r"first_stage_layers 4 layers leave no layer of num_layers 4 for the 1 middle stage"),
+    (ParallelLayout(pipeline=2, virtual_pipeline=2, last_stage_layers=1), 2, r"last_stage_layers=1 is not divisible by virtual_pipeline 2"),
+    (ParallelLayout(last_stage_layers=4), 1, r"last_stage_layers=4 needs pipeline > 1"),
+])
+def test_impossible_uneven_pipelines_name_the_numbers(layout, world, message):
+    with pytest.raises(LayoutError, match=message):
+        layout.validate(world, **MODEL)
+
+
+@pytest.mark.parametrize("layout, world, stages", [
+    (ParallelLayout(pipeline=2, first_stage_layers=3), 2, [3, 1]),
+    (ParallelLayout(pipeline=2, last_stage_layers=1), 2, [3, 1]),
+    (ParallelLayout(pipeline=3, first_stage_layers=2), 3, [2, 1, 1]),
+    (ParallelLayout(pipeline=3, first_stage_layers=1, last_stage_layers=1), 3, [1, 2, 1]),
+    (ParallelLayout(tensor=2, pipeline=2, expert=2, first_stage_layers=1, last_stage_layers=3), 8, [1, 3]),
+])
+def test_uneven_pipelines_pass_with_their_stage_sizes(layout, world, stages):
+    layout.validate(world, **MODEL)
+    assert layout.stage_layers(MODEL["num_layers"]) == stages

@@ -76,7 +76,11 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout, world_size: int) -> No
 def _check_config_matches_layout(spec: ModelSpec, layout: ParallelLayout) -> None:
     c = spec.config
     want = dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
-                expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.etp)
+                expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.etp,
+                virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+                # Which layers each (virtual) stage builds, hence their global names, follow these.
+                num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+                num_layers_in_last_pipeline_stage=layout.last_stage_layers)
     got = {k: getattr(c, k) for k in want}
     if got != want:
         raise ValueError(f"ModelSpec was built for another layout: config has {got}, layout {layout} "
