@@ -22,7 +22,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
-from gspo_megatron.actor.settings import ComputeSettings, MicroBatchSettings, OptimizerSettings
+from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, OptimizerSettings,
+                                          RoutingSettings)
 from gspo_megatron.algorithms.registry import LossSettings, RLLossName
 from gspo_megatron.config_parsing import (ConfigError, apply_overrides, build, describe, field_docs,
                                           parse_override, read_yaml_mapping)
@@ -164,7 +165,9 @@ class RunConfig:
     """Layer implementation (TE or local), fused kernels and recomputation; null = what the
     machine supports."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    """Policy-gradient loss and its clip ranges."""
+    """Policy-gradient loss, its clip ranges and the train/inference mismatch corrections."""
+    moe: RoutingSettings = dataclasses.field(default_factory=RoutingSettings)
+    """MoE routing: replay of SGLang's experts (R3), routing drift and engine-vs-megatron metrics."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     """Prompts, sampling, reward and SGLang servers."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -233,6 +236,15 @@ class RunConfig:
         need(c.interval >= 1, "checkpoint.interval", c.interval, ">= 1")
         need(c.keep >= 0, "checkpoint.keep", c.keep, ">= 0")
         need(self.sync.bucket_mb >= 1, "sync.bucket_mb", self.sync.bucket_mb, ">= 1")
+        for cap in ("tis_cap", "seq_is_cap", "mis_cap"):
+            v = getattr(self.loss, cap)
+            need(v is None or t.old_log_probs == "recompute", f"loss.{cap}", v,
+                 "null with train.old_log_probs=engine (pi_old is then the engine's: no mismatch to correct)")
+        need(not self.moe.drift or t.old_log_probs == "recompute", "moe.drift", self.moe.drift,
+             "false or null with train.old_log_probs=engine (pi_old's routing is recorded in the "
+             "recompute pass)")
+        need(not (self.moe.replay and self.moe.engine_routing is False), "moe.engine_routing",
+             self.moe.engine_routing, "true or null with moe.replay=true (replay needs the engine's routing)")
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:

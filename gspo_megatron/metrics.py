@@ -10,6 +10,9 @@ section. What the trainer logs each step (TAGS below documents every tag):
   rollout/  reward mean/std, accuracy, response length mean/max, partial-rollout and dropped-group counts
   train/    sequence clip fraction, sequence-ratio mean/min/max, KL (if on), grad norm, lr, entropy,
             train-vs-rollout log-prob |diff|, loss
+  mismatch/ train/inference mismatch corrections (loss.tis_cap, seq_is_cap, mis_cap)
+  routing/  MoE routing drift since pi_old, SGLang-vs-megatron routing, the replay self-check;
+            per layer under routing_layers/ (scalars, and a TensorBoard histogram over layers)
   sync/     weight sync size and buckets
   time/     seconds per phase: rollout, log_probs, train, sync, checkpoint, step
   perf/     tokens/s (trained tokens / step time), rollout tokens/s, weight sync GB/s
@@ -23,6 +26,8 @@ import os
 import time
 from pathlib import Path
 from typing import Mapping
+
+import numpy as np
 
 TAGS = {
     "rollout/reward_mean": "mean reward of the batch's responses",
@@ -54,6 +59,20 @@ TAGS = {
     "train/lr": "learning rate",
     "train/entropy": "mean per-token entropy of the policy",
     "train/logprob_abs_diff": "mean |trainer log-prob - SGLang log-prob| over trainable tokens",
+    "train/logprob_k3": "k3 estimate of KL(SGLang || trainer) per trainable token (mismatch.py)",
+    "mismatch/abs_mean": "mean |log pi_old - log pi_engine| on the tokens the corrections saw",
+    "mismatch/k3": "k3 estimate of KL(pi_engine || pi_old) per token, same tokens",
+    "mismatch/tis_truncated_fraction": "tokens whose TIS weight exp(d) was capped at loss.tis_cap",
+    "mismatch/seq_is_truncated_fraction": "sequences whose geometric-mean ratio was capped at "
+                                          "loss.seq_is_cap",
+    "mismatch/mis_masked_fraction": "tokens (or sequences, loss.mis_level) masked by loss.mis_cap",
+    "routing/drift": "(token, layer) top-k expert sets on trained tokens that changed between "
+                     "pi_old and the policy after the step's updates (GSPO paper §5.3)",
+    "routing/engine_mismatch": "sets megatron's routers choose differently from SGLang's, same "
+                               "tokens, in the old-log-prob pass (moe.engine_routing)",
+    "routing/replay_mismatch": "with moe.replay: replayed sets that differ from SGLang's (a "
+                               "self-check: always 0)",
+    "time/routing_drift": "seconds of the forward-only routing drift pass (moe.drift)",
     "sync/gb": "GB of HF-named tensors sent per sync",
     "sync/buckets": "transfer buckets per sync (sync.bucket_mb each at most)",
     "time/rollout": "seconds generating + scoring",
@@ -105,6 +124,8 @@ class MetricsWriter:
             for tag, value in clean.items():
                 if math.isfinite(value):
                     self._tb.add_scalar(tag, value, step, walltime=wall)
+            for tag, values in per_layer_histograms(clean).items():
+                self._tb.add_histogram(tag, np.asarray(values), step, walltime=wall)
             self._tb.flush()
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
@@ -117,6 +138,30 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+
+
+# Per-layer tags: one scalar per MoE layer i (only layers with compared tokens).
+LAYER_TAGS = {
+    "routing_layers/drift": "routing/drift of layer i",
+    "routing_layers/engine_mismatch": "routing/engine_mismatch of layer i",
+}
+
+
+def documented(tag: str) -> bool:
+    """The tag is in TAGS, or is `<LAYER_TAGS key>_layer_<i>`."""
+    head, _, tail = tag.rpartition("_layer_")
+    return tag in TAGS or (head in LAYER_TAGS and tail.isdigit())
+
+
+def per_layer_histograms(metrics: Mapping[str, float]) -> dict[str, list[float]]:
+    """`routing_layers/drift_layer_<i>` scalars -> {"routing_layers/drift": [value per layer]}:
+    one TensorBoard histogram per quantity, over the layers (the drift's spread across depth)."""
+    out: dict[str, list[float]] = {}
+    for tag, value in metrics.items():
+        head, _, tail = tag.rpartition("_layer_")
+        if head in LAYER_TAGS and tail.isdigit() and math.isfinite(value):
+            out.setdefault(head, []).append(value)
+    return out
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, float]]:

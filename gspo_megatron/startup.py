@@ -178,7 +178,7 @@ def build_actor(cfg: RunConfig):
     return Actor(cfg.model.hf_path, cfg.parallel, optimizer=t, loss=cfg.loss,
                  logprob=LogProbSettings(temperature=cfg.rollout.temperature),
                  batching=t, old_log_probs=t.old_log_probs, seed=t.seed,
-                 params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute)
+                 params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute, routing=cfg.moe)
 
 
 def start_driver(cfg: RunConfig, rank: int) -> Driver | None:

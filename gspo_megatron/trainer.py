@@ -44,6 +44,9 @@ def run_loop(run: Run) -> None:
                     shard.ref_log_probs, _ = actor.compute_ref_log_probs(shard)
             with t("train"):  # k mini-batch GSPO updates (paper: 4)
                 updates = [actor.train_step(mini) for mini in shard.mini_batches()]
+            if actor.routing_settings.drift:
+                with t("routing_drift"):  # forward-only: how many top-k sets moved since pi_old
+                    old.update(actor.measure_routing_drift(shard))
             with t("sync"):  # new weights into SGLang before the next rollout
                 loop.weight_version += 1
                 sync = run.sync.sync(loop.weight_version)
@@ -79,7 +82,18 @@ def train_metrics(updates: list[dict[str, float]], old: dict[str, float]) -> dic
         # The first (on-policy) pass compares trainer and SGLang on the same weights.
         "train/logprob_abs_diff": old.get("logprob_abs_diff_vs_rollout",
                                           mean("logprob_abs_diff_vs_rollout")),
+        "train/logprob_k3": old.get("logprob_k3_vs_rollout", mean("logprob_k3_vs_rollout")),
     }
+    # Train/inference mismatch corrections (loss.tis_cap / seq_is_cap / mis_cap), per update.
+    for key in ("mismatch_abs_mean", "mismatch_k3", "tis_truncated_fraction",
+                "seq_is_truncated_fraction", "mis_masked_fraction"):
+        out[f"mismatch/{key.removeprefix('mismatch_')}"] = mean(key)
+    # MoE routing (moe: section): drift since pi_old, SGLang vs megatron, the replay self-check.
+    for key, value in old.items():
+        if key.startswith("routing_") and not key.endswith("_sets"):
+            name = key.removeprefix("routing_")
+            out[f"routing/{name}" if "_layer/" not in name else
+                f"routing_layers/{name.replace('_layer/', '_layer_')}"] = value
     return {k: v for k, v in out.items() if v is not None}
 
 

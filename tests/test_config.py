@@ -62,6 +62,9 @@ def test_typed_parse_of_overrides():
     ("train", "expected KEY=VALUE"),
     ("train.steps.x=1", "train.steps={'x': 1}: expected int"),
     ("train.x.y=1", "unknown key 'train.x'"),
+    ("loss.tis_cap=0.5", "tis_cap=0.5: expected >= 1"),
+    ("loss.mis_level=row", "loss.mis_level='row': expected 'token' | 'sequence'"),
+    ("moe.replay=maybe", "moe.replay='maybe': expected bool"),
 ])
 def test_bad_values_name_field_and_value(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -96,3 +99,16 @@ def test_every_field_has_a_docstring():
         assert set(field_docs(cls)) == {g.name for g in dataclasses.fields(cls)}, cls.__name__
     text = describe_fields()
     assert "rollout:" in text and "group_size: 8" in text and "mini_batches: 4" in text
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["loss.tis_cap=2", "train.old_log_probs=engine"], "loss.tis_cap=2.0: expected null with train.old_log_probs=engine"),
+    (["moe.drift=true", "train.old_log_probs=engine"], "moe.drift=True: expected false or null"),
+    (["moe.replay=true", "moe.engine_routing=false"], "moe.engine_routing=False: expected true or null"),
+])
+def test_moe_and_mismatch_cross_checks(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(BASE, overrides)
+    assert needle in str(e.value)
+    ok = config_from_dict(BASE, ["loss.tis_cap=2", "loss.mis_cap=3", "loss.mis_level=sequence"])
+    assert "tis_cap=2 mis_cap=3" in ok.describe_loss()

@@ -48,3 +48,22 @@ def test_progress_line_and_tag_docs():
     line = format_progress(3, 10, {"rollout/reward_mean": 0.25, "time/rollout": 1.5})
     assert "step    3/10" in line and "reward 0.250" in line and "rollout 1.5s" in line
     assert all(t.count("/") == 1 and doc for t, doc in TAGS.items())
+
+
+def test_per_layer_routing_histograms(tmp_path):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    from gspo_megatron.metrics import documented, per_layer_histograms
+    layers = {f"routing_layers/drift_layer_{i}": v for i, v in enumerate([0.1, 0.3, 0.0, 0.2])}
+    assert per_layer_histograms(layers) == {"routing_layers/drift": [0.1, 0.3, 0.0, 0.2]}
+    assert documented("routing_layers/drift_layer_12") and not documented("routing_layers/x_layer_1")
+    w = MetricsWriter(str(tmp_path / "tb"))
+    w.log(0, {"routing/drift": 0.15, **layers})
+    w.close()
+    acc = event_accumulator.EventAccumulator(str(tmp_path / "tb"),
+                                             size_guidance={event_accumulator.HISTOGRAMS: 0})
+    acc.Reload()
+    (event,) = acc.Histograms("routing_layers/drift")
+    assert event.step == 0 and event.histogram_value.num == 4
+    assert abs(event.histogram_value.sum - 0.6) < 1e-6 and event.histogram_value.max == 0.3
+    assert read_scalars(tmp_path / "tb")["routing_layers/drift_layer_1"] == [(0, 0.30000001192092896)]

@@ -28,8 +28,9 @@ from gspo_megatron.actor.batch import TrainBatch
 from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
                                        spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
+from gspo_megatron.actor.routing import Routing
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, ComputeSettings, LogProbSettings,
-                                          MicroBatchSettings, OptimizerSettings)
+                                          MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
 from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
 from gspo_megatron.algorithms.registry import LossSettings
@@ -54,12 +55,12 @@ class Actor:
                  batching: MicroBatchSettings | None = None,
                  old_log_probs: str = "recompute", seed: int = 1234,
                  params_dtype: torch.dtype = torch.float32,
-                 compute: ComputeSettings | None = None) -> None:
+                 compute: ComputeSettings | None = None, routing: RoutingSettings | None = None) -> None:
         """old_log_probs: where pi_old comes from, "recompute" (a forward-only pass before the
         updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4). compute: TE
         spec, fused kernels, recomputation (None: what this machine supports). batching: how rows
         become micro-batches (token budgets); micro_batch_size alone is the shorthand for
-        MicroBatchSettings(micro_batch_size=...)."""
+        MicroBatchSettings(micro_batch_size=...). routing: MoE routing replay and drift metrics."""
         self.layout = layout
         self.optimizer_settings = optimizer or OptimizerSettings()
         self.loss = loss or LossSettings()
@@ -88,6 +89,12 @@ class Actor:
             self.spec, layout, use_distributed_optimizer=self.optimizer_settings.use_distributed_optimizer,
             grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32)
         set_fused(self.chunks, self.logprob.fused)
+        config = self.spec.config
+        self.routing_settings = (routing or RoutingSettings()).resolve(
+            is_moe=bool(config.num_moe_experts), recompute=old_log_probs == "recompute")
+        self.routing = Routing(self.chunks, config.num_layers, config.moe_router_topk or 0)
+        if self.routing_settings.replay or self.routing_settings.drift:
+            self.routing.check_supported(config)
         self.optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
         self._reference: list[torch.Tensor] | None = None  # KL reference: this rank's shards, on CPU
 
@@ -129,17 +136,58 @@ class Actor:
             if batch.rollout_log_probs is None:
                 raise ValueError("old_log_probs='engine' needs batch.rollout_log_probs")
             return (batch.rollout_log_probs if self.is_last_stage else None), {}
-        return compute_log_probs(self.chunks, batch, batching=self.batching,
-                                 logprob=self.logprob)
+        self._begin_routing(batch, record=bool(self.routing_settings.drift),
+                            compare_engine=batch.routed_experts is not None)
+        log_probs, metrics = compute_log_probs(self.chunks, batch, batching=self.batching,
+                                               logprob=self.logprob, before_forward=self.routing.before_forward)
+        metrics.update(self.routing.end())
+        return log_probs, metrics
+
+    def measure_routing_drift(self, batch: TrainBatch) -> dict[str, float]:
+        """After the step's updates, over the batch compute_old_log_probs saw: `routing_drift`, the
+        fraction of (token, layer) top-k sets on trained tokens that changed since pi_old, and
+        per layer `routing_drift_layer/<i>` (a forward-only pass; collective)."""
+        if not self.routing_settings.drift:
+            raise RuntimeError("routing drift is off (RoutingSettings.drift)")
+        self._begin_routing(batch, compare_old=True)
+        compute_log_probs(self.chunks, batch, batching=self.batching, logprob=self.logprob,
+                          before_forward=self.routing.before_forward)
+        return self.routing.end()
+
+    def _begin_routing(self, batch: TrainBatch, *, record: bool = False, compare_old: bool = False,
+                       compare_engine: bool = False) -> None:
+        replay = self.routing_settings.replay
+        if batch.routed_experts is not None:
+            self._check_routed_experts(batch.routed_experts)
+        elif replay:
+            raise ValueError("routing replay needs batch.routed_experts (the rollout must ask SGLang "
+                             "for them: moe.engine_routing)")
+        self.routing.begin(replay=replay, record=record, compare_old=compare_old,
+                           compare_engine=compare_engine, batch_shape=tuple(batch.tokens.shape))
+
+    def _check_routed_experts(self, routed: torch.Tensor) -> None:
+        c = self.spec.config
+        want = (c.num_layers, c.moe_router_topk)
+        if tuple(routed.shape[2:]) != want:
+            raise ValueError(f"routed_experts have {tuple(routed.shape[2:])} (layers, top-k) per token, "
+                             f"the model {want}")
+        if routed.numel() and int(routed.max()) >= (c.num_moe_experts or 0):
+            raise ValueError(f"routed_experts name expert {int(routed.max())}, the model has "
+                             f"{c.num_moe_experts}")
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch; the same metrics on every rank:
         loss, clip_fraction, token_clip_fraction, seq_ratio_mean/min/max, grad_norm, lr,
         entropy_mean, logprob_abs_diff_vs_rollout (with rollout log-probs), tokens, num_sequences."""
         # With recomputed pi_old the forward-only pass reported the entropy: not again here.
-        return train_step(self.chunks, self.optimizer, self.scheduler, batch,
-                          batching=self.batching, loss=self.loss, logprob=self.logprob,
-                          with_entropy=self.old_log_probs == "engine")
+        self._begin_routing(batch)
+        try:
+            return train_step(self.chunks, self.optimizer, self.scheduler, batch,
+                              batching=self.batching, loss=self.loss, logprob=self.logprob,
+                              with_entropy=self.old_log_probs == "engine",
+                              before_forward=self.routing.before_forward)
+        finally:
+            self.routing.end()
 
     def sft_step(self, batch: TrainBatch, lr: float) -> dict[str, float]:
         """One supervised (cross-entropy over trained tokens) step at learning rate `lr`, leaving
@@ -192,10 +240,12 @@ class Actor:
         if self._reference is None:
             raise RuntimeError("compute_ref_log_probs needs a reference policy: call set_reference() first")
         self._swap_reference()
+        self._begin_routing(batch)
         try:
             return compute_log_probs(self.chunks, batch, batching=self.batching,
-                                     logprob=self.logprob)
+                                     logprob=self.logprob, before_forward=self.routing.before_forward)
         finally:
+            self.routing.end()
             self._swap_reference()
 
     # --- weights and checkpoints ----------------------------------------------------------------

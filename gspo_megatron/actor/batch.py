@@ -6,7 +6,9 @@ as predicted by the model from `tokens[i, :t]`; so `loss_mask[:, 0]` is always F
 predicts the first token) and positions `t >= lengths[i]` (right padding) are False.
 `rollout_log_probs[i, t]`, `old_log_probs[i, t]`, `ref_log_probs[i, t]` (KL reference),
 `weight_versions[i, t]` and, for gspo_token,
-`advantages[i, t]` refer to the same token `tokens[i, t]`. Values at untrained positions are
+`advantages[i, t]` refer to the same token `tokens[i, t]`. The exception is `routed_experts[i, p]`
+(MoE routing replay): the engine's top-k experts of each layer for the token at INPUT position p,
+which is where a router sees it (-1: no engine routing there). Values at untrained positions are
 ignored (the losses mask with torch.where, so even NaN there is harmless).
 
 Splitting: the rollout batch's k mini-batches are consecutive blocks of rows (sizes differ by at
@@ -40,6 +42,7 @@ class TrainBatch:
     old_log_probs: torch.Tensor | None = None      # [b, s] float; set on the LAST pipeline stage
     ref_log_probs: torch.Tensor | None = None      # [b, s] float, KL reference; LAST stage only
     global_rows: torch.Tensor | None = None        # [b] int64, row index in the global batch
+    routed_experts: torch.Tensor | None = None     # [b, s, layers, k] int16, engine routing (-1: none)
     mini_batch_sizes: list[int] | None = None      # rows of each mini-batch (set by shard())
 
     def __post_init__(self) -> None:
@@ -57,6 +60,10 @@ class TrainBatch:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b, s):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({b}, {s}) like tokens")
+        if self.routed_experts is not None and (self.routed_experts.dim() != 4
+                                                or tuple(self.routed_experts.shape[:2]) != (b, s)):
+            raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
+                             f"({b}, {s}, layers, top-k)")
         if tuple(self.advantages.shape) not in ((b,), (b, s)):
             raise ValueError(f"advantages have shape {tuple(self.advantages.shape)}, expected ({b},) "
                              f"or ({b}, {s})")
@@ -85,7 +92,7 @@ class TrainBatch:
             t = getattr(self, f.name)
             if t is None or f.name == "mini_batch_sizes":
                 fields[f.name] = None
-            elif t.dim() == 2:
+            elif t.dim() >= 2:
                 fields[f.name] = t[rows][:, :s]
             else:
                 fields[f.name] = t[rows]
@@ -154,6 +161,7 @@ class MicroBatch:
     rollout_log_probs: torch.Tensor | None   # [m, s_m]
     ref_log_probs: torch.Tensor | None = None  # [m, s_m]
     lengths: torch.Tensor | None = None        # [m] real tokens per row (0 for a filler row)
+    routed_experts: torch.Tensor | None = None  # [m, s_m, layers, k] engine routing, -1 = none
     packed: "PackedInputs | None" = None       # the model's input as one packed sequence (packing.py)
 
     def to(self, device: torch.device | str) -> "MicroBatch":
@@ -168,7 +176,7 @@ def _pad_to(t: torch.Tensor | None, s: int, value=0) -> torch.Tensor | None:
         return t
     if t.shape[1] > s:
         return t[:, :s]
-    pad = t.new_full((t.shape[0], s - t.shape[1]), value)
+    pad = t.new_full((t.shape[0], s - t.shape[1], *t.shape[2:]), value)
     return torch.cat([t, pad], dim=1)
 
 
@@ -206,7 +214,8 @@ def micro_batch(batch: TrainBatch, index: int, rows: list[int], *, seq_multiple:
         advantages=_pad_to(part.advantages, s),
         old_log_probs=_pad_to(part.old_log_probs, s),
         rollout_log_probs=_pad_to(part.rollout_log_probs, s),
-        ref_log_probs=_pad_to(part.ref_log_probs, s), lengths=lengths)
+        ref_log_probs=_pad_to(part.ref_log_probs, s), lengths=lengths,
+        routed_experts=_pad_to(part.routed_experts, s, -1))
 
 
 def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
@@ -218,7 +227,7 @@ def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
     def grow(t: torch.Tensor | None, value=0) -> torch.Tensor | None:
         if t is None:
             return None
-        if t.dim() == 2:
+        if t.dim() >= 2:
             t = _pad_to(t, s, value)
         extra = m - t.shape[0]
         return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
@@ -228,7 +237,8 @@ def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
                        loss_mask=grow(mb.loss_mask, False), advantages=grow(mb.advantages),
                        old_log_probs=grow(mb.old_log_probs),
                        rollout_log_probs=grow(mb.rollout_log_probs),
-                       ref_log_probs=grow(mb.ref_log_probs), lengths=grow(mb.lengths)) for mb in mbs]
+                       ref_log_probs=grow(mb.ref_log_probs), lengths=grow(mb.lengths),
+                       routed_experts=grow(mb.routed_experts, -1)) for mb in mbs]
 
 
 def _filler_like(batch: TrainBatch) -> TrainBatch:
@@ -242,4 +252,6 @@ def _filler_like(batch: TrainBatch) -> TrainBatch:
                       rollout_log_probs=like(batch.rollout_log_probs),
                       weight_versions=like(batch.weight_versions),
                       old_log_probs=like(batch.old_log_probs),
-                      ref_log_probs=like(batch.ref_log_probs))
+                      ref_log_probs=like(batch.ref_log_probs),
+                      routed_experts=None if batch.routed_experts is None else torch.full(
+                          (1, 1, *batch.routed_experts.shape[2:]), -1, dtype=batch.routed_experts.dtype))

@@ -103,10 +103,13 @@ def last_stage_log_probs(chunk: torch.nn.Module, output: torch.Tensor, mb: Micro
 
 
 LastStageFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
+# Called on every stage right before a chunk runs a micro-batch (routing.py: replay and records).
+BeforeForward = Callable[[torch.nn.Module, MicroBatch], None]
 
 
 def run_schedule(chunks: list[torch.nn.Module], mbs: list[MicroBatch], settings: LogProbSettings,
-                 last_stage_fn: LastStageFn, *, forward_only: bool, with_entropy: bool = True) -> list[dict]:
+                 last_stage_fn: LastStageFn, *, forward_only: bool, with_entropy: bool = True,
+                 before_forward: BeforeForward | None = None) -> list[dict]:
     """Run megatron's forward(-backward) schedule over the micro-batches of this rank.
 
     `last_stage_fn(mb, log_probs, entropy) -> (loss, report)` runs on the last stage per micro-batch;
@@ -117,6 +120,8 @@ def run_schedule(chunks: list[torch.nn.Module], mbs: list[MicroBatch], settings:
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator).to(device)
+        if before_forward is not None:
+            before_forward(model, mb)
         if mb.packed is not None:  # one THD sequence (packing.py)
             output = model(mb.packed.tokens, mb.packed.position_ids, None,
                            packed_seq_params=mb.packed.seq_params())

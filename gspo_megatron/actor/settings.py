@@ -100,6 +100,39 @@ class MicroBatchSettings:
 
 
 @dataclass
+class RoutingSettings:
+    """MoE routing tools of the actor (actor/routing.py; docs/moe_stability.md)."""
+
+    replay: bool = False
+    """Routing replay ("R3"): megatron's routers use the experts SGLang routed each token to, in
+    the old-log-prob pass, the KL reference pass and the train steps. The gating weights are still
+    computed by the current router at those experts, so the router keeps learning (as slime, verl
+    and megatron's RouterReplay do). Turns on engine_routing."""
+    drift: bool | None = None
+    """Routing drift, every step: the fraction of (token, layer) top-k expert sets on trained
+    tokens that differ between pi_old (the old-log-prob pass) and the policy after the step's
+    updates, measured by one extra forward-only pass (GSPO paper §5.3: ~10% on a 48-layer MoE).
+    null = on for MoE models with train.old_log_probs=recompute."""
+    engine_routing: bool | None = None
+    """Ask SGLang for the experts it routed every token to (--enable-return-routed-experts) and
+    report routing_engine_mismatch: the fraction of those sets megatron's routers choose
+    differently in the old-log-prob pass (same weights unless rollouts lag). null = with replay."""
+
+    def resolve(self, *, is_moe: bool, recompute: bool) -> "RoutingSettings":
+        """The settings with nulls decided; errors name what cannot run."""
+        if (self.replay or self.drift or self.engine_routing) and not is_moe:
+            raise ValueError("moe.replay / moe.drift / moe.engine_routing: the model has no MoE layers")
+        if self.drift and not recompute:
+            raise ValueError("moe.drift=true needs train.old_log_probs=recompute (pi_old's routing "
+                             "is recorded in that pass)")
+        if self.engine_routing is False and self.replay:
+            raise ValueError("moe.replay=true needs the engine's routing: engine_routing must not be false")
+        return RoutingSettings(replay=self.replay,
+                               drift=is_moe and recompute if self.drift is None else self.drift,
+                               engine_routing=self.replay if self.engine_routing is None else self.engine_routing)
+
+
+@dataclass
 class LogProbSettings:
     """How the last stage computes per-token log-probs."""
 

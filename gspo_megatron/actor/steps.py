@@ -37,15 +37,28 @@ from megatron.core import parallel_state as ps
 
 from gspo_megatron.actor import microbatches
 from gspo_megatron.actor.batch import MicroBatch, TrainBatch
-from gspo_megatron.actor.forward import is_last_stage_rank, run_schedule, seq_multiple
+from gspo_megatron.actor.forward import BeforeForward, is_last_stage_rank, run_schedule, seq_multiple
 from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings
 from gspo_megatron.algorithms.loss_metrics import finalize_metrics
+from gspo_megatron.algorithms.mismatch import mismatch_correction
 from gspo_megatron.algorithms.registry import LossSettings
 from gspo_megatron.parallel.comm import comm_device
 
 
 # Totals the last stage reports per micro-batch, beyond the loss functions' own (METRIC_REDUCTIONS).
-_EXTRA_SUMS = ("loss_sum", "entropy_sum", "log_prob_sum", "rollout_abs_diff_sum", "rollout_tokens")
+_EXTRA_SUMS = ("loss_sum", "entropy_sum", "log_prob_sum", "rollout_abs_diff_sum", "rollout_k3_sum",
+               "rollout_tokens")
+# Totals of the mismatch corrections (algorithms/mismatch.py), reported when any is on.
+_MISMATCH_SUMS = ("mismatch_abs_sum", "mismatch_k3_sum", "mismatch_tokens", "mismatch_sequences")
+
+
+def _correction_sums(loss: LossSettings) -> list[str]:
+    """The corrections' own counts: the ones of the corrections that are on."""
+    out = ["tis_truncated_tokens"] if loss.tis_cap is not None else []
+    out += ["seq_is_truncated_sequences"] if loss.seq_is_cap is not None else []
+    if loss.mis_cap is not None:
+        out.append("mis_masked_sequences" if loss.mis_level == "sequence" else "mis_masked_tokens")
+    return out
 
 
 def _global_count(local: int) -> int:
@@ -63,8 +76,10 @@ def _token_totals(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor
            "log_prob_sum": torch.where(mask, lp, 0).sum(),
            "num_tokens": mask.sum().to(lp.dtype)}
     if mb.rollout_log_probs is not None:
-        diff = (lp - mb.rollout_log_probs.to(lp.dtype)).abs()
-        out["rollout_abs_diff_sum"] = torch.where(mask, diff, 0).sum()
+        d = (lp.float() - mb.rollout_log_probs.float()).clamp(-20.0, 20.0)  # log pi_train - log pi_eng
+        out["rollout_abs_diff_sum"] = torch.where(mask, d.abs(), 0).sum()
+        # k3 estimate of KL(pi_eng || pi_train) from the engine's samples (mismatch.py)
+        out["rollout_k3_sum"] = torch.where(mask, torch.exp(d) - 1 - d, 0).sum()
         out["rollout_tokens"] = out["num_tokens"]
     return out
 
@@ -107,7 +122,22 @@ def _metric_keys(loss: LossSettings, with_rollout: bool) -> dict[str, str]:
     """{key: reduction} of everything the last stage reports per micro-batch for `loss`."""
     keys = loss.spec.reported_keys(with_kl=loss.kl_coef > 0)
     keys.update({k: "sum" for k in _EXTRA_SUMS if with_rollout or not k.startswith("rollout")})
+    if loss.corrects_mismatch:
+        keys.update({k: "sum" for k in (*_MISMATCH_SUMS, *_correction_sums(loss))})
     return keys
+
+
+def _mismatch_metrics(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fractions and means of the mismatch corrections' totals (mismatch.py)."""
+    tokens = max(float(totals["mismatch_tokens"]), 1.0)
+    seqs = max(float(totals["mismatch_sequences"]), 1.0)
+    out = {"mismatch_abs_mean": totals["mismatch_abs_sum"] / tokens,
+           "mismatch_k3": totals["mismatch_k3_sum"] / tokens}
+    for key, denom in (("tis_truncated_tokens", tokens), ("seq_is_truncated_sequences", seqs),
+                       ("mis_masked_tokens", tokens), ("mis_masked_sequences", seqs)):
+        if key in totals:
+            out[key.replace("_tokens", "_fraction").replace("_sequences", "_fraction")] = totals[key] / denom
+    return out
 
 
 def _finish(totals: dict[str, torch.Tensor], name: str | None) -> dict[str, float]:
@@ -121,8 +151,11 @@ def _finish(totals: dict[str, torch.Tensor], name: str | None) -> dict[str, floa
     out["entropy_mean"] = totals["entropy_sum"] / n_tok
     out["log_prob_mean"] = totals["log_prob_sum"] / n_tok
     if "rollout_abs_diff_sum" in totals:
-        out["logprob_abs_diff_vs_rollout"] = totals["rollout_abs_diff_sum"] / max(
-            totals["rollout_tokens"].item(), 1.0)
+        n_roll = max(totals["rollout_tokens"].item(), 1.0)
+        out["logprob_abs_diff_vs_rollout"] = totals["rollout_abs_diff_sum"] / n_roll
+        out["logprob_k3_vs_rollout"] = totals["rollout_k3_sum"] / n_roll
+    if "mismatch_tokens" in totals:
+        out.update(_mismatch_metrics(totals))
     out["tokens"] = totals["num_tokens"]
     return {k: float(v) for k, v in out.items()}
 
@@ -153,8 +186,9 @@ def _padding_metrics(mbs: list[MicroBatch]) -> dict[str, float]:
 
 @torch.no_grad()
 def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
-                      batching: MicroBatchSettings,
-                      logprob: LogProbSettings) -> tuple[torch.Tensor | None, dict[str, float]]:
+                      batching: MicroBatchSettings, logprob: LogProbSettings,
+                      before_forward: BeforeForward | None = None,
+                      ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Forward-only pass over this DP rank's shard: `(log_probs [b, s], metrics)`.
 
     The log-probs exist on the last pipeline stage only (None elsewhere); the caller keeps them as
@@ -171,10 +205,10 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
         out[mb.rows[real].cpu(), :width] = log_probs[real, :width].float().cpu()
         return log_probs.sum() * 0.0, _token_totals(mb, log_probs, entropy)
 
-    reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True)
+    reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True, before_forward=before_forward)
     keys = {k: "sum" for k in ("num_tokens", "entropy_sum", "log_prob_sum")}
     if batch.rollout_log_probs is not None:
-        keys.update(rollout_abs_diff_sum="sum", rollout_tokens="sum")
+        keys.update(rollout_abs_diff_sum="sum", rollout_k3_sum="sum", rollout_tokens="sum")
     metrics = _finish(reduce_to_all_ranks(reports, keys), None)
     metrics.update(_padding_metrics(mbs), num_microbatches=float(len(mbs)))
     return (out if is_last_stage_rank() else None), metrics
@@ -182,7 +216,7 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
 
 def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: TrainBatch, *,
                batching: MicroBatchSettings, loss: LossSettings, logprob: LogProbSettings,
-               with_entropy: bool = True) -> dict[str, float]:
+               with_entropy: bool = True, before_forward: BeforeForward | None = None) -> dict[str, float]:
     """One optimizer step on this DP rank's shard of a (mini-)batch; metrics on every rank.
 
     The last stage needs `batch.old_log_probs` (and `batch.ref_log_probs` with a KL penalty),
@@ -198,9 +232,16 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
         if loss.kl_coef > 0 and batch.ref_log_probs is None:
             raise ValueError(f"kl_coef={loss.kl_coef} needs batch.ref_log_probs on the last pipeline "
                              "stage (Actor.compute_ref_log_probs)")
+    correct = spec.function_path is not None and loss.corrects_mismatch
+    if correct and batch.rollout_log_probs is None:
+        raise ValueError(f"{loss.describe()}: the mismatch corrections need batch.rollout_log_probs")
     mbs = plan(batch, batching, forward_only=False)
     num_mb = len(mbs)
     local = int(batch.loss_mask.sum()) if loss.name == "ce" else batch.num_valid_sequences()
+    if correct and is_last_stage_rank():  # MIS may leave rows without trained tokens: not counted
+        mask = mismatch_correction(batch.old_log_probs, batch.rollout_log_probs, batch.loss_mask,
+                                   **loss.mismatch_kwargs()).loss_mask
+        local = int(mask.any(dim=1).sum())
     global_count = _global_count(local)
     # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
     scale = num_mb * ps.get_data_parallel_world_size() / max(global_count, 1)
@@ -215,9 +256,15 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
             adv = mb.advantages
             if spec.advantages == "token" and adv.dim() == 1:
                 adv = adv[:, None].expand_as(log_probs)  # one advantage per row, on every token
-            total, metrics = loss_fn(log_probs, mb.old_log_probs, adv, mb.loss_mask, reduction="sum",
+            mask, weights = mb.loss_mask, {}
+            if correct:
+                c = mismatch_correction(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
+                                        **loss.mismatch_kwargs())
+                mask, weights = c.loss_mask, dict(token_weights=c.token_weights, row_weights=c.row_weights)
+                report.update(c.totals)
+            total, metrics = loss_fn(log_probs, mb.old_log_probs, adv, mask, reduction="sum",
                                      ref_log_probs=mb.ref_log_probs if loss.kl_coef > 0 else None,
-                                     **loss_kwargs)
+                                     **loss_kwargs, **weights)
             report.update({k: metrics[k] for k in spec.reported_keys(loss.kl_coef > 0)})
         report["loss_sum"] = total.detach()
         return total * scale, report
@@ -226,7 +273,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     reports = run_schedule(chunks, mbs, logprob, loss_func, forward_only=False,
-                           with_entropy=with_entropy)
+                           with_entropy=with_entropy, before_forward=before_forward)
     update_ok, grad_norm, _ = optimizer.step()
     if grad_norm is None:  # megatron computes it only when clipping; report it anyway
         grad_norm = optimizer.get_grad_norm()
@@ -235,6 +282,8 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
         scheduler.step(increment=1)
     metrics = _finish(reduce_to_all_ranks(reports, _metric_keys(loss, batch.rollout_log_probs is not None)),
                       loss.name)
+    if not with_entropy:  # not computed (the fused path) or not asked for: not reported either
+        metrics.pop("entropy_mean")
     metrics.update(grad_norm=float(grad_norm), lr=float(lr), update_successful=float(bool(update_ok)),
                    num_microbatches=float(num_mb), **_padding_metrics(mbs))
     return metrics

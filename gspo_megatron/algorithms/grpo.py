@@ -12,7 +12,8 @@ from .rows import LOG_RATIO_CLAMP, finish_loss, prepare_rows
 def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
               loss_mask: torch.Tensor, *, eps_low: float = GRPO_CLIP[0], eps_high: float = GRPO_CLIP[1],
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
-              kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
+              row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: per row `(1/L_i) sum_t -min(w_{i,t} A, clip(w_{i,t}) A)`, `w = exp(l_{i,t})`.
 
     advantages: `[b]` (one per sequence, as GRPO defines them) or `[b, s]`. Rows are then averaged
@@ -26,8 +27,11 @@ def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
         adv = adv[:, None]  # [b, 1]
     log_ratio = (rows.log_probs - rows.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [b, s]
     per_token, clipped = clipped_objective_loss(torch.exp(log_ratio), adv, eps_low, eps_high)  # [b, s]
+    if token_weights is not None:  # truncated importance weights of the mismatch (mismatch.py)
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
     with torch.no_grad():
         seq_ratio = torch.exp(rows.seq_log_ratio())
-    return finish_loss(rows, rows.mean(per_token), reduction=reduction, seq_ratio=seq_ratio,
+    return finish_loss(rows, rows.weighted(rows.mean(per_token), None, row_weights), reduction=reduction,
+                       seq_ratio=seq_ratio,
                        clipped_tokens=clipped, clipped_sequences=None,
                        kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)

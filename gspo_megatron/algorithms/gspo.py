@@ -40,7 +40,8 @@ def clipped_objective_loss(ratio: torch.Tensor, advantages: torch.Tensor, eps_lo
 def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
               loss_mask: torch.Tensor, *, eps_low: float = GSPO_CLIP[0], eps_high: float = GSPO_CLIP[1],
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
-              kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
+              row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO loss `-J` (Eq. 5) with the sequence ratio `s_i` of Eq. 7.
 
     log_probs, old_log_probs, loss_mask: `[b, s]` (old/ref are treated as constants); advantages:
@@ -48,11 +49,16 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     before exp (see rows.LOG_RATIO_CLAMP). With `ref_log_probs`, `kl_coef * KL_i` (per-row masked
     mean of the k1/k3 estimate) is added to each row's term. Returns `(loss, metrics)`; metrics are
     detached, see loss_metrics.py (`clip_fraction` = clipped sequences / valid sequences).
+    token_weights `[b, s]` / row_weights `[b]`: constant importance weights of the train/inference
+    mismatch (mismatch.py): a row's term is multiplied by its row weight and by the mean of its
+    tokens' weights.
     """
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row",), reduction,
                              eps_low, eps_high, ref_log_probs, kl_coef)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
     per_row, clipped = clipped_objective_loss(seq_ratio, adv, eps_low, eps_high)  # [b], [b]
+    per_row = rows.weighted(per_row, rows.mean(token_weights.detach()) if token_weights is not None
+                            else None, row_weights)
     return finish_loss(rows, per_row, reduction=reduction, seq_ratio=seq_ratio,
                        clipped_tokens=clipped[:, None].expand_as(rows.mask), clipped_sequences=clipped,
                        kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)
@@ -61,8 +67,10 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
 def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                     loss_mask: torch.Tensor, *, eps_low: float = GSPO_CLIP[0], eps_high: float = GSPO_CLIP[1],
                     reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
-                    kl_coef: float = 0.0, kl_estimator: str = "k3") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO-token (Eqs. 13-14): per-token advantages `[b, s]`, otherwise as `gspo_loss`.
+                    kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
+                    row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO-token (Eqs. 13-14): per-token advantages `[b, s]`, otherwise as `gspo_loss`
+    (token_weights multiply the token terms, row_weights the rows').
 
     `s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]`: its value is s_i, its gradient w.r.t. log pi(y_t) is
     s_i, so the row term `(1/L_i) sum_t -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})` equals GSPO
@@ -74,6 +82,8 @@ def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
     token_ratio = seq_ratio.detach()[:, None] * torch.exp(rows.log_probs - rows.log_probs.detach())  # [b, s]
     per_token, clipped = clipped_objective_loss(token_ratio, adv, eps_low, eps_high)  # [b, s]
-    return finish_loss(rows, rows.mean(per_token), reduction=reduction, seq_ratio=seq_ratio,
-                       clipped_tokens=clipped, clipped_sequences=None,
+    if token_weights is not None:
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
+    return finish_loss(rows, rows.weighted(rows.mean(per_token), None, row_weights), reduction=reduction,
+                       seq_ratio=seq_ratio, clipped_tokens=clipped, clipped_sequences=None,
                        kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)

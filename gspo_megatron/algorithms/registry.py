@@ -98,6 +98,19 @@ class LossSettings:
     warm start; saved in checkpoint.dir/reference); 0 = off (the GSPO paper omits it)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator when kl_coef > 0 (algorithms/kl.py)."""
+    # Train/inference mismatch corrections (algorithms/mismatch.py), for pi_old recomputed by
+    # megatron while SGLang sampled: d_t = log pi_old(y_t) - log pi_engine(y_t), constants.
+    tis_cap: float | None = None
+    """Token-level truncated IS: each token's term times w_t = min(exp(d_t), C) (gspo: the row's
+    term times the row mean of w_t); null = off. C >= 1, e.g. 2."""
+    seq_is_cap: float | None = None
+    """Sequence-level IS in GSPO's form: each row's term times min(exp(mean_t d_t), C), the
+    geometric mean of the token ratios; null = off. C >= 1."""
+    mis_cap: float | None = None
+    """Masked IS: tokens (or sequences, mis_level) whose ratio exp(d_t) (or exp(mean_t d_t)) leaves
+    [1/C, C] are dropped from the loss; null = off. C >= 1."""
+    mis_level: Literal["token", "sequence"] = "token"
+    """What mis_cap masks: single tokens, or whole sequences by their geometric-mean ratio."""
 
     def __post_init__(self) -> None:
         # Errors read "field=value: expected ..." so that the config can prefix its section.
@@ -110,6 +123,14 @@ class LossSettings:
         if self.kl_coef > 0 and self.spec.clip is None:
             raise ValueError(f"kl_coef={self.kl_coef!r}: expected 0 with the {self.name} loss "
                              "(it takes no KL penalty)")
+        for field in ("tis_cap", "seq_is_cap", "mis_cap"):
+            cap = getattr(self, field)
+            if cap is not None and not cap >= 1.0:
+                raise ValueError(f"{field}={cap!r}: expected >= 1 (or null for off)")
+            if cap is not None and self.spec.clip is None:
+                raise ValueError(f"{field}={cap!r}: expected null with the {self.name} loss")
+        if self.mis_level not in ("token", "sequence"):
+            raise ValueError(f"mis_level={self.mis_level!r}: expected 'token' or 'sequence'")
         lo, hi = self.clip_range()
         if not 0 <= lo < 1:
             raise ValueError(f"eps_low={lo!r}: expected in [0, 1)")
@@ -134,9 +155,21 @@ class LossSettings:
             out.update(kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
         return out
 
+    @property
+    def corrects_mismatch(self) -> bool:
+        """Any train/inference mismatch correction is on (it needs the engine's log-probs)."""
+        return any(c is not None for c in (self.tis_cap, self.seq_is_cap, self.mis_cap))
+
+    def mismatch_kwargs(self) -> dict[str, float | str | None]:
+        """Keyword arguments of mismatch.mismatch_correction."""
+        return dict(tis_cap=self.tis_cap, seq_is_cap=self.seq_is_cap, mis_cap=self.mis_cap,
+                    mis_level=self.mis_level)
+
     def describe(self) -> str:
         if self.spec.clip is None:
             return f"loss={self.name}"
         lo, hi = self.clip_range()
         kl = f"kl_coef={self.kl_coef} ({self.kl_estimator})" if self.kl_coef else "KL off"
-        return f"loss={self.name} eps_low={lo:g} eps_high={hi:g} {kl}"
+        caps = "".join(f" {k}={v:g}" for k, v in self.mismatch_kwargs().items()
+                       if k != "mis_level" and v is not None)
+        return f"loss={self.name} eps_low={lo:g} eps_high={hi:g} {kl}{caps}"

@@ -35,6 +35,13 @@ class Rows:
         """Masked per-row mean (1/L_i) sum_t m_t x_t -> [b]; 0 for rows with L_i = 0."""
         return torch.where(self.mask, x, 0).sum(dim=-1) / self.lengths.clamp(min=1)
 
+    def weighted(self, per_row: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
+        """per_row times each given `[b]` weight (constants; None = 1)."""
+        for w in weights:
+            if w is not None:
+                per_row = per_row * w.detach().to(per_row.dtype)
+        return per_row
+
     def seq_log_ratio(self) -> torch.Tensor:
         """(1/L_i) sum_t m_t l_{i,t}, clamped -> [b] (GSPO Eq. 7 before the exp)."""
         return self.mean(self.log_probs - self.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)

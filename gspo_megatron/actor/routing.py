@@ -1,0 +1,225 @@
+"""MoE routing in the actor: force each router to given experts (routing replay, "R3"), and count
+how often top-k expert sets differ (routing drift, and SGLang vs megatron).
+
+megatron-core's TopKRouter hands its top-k selection to `router.router_replay.get_replay_topk(
+scores, topk, num_groups, group_topk, default_compute_topk)` whenever `router_replay` is set
+(megatron/core/transformer/moe/moe_utils.py:700-706 in 0.16.1, :828-833 in 0.19.2). We set it to a
+`RouterControl` of our own on every router instead of megatron's RouterReplay, which keeps a
+process-global list of instances (router_replay.py:26) and one replay tensor per layer for the
+whole pass: ours takes the engine's experts per micro-batch, token by token, from the batch.
+
+What a control does on each call (one call per MoE layer per micro-batch forward):
+1. computes the router's own top-k (`natural`): megatron's function, unchanged;
+2. replay: where the batch has the engine's experts for a token, uses those indices instead, with
+   gating weights gathered from the CURRENT router's scores (`scores.gather(1, idx)`, as
+   megatron's REPLAY_FORWARD and slime/verl do): the gradient still reaches the router, only the
+   choice of experts is the engine's. Tokens without engine routing (the final token, environment
+   tokens after the last turn, padding) keep the natural choice;
+3. observers see the natural top-k with the token coordinates: the old pass records it (drift
+   baseline) and compares it with the engine's; the drift pass compares it with the record.
+
+Token order. The router sees `[s, b, h]` hidden states flattened s-major (router.py: logits.view(
+-1, E)), under sequence parallelism only this TP rank's contiguous slice of s (scattered evenly by
+the embedding), and a packed micro-batch as one row of T tokens. `_token_coords` maps each of the
+router's tokens to (row of the micro-batch, position), so every comparison and every replayed index
+is per (row, position) whatever the layout. Counts are summed over the world: TP ranks hold
+distinct sequence slices (an MoE model with TP > 1 runs sequence parallel, layout.py), pipeline
+stages distinct layers, DP/EP ranks distinct rows.
+
+Not supported (refused with an error): the fused router kernel (moe_router_fusion, bypasses
+router_replay), and recomputing the router in backward (recompute=full, or selective with the
+"moe"/"mlp" modules): the replayed indices are per forward call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.router import TopKRouter
+
+from gspo_megatron.actor.batch import MicroBatch
+from gspo_megatron.algorithms.routing import drift_counts
+from gspo_megatron.parallel.comm import comm_device
+from gspo_megatron.parallel.model_chunks import unwrap
+
+
+class RouterControl:
+    """Stands in for megatron's RouterReplay on one router (see the module docstring)."""
+
+    def __init__(self, router: TopKRouter, owner: "Routing") -> None:
+        self.router = router
+        self.owner = owner
+        self.layer_number: int | None = None  # megatron 0.19 sets it on router_replay as well
+        self.target: torch.Tensor | None = None  # [n, k] long, -1 = keep the router's choice
+
+    @property
+    def layer(self) -> int:
+        """0-based global layer index (the engine's layer axis)."""
+        return int(self.router.layer_number) - 1
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, idx = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        self.owner.observe(self, idx)
+        if self.target is None:
+            return probs, idx
+        target = self.target.to(scores.device)
+        if target.shape != idx.shape:
+            raise RuntimeError(f"layer {self.layer}: replay indices of shape {tuple(target.shape)} for "
+                               f"a router call on {tuple(idx.shape)} tokens x top-k")
+        idx = torch.where(target >= 0, target, idx)
+        self.owner.observe(self, idx, used=True)
+        return scores.gather(1, idx), idx
+
+
+def _token_coords(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row in the micro-batch, position) of each token this rank's routers see, in their order;
+    -1 for padding of a packed sequence."""
+    device = mb.tokens.device
+    if mb.packed is None:
+        m, s = mb.tokens.shape
+        rows = torch.arange(m, device=device)[None, :].expand(s, m)
+        pos = torch.arange(s, device=device)[:, None].expand(s, m)
+    else:
+        lengths = mb.packed.lengths.to(device)
+        total = mb.packed.tokens.shape[1]
+        rows = torch.full((total,), -1, dtype=torch.long, device=device)
+        pos = torch.full((total,), -1, dtype=torch.long, device=device)
+        real = int(lengths.sum())
+        rows[:real] = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        pos[:real] = torch.arange(real, device=device) - torch.repeat_interleave(starts, lengths)
+        rows, pos = rows[:, None], pos[:, None]
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:  # sequence parallel: this rank's contiguous slice of the sequence axis
+        n = rows.shape[0] // tp
+        start = ps.get_tensor_model_parallel_rank() * n
+        rows, pos = rows[start:start + n], pos[start:start + n]
+    return rows.reshape(-1), pos.reshape(-1)
+
+
+class Routing:
+    """The controls of one Actor's routers, and what one pass over a batch does with them."""
+
+    def __init__(self, chunks: list[torch.nn.Module], num_layers: int, topk: int) -> None:
+        self.num_layers, self.topk = num_layers, topk
+        self.controls: dict[int, list[RouterControl]] = {}
+        for chunk in chunks:
+            found = []
+            for module in unwrap(chunk).modules():
+                if isinstance(module, TopKRouter):
+                    module.router_replay = RouterControl(module, self)
+                    found.append(module.router_replay)
+            self.controls[id(chunk)] = found
+        self._pass: dict | None = None
+        self.table: dict[int, torch.Tensor] = {}  # layer -> [b, s, k] int16: the old pass's choice
+        self.recorded_shape: tuple[int, int] | None = None  # the same on every rank (no table
+        # on a stage without MoE layers), so every rank takes the same collectives
+
+    @property
+    def has_routers(self) -> bool:
+        return any(self.controls.values())
+
+    def check_supported(self, config) -> None:
+        if config.moe_router_fusion:
+            raise ValueError("routing replay / routing drift need moe_router_fusion=False: the fused "
+                             "router kernel does not call router_replay (megatron moe_utils.py)")
+        modules = set(config.recompute_modules or []) if config.recompute_granularity == "selective" else set()
+        if config.recompute_granularity == "full" or modules & {"moe", "mlp"}:
+            raise ValueError("routing replay cannot run with the router recomputed in backward "
+                             "(compute.recompute=full, or selective with 'moe'/'mlp'): use "
+                             "recompute=none or selective without those modules")
+
+    # --- one pass ---------------------------------------------------------------------------------
+    def begin(self, *, replay: bool, record: bool, compare_old: bool, compare_engine: bool,
+              batch_shape: tuple[int, int]) -> None:
+        """Start a pass over a rank's batch of `batch_shape` (rows, positions)."""
+        if record:
+            self.table, self.recorded_shape = {}, batch_shape
+        elif compare_old and self.recorded_shape != batch_shape:
+            raise RuntimeError(f"routing drift: no recorded pass over this batch (recorded "
+                               f"{self.recorded_shape}, batch {batch_shape}); run the old-log-prob "
+                               "pass with routing drift on first")
+        self._pass = dict(replay=replay, record=record, compare_old=compare_old,
+                          compare_engine=compare_engine, shape=batch_shape, mb=None, counts={})
+
+    def before_forward(self, model: torch.nn.Module, mb: MicroBatch) -> None:
+        """Called in forward_step with the micro-batch (on its device) the chunk is about to run."""
+        p = self._pass
+        controls = self.controls.get(id(model), [])
+        if p is None or not controls:
+            return
+        rows, pos = _token_coords(mb)
+        real = rows >= 0
+        r, q = rows.clamp(min=0), pos.clamp(min=0)
+        p["mb"] = dict(rows=r, pos=q, real=real, mask=mb.loss_mask[r, q] & real,
+                       batch_rows=mb.rows[r], routed=mb.routed_experts)
+        for control in controls:
+            control.target = None
+            if p["replay"] and mb.routed_experts is not None:
+                target = mb.routed_experts[r, q, control.layer].long()
+                control.target = torch.where(real[:, None], target, -1)
+
+    def observe(self, control: RouterControl, natural: torch.Tensor, used: bool = False) -> None:
+        """The router's own top-k of this call (used=False), or the indices it used after replay."""
+        p = self._pass
+        if p is None or p["mb"] is None:
+            return
+        t, layer = p["mb"], control.layer
+        natural = natural.detach()
+        if used:  # a self-check: every replayed set is the engine's (routing_replay_mismatch = 0)
+            if p["compare_engine"]:
+                engine = t["routed"][t["rows"], t["pos"], layer].long().to(natural.device)
+                self._count("replay", layer, engine, natural, t["mask"])
+            return
+        if p["record"]:
+            if layer not in self.table:
+                b, s = p["shape"]
+                self.table[layer] = torch.full((b, s, natural.shape[1]), -1, dtype=torch.int16,
+                                               device=natural.device)
+            keep = t["real"] & (t["batch_rows"] >= 0) & (t["pos"] < p["shape"][1])
+            self.table[layer][t["batch_rows"][keep], t["pos"][keep]] = natural[keep].to(torch.int16)
+        if p["compare_old"] and layer in self.table:
+            old = self.table[layer].to(natural.device)
+            inside = t["real"] & (t["batch_rows"] >= 0) & (t["pos"] < p["shape"][1])
+            rows, pos = t["batch_rows"].clamp(min=0), t["pos"].clamp(max=p["shape"][1] - 1)
+            self._count("drift", layer, old[rows, pos].long(), natural, t["mask"] & inside)
+        if p["compare_engine"] and t["routed"] is not None:
+            engine = t["routed"][t["rows"], t["pos"], layer].long().to(natural.device)
+            self._count("engine", layer, engine, natural, t["mask"])
+
+    def _count(self, kind: str, layer: int, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> None:
+        counts = self._pass["counts"]
+        if kind not in counts:
+            counts[kind] = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=b.device)
+        changed, compared = drift_counts(a, b, mask)
+        counts[kind][layer, 0] += changed
+        counts[kind][layer, 1] += compared
+
+    def end(self) -> dict[str, float]:
+        """Finish the pass (collective over the world when it counted anything): metrics
+        `routing_drift` / `routing_engine_mismatch` (changed / compared (token, layer) top-k sets
+        over all layers) and per layer `..._layer/<i>` (layers with compared tokens only)."""
+        p, self._pass = self._pass, None
+        if p is None:
+            return {}
+        for controls in self.controls.values():
+            for control in controls:
+                control.target = None
+        out: dict[str, float] = {}
+        wanted = {"drift": p["compare_old"], "engine": p["compare_engine"],
+                  "replay": p["compare_engine"] and p["replay"]}
+        for kind, name in (("drift", "routing_drift"), ("engine", "routing_engine_mismatch"),
+                           ("replay", "routing_replay_mismatch")):
+            if not wanted[kind]:
+                continue
+            counts = p["counts"].get(kind, torch.zeros(self.num_layers, 2, dtype=torch.float64))
+            counts = counts.to(comm_device())
+            dist.all_reduce(counts)
+            counts = counts.cpu()
+            total = counts.sum(0)
+            out[name] = float(total[0] / total[1]) if total[1] > 0 else 0.0
+            out[f"{name}_sets"] = float(total[1])
+            for layer in range(self.num_layers if kind != "replay" else 0):
+                if counts[layer, 1] > 0:
+                    out[f"{name}_layer/{layer}"] = float(counts[layer, 0] / counts[layer, 1])
+        return out
