@@ -9,6 +9,7 @@ rollout/ knows nothing of megatron; this module turns its Samples into the actor
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +21,7 @@ from gspo_megatron.actor.batch import TrainBatch
 from gspo_megatron.algorithms.advantages import group_advantages
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.episodes import RolloutRecords, demonstration, env_factory, token_advantages
+from model_specs.hf_config import load_hf_config
 from rollout.pool import ServerPool
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
 from rollout.chat import ChatTemplate
@@ -64,7 +66,26 @@ def samples_to_batch(groups: list[list[Sample]], group_size: int,
                                             dtype=torch.long)
         lengths[i] = p + r
     return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=advantages,
-                      rollout_log_probs=logp, weight_versions=versions)
+                      rollout_log_probs=logp, weight_versions=versions,
+                      routed_experts=routed_experts(samples, width))
+
+
+def routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:
+    """The engine's routing of each row ([b, width, layers, k] int16, -1 where there is none), or
+    None when no sample carries any (rollout without moe.engine_routing)."""
+    have = [s.routed_experts for s in samples if s.routed_experts is not None]
+    if not have:
+        return None
+    shape = have[0].shape[1:]
+    out = torch.full((len(samples), width, *shape), -1, dtype=torch.int16)
+    for i, s in enumerate(samples):
+        if s.routed_experts is None:
+            continue
+        if tuple(s.routed_experts.shape) != (len(s.tokens), *shape):
+            raise ValueError(f"sample {s.group_id}/{s.index}: routed experts of shape "
+                             f"{tuple(s.routed_experts.shape)}, expected ({len(s.tokens)}, {shape})")
+        out[i, :len(s.tokens)] = torch.from_numpy(s.routed_experts.astype("int16"))
+    return out
 
 
 def policy_lag(batch: TrainBatch, current_version: int) -> float:
@@ -99,17 +120,29 @@ EPISODE_METRICS = ("turns_per_episode", "tool_calls_per_episode", "env_token_fra
                    "reward_per_turn", "episode_length_mean", "env_error_fraction")
 
 
+def wants_engine_routing(cfg: RunConfig) -> bool:
+    """Ask SGLang for the routed experts of every token: rollout.return_routed_experts, or the
+    moe: section needs them (replay, engine_routing). Attached servers must have been started with
+    --enable-return-routed-experts (the first request says so otherwise)."""
+    return bool(cfg.rollout.return_routed_experts or cfg.moe.replay or cfg.moe.engine_routing)
+
+
 class Driver:
     """Rank 0's half of the loop. Owns the servers it started (stop() ends them)."""
 
     def __init__(self, cfg: RunConfig, servers: ServerGroup, records: list[dict]):
         from transformers import AutoTokenizer
-        r = cfg.rollout
+        r = dataclasses.replace(cfg.rollout, return_routed_experts=wants_engine_routing(cfg))
         self.cfg, self.servers = cfg, servers
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.prompts = records
         self.stream = PromptStream(self.prompts, seed=cfg.train.seed, shuffle=r.shuffle_prompts)
-        self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s)
+        layout = None
+        if r.return_routed_experts:  # (layers, top-k) of the engine's routing, from the model's config
+            hf = load_hf_config(cfg.model.hf_path)
+            layout = (int(hf["num_hidden_layers"]), int(hf["num_experts_per_tok"]))
+        self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s,
+                               routed_experts_layout=layout)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         self.env_factory = env_factory(r) if r.environment else None
         if self.env_factory is not None:  # multi-turn: the environment gives the rewards
@@ -134,6 +167,7 @@ class Driver:
         else:
             extra = list(r.server_extra_args)
             server = ServerConfig(model_path=cfg.model.hf_path, extra_args=extra,
+                                  return_routed_experts=wants_engine_routing(cfg),
                                   max_total_tokens=r.server_max_total_tokens,
                                   startup_timeout_s=r.server_startup_timeout_s, log_dir=log_dir)
             if r.seed is not None:

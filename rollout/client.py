@@ -3,6 +3,8 @@
     client = SGLangClient("http://127.0.0.1:30000")
     out = client.generate([1, 2, 3], {"max_new_tokens": 16, "temperature": 1.0})[0]
     out.output_ids, out.logprobs, out.finish_reason, out.weight_versions
+    out = client.generate(ids, params, return_routed_experts=True)[0]   # MoE + server flag
+    out.routed_experts                                # int16 [prompt + output - 1, layers, top-k]
 
 Every request has a timeout; connection errors are retried with exponential backoff; a non-2xx
 answer or a malformed body raises SGLangError with the URL, status and body.
@@ -13,10 +15,13 @@ import base64
 import dataclasses
 import io
 import itertools
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import requests
 
 
@@ -50,10 +55,46 @@ class GenerateOutput:
     prompt_tokens: int
     text: str = ""
     server_url: str = ""
+    routed_experts: np.ndarray | None = None
+    """Routing replay data (only when asked for): int16 [prompt_tokens + len(output_ids) - 1,
+    num_hidden_layers, top-k]; row p = the experts the engine chose for the token at input
+    position p (the last output token is never fed, so it has no row). None when not requested,
+    or when an aborted request came back without it. What SGLang returns: rollout/sample.py."""
 
 
-def parse_generate_item(item: Any, url: str) -> GenerateOutput:
-    """Check and convert one /generate result; anything unexpected raises SGLangError."""
+def decode_routed_experts(raw: Any, rows: int, layout: tuple[int, int], url: str) -> np.ndarray:
+    """meta_info["routed_experts"] (base64 int32, little-endian) -> int16 [rows, layers, top-k]."""
+    (layers, topk), expected = layout, max(rows, 0) * layout[0] * layout[1] * 4
+    try:
+        data = base64.b64decode(raw, validate=True)
+    except (TypeError, ValueError) as e:
+        raise SGLangError(url, f"meta_info.routed_experts is not base64 ({e})") from None
+    if rows < 0 or len(data) != expected:
+        raise SGLangError(url, f"meta_info.routed_experts has {len(data)} bytes, expected {expected} "
+                          f"= {rows} rows (prompt tokens + output tokens - 1) x {layers} layers x "
+                          f"top-{topk} x 4 (int32): is routed_experts_layout {tuple(layout)} the "
+                          f"served model's (num_hidden_layers, num_experts_per_tok)?")
+    ids = np.frombuffer(data, dtype="<i4").reshape(rows, layers, topk)
+    if ids.size and not -1 <= ids.min() <= ids.max() <= np.iinfo(np.int16).max:
+        raise SGLangError(url, f"meta_info.routed_experts: expert ids in [{ids.min()}, {ids.max()}]")
+    return ids.astype(np.int16)
+
+
+def routed_experts_layout_of(hf_config: dict) -> tuple[int, int]:
+    """(num_hidden_layers, num_experts_per_tok) of an HF config.json dict, as SGLang sizes its
+    capture (the text config of multimodal models: text_config / llm_config / language_config)."""
+    cfg = next((hf_config[k] for k in ("text_config", "llm_config", "language_config")
+                if isinstance(hf_config.get(k), dict)), hf_config)
+    if "num_experts_per_tok" not in cfg or "num_hidden_layers" not in cfg:
+        raise ValueError("routed experts need a MoE model: config.json has no num_experts_per_tok "
+                         "or num_hidden_layers")
+    return int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"])
+
+
+def parse_generate_item(item: Any, url: str,
+                        routed_experts_layout: tuple[int, int] | None = None) -> GenerateOutput:
+    """Check and convert one /generate result; anything unexpected raises SGLangError.
+    routed_experts_layout (num_hidden_layers, top-k): routed experts were requested; decode them."""
     try:
         meta = item["meta_info"]
         ids = [int(t) for t in item["output_ids"]]
@@ -78,7 +119,17 @@ def parse_generate_item(item: Any, url: str) -> GenerateOutput:
                           f"{len(lp_ids)} tokens (or other ids); was return_logprob set?", body=repr(item))
     if "" in versions:
         raise SGLangError(url, "/generate weight_versions spans do not cover every token", body=repr(item))
-    return GenerateOutput(ids, lps, finish_type, versions, prompt_tokens, str(item.get("text", "")), url)
+    routed = None
+    if routed_experts_layout is not None:
+        raw = meta.get("routed_experts")
+        if raw is not None:
+            routed = decode_routed_experts(raw, prompt_tokens + len(ids) - 1, routed_experts_layout, url)
+        elif finish_type != "abort":  # a request aborted before it ran has none, and is redone
+            raise SGLangError(url, "routed experts were requested but the /generate result has no "
+                              "meta_info.routed_experts: was the server started with --enable-return-"
+                              "routed-experts? (sglang-router 0.3.2 also drops it)", body=repr(item))
+    return GenerateOutput(ids, lps, finish_type, versions, prompt_tokens, str(item.get("text", "")),
+                          url, routed)
 
 
 def connection_failure_reason(exc: BaseException) -> str:
@@ -115,6 +166,7 @@ class SGLangClient:
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self._local = threading.local()
+        self._layout: tuple[int, int] | None = None
 
     def _session(self) -> requests.Session:
         if not hasattr(self._local, "session"):
@@ -171,6 +223,20 @@ class SGLangClient:
     def model_info(self) -> dict:
         return self._json("GET", "/model_info", timeout_s=30)
 
+    def routed_experts_layout(self) -> tuple[int, int]:
+        """(num_hidden_layers, num_experts_per_tok) of the served model, read once from the
+        config.json at the server's model_path (/model_info), which must be readable here (local
+        servers, a shared file system); otherwise pass routed_experts_layout to generate()."""
+        if self._layout is None:
+            path = Path(str(self.model_info().get("model_path", ""))) / "config.json"
+            try:
+                self._layout = routed_experts_layout_of(json.loads(path.read_text()))
+            except (OSError, ValueError) as e:
+                raise SGLangError(self.url, f"cannot tell the routed-experts layout from {path} ({e}); "
+                                  f"pass routed_experts_layout=(num_hidden_layers, "
+                                  f"num_experts_per_tok)") from None
+        return self._layout
+
     def weight_version(self) -> str:
         """The version string of the weights the server holds ("default" until the first update)."""
         return str(self.model_info()["weight_version"])
@@ -178,11 +244,19 @@ class SGLangClient:
     # --- generation ------------------------------------------------------------------------
     def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]], sampling_params: dict,
                  *, rid: str | Sequence[str] | None = None, return_logprob: bool = True,
-                 timeout_s: float | None = None, retry: str = "connection") -> list[GenerateOutput]:
+                 timeout_s: float | None = None, retry: str = "connection",
+                 return_routed_experts: bool = False,
+                 routed_experts_layout: tuple[int, int] | None = None) -> list[GenerateOutput]:
         """POST /generate with token ids (one prompt or a batch); one GenerateOutput per prompt.
 
         `rid` names the request(s) for abort(). A batch of N prompts returns N outputs in order.
+        return_routed_experts: also get each token's routed experts (GenerateOutput.routed_experts;
+        the server needs --enable-return-routed-experts); routed_experts_layout (num_hidden_layers,
+        num_experts_per_tok) shapes them, by default read from the server's config.json.
         """
+        layout = None
+        if return_routed_experts:
+            layout = tuple(routed_experts_layout or self.routed_experts_layout())
         batch = len(input_ids) > 0 and not isinstance(input_ids[0], int)
         payload: dict[str, Any] = {"input_ids": [list(map(int, x)) for x in input_ids] if batch
                                    else list(map(int, input_ids)),
@@ -192,12 +266,14 @@ class SGLangClient:
             payload["rid"] = list(rid) if batch else rid
         if return_logprob:
             payload["logprob_start_len"] = -1  # log-probs of the output only, not the prompt
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
         reply = self._json("POST", "/generate", payload, timeout_s=timeout_s, retry=retry)
         items = reply if batch or isinstance(reply, list) else [reply]
         n = len(input_ids) if batch else 1
         if not isinstance(items, list) or len(items) != n:
             raise SGLangError(self.url, f"/generate: expected {n} result(s)", body=repr(reply))
-        return [parse_generate_item(it, self.url) for it in items]
+        return [parse_generate_item(it, self.url, layout) for it in items]
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request by rid, or every request on the server. An aborted /generate returns

@@ -77,6 +77,14 @@ class ManagerConfig:
     """Bound on any single wait for generation results (nothing waits forever)."""
     max_reward_error_fraction: float = 0.0
     """The run fails once more than this fraction of reward calls raised."""
+    return_routed_experts: bool = False
+    """MoE routing replay: record the experts SGLang routed every token to (Sample.routed_experts,
+    int16 [tokens, layers, top-k]). The servers must run with --enable-return-routed-experts
+    (ServerConfig.return_routed_experts). These requests bypass sglang-router (it drops the field)."""
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments of pool.generate (none unless routing replay is on)."""
+        return {"return_routed_experts": True} if self.return_routed_experts else {}
 
     def sampling_params(self, max_new_tokens: int, sample: Sample | None = None) -> dict[str, Any]:
         params = {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
@@ -152,8 +160,10 @@ class RolloutManager:
         """Generate (the rest of) one single-turn response: prompt + partial -> remaining budget."""
         if sample.remaining_tokens > 0:
             out = self.pool.generate(sample.tokens, self.config.sampling_params(sample.remaining_tokens, sample),
-                                     rid=self._new_rid(sample), timeout_s=self.config.request_timeout_s)
-            sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions)
+                                     rid=self._new_rid(sample), timeout_s=self.config.request_timeout_s,
+                                     **self.config.generate_kwargs())
+            sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions,
+                                       out.routed_experts)
             sample.num_segments += 1 if out.output_ids else 0
             sample.finish_reason = out.finish_reason
         if sample.remaining_tokens <= 0 and sample.finish_reason != "stop":
@@ -272,7 +282,7 @@ class RolloutManager:
     def _reset(sample: Sample) -> None:
         sample.response_ids, sample.logprobs, sample.loss_mask, sample.weight_versions = [], [], [], []
         sample.num_segments, sample.status, sample.finish_reason = 0, PENDING, None
-        sample.reward = None
+        sample.reward, sample.routed_experts = None, None
 
     def _drain(self, in_flight: dict[Future, Sample]) -> None:
         """Abort what is still generating and wait for it (re-aborting requests that reached a

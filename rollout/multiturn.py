@@ -144,18 +144,20 @@ def run_episode(sample: Sample, env: Environment, pool: Any, config: Any,
         sample.prompt_ids = sample.prompt_ids or [0]
         return finish("env_error", f"{type(e).__name__}: {e}")
     sample.prompt_ids = list(chat.first_prompt_ids(first))
+    sample.routed_experts = None
+    extra = config.generate_kwargs() if hasattr(config, "generate_kwargs") else {}
     while True:
         budget = sample.remaining_tokens
         max_turn = getattr(config, "max_turn_tokens", None) or budget
         if budget <= 0:
             return finish("budget")
         out = pool.generate(sample.tokens, config.sampling_params(min(budget, max_turn), sample),
-                            rid=new_rid(sample), timeout_s=config.request_timeout_s)
+                            rid=new_rid(sample), timeout_s=config.request_timeout_s, **extra)
         if out.finish_reason == "abort":
             sample.status = ABORTED
             return sample
         start = len(sample.response_ids)
-        sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions)
+        sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions, out.routed_experts)
         spans.append(["model", start, len(sample.response_ids)])
         outputs.append({"output_ids": list(out.output_ids), "logprobs": list(out.logprobs),
                         "finish_reason": out.finish_reason})

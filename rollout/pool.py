@@ -6,7 +6,8 @@
 
 Generation goes through the router when one is given, else round robin over the live servers; a
 server whose connection fails is marked dead and the request moves to the next one. Control and
-weight-update calls go to every server.
+weight-update calls go to every server. Requests for routed experts (routing replay) never go
+through the router: sglang-router 0.3.2 drops the request's "return_routed_experts" field.
 """
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ class ServerPool:
     """
 
     def __init__(self, server_urls: Sequence[str], router_url: str | None = None, *,
-                 timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5):
+                 timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5,
+                 routed_experts_layout: tuple[int, int] | None = None):
+        """routed_experts_layout: (num_hidden_layers, num_experts_per_tok) of the served model, to
+        shape routed experts; None: read from a server's config.json when first needed."""
         if not server_urls:
             raise ValueError("ServerPool needs at least one server URL")
         self.clients = [SGLangClient(u, timeout_s, retries, backoff_s) for u in server_urls]
         self.router = SGLangClient(router_url, timeout_s, retries, backoff_s) if router_url else None
+        self.routed_experts_layout = routed_experts_layout
         self._dead: set[str] = set()
         self._rr = itertools.count()
         self._lock = threading.Lock()
@@ -56,11 +61,26 @@ class ServerPool:
         live = self.live_clients()
         return live[next(self._rr) % len(live)] if live else None
 
+    def _layout(self) -> tuple[int, int]:
+        for client in [] if self.routed_experts_layout else self.live_clients():
+            try:
+                self.routed_experts_layout = client.routed_experts_layout()
+                break
+            except ServerUnavailable:
+                self.mark_dead(client.url)
+        if self.routed_experts_layout is None:
+            raise ServerUnavailable(", ".join(self.server_urls), "no live SGLang server left")
+        return self.routed_experts_layout
+
     def generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: str | None = None,
-                 timeout_s: float | None = None) -> GenerateOutput:
-        """One prompt -> one GenerateOutput (see SGLangClient.generate)."""
-        if self.router is not None:
-            return self.router.generate(input_ids, sampling_params, rid=rid, timeout_s=timeout_s)[0]
+                 timeout_s: float | None = None, return_routed_experts: bool = False) -> GenerateOutput:
+        """One prompt -> one GenerateOutput (see SGLangClient.generate); return_routed_experts:
+        with GenerateOutput.routed_experts (directly from a server, never through the router)."""
+        kw: dict[str, Any] = {"rid": rid, "timeout_s": timeout_s}
+        if return_routed_experts:
+            kw.update(return_routed_experts=True, routed_experts_layout=self._layout())
+        elif self.router is not None:
+            return self.router.generate(input_ids, sampling_params, **kw)[0]
         errors: dict[str, str] = {}
         while True:
             client = self._next_client()
@@ -70,7 +90,7 @@ class ServerPool:
                 raise ServerUnavailable(", ".join(self.server_urls),
                                         f"no live SGLang server left ({what})")
             try:
-                return client.generate(input_ids, sampling_params, rid=rid, timeout_s=timeout_s)[0]
+                return client.generate(input_ids, sampling_params, **kw)[0]
             except ServerUnavailable as e:
                 errors[client.url] = e.message
                 self.mark_dead(client.url)

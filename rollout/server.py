@@ -67,6 +67,10 @@ class ServerConfig:
     """KV-cache size in tokens; a batch that does not fit runs in waves."""
     mem_fraction_static: float | None = None
     """None: 0.05 on CPU (the tiny models need little), SGLang's default on GPU."""
+    return_routed_experts: bool = False
+    """--enable-return-routed-experts: the server can return every token's routed experts (MoE
+    routing replay; ManagerConfig.return_routed_experts asks for them). MoE models only; on CPU the
+    stand-in's sitecustomize lets its host buffer skip CUDA pinning."""
     extra_args: Sequence[str] = ()
     """More launch_server flags, passed through verbatim."""
     env: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -205,6 +209,8 @@ def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
             cmd += ["--base-gpu-id", str(config.base_gpu_id)]
     if config.max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(config.max_total_tokens)]
+    if config.return_routed_experts and "--enable-return-routed-experts" not in config.extra_args:
+        cmd.append("--enable-return-routed-experts")
     cmd += list(config.extra_args)
     return ManagedProcess(f"sglang server (port {port})", cmd, env, f"http://{config.host}:{port}",
                           log_dir / f"sglang-{port}.log", "/health", config.startup_timeout_s,

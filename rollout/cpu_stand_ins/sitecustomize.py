@@ -1,17 +1,21 @@
-"""Torch versions of SGLang's Triton gated-shared-expert kernels, for SGLang server children on CPU.
+"""CPU replacements for two CUDA-only pieces of SGLang, for SGLang server children on CPU.
 
-Qwen2-MoE's shared expert gate runs `fused_gate_sigmoid_mul(_add)` from
-sglang.kernels.ops.elementwise.elementwise, a Triton kernel; Triton has no CPU backend, so the
-first /generate crashes. Python imports `sitecustomize` at start-up from the PYTHONPATH that
-rollout.server gives CPU server children (this directory); it patches the two functions into that
-module when SGLang imports it, with the same math in torch: sigmoid(x @ gate_weight) * shared
-(+ added into the routed output). Nothing else is touched; GPU servers never see this directory.
+Python imports `sitecustomize` at start-up from the PYTHONPATH that rollout.server gives CPU server
+children (this directory); it patches a module when SGLang imports it. GPU servers never see this
+directory. The two patches:
+- Qwen2-MoE's shared-expert gate runs `fused_gate_sigmoid_mul(_add)` from
+  sglang.kernels.ops.elementwise.elementwise, a Triton kernel; Triton has no CPU backend, so the
+  first /generate crashes. Replaced by the same math in torch: sigmoid(x @ gate_weight) * shared
+  (+ added into the routed output).
+- `--enable-return-routed-experts` (the engine's routing, for routing replay) allocates its host
+  buffer with pin_memory=True, and sglang/srt/mem_cache/pool_host/common.py:147
+  (_cuda_host_register) then calls torch.cuda.cudart(): the server dies at start without a GPU.
+  Pinning (cudaHostRegister) only speeds up device copies; without CUDA it is skipped.
 """
 import importlib.abc
 import importlib.machinery
 import sys
 
-_MODULE = "sglang.kernels.ops.elementwise.elementwise"
 
 
 def fused_gate_sigmoid_mul(hidden_states, gate_weight, shared_output):
@@ -23,11 +27,28 @@ def fused_gate_sigmoid_mul_add(hidden_states, gate_weight, shared_output, final_
     final_hidden_states.add_(fused_gate_sigmoid_mul(hidden_states, gate_weight, shared_output))
 
 
+def _no_host_register(buffer, registration_granularity_bytes=None):
+    return None
+
+
+PATCHES = {
+    "sglang.kernels.ops.elementwise.elementwise": {
+        "fused_gate_sigmoid_mul": fused_gate_sigmoid_mul,
+        "fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},
+    "sglang.srt.mem_cache.pool_host.common": {"_cuda_host_register": _no_host_register},
+}
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self):
+        self.pending = dict(PATCHES)
+
     def find_spec(self, name, path, target=None):
-        if name != _MODULE:
+        if name not in self.pending:
             return None
-        sys.meta_path.remove(self)
+        attrs = self.pending.pop(name)
+        if not self.pending:
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
@@ -35,8 +56,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            module.fused_gate_sigmoid_mul = fused_gate_sigmoid_mul
-            module.fused_gate_sigmoid_mul_add = fused_gate_sigmoid_mul_add
+            for attr, value in attrs.items():
+                setattr(module, attr, value)
         spec.loader.exec_module = exec_module
         return spec
 
