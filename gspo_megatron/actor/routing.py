@@ -17,6 +17,9 @@ What a control does on each call (one call per MoE layer per micro-batch forward
    tokens after the last turn, padding) keep the natural choice;
 3. observers see the natural top-k with the token coordinates: the old pass records it (drift
    baseline) and compares it with the engine's; the drift pass compares it with the record.
+   Compared are the positions that predict a trained token (position p's output is the log-prob
+   of token p + 1): the last prompt token and every response position but the final one, which
+   is also exactly where SGLang reports routing (it never feeds its last sampled token).
 
 Token order. The router sees `[s, b, h]` hidden states flattened s-major (router.py: logits.view(
 -1, E)), under sequence parallelism only this TP rank's contiguous slice of s (scattered evenly by
@@ -151,7 +154,11 @@ class Routing:
         rows, pos = _token_coords(mb)
         real = rows >= 0
         r, q = rows.clamp(min=0), pos.clamp(min=0)
-        p["mb"] = dict(rows=r, pos=q, real=real, mask=mb.loss_mask[r, q] & real,
+        # Compared positions: those whose output is a trained token's log-prob (position p
+        # predicts token p + 1), i.e. the last prompt token and the response but its final token.
+        predicts = torch.zeros_like(mb.loss_mask)
+        predicts[:, :-1] = mb.loss_mask[:, 1:]
+        p["mb"] = dict(rows=r, pos=q, real=real, mask=predicts[r, q] & real,
                        batch_rows=mb.rows[r], routed=mb.routed_experts)
         for control in controls:
             control.target = None
