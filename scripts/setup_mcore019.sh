@@ -35,9 +35,12 @@ quiet() { "$@" 2>&1 | { grep -v -E "is ignored: it is neither|^$" || true; }; re
 quiet "${PIP[@]}" install torch==2.14.1
 quiet "${PIP[@]}" install "megatron-core==0.19.2" "transformers==5.19.0" "tokenizers==0.23.2" -e ".[test]"
 "$VENV/bin/python" - <<'PY'
+# megatron.core.__version__ gains "+<git sha>" of whatever repository holds the venv
+# (megatron/core/package_info.py runs `git rev-parse` in its own directory): ask the metadata.
+from importlib.metadata import version
 import megatron.core, torch
-assert megatron.core.__version__ == "0.19.2", megatron.core.__version__
-print(f"[setup-mcore019] torch {torch.__version__}, megatron-core {megatron.core.__version__}")
+assert version("megatron-core") == "0.19.2", version("megatron-core")
+print(f"[setup-mcore019] torch {torch.__version__}, megatron-core {version('megatron-core')}")
 PY
 echo "$want" > "$STAMP"
 echo "[setup-mcore019] done in $((SECONDS - t0)) s" >&2
