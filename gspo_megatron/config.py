@@ -197,7 +197,7 @@ class RunConfig:
         m, r, t, c = self.model, self.rollout, self.train, self.checkpoint
         need(bool(m.hf_path), "model.hf_path", m.hf_path, "a Hugging Face model directory")
         need(bool(r.prompts), "rollout.prompts", r.prompts, "a jsonl prompt file")
-        for name in ("tensor", "pipeline", "expert"):
+        for name in ("tensor", "pipeline", "expert", "context"):
             v = getattr(self.parallel, name)
             need(v >= 1, f"parallel.{name}", v, ">= 1")
         need(r.group_size >= 1, "rollout.group_size", r.group_size, ">= 1")

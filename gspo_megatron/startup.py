@@ -96,14 +96,19 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
                                 f"Hugging Face model directory)")
     dims = model_dims_for(load_hf_config(hf))
     cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
-    cfg.parallel.validate(world, **dims)
     try:
         compute = cfg.compute.resolve(Available.detect())  # a kernel this machine lacks: named now
     except ValueError as e:
         raise ConfigError(f"compute.{e}") from None
+    cfg.parallel.check_context_parallel(transformer_engine=compute.transformer_engine,
+                                        cuda=Available.detect().cuda)
+    cfg.parallel.validate(world, **dims)
     if cfg.train.pack_sequences and not (compute.transformer_engine and Available.detect().cuda):
         raise ConfigError("train.pack_sequences=True: expected the Transformer Engine layer spec on "
                           "CUDA (megatron's local attention refuses packed sequences)")
+    if cfg.train.pack_sequences and cfg.parallel.context > 1:
+        raise ConfigError(f"train.pack_sequences=True: not supported with parallel.context="
+                          f"{cfg.parallel.context}")
     fingerprint = model_fingerprint(hf)  # reads every weight file's header: DamagedFileError names it
     if not any((hf / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
@@ -164,11 +169,30 @@ def initial_megatron_checkpoint(cfg: RunConfig, rank: int, fingerprint: dict[str
                       f"{source}): converting again", flush=True)
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
-            convert_hf_to_megatron(cfg.model.hf_path, tmp)
-            write_fingerprint(tmp, fingerprint, cfg.model.hf_path)
+            try:
+                convert_hf_to_megatron(cfg.model.hf_path, tmp)
+                write_fingerprint(tmp, fingerprint, cfg.model.hf_path)
+            except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+                # (torch/distributed/checkpoint/api.py:30); a full disk becomes one line, the rest re-raised
+                _raise_if_disk_full(e, tmp, cfg.model.hf_path)
+                raise
             shutil.rmtree(out, ignore_errors=True)
             os.rename(tmp, out)
     return out  # the other ranks read it after the first collective (Actor construction)
+
+
+def _raise_if_disk_full(error: BaseException, tmp: Path, hf_path: str) -> None:
+    from gspo_megatron.checkpoint.hf_files import weight_files
+    from gspo_megatron.checkpoint.manager import CheckpointError, write_failure_kind
+    enospc, short_write = write_failure_kind(error)
+    if not (enospc or short_write):
+        return
+    shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+    need = sum(f.stat().st_size for f in weight_files(Path(hf_path)))
+    free = shutil.disk_usage(tmp.parent).free
+    raise CheckpointError(f"converting model.hf_path={hf_path!r} into {tmp.parent / INITIAL_DIR} "
+                          f"failed: no space left on device ({free} bytes free, about {need} bytes "
+                          "needed: the model's weight files); free space and rerun") from None
 
 
 # --- building ---------------------------------------------------------------------------------------

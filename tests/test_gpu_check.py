@@ -21,3 +21,22 @@ def test_gpu_check_cpu_smoke(tmp_path):
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| local") or ln.startswith("| HF")]
     assert len(rows) == 2 and all(r.endswith("| PASS |") for r in rows), proc.stdout[-2000:]
     assert "| local | fp32 | " in rows[0] and "| - | -0.3125 |" in rows[0]  # on-policy: -mean(A)
+
+
+def test_context_parallel_row_compares_and_skips():
+    """The CP row's comparison and table on made-up runs (the runs themselves need 2 GPUs)."""
+    import torch
+
+    from tools.gpu_check_cp import compare, cp_row, table
+    mask = torch.tensor([[False, True, True], [False, True, False]])
+    lp = -torch.rand(2, 3)
+    run = dict(lp=lp, after=lp + 0.05, loss=-0.3125, grad_norm=2.0, num_sequences=2.0, tokens=3.0,
+               layout="TP1xPP1xEP1xETP1xDP1")
+    close = dict(run, lp=lp + 1e-3, after=lp + 0.051, grad_norm=2.02, layout="TP1xPP1xCP2xEP1xETP1xDP1")
+    row = compare(run, close, mask)
+    assert row["ok"] and "| PASS |" in table(row)
+    assert not compare(run, dict(close, num_sequences=4.0), mask)["ok"]  # counted per CP rank
+    assert not compare(run, dict(close, grad_norm=4.0), mask)["ok"]
+    assert not compare(run, dict(close, lp=lp + 0.5), mask)["ok"]
+    skip = cp_row(Path("/nonexistent"), Path("."), Path("."), None)  # no CUDA here
+    assert skip["ok"] and "SKIP: needs 2 GPUs, found 0" in table(skip)

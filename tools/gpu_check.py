@@ -12,8 +12,10 @@ implementations of the same model differ by), (TE: packed THD micro-batches agai
 checkpoint (model + optimizer)
 saved and loaded into a fresh actor of EACH spec (bit-exact), 6. the checkpoint exported to HF
 and compared bit-exactly with the trained weights, and the untrained conversion exported and
-compared with the original HF file, 7. the fused log-prob benchmark in bf16 (GPU only).
-Prints the table last; exits 1 if any row fails.
+compared with the original HF file, 7. (TE, 2+ GPUs) context parallelism: CP2 against CP1 in
+bf16, log-probs and one GSPO step (tools/gpu_check_cp.py; a SKIP row with one GPU), 8. the fused
+log-prob benchmark in bf16 (GPU only).
+Prints the tables last; exits 1 if any row fails.
 """
 from __future__ import annotations
 
@@ -149,6 +151,9 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
             rows.append(row)
     rows.append(dict(spec="conversion", dtype="fp32", untrained_export=untrained_export,
                      ok=untrained_export == 0.0))
+    if "te" in specs and device == "cuda":
+        from tools.gpu_check_cp import cp_row
+        rows.append(cp_row(out, hf_dir, mcore, batch))
     return rows
 
 
@@ -157,6 +162,8 @@ def table(rows: list[dict]) -> str:
              "GSPO step loss | checkpoint -> local / te (max diff) | export vs trained (max diff) | result |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r["spec"] == "te CP2":  # its own table (gpu_check_cp.table)
+            continue
         if r["spec"] == "conversion":
             lines.append(f"| HF -> megatron -> HF | fp32 | - | - | - | - | {r['untrained_export']:.1e} | "
                          f"{'PASS' if r['ok'] else 'FAIL'} |")
@@ -190,6 +197,10 @@ def main() -> int:
     rows = check(out, specs, dtypes, device)
     print(f"\n{_versions(device)}; specs checked: {', '.join(specs)}")
     print(table(rows))
+    for r in rows:
+        if r["spec"] == "te CP2":
+            from tools.gpu_check_cp import table as cp_table
+            print("\ncontext parallelism (TE spec):\n" + cp_table(r))
     if device == "cuda" and not args.no_bench:
         print("\nfused log-prob benchmark (bf16):", flush=True)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "logprobs_memory.py"), "--device", "cuda",

@@ -75,11 +75,17 @@ class Actor:
         self.old_log_probs = old_log_probs
         self.spec = model if isinstance(model, ModelSpec) else spec_for_layout(
             model, layout, params_dtype=params_dtype, compute=compute)
-        # Packing needs TE's attention (THD) on CUDA: null means "whenever that is what runs".
-        can_pack = self.spec.transformer_engine and torch.cuda.is_available()
+        # Context parallelism and packing need TE's attention on CUDA (before any collective).
+        te_on_cuda = self.spec.transformer_engine and torch.cuda.is_available()
+        layout.check_context_parallel(transformer_engine=self.spec.transformer_engine,
+                                      cuda=torch.cuda.is_available())
+        # Packing: null means "whenever that is what runs"; not with CP (THD chunks per segment
+        # are not implemented: parallel/context.py splits padded rows).
+        can_pack = te_on_cuda and layout.context == 1
         if self.batching.pack_sequences and not can_pack:
             raise ValueError("pack_sequences=True needs the Transformer Engine layer spec on CUDA "
-                             "(megatron's local attention refuses packed sequences)")
+                             "(megatron's local attention refuses packed sequences)" if not te_on_cuda
+                             else "pack_sequences=True is not supported with parallel.context > 1")
         self.batching = dataclasses.replace(self.batching, pack_sequences=bool(
             can_pack if self.batching.pack_sequences is None else self.batching.pack_sequences))
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
@@ -91,7 +97,8 @@ class Actor:
         set_fused(self.chunks, self.logprob.fused)
         config = self.spec.config
         self.routing_settings = (routing or RoutingSettings()).resolve(
-            is_moe=bool(config.num_moe_experts), recompute=old_log_probs == "recompute")
+            is_moe=bool(config.num_moe_experts), recompute=old_log_probs == "recompute",
+            context_parallel=layout.context)
         self.routing = Routing(self.chunks, config.num_layers, config.moe_router_topk or 0)
         if self.routing_settings.replay or self.routing_settings.drift:
             self.routing.check_supported(config)
@@ -157,6 +164,9 @@ class Actor:
     def _begin_routing(self, batch: TrainBatch, *, record: bool = False, compare_old: bool = False,
                        compare_engine: bool = False) -> None:
         replay = self.routing_settings.replay
+        if batch.routed_experts is not None and self.layout.context > 1:
+            raise ValueError("batch.routed_experts: the MoE routing tools are not supported with "
+                             f"parallel.context={self.layout.context}")
         if batch.routed_experts is not None:
             self._check_routed_experts(batch.routed_experts)
         elif replay:

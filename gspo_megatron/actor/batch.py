@@ -9,7 +9,8 @@ predicts the first token) and positions `t >= lengths[i]` (right padding) are Fa
 `advantages[i, t]` refer to the same token `tokens[i, t]`. The exception is `routed_experts[i, p]`
 (MoE routing replay): the engine's top-k experts of each layer for the token at INPUT position p,
 which is where a router sees it (-1: no engine routing there). Values at untrained positions are
-ignored (the losses mask with torch.where, so even NaN there is harmless).
+ignored (the losses mask with torch.where, so even NaN there is harmless). Under context
+parallelism a micro-batch holds the rank's chunks at INPUT positions instead (context_chunks).
 
 Splitting: the rollout batch's k mini-batches are consecutive blocks of rows (sizes differ by at
 most one); `shard(dp_rank, dp_size, num_mini_batches=k)` gives each DP rank its block of EACH
@@ -27,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from gspo_megatron.parallel import context
 
 
 @dataclass
@@ -163,6 +166,7 @@ class MicroBatch:
     lengths: torch.Tensor | None = None        # [m] real tokens per row (0 for a filler row)
     routed_experts: torch.Tensor | None = None  # [m, s_m, layers, k] engine routing, -1 = none
     packed: "PackedInputs | None" = None       # the model's input as one packed sequence (packing.py)
+    targets: torch.Tensor | None = None        # [m, s_m / cp] context parallelism only: see context_chunks
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return dataclasses.replace(self, **{
@@ -216,6 +220,44 @@ def micro_batch(batch: TrainBatch, index: int, rows: list[int], *, seq_multiple:
         rollout_log_probs=_pad_to(part.rollout_log_probs, s),
         ref_log_probs=_pad_to(part.ref_log_probs, s), lengths=lengths,
         routed_experts=_pad_to(part.routed_experts, s, -1))
+
+
+def context_chunks(mb: MicroBatch, rank: int, size: int) -> MicroBatch:
+    """Context-parallel rank `rank`'s part of a micro-batch (size ranks; s_m a multiple of 2 x size):
+    the zig-zag chunks of parallel/context.py of every per-position tensor.
+
+    The model runs on the rank's chunks of tokens and position ids. A target (the next token) can
+    lie in another rank's chunk, so the targets are taken BEFORE splitting (`targets[:, p]` =
+    tokens[:, p + 1], 0 after the end) and every target-aligned tensor (loss_mask, log-probs,
+    token advantages) is moved to the input position that predicts it (column p <- column p + 1;
+    column 0, which nothing predicts, drops out) and split alike. So with `targets` set every
+    per-position tensor of the micro-batch, and the log-probs of forward.last_stage_log_probs, is
+    aligned to INPUT positions; the losses sum over positions and do not care. routed_experts are
+    at input positions already. rows and lengths stay whole.
+    """
+    if mb.packed is not None:
+        raise ValueError("packed micro-batches cannot be split for context parallelism")
+
+    def to_inputs(t: torch.Tensor | None, fill=0) -> torch.Tensor | None:
+        if t is None or t.dim() < 2:
+            return t
+        return torch.cat([t[:, 1:], t.new_full((t.shape[0], 1, *t.shape[2:]), fill)], dim=1)
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if t is None or t.dim() < 2 else context.split(t, rank, size)
+
+    return dataclasses.replace(
+        mb, tokens=cut(mb.tokens), position_ids=cut(mb.position_ids), targets=cut(to_inputs(mb.tokens)),
+        loss_mask=cut(to_inputs(mb.loss_mask, False)), advantages=cut(to_inputs(mb.advantages)),
+        old_log_probs=cut(to_inputs(mb.old_log_probs)),
+        rollout_log_probs=cut(to_inputs(mb.rollout_log_probs)),
+        ref_log_probs=cut(to_inputs(mb.ref_log_probs)), routed_experts=cut(mb.routed_experts))
+
+
+def from_input_positions(t: torch.Tensor) -> torch.Tensor:
+    """`[m, s]` values at input positions (context_chunks, joined again) back to target
+    positions: column t <- column t - 1, column 0 = 0."""
+    return torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1)
 
 
 def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:

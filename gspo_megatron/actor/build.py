@@ -43,7 +43,8 @@ def spec_for_layout(model: str | Path | Mapping[str, Any], layout: ParallelLayou
     """model_specs' ModelSpec of an HF model (dict, config.json or directory) for `layout`.
 
     The layout is checked against the model's dimensions first (LayoutError naming the numbers;
-    the world size is checked later, by check_layout, with the real one). The layout's
+    the world size is checked later, by check_layout, with the real one; context parallelism
+    without the TE spec on CUDA is refused here). The layout's
     TransformerConfig fields, the CPU adaptations when CUDA is absent, the compute settings
     (resolved against this machine: TE spec, grouped GEMM, fusions, recomputation), then
     `overrides` are handed to model_specs, which knows nothing of layouts or machines.
@@ -51,7 +52,9 @@ def spec_for_layout(model: str | Path | Mapping[str, Any], layout: ParallelLayou
     hf = load_hf_config(model)
     dims = model_dims_for(hf)
     layout.validate_model(**dims)
-    compute = (compute or ComputeSettings()).resolve(Available.detect())
+    available = Available.detect()
+    compute = (compute or ComputeSettings()).resolve(available)
+    layout.check_context_parallel(transformer_engine=compute.transformer_engine, cuda=available.cuda)
     fields = layout.transformer_config_fields(is_moe=bool(dims["num_experts"]))
     if not torch.cuda.is_available():
         fields.update(cpu_config_overrides(layout.vpp))
@@ -78,6 +81,7 @@ def _check_config_matches_layout(spec: ModelSpec, layout: ParallelLayout) -> Non
     want = dict(tensor_model_parallel_size=layout.tensor, pipeline_model_parallel_size=layout.pipeline,
                 expert_model_parallel_size=layout.expert, expert_tensor_parallel_size=layout.etp,
                 virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+                context_parallel_size=layout.context,
                 # Which layers each (virtual) stage builds, hence their global names, follow these.
                 num_layers_in_first_pipeline_stage=layout.first_stage_layers,
                 num_layers_in_last_pipeline_stage=layout.last_stage_layers)

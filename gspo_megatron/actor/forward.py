@@ -11,6 +11,11 @@ that stage, or to the loss). Two ways to get the log-probs, chosen by `LogProbSe
 - logits: the model's own output layer gives `[b, s, v/tp]` logits and
   `vocab_parallel_token_logprobs` reduces them.
 Temperature divides the logits as SGLang does before its softmax.
+
+Context parallelism (parallel.context > 1, TE attention on CUDA): run_schedule hands the model
+each micro-batch's zig-zag chunks (batch.context_chunks); the last stage's log-probs are then of
+the rank's chunks, at input positions (column p = log p(targets[p])), and the loss reduces its
+per-sequence sums over the CP group (algorithms/rows.py; the scaling: steps.py).
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from gspo_megatron.actor.batch import MicroBatch, pad_to_uniform_shape
+from gspo_megatron.actor.batch import MicroBatch, context_chunks, pad_to_uniform_shape
 from gspo_megatron.parallel.model_chunks import unwrap
 from gspo_megatron.actor.logprobs import fused_token_logprobs, vocab_parallel_token_logprobs
 from gspo_megatron.actor.packing import rows_from_pack
@@ -70,10 +75,13 @@ def last_stage_log_probs(chunk: torch.nn.Module, output: torch.Tensor, mb: Micro
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs `[m, s]` (differentiable) and entropies `[m, s]` (detached; zeros without
     with_entropy on the fused path) of the micro-batch's tokens, aligned to target positions
-    (batch.py): column t is log p(tokens[:, t] | tokens[:, <t]), column 0 is 0."""
+    (batch.py): column t is log p(tokens[:, t] | tokens[:, <t]), column 0 is 0. With
+    `mb.targets` (a context-parallel rank's chunks) aligned to input positions instead: column p is
+    log p(targets[:, p] | the row up to position p)."""
     model = unwrap(chunk)
     m, s = mb.tokens.shape
-    targets = torch.cat([mb.tokens[:, 1:], torch.zeros_like(mb.tokens[:, :1])], dim=1)  # [m, s]
+    targets = mb.targets if mb.targets is not None else torch.cat(
+        [mb.tokens[:, 1:], torch.zeros_like(mb.tokens[:, :1])], dim=1)  # [m, s]
     if getattr(model.output_layer, "return_hidden", False):
         hidden = output  # [m, s, h] ([m, s/tp, h] under sequence parallelism)
         if model.config.sequence_parallel:
@@ -95,6 +103,8 @@ def last_stage_log_probs(chunk: torch.nn.Module, output: torch.Tensor, mb: Micro
         log_probs, entropy = vocab_parallel_token_logprobs(
             logits.reshape(m * s, -1), targets.reshape(-1), temperature=settings.temperature,
             tp_group=_tp_group())
+    if mb.targets is not None:  # context parallel: stays at input positions (batch.context_chunks)
+        return log_probs.view(m, s), entropy.view(m, s)
     # Position p predicts token p + 1: shift right so column t holds the log-prob of token t.
     zero = log_probs.new_zeros(m, 1)
     log_probs = torch.cat([zero, log_probs.view(m, s)[:, :-1]], dim=1)  # [m, s]
@@ -148,23 +158,29 @@ def run_schedule(chunks: list[torch.nn.Module], mbs: list[MicroBatch], settings:
         if packed:
             raise ValueError("packed sequences need variable_seq_lengths=True with pipeline parallelism")
         mbs = pad_to_uniform_shape(mbs)  # the schedule allocates one fixed shape (see build.py)
+    # The schedule's seq_length is the full one (it divides by the CP size itself).
+    seq_length = max((mb.packed or mb).tokens.shape[1] for mb in mbs)
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        if packed:
+            raise ValueError("packed sequences are not supported with context parallelism")
+        mbs = [context_chunks(mb, ps.get_context_parallel_rank(), cp) for mb in mbs]
     vpp = len(chunks)
     data_iterator = [iter(mbs) for _ in chunks] if vpp > 1 else iter(mbs)
     if config.calculate_per_token_loss:
         raise ValueError("calculate_per_token_loss must be False (the actor scales the loss itself)")
-    if ps.get_context_parallel_world_size() != 1:
-        raise ValueError("context parallelism is not supported by the actor yet")
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data_iterator,
-        model=chunks if vpp > 1 else chunks[0], num_microbatches=len(mbs),
-        seq_length=max((mb.packed or mb).tokens.shape[1] for mb in mbs),
+        model=chunks if vpp > 1 else chunks[0], num_microbatches=len(mbs), seq_length=seq_length,
         micro_batch_size=max((mb.packed or mb).tokens.shape[0] for mb in mbs),
         forward_only=forward_only) or []
 
 
 def seq_multiple() -> int:
-    """Micro-batch sequence lengths must divide evenly between TP ranks under sequence parallelism."""
-    return ps.get_tensor_model_parallel_world_size()
+    """Micro-batch sequence lengths must divide evenly between TP ranks under sequence parallelism,
+    and into 2 x CP chunks whose CP share divides between the TP ranks under context parallelism."""
+    cp = ps.get_context_parallel_world_size()
+    return ps.get_tensor_model_parallel_world_size() * (2 * cp if cp > 1 else 1)
 
 
 def is_last_stage_rank() -> bool:

@@ -112,16 +112,21 @@ class RoutingSettings:
     """Routing drift, every step: the fraction of (token, layer) top-k expert sets on trained
     tokens that differ between pi_old (the old-log-prob pass) and the policy after the step's
     updates, measured by one extra forward-only pass (GSPO paper §5.3: ~10% on a 48-layer MoE).
-    null = on for MoE models with train.old_log_probs=recompute."""
+    null = on for MoE models with train.old_log_probs=recompute (and parallel.context=1)."""
     engine_routing: bool | None = None
     """Ask SGLang for the experts it routed every token to (--enable-return-routed-experts) and
     report routing_engine_mismatch: the fraction of those sets megatron's routers choose
     differently in the old-log-prob pass (same weights unless rollouts lag). null = with replay."""
 
-    def resolve(self, *, is_moe: bool, recompute: bool) -> "RoutingSettings":
-        """The settings with nulls decided; errors name what cannot run."""
+    def resolve(self, *, is_moe: bool, recompute: bool, context_parallel: int = 1) -> "RoutingSettings":
+        """The settings with nulls decided; errors name what cannot run. Under context parallelism
+        (routers see zig-zag chunks of the rows, which routing.py does not map) all are off."""
         if (self.replay or self.drift or self.engine_routing) and not is_moe:
             raise ValueError("moe.replay / moe.drift / moe.engine_routing: the model has no MoE layers")
+        if (self.replay or self.drift or self.engine_routing) and context_parallel > 1:
+            raise ValueError("moe.replay / moe.drift / moe.engine_routing are not supported with "
+                             f"parallel.context={context_parallel}")
+        recompute = recompute and context_parallel == 1  # drift's null: off under CP
         if self.drift and not recompute:
             raise ValueError("moe.drift=true needs train.old_log_probs=recompute (pi_old's routing "
                              "is recorded in that pass)")

@@ -13,21 +13,36 @@ loss_func on the last stage returns, in the schedule's 2-tuple contract,
 
     loss_mb = (sum of l_i over the micro-batch's rows) * num_microbatches * dp_size / N
 
+with dp_size the data-parallel size WITHOUT context parallelism. Under context parallelism (CP)
+every CP rank of a DP rank holds the same rows (each its zig-zag chunks of them, forward.py) and
+returns this same full-row value: the loss sums each row over the CP group before the exp
+(algorithms/rows.py; "ce" is a plain token sum, each rank its own tokens).
+
 1. pipeline_parallel/schedules.py:264-269 (forward_step_calc_loss, 2-tuple branch): the schedule
-   multiplies by cp_group_size (1: context parallelism is rejected) and divides by
-   num_microbatches before backward -> backward sees (sum_mb l_i) * dp_size / N.
-2. Summed over this rank's micro-batches (gradients accumulate in the DDP grad buffers):
-   (sum over the rank's rows) * dp_size / N.
+   multiplies by cp_size (:268) and divides by num_microbatches before backward.
+2. CP: the loss's all-reduce passes the gradient through unchanged (rows.cp_sum), so CP rank r's
+   backward gives d/dtheta of sum_{t on r} g_t logp_t, g_t = d loss_mb / d logp_t of the
+   full rows (TE's attention returns the key/value gradients to the ranks owning those positions).
+   Summed over the CP ranks that is the full rows' gradient once, and with step 1 and the sum
+   over the rank's micro-batches (DDP grad buffers accumulate): cp_size * (sum over the DP rank's
+   rows) * dp_size / N. Without CP, cp_size = 1 and the same holds.
 3. distributed/distributed_data_parallel.py:284-288 (average_in_collective=False, set in
-   build.py): the grad buffers are scaled by 1/dp_size, then all-reduced (or reduce-scattered)
-   with SUM over the DP group (expert parameters: the same 1/dp_size, summed over the expert-DP
-   group, which holds the same tokens' contributions) -> (sum over ALL rows) / N = dL/dtheta.
-The factors num_microbatches and dp_size cancel exactly whatever the split: uneven row counts per
-rank and micro-batches of unequal size included (filler rows count 0 everywhere). With
-calculate_per_token_loss=True the schedule and DDP would skip both divisions; build.py/forward.py
+   build.py): the grad buffers are scaled by 1 / dp_cp_group.size() = 1 / (dp_size * cp_size),
+   then all-reduced (or reduce-scattered) with SUM over the DP x CP group (intra_dp_cp_group,
+   :291-293; expert parameters: the same factor, summed over the expert-DP group, which spans the
+   CP ranks too and holds the same tokens' contributions) -> (sum over ALL rows) / N = dL/dtheta.
+(megatron-core 0.19.2: schedules.py:340, distributed_data_parallel.py:210-213, the same.)
+The factors num_microbatches, dp_size and cp_size cancel exactly whatever the split: uneven row
+counts per rank and micro-batches of unequal size included (filler rows count 0 everywhere). With
+calculate_per_token_loss=True the schedule and DDP would skip the divisions; build.py/forward.py
 refuse it. tests/test_actor_layouts.py checks the resulting parameters against one process with
 an optimizer that is linear in the gradient (Adam's usual first step, ~lr*sign(g), would hide a
-wrong scale), and that a deliberately wrong scale fails that check.
+wrong scale), and that a deliberately wrong scale fails that check; tests/test_context_parallel.py
+checks step 2's loss and per-token gradients on split rows against one process (gloo); the model
+side of CP (TE attention) is tools/gpu_check.py's CP row.
+
+Metrics: under CP, token totals are each rank's own positions and add up over the CP group; row
+totals (num_sequences, loss_sum, seq_ratio_sum, ...) are reported by CP rank 0 only.
 """
 from __future__ import annotations
 
@@ -36,12 +51,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from gspo_megatron.actor import microbatches
-from gspo_megatron.actor.batch import MicroBatch, TrainBatch
+from gspo_megatron.actor.batch import MicroBatch, TrainBatch, from_input_positions
 from gspo_megatron.actor.forward import BeforeForward, is_last_stage_rank, run_schedule, seq_multiple
 from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings
 from gspo_megatron.algorithms.loss_metrics import finalize_metrics
 from gspo_megatron.algorithms.mismatch import mismatch_correction
 from gspo_megatron.algorithms.registry import LossSettings
+from gspo_megatron.algorithms.rows import counts_rows, cp_sum
+from gspo_megatron.parallel import context
 from gspo_megatron.parallel.comm import comm_device
 
 
@@ -69,6 +86,11 @@ def _global_count(local: int) -> int:
     return int(t.item())
 
 
+def _cp_group():
+    """The context-parallel group, or None without context parallelism."""
+    return ps.get_context_parallel_group() if ps.get_context_parallel_world_size() > 1 else None
+
+
 def _token_totals(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor) -> dict:
     mask = mb.loss_mask
     lp = log_probs.detach()
@@ -88,8 +110,9 @@ def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, 
     """Combine per-micro-batch totals over micro-batches and over the world.
 
     Only the last pipeline stage's TP-rank-0 ranks contribute (their TP peers hold copies, other
-    stages hold nothing); `keys` maps every metric name to "sum", "min" or "max" and must be the same
-    on every rank. Every rank returns the result (rank 0 is the driver).
+    stages hold nothing; CP ranks hold distinct positions, see the module docstring); `keys` maps
+    every metric name to "sum", "min" or "max" and must be the same on every rank. Every rank
+    returns the result (rank 0 is the driver).
     """
     contributes = is_last_stage_rank() and ps.get_tensor_model_parallel_rank() == 0
     device = comm_device()
@@ -200,10 +223,13 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
     out = torch.zeros(b, s, dtype=torch.float32)
 
     def keep(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
+        report, zero = _token_totals(mb, log_probs, entropy), log_probs.sum() * 0.0
+        if mb.targets is not None:  # context parallel: this rank's chunks, at input positions
+            log_probs = from_input_positions(context.all_gather(log_probs, _cp_group()))
         real = mb.rows >= 0
         width = min(s, log_probs.shape[1])
         out[mb.rows[real].cpu(), :width] = log_probs[real, :width].float().cpu()
-        return log_probs.sum() * 0.0, _token_totals(mb, log_probs, entropy)
+        return zero, report
 
     reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True, before_forward=before_forward)
     keys = {k: "sum" for k in ("num_tokens", "entropy_sum", "log_prob_sum")}
@@ -246,12 +272,15 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
     scale = num_mb * ps.get_data_parallel_world_size() / max(global_count, 1)
     loss_fn, loss_kwargs = spec.function(), loss.function_kwargs()
+    cp_group = _cp_group()
+    row_share = 1.0 if counts_rows(cp_group) else 0.0  # row totals: CP rank 0 reports them
 
     def loss_func(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
         report = _token_totals(mb, log_probs, entropy)
-        if loss_fn is None:  # ce
+        if loss_fn is None:  # ce: a token sum, each CP rank its own tokens
             total = -torch.where(mb.loss_mask, log_probs, 0).sum()
-            report["num_sequences"] = mb.loss_mask.any(dim=1).sum().to(total.dtype)
+            trained = cp_sum(mb.loss_mask.sum(dim=1).to(total.dtype), cp_group)  # whole rows
+            report["num_sequences"] = (trained > 0).sum().to(total.dtype) * row_share
         else:
             adv = mb.advantages
             if spec.advantages == "token" and adv.dim() == 1:
@@ -259,14 +288,14 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
             mask, weights = mb.loss_mask, {}
             if correct:
                 c = mismatch_correction(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
-                                        **loss.mismatch_kwargs())
+                                        **loss.mismatch_kwargs(), cp_group=cp_group)
                 mask, weights = c.loss_mask, dict(token_weights=c.token_weights, row_weights=c.row_weights)
                 report.update(c.totals)
             total, metrics = loss_fn(log_probs, mb.old_log_probs, adv, mask, reduction="sum",
                                      ref_log_probs=mb.ref_log_probs if loss.kl_coef > 0 else None,
-                                     **loss_kwargs, **weights)
+                                     cp_group=cp_group, **loss_kwargs, **weights)
             report.update({k: metrics[k] for k in spec.reported_keys(loss.kl_coef > 0)})
-        report["loss_sum"] = total.detach()
+        report["loss_sum"] = total.detach() * (1.0 if loss_fn is None else row_share)
         return total * scale, report
 
     for chunk in chunks:

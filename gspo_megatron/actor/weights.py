@@ -109,11 +109,12 @@ def full_tensor_over_tp(param: torch.nn.Parameter) -> torch.Tensor:
 
 
 def owns_full_copy(param: torch.nn.Parameter) -> bool:
-    """One rank per distinct tensor contributes it: DP rank 0 (expert-DP rank 0 for experts) and
-    TP rank 0 (expert-TP rank 0) of its group."""
+    """One rank per distinct tensor contributes it: DP x CP rank 0 (expert-DP rank 0 for experts;
+    context-parallel ranks hold replicas like DP ranks) and TP rank 0 (expert-TP rank 0)."""
     if is_expert_param(param):
         return ps.get_expert_data_parallel_rank() == 0 and ps.get_expert_tensor_parallel_rank() == 0
-    return ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    return (ps.get_data_parallel_rank(with_context_parallel=True) == 0
+            and ps.get_tensor_model_parallel_rank() == 0)
 
 
 @torch.no_grad()

@@ -13,16 +13,18 @@ def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
               loss_mask: torch.Tensor, *, eps_low: float = GRPO_CLIP[0], eps_high: float = GRPO_CLIP[1],
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
               kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
-              row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              row_weights: torch.Tensor | None = None,
+              cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: per row `(1/L_i) sum_t -min(w_{i,t} A, clip(w_{i,t}) A)`, `w = exp(l_{i,t})`.
 
     advantages: `[b]` (one per sequence, as GRPO defines them) or `[b, s]`. Rows are then averaged
     (`"mean"`) or summed (`"sum"`) exactly as in `gspo_loss`, so both losses aggregate the same way.
     `clip_fraction` is the fraction of trainable tokens clipped; `seq_ratio_*` report the GSPO
-    sequence ratio `exp(mean l)` of the same batch, for comparison.
+    sequence ratio `exp(mean l)` of the same batch, for comparison. cp_group: as in `gspo_loss`
+    (the token terms' row sums are reduced over it).
     """
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row", "token"),
-                             reduction, eps_low, eps_high, ref_log_probs, kl_coef)
+                             reduction, eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     if adv.dim() == 1:
         adv = adv[:, None]  # [b, 1]
     log_ratio = (rows.log_probs - rows.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [b, s]

@@ -41,7 +41,8 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
               loss_mask: torch.Tensor, *, eps_low: float = GSPO_CLIP[0], eps_high: float = GSPO_CLIP[1],
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
               kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
-              row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              row_weights: torch.Tensor | None = None,
+              cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO loss `-J` (Eq. 5) with the sequence ratio `s_i` of Eq. 7.
 
     log_probs, old_log_probs, loss_mask: `[b, s]` (old/ref are treated as constants); advantages:
@@ -51,10 +52,11 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     detached, see loss_metrics.py (`clip_fraction` = clipped sequences / valid sequences).
     token_weights `[b, s]` / row_weights `[b]`: constant importance weights of the train/inference
     mismatch (mismatch.py): a row's term is multiplied by its row weight and by the mean of its
-    tokens' weights.
+    tokens' weights. cp_group: the context-parallel group the rows' positions are split over; the
+    per-row sums are reduced over it before the exp (rows.py).
     """
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row",), reduction,
-                             eps_low, eps_high, ref_log_probs, kl_coef)
+                             eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
     per_row, clipped = clipped_objective_loss(seq_ratio, adv, eps_low, eps_high)  # [b], [b]
     per_row = rows.weighted(per_row, rows.mean(token_weights.detach()) if token_weights is not None
@@ -68,9 +70,10 @@ def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
                     loss_mask: torch.Tensor, *, eps_low: float = GSPO_CLIP[0], eps_high: float = GSPO_CLIP[1],
                     reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
                     kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
-                    row_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    row_weights: torch.Tensor | None = None,
+                    cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token (Eqs. 13-14): per-token advantages `[b, s]`, otherwise as `gspo_loss`
-    (token_weights multiply the token terms, row_weights the rows').
+    (token_weights multiply the token terms, row_weights the rows'; cp_group as there).
 
     `s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]`: its value is s_i, its gradient w.r.t. log pi(y_t) is
     s_i, so the row term `(1/L_i) sum_t -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})` equals GSPO
@@ -78,7 +81,7 @@ def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
     `clip_fraction` here is the fraction of trainable tokens clipped.
     """
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("token",), reduction,
-                             eps_low, eps_high, ref_log_probs, kl_coef)
+                             eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
     token_ratio = seq_ratio.detach()[:, None] * torch.exp(rows.log_probs - rows.log_probs.detach())  # [b, s]
     per_token, clipped = clipped_objective_loss(token_ratio, adv, eps_low, eps_high)  # [b, s]

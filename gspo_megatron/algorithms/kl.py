@@ -40,7 +40,10 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, loss_mask: 
 
 
 def rows_kl(rows: Rows, ref_log_probs: torch.Tensor | None, estimator: str) -> torch.Tensor | None:
-    """`kl_penalty` of a prepared batch, or None without a reference policy (the losses' KL term)."""
+    """`kl_penalty` of a prepared batch, or None without a reference policy (the losses' KL term);
+    under context parallelism over the whole rows (rows.py)."""
     if ref_log_probs is None:
         return None
-    return kl_penalty(rows.log_probs, ref_log_probs, rows.mask, estimator)
+    # kl_penalty's masked row mean, with the row sums over the CP group (rows.py)
+    ref = torch.where(rows.mask, ref_log_probs.detach().to(rows.log_probs.dtype), 0)
+    return rows.mean(token_kl(rows.log_probs, ref, estimator))

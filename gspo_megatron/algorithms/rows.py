@@ -3,12 +3,26 @@
 Masked positions are replaced with `torch.where`, never multiplied by the mask: a NaN or inf in a
 padded position (a log-prob of a pad token, garbage after a packed segment) then changes neither
 the value nor the gradient, and the position gets exactly zero gradient (docs/algorithm.md, property 6).
+
+Context parallelism (`cp_group`): each rank of the group holds some positions of every row (the
+actor's zig-zag chunks, parallel/context.py). Every per-row sum -- token counts L_i, the masked
+sums behind s_i, the per-token terms of gspo_token / grpo, the KL sums, the mismatch corrections'
+means -- is summed over the group by `cp_sum` BEFORE the exp or the division, so every rank holds
+the same full-row s_i, L_i and row terms, and the returned loss is the full-sequence loss on each
+rank. `cp_sum`'s backward passes the gradient through unchanged: each rank's backward gives its own
+positions d loss / d logp_{i,t} of the full-sequence loss, so the gradients of the ranks together
+are exactly the one-process gradient (not cp times it). How the actor's loss scale and megatron's
+CP factor then give the full-sequence parameter gradient: actor/steps.py. Metrics: token totals are
+the rank's own positions (they add up over the group); row totals (num_sequences, seq_ratio_sum,
+clipped_sequences, kl_sum) are reported by the group's rank 0 only, so that summing the metrics
+over the group counts each row once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .loss_metrics import finalize_metrics
 
@@ -22,18 +36,47 @@ LOG_RATIO_CLAMP = 20.0
 REDUCTIONS = ("mean", "sum")
 
 
+class _ContextSum(torch.autograd.Function):
+    """Sum over the context-parallel group; backward: the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.detach().clone().contiguous()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def cp_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` summed over the ranks of `group` (None: `x` itself). Differentiable: the gradient w.r.t.
+    this rank's `x` is the gradient w.r.t. the sum (see the module docstring for why)."""
+    if group is None:
+        return x
+    return _ContextSum.apply(x, group)
+
+
+def counts_rows(group) -> bool:
+    """True on the rank that reports row totals: every rank without a group, else group rank 0."""
+    return group is None or dist.get_rank(group) == 0
+
+
 @dataclass
 class Rows:
     """A batch of `b` rows of `s` positions, masked and cast to the compute dtype."""
     log_probs: torch.Tensor      # [b, s], 0 at masked positions
     old_log_probs: torch.Tensor  # [b, s], 0 at masked positions (no grad)
     mask: torch.Tensor           # [b, s] bool
-    lengths: torch.Tensor        # [b], L_i (compute dtype)
+    lengths: torch.Tensor        # [b], L_i of the whole row (over the CP group; compute dtype)
     valid: torch.Tensor          # [b] bool, L_i > 0
+    cp_group: object = None      # context-parallel group holding the rest of each row, or None
 
     def mean(self, x: torch.Tensor) -> torch.Tensor:
-        """Masked per-row mean (1/L_i) sum_t m_t x_t -> [b]; 0 for rows with L_i = 0."""
-        return torch.where(self.mask, x, 0).sum(dim=-1) / self.lengths.clamp(min=1)
+        """Masked per-row mean (1/L_i) sum_t m_t x_t over the whole row -> [b]; 0 for rows with
+        L_i = 0. The sum runs over the CP group (module docstring)."""
+        return cp_sum(torch.where(self.mask, x, 0).sum(dim=-1), self.cp_group) / self.lengths.clamp(min=1)
 
     def weighted(self, per_row: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
         """per_row times each given `[b]` weight (constants; None = 1)."""
@@ -50,8 +93,10 @@ class Rows:
 def prepare_rows(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask: torch.Tensor,
                  advantages: torch.Tensor, advantage_shapes: tuple[str, ...],
                  reduction: str, eps_low: float, eps_high: float,
-                 ref_log_probs: torch.Tensor | None, kl_coef: float) -> tuple[Rows, torch.Tensor]:
-    """Check shapes and options (errors name the offending values), return (rows, advantages)."""
+                 ref_log_probs: torch.Tensor | None, kl_coef: float,
+                 cp_group=None) -> tuple[Rows, torch.Tensor]:
+    """Check shapes and options (errors name the offending values), return (rows, advantages).
+    cp_group: the context-parallel group the rows' positions are split over (module docstring)."""
     if log_probs.dim() != 2:
         raise ValueError(f"log_probs must be [b, s], got shape {tuple(log_probs.shape)}")
     shape = log_probs.shape
@@ -74,10 +119,10 @@ def prepare_rows(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask
     # fp64 inputs stay fp64 (finite-difference tests).
     dtype = torch.promote_types(log_probs.dtype, torch.float32)
     mask = loss_mask != 0  # bool or 0/1 masks alike
-    lengths = mask.sum(dim=-1).to(dtype)
+    lengths = cp_sum(mask.sum(dim=-1).to(dtype), cp_group)
     rows = Rows(log_probs=torch.where(mask, log_probs.to(dtype), 0),
                 old_log_probs=torch.where(mask, old_log_probs.detach().to(dtype), 0),
-                mask=mask, lengths=lengths, valid=lengths > 0)
+                mask=mask, lengths=lengths, valid=lengths > 0, cp_group=cp_group)
     return rows, advantages.detach().to(dtype)
 
 
@@ -87,7 +132,8 @@ def finish_loss(rows: Rows, per_row: torch.Tensor, *, reduction: str, seq_ratio:
     """Add the KL term, reduce the per-row `-J_i` terms over valid rows, build the metrics.
 
     per_row: `[b]` -J_i; seq_ratio: `[b]` s_i; clipped_tokens: `[b, s]` bool; clipped_sequences:
-    `[b]` bool (GSPO) or None; kl: `[b]` per-row KL estimate or None.
+    `[b]` bool (GSPO) or None; kl: `[b]` per-row KL estimate or None. Under context parallelism
+    the loss is the full rows' on every rank; the metrics are this rank's share (module docstring).
     """
     if kl is not None and kl_coef != 0.0:
         per_row = per_row + kl_coef * kl
@@ -98,17 +144,18 @@ def finish_loss(rows: Rows, per_row: torch.Tensor, *, reduction: str, seq_ratio:
 
     with torch.no_grad():
         ratio = seq_ratio.detach()
+        share = 1.0 if counts_rows(rows.cp_group) else 0.0  # row totals: once per CP group
         inf = torch.tensor(float("inf"), dtype=ratio.dtype, device=ratio.device)
         totals = {
-            "num_sequences": num_sequences.detach(),
-            "num_tokens": rows.lengths.sum(),
+            "num_sequences": num_sequences.detach() * share,
+            "num_tokens": rows.mask.sum().to(ratio.dtype),  # this rank's positions
             "clipped_tokens": (clipped_tokens & rows.mask).sum().to(ratio.dtype),
-            "seq_ratio_sum": torch.where(valid, ratio, 0).sum(),
+            "seq_ratio_sum": torch.where(valid, ratio, 0).sum() * share,
             "seq_ratio_min": torch.where(valid, ratio, inf).min() if ratio.numel() else inf,
             "seq_ratio_max": torch.where(valid, ratio, -inf).max() if ratio.numel() else -inf,
         }
         if clipped_sequences is not None:
-            totals["clipped_sequences"] = (clipped_sequences & valid).sum().to(ratio.dtype)
+            totals["clipped_sequences"] = (clipped_sequences & valid).sum().to(ratio.dtype) * share
         if kl is not None:
-            totals["kl_sum"] = torch.where(valid, kl.detach(), 0).sum()
+            totals["kl_sum"] = torch.where(valid, kl.detach(), 0).sum() * share
     return loss, finalize_metrics(totals)

@@ -17,7 +17,8 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How the model is split. Data parallel size is whatever is left of the world size."""
+    """How the model is split. Data parallel size is whatever is left of the world size after
+    tensor x pipeline x context."""
 
     tensor: int = 1
     """Tensor-parallel size (TP): attention heads and MLP columns split across this many ranks."""
@@ -42,6 +43,12 @@ class ParallelLayout:
     sequence_parallel: bool | None = None
     """Split activations along the sequence between TP ranks (SP). None = on when tensor > 1 and
     the model is MoE (megatron-core requires it then), off otherwise."""
+    context: int = 1
+    """Context-parallel size (CP): each sequence split over this many ranks, every rank holding
+    two of its 2 x context chunks (megatron's load-balanced split, parallel/context.py); the GSPO
+    per-sequence sums are reduced over them (algorithms/rows.py). Attention exchanges keys and
+    values between them, which needs Transformer Engine's attention on CUDA (megatron's local
+    attention does not support CP). Data parallel = world / (tensor x pipeline x context)."""
 
     @property
     def vpp(self) -> int:
@@ -52,7 +59,7 @@ class ParallelLayout:
         return self.expert_tensor or self.tensor
 
     def data_parallel(self, world_size: int) -> int:
-        return world_size // (self.tensor * self.pipeline)
+        return world_size // (self.tensor * self.pipeline * self.context)
 
     def use_sequence_parallel(self, is_moe: bool) -> bool:
         if self.sequence_parallel is None:
@@ -103,6 +110,8 @@ class ParallelLayout:
         parts = [f"TP{self.tensor}", pp]
         if self.vpp > 1:
             parts.append(f"VPP{self.vpp}")
+        if self.context > 1:
+            parts.append(f"CP{self.context}")
         parts += [f"EP{self.expert}", f"ETP{self.etp}", f"DP{self.data_parallel(world_size)}"]
         return "x".join(parts)
 
@@ -117,21 +126,25 @@ class ParallelLayout:
             expert_model_parallel_size=self.expert,
             expert_tensor_parallel_size=self.etp,
             sequence_parallel=self.use_sequence_parallel(is_moe),
+            context_parallel_size=self.context,
             # Per-micro-batch sequence lengths differ in RL: PP stages exchange shapes first.
             variable_seq_lengths=self.pipeline > 1,
             # Also for dense models: TransformerConfig rejects variable_seq_lengths with the
             # default allgather dispatcher even when there are no experts.
             moe_token_dispatcher_type="alltoall",
-        )
+        ) | (dict(cp_comm_type="p2p") if self.context > 1 else {})  # TE's ring exchange of K/V
 
     def validate(self, world_size: int, *, num_layers: int, num_attention_heads: int,
                  num_query_groups: int, vocab_size: int, num_experts: int | None = None) -> None:
         """Raise LayoutError naming the numbers if this layout cannot run the model on world_size."""
         self.validate_sizes()
-        tp, pp, ep, etp = self.tensor, self.pipeline, self.expert, self.etp
+        tp, pp, ep, etp, cp = self.tensor, self.pipeline, self.expert, self.etp, self.context
         if world_size % (tp * pp):
             raise LayoutError(f"world size {world_size} is not divisible by tensor x pipeline = "
                               f"{tp} x {pp} = {tp * pp}")
+        if world_size % (tp * pp * cp):
+            raise LayoutError(f"world size {world_size} is not divisible by tensor x pipeline x "
+                              f"context = {tp} x {pp} x {cp} = {tp * pp * cp}")
         if world_size % (etp * ep * pp):
             raise LayoutError(f"world size {world_size} is not divisible by expert_tensor x expert x "
                               f"pipeline = {etp} x {ep} x {pp} = {etp * ep * pp}")
@@ -139,9 +152,17 @@ class ParallelLayout:
                             num_query_groups=num_query_groups, vocab_size=vocab_size,
                             num_experts=num_experts)
 
+    def check_context_parallel(self, *, transformer_engine: bool, cuda: bool) -> None:
+        """LayoutError unless context parallelism can run with this layer spec on this machine:
+        only Transformer Engine's attention (CUDA) exchanges keys and values between CP ranks."""
+        if self.context > 1 and not (transformer_engine and cuda):
+            raise LayoutError(f"parallel.context={self.context} needs the Transformer Engine layer "
+                              "spec on CUDA: megatron's local attention does not support context "
+                              "parallelism")
+
     def validate_sizes(self) -> None:
         """The sizes themselves (>= 1; VPP needs PP), without a world size or a model."""
-        for name in ("tensor", "pipeline", "expert"):
+        for name in ("tensor", "pipeline", "expert", "context"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
         if self.expert_tensor is not None and self.expert_tensor < 1:

@@ -43,16 +43,23 @@ def init_process_groups(layout: ParallelLayout, *, seed: int = 1234, backend: st
     elif torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            # A one-rank job needs no TCP rendezvous: an in-process store cannot lose its port to
+            # another process between picking it and binding it (SGLang starts in that window).
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     world = dist.get_world_size()
-    tp, pp, ep, etp = layout.tensor, layout.pipeline, layout.expert, layout.etp
-    if world % (tp * pp) or world % (etp * ep * pp):
+    tp, pp, ep, etp, cp = layout.tensor, layout.pipeline, layout.expert, layout.etp, layout.context
+    if world % (tp * pp * cp) or world % (etp * ep * pp):
         # Re-checked here because a caller may skip validate(); megatron would assert deep inside.
         raise ValueError(f"world size {world} does not fit layout {layout}")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,

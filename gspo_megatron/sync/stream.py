@@ -58,10 +58,10 @@ def _local_params(chunks: Sequence[torch.nn.Module]) -> dict[str, torch.nn.Param
 
 
 def _takes_part(param: torch.nn.Parameter) -> bool:
-    """This rank's TP group is the one that assembles the parameter (DP / expert-DP rank 0)."""
+    """This rank's TP group is the one that assembles the parameter (DP x CP / expert-DP rank 0)."""
     if is_expert_param(param):
         return ps.get_expert_data_parallel_rank() == 0
-    return ps.get_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
 def build_plan(chunks: Sequence[torch.nn.Module], wmap: WeightMap) -> list[PlanEntry]:
