@@ -6,14 +6,17 @@
 
 Known failures (bad config, missing file, unreachable server, impossible layout, unusable
 checkpoint) print one line `gspo-megatron: error: ...` on stderr and exit with code 2; anything
-else is a bug and keeps its traceback. The config is read and validated before torch and
-megatron-core are imported, so a config error costs a fraction of a second.
+else is a bug and keeps its traceback. The config, the layout against the model and the world
+size, and the prompt file are checked before torch and megatron-core are imported
+(early_checks.py), so those errors cost a fraction of a second.
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
 
 
 def known_errors() -> tuple[type[BaseException], ...]:
@@ -34,6 +37,16 @@ def known_errors() -> tuple[type[BaseException], ...]:
             ServerStartError, SGLangError, CheckpointError, CheckpointMismatchError,
             WeightSyncError, RewardErrorBudgetExceeded, DriverError, DamagedFileError,
             EnvironmentSpecError)
+
+
+def quiet_cpu_import_warnings() -> None:
+    """megatron-core says at import, a dozen lines, that Transformer Engine and Apex are missing,
+    and torch that there is no CUDA runtime: on a CPU that is expected (the run prints the compute
+    settings it resolved instead)."""
+    warnings.filterwarnings("ignore", message=r".*(Apex is|Transformer Engine and Apex are) not installed",
+                            category=UserWarning)
+    warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,10 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(describe_fields())
         return 0
+    from gspo_megatron.early_checks import early_checks
+    from gspo_megatron.parallel.layout import LayoutError
+    from model_specs.hf_config import HFConfigError
+    from rollout.dataset import PromptFileError
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
+        early_checks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except (ConfigError, LayoutError, HFConfigError, PromptFileError, FileNotFoundError) as e:
         return _error(e)
+    quiet_cpu_import_warnings()
     errors = known_errors()
     try:
         from gspo_megatron.trainer import train

@@ -1,12 +1,4 @@
-"""Model families: HF config.json -> megatron-core TransformerConfig + layer spec + weight map.
-
-    spec = model_spec_for(hf_config_or_dir, overrides={"tensor_model_parallel_size": 2, ...})
-    model = GPTModel(spec.config, spec.block_spec(vp_stage), **spec.gpt_model_kwargs(), ...)
-
-A leaf package: it knows Hugging Face configs and megatron-core, nothing of the RL library. The
-caller (gspo_megatron's actor, the checkpoint converters) supplies the parallel layout and the
-machine's adaptations as TransformerConfig overrides.
-"""
+"""The table of model families and the entry points over it (re-exported by the package)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,6 +42,3 @@ def model_spec_for(source: str | Path | Mapping[str, Any], *,
     return family_for(hf).model_spec(hf, params_dtype=params_dtype, overrides=overrides,
                                      transformer_engine=transformer_engine)
 
-
-__all__ = ["FAMILIES", "HFConfigError", "ModelSpec", "family_for", "load_hf_config", "model_dims_for",
-           "model_spec_for"]

@@ -271,6 +271,27 @@ def test_disk_full_during_checkpoint_save_is_one_line_and_resumes(tmp_path, smal
     assert (ck / "latest").read_text().strip() == "step_00000002"
 
 
+@pytest.mark.slow
+def test_disk_full_during_the_initial_conversion_is_one_line(tmp_path, small_disk):
+    """The initial HF -> megatron conversion does not fit (a 3 MiB tmpfs, a model of 16 experts):
+    one line naming the folder, "no space left on device" and the bytes the weights need; the
+    temporary folder is removed."""
+    from rollout.server import free_port
+    model = tmp_path / "big"
+    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--arch", "qwen3_moe", "--out",
+                    str(model), "--override", "num_experts=64", "--override", "num_hidden_layers=4"],
+                   cwd=ROOT, env=env(), check=True, capture_output=True)
+    ck = small_disk / "ck"
+    proc = run_train([CONFIG, "--set", f"model.hf_path={model}", "--set", f"checkpoint.dir={ck}",
+                      "--set", f"logging.tensorboard_dir={tmp_path / 'tb'}",
+                      "--set", f"rollout.server_urls=[http://127.0.0.1:{free_port()}]",
+                      "--set", "rollout.server_startup_timeout_s=2"])
+    line = _error_line(proc)
+    assert f"converting model.hf_path='{model}' into {ck / 'initial_megatron'} failed: no space left " \
+           "on device (" in line and "bytes needed: the model's weight files); free space and rerun" in line
+    assert not (ck / "initial_megatron.tmp").exists() and not (ck / "initial_megatron").exists()
+
+
 def _initial_conversion(tmp_path: Path) -> Path:
     out = tmp_path / "initial"
     subprocess.run([sys.executable, "tools/convert_hf_to_megatron.py", "--hf",

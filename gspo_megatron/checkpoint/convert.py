@@ -117,8 +117,11 @@ class _StreamingSaveStrategy(TorchDcpSaveStrategy):
         return self.planner
 
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
-        super().save(sharded_state_dict, checkpoint_dir)
-        self.planner.progress.close()
+        try:
+            super().save(sharded_state_dict, checkpoint_dir)
+        finally:  # also on a failed write: the bar ends its line before any error is printed
+            if hasattr(self, "planner"):
+                self.planner.progress.close()
 
 
 def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,

@@ -238,19 +238,7 @@ class CheckpointManager:
         comes out as "RuntimeError: [enforce fail at inline_container.cc] unexpected pos N vs M".
         So: ENOSPC anywhere in the exception chain, or a short write while the free space is less
         than a checkpoint needs (the previous one's size, else 64 MiB), or almost no space left."""
-        chain, seen, enospc, short_write = [error], set(), False, False
-        while chain:
-            e = chain.pop()
-            if id(e) in seen:
-                continue
-            seen.add(id(e))
-            text = str(e)
-            enospc |= (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in text
-            short_write |= "unexpected pos" in text
-            chain += [x for x in (e.__cause__, e.__context__) if x is not None]
-            for failure in getattr(e, "failures", {}).values():  # dcp: rank -> (exception, trace)
-                chain += [x for x in (failure if isinstance(failure, tuple) else (failure,))
-                          if isinstance(x, BaseException)]
+        enospc, short_write = write_failure_kind(error)
         try:
             free = shutil.disk_usage(self.root).free
         except OSError:
@@ -270,6 +258,25 @@ class CheckpointManager:
             return
         for s in self.complete_steps()[:-self.keep]:
             shutil.rmtree(self.root / step_dir_name(s), ignore_errors=True)
+
+
+def write_failure_kind(error: BaseException) -> tuple[bool, bool]:
+    """(ENOSPC anywhere in the exception chain, a short write "unexpected pos" in it): what a full
+    disk looks like through torch's and dist_checkpointing's writers."""
+    chain, seen, enospc, short_write = [error], set(), False, False
+    while chain:
+        e = chain.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        text = str(e)
+        enospc |= (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left" in text
+        short_write |= "unexpected pos" in text
+        chain += [x for x in (e.__cause__, e.__context__) if x is not None]
+        for failure in getattr(e, "failures", {}).values():  # dcp: rank -> (exception, trace)
+            chain += [x for x in (failure if isinstance(failure, tuple) else (failure,))
+                      if isinstance(x, BaseException)]
+    return enospc, short_write
 
 
 def write_manifest(directory: Path) -> None:

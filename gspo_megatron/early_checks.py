@@ -1,0 +1,36 @@
+"""The checks the command line makes before torch and megatron-core are imported (a fraction of a
+second instead of several seconds and a screen of import warnings): the model directory's
+config.json, the parallel layout against the model's dimensions and the world size, the prompt
+file. startup.check_inputs makes them again with the model family's own table, then everything
+that needs torch (weight files, compute settings, the resume checkpoint).
+
+    early_checks(cfg, world_size)   # raises ConfigError, LayoutError, HFConfigError,
+                                    # PromptFileError or FileNotFoundError, naming the value
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from gspo_megatron.config import RunConfig
+from model_specs.hf_config import load_hf_config, model_dims
+from rollout.dataset import load_prompts
+
+
+def early_checks(cfg: RunConfig, world: int) -> None:
+    hf_dir = Path(cfg.model.hf_path)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model.hf_path={str(hf_dir)!r}: no config.json there (expected a "
+                                f"Hugging Face model directory)")
+    hf = load_hf_config(hf_dir)
+    # An MoE config names its expert count (hf_config normalises the families' aliases to
+    # num_experts); the family table, which imports megatron-core, decides it in check_inputs.
+    dims = model_dims(hf, str(hf.get("model_type")), moe=hf.get("num_experts") is not None)
+    cfg.parallel.validate_model(**dims)
+    if cfg.compute.transformer_engine is False or importlib.util.find_spec("transformer_engine") is None:
+        # a sure "no" for context parallelism; with TE installed check_inputs asks CUDA too
+        cfg.parallel.check_context_parallel(transformer_engine=False, cuda=False)
+    cfg.parallel.validate(world, **dims)
+    if not Path(cfg.rollout.prompts).is_file():
+        raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")
+    load_prompts(cfg.rollout.prompts)

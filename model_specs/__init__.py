@@ -1,0 +1,29 @@
+"""Model families: HF config.json -> megatron-core TransformerConfig + layer spec + weight map.
+
+    spec = model_spec_for(hf_config_or_dir, overrides={"tensor_model_parallel_size": 2, ...})
+    model = GPTModel(spec.config, spec.block_spec(vp_stage), **spec.gpt_model_kwargs(), ...)
+
+A leaf package: it knows Hugging Face configs and megatron-core, nothing of the RL library. The
+caller (gspo_megatron's actor, the checkpoint converters) supplies the parallel layout and the
+machine's adaptations as TransformerConfig overrides.
+
+Names are imported on first use (PEP 562): `model_specs.hf_config` (plain JSON, no torch) can be
+read before torch and megatron-core are imported, e.g. by the command line's early checks.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {"FAMILIES": "families", "family_for": "families", "model_dims_for": "families",
+            "model_spec_for": "families", "ModelSpec": "common", "HFConfigError": "hf_config",
+            "load_hf_config": "hf_config"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)
