@@ -49,3 +49,26 @@ def hf_response_logprobs(model_dir: Path | str, prompt_ids: list[int], response_
         logits = model(ids).logits.float()                                 # [1, s, v]
     logp = torch.log_softmax(logits[0, len(prompt_ids) - 1:-1], dim=-1)    # [r, v]
     return logp.gather(1, torch.tensor(response_ids)[:, None])[:, 0].tolist()
+
+
+def transformers_log_probs(hf_dir: Path, tokens, lengths, edit_model=None, **config_changes):
+    """`[rows, seq]` log p(tokens[i, t] | tokens[i, < t]) from transformers in fp32 (each row on its
+    own, its first `lengths[i]` tokens), NaN where undefined; `config_changes` set on the HF config
+    before the model is built, `edit_model(model)` called after."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    for k, v in config_changes.items():
+        setattr(config, k, v)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, config=config,
+                                                              dtype=torch.float32).eval()
+    if edit_model is not None:
+        edit_model(model)
+    out = torch.full(tuple(tokens.shape), float("nan"))
+    with torch.no_grad():
+        for i, n in enumerate(lengths.tolist()):
+            ids = tokens[i:i + 1, :n]                                         # [1, n]
+            logp = torch.log_softmax(model(ids).logits.float()[0], dim=-1)     # [n, v]
+            out[i, 1:n] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
+    return out

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
+from fixtures_models import transformers_log_probs
 from model_specs import HFConfigError, glm4_moe, model_spec_for, qwen2_moe
 from model_specs.weight_maps import weight_map_for
 from tools.make_tiny_model import make_tiny_model
@@ -210,26 +211,16 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def _transformers_log_probs(hf_dir: Path, zero_expert_bias: bool = False,
                             **config_changes) -> torch.Tensor:
-    """[ROWS, SEQ] log p(token t | tokens < t) from transformers (fp32), NaN where undefined."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    for k, v in config_changes.items():
-        setattr(config, k, v)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, config=config,
-                                                              dtype=torch.float32).eval()
-    if zero_expert_bias:
+    """[ROWS, SEQ] log p(token t | tokens < t) from transformers (fp32) on make_batch(), NaN where
+    undefined; zero_expert_bias: GLM's e_score_correction_bias buffers set to 0."""
+    def zero_bias(model):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.zero_()
+
     batch = make_batch()
-    out = torch.full((ROWS, SEQ), float("nan"))
-    with torch.no_grad():
-        for i, n in enumerate(batch.lengths.tolist()):
-            ids = batch.tokens[i:i + 1, :n]                                   # [1, n]
-            logp = torch.log_softmax(model(ids).logits.float()[0], dim=-1)     # [n, v]
-            out[i, 1:n] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
-    return out
+    return transformers_log_probs(hf_dir, batch.tokens, batch.lengths,
+                                  zero_bias if zero_expert_bias else None, **config_changes)
 
 
 def _valid() -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from distributed import gather_row_values, run_distributed
+from fixtures_models import transformers_log_probs
 from model_specs import HFConfigError, model_spec_for, qwen3, qwen3_moe
 from tools.make_tiny_model import make_tiny_model
 
@@ -124,21 +125,10 @@ def _log_probs(rank, world, cases):
 
 
 def _transformers_log_probs(hf_dir: Path, **config_changes) -> torch.Tensor:
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    for k, v in config_changes.items():
-        setattr(config, k, v)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, config=config,
-                                                              dtype=torch.float32).eval()
+    """[ROWS, SEQ] log p(token t | tokens < t) from transformers (fp32) on make_batch(), NaN where
+    undefined."""
     batch = make_batch()
-    out = torch.full((ROWS, SEQ), float("nan"))
-    with torch.no_grad():
-        for i, n in enumerate(batch.lengths.tolist()):
-            ids = batch.tokens[i:i + 1, :n]                                   # [1, n]
-            logp = torch.log_softmax(model(ids).logits.float()[0], dim=-1)     # [n, v]
-            out[i, 1:n] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
-    return out
+    return transformers_log_probs(hf_dir, batch.tokens, batch.lengths, **config_changes)
 
 
 @pytest.fixture(scope="module")

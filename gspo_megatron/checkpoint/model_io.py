@@ -87,17 +87,22 @@ def save_model(models: Sequence[torch.nn.Module], ckpt_dir: str | Path,
                             sharded_strategy=TorchDcpSaveStrategy())
 
 
+def _load_model_chunks(chunks: Sequence[torch.nn.Module], state: dict, path: str | Path) -> None:
+    """Each chunk's `model{i}` entry of a loaded checkpoint, strictly (TE's _extra_state aside)."""
+    for i, c in enumerate(chunks):
+        missing, unexpected = unwrap(c).load_state_dict(state[f"model{i}"], strict=False)
+        missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
+        if missing or unexpected:
+            raise CheckpointMismatchError(f"loading {path} into model chunk {i}: missing {missing}, "
+                                          f"unexpected {unexpected}")
+
+
 def load_model(models: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
     """Collective. Loads the weights into the model chunks, whatever layout wrote them."""
     check_is_checkpoint(ckpt_dir)
     check_matches(model_sharded_state_dict(models), ckpt_dir)
     loaded = dist_checkpointing.load(model_sharded_state_dict(models), str(ckpt_dir))
-    for i, m in enumerate(models):
-        missing, unexpected = unwrap(m).load_state_dict(loaded[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
-        if missing or unexpected:
-            raise CheckpointMismatchError(f"loading {ckpt_dir} into model chunk {i}: missing "
-                                          f"{missing}, unexpected {unexpected}")
+    _load_model_chunks(models, loaded, ckpt_dir)
 
 
 def check_is_checkpoint(ckpt_dir: str | Path) -> None:
@@ -203,12 +208,7 @@ def load_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
         _ensure_optimizer_state(optimizer)
     check_matches(model_sharded_state_dict(chunks), path)
     state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
-    for i, c in enumerate(chunks):
-        missing, unexpected = unwrap(c).load_state_dict(state[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
-        if missing or unexpected:
-            raise CheckpointMismatchError(f"loading {path} into model chunk {i}: missing {missing}, "
-                                          f"unexpected {unexpected}")
+    _load_model_chunks(chunks, state, path)
     if optimizer is not None:
         # The fp32 distributed optimizer copies into leaf params in load_state_dict (ENVIRONMENT #11).
         with torch.no_grad():
