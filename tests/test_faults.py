@@ -319,4 +319,5 @@ def test_server_death_mid_run_is_one_line_with_the_url_once(tmp_path):
     lines = [ln for ln in err.splitlines() if ln.startswith("gspo-megatron: error")]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
     assert lines[0].count(url) == 1, lines[0]
+    assert "The servers are left paused" not in lines[0], lines[0]  # a dead server is not paused
     assert json.loads(jsonl.read_text().splitlines()[0])["step"] == 0

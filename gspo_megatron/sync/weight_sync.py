@@ -24,6 +24,17 @@ from gspo_megatron.sync.transports import Transport
 from model_specs.weight_maps import weight_map_for
 
 
+def _unreachable(error: BaseException | None) -> bool:
+    """A lost connection anywhere in the error's chain (rollout.client.ServerUnavailable, or the
+    transport's own ConnectionError)."""
+    from rollout.client import ServerUnavailable
+    while error is not None:
+        if isinstance(error, (ServerUnavailable, ConnectionError)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class WeightSyncError(RuntimeError):
     """A sync that did not complete; the servers are paused and marked stale."""
 
@@ -67,14 +78,17 @@ class WeightSync:
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
         if self.rank == 0 and error is None:
             error = self._try(lambda: self._finish(version))
-        message = [f"{type(error).__name__}: {error}" if error is not None else None]
+        message = [f"{type(error).__name__}: {error}" if error is not None else None,
+                   _unreachable(error)]
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None:
             self.stale = True
-            raise WeightSyncError(
-                f"weight sync to version {version} via {getattr(self.transport, 'name', '?')} "
-                f"failed: {message[0]}. The servers are left paused and may hold a mix of old and "
-                "new weights; sync again before generating.")
+            after = ("A server could not be reached (did it die?): restart it, then sync again; "
+                     "servers still up are paused" if message[1] else
+                     "The servers are left paused") + " and may hold a mix of old and new weights; " \
+                "sync again before generating."
+            raise WeightSyncError(f"weight sync to version {version} via "
+                                  f"{getattr(self.transport, 'name', '?')} failed: {message[0]}. {after}")
         self.stale, self.version = False, version
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "bytes": float(sent), "buckets": float(n_buckets),
