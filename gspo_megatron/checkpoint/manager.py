@@ -138,7 +138,7 @@ class CheckpointManager:
             if not f.is_file() and rel.startswith(f"{RNG_DIR}/"):
                 continue  # RNG state is optional per rank (load() says which ranks lack it)
             if not f.is_file():
-                raise CheckpointError(f"checkpoint {path} is damaged: {rel} is missing (the "
+                raise CheckpointError(f"checkpoint {path} is damaged: {f} is missing (the "
                                       f"manifest lists {size} bytes)")
             actual = f.stat().st_size
             if actual != size:
