@@ -1,6 +1,8 @@
 """YaRN RoPE scaling (model_specs/rope.py): megatron's frequencies and attention factor as
 transformers computes them, and log-probs equal to transformers' (1e-5, fp32) at positions far
 beyond the original context length, for Qwen3, Qwen3-MoE and Qwen2-MoE; other rope types named.
+Slow: a real SGLang server on the same model directory applies the same YaRN (what the run's
+servers do: they read the same config.json).
 """
 from __future__ import annotations
 
@@ -160,3 +162,32 @@ def test_log_probs_beyond_the_original_context_equal_transformers(yarn_models, m
     plain = _transformers_log_probs(yarn_models[arch], rope_parameters={"rope_type": "default",
                                                                         "rope_theta": 1e5})
     assert float((got - plain)[beyond].abs().max()) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_the_runs_sglang_server_applies_the_same_yarn(yarn_models, arch):
+    """The SGLang server a run starts reads the rope settings from the same config.json: its
+    log-probs of tokens beyond the original context equal transformers' (1e-4, the bound of
+    test_rollout_logprobs), and transformers without YaRN is far from them."""
+    import random
+
+    from rollout.pool import ServerPool
+    from rollout.server import ServerConfig, ServerGroup
+    path = yarn_models[arch]
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 512) for _ in range(2 * ORIGINAL)]
+    with ServerGroup.launch(ServerConfig(model_path=str(path), device="cpu", startup_timeout_s=300)) as group:
+        out = ServerPool(group.server_urls).generate(prompt, {"max_new_tokens": 24, "temperature": 1.0,
+                                                              "ignore_eos": True})
+    ids = torch.tensor([prompt + list(out.output_ids)])
+    lengths = torch.tensor([ids.shape[1]])
+    got = torch.tensor(out.logprobs)
+    want = transformers_log_probs(path, ids, lengths)[0, len(prompt):]
+    plain = transformers_log_probs(path, ids, lengths, rope_parameters={"rope_type": "default",
+                                                                         "rope_theta": 1e5})[0, len(prompt):]
+    err = float((got - want).abs().max())
+    print(f"{arch}: max |sglang - transformers| log-prob at positions {len(prompt)}-{ids.shape[1] - 1} "
+          f"(original context {ORIGINAL}): {err:.3g}")
+    assert len(got) == 24 and err < 1e-4
+    assert float((got - plain).abs().max()) > 1e-3
