@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 def _error(e: BaseException) -> int:
     where = f" (rank {os.environ.get('RANK', '0')})" if os.environ.get("WORLD_SIZE", "1") != "1" else ""
     message = " ".join(str(e).split()) if "\n" not in str(e) else str(e).strip()
+    from gspo_megatron.parallel.layout import LayoutError
+    if isinstance(e, LayoutError) and not message.startswith("parallel."):
+        message = f"parallel: {message}"  # the config section whose sizes do not fit
     print(f"gspo-megatron: error{where}: {message}", file=sys.stderr)
     return 2
 
