@@ -29,7 +29,7 @@ def early_checks(cfg: RunConfig, world: int) -> None:
     cfg.parallel.validate_model(**dims)
     if cfg.compute.transformer_engine is False or importlib.util.find_spec("transformer_engine") is None:
         # a sure "no" for context parallelism; with TE installed check_inputs asks CUDA too
-        cfg.parallel.check_context_parallel(transformer_engine=False, cuda=False)
+        cfg.parallel.check_context_parallel(transformer_engine=False, cuda=False, half=False)
     cfg.parallel.validate(world, **dims)
     if not Path(cfg.rollout.prompts).is_file():
         raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")

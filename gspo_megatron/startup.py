@@ -101,7 +101,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     except ValueError as e:
         raise ConfigError(f"compute.{e}") from None
     cfg.parallel.check_context_parallel(transformer_engine=compute.transformer_engine,
-                                        cuda=Available.detect().cuda)
+                                        cuda=Available.detect().cuda, half=cfg.model.dtype == "bfloat16")
     cfg.parallel.validate(world, **dims)
     if cfg.train.pack_sequences and not (compute.transformer_engine and Available.detect().cuda):
         raise ConfigError("train.pack_sequences=True: expected the Transformer Engine layer spec on "

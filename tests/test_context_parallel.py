@@ -239,11 +239,14 @@ def test_layout_counts_context_in_the_world_and_the_config():
     fields = layout.transformer_config_fields(is_moe=True)
     assert fields["context_parallel_size"] == 2 and fields["cp_comm_type"] == "p2p"
     assert "cp_comm_type" not in ParallelLayout().transformer_config_fields(is_moe=True)
-    layout.check_context_parallel(transformer_engine=True, cuda=True)
-    ParallelLayout().check_context_parallel(transformer_engine=False, cuda=False)
+    layout.check_context_parallel(transformer_engine=True, cuda=True, half=True)
+    ParallelLayout().check_context_parallel(transformer_engine=False, cuda=False, half=False)
     for te, cuda in ((False, True), (True, False), (False, False)):
         with pytest.raises(LayoutError, match=CP_ERROR):
-            ParallelLayout(context=2).check_context_parallel(transformer_engine=te, cuda=cuda)
+            ParallelLayout(context=2).check_context_parallel(transformer_engine=te, cuda=cuda, half=True)
+    # TE has no fp32 attention kernel with CP (it would fail at the first forward, after start-up)
+    with pytest.raises(LayoutError, match="parallel.context=2 needs model.dtype=bfloat16"):
+        layout.check_context_parallel(transformer_engine=True, cuda=True, half=False)
 
 
 def test_megatron_config_takes_the_layout_fields():

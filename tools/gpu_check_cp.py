@@ -42,7 +42,8 @@ def run(hf: Path, mcore: Path, batch_file: Path, context: int, out: Path) -> Non
                   optimizer=OptimizerSettings(optimizer="sgd", lr=LR, clip_grad=0.0),
                   loss=LossSettings(name="gspo", eps_low=0.5, eps_high=0.5),
                   batching=MicroBatchSettings(micro_batch_size=2, pack_sequences=False),
-                  params_dtype=torch.bfloat16, compute=ComputeSettings(transformer_engine=True))
+                  params_dtype=torch.bfloat16,  # CP needs 16-bit attention (layout.py)
+                  compute=ComputeSettings(transformer_engine=True))
     actor.load_weights(mcore)
     shard = actor.shard(batch)  # DP = 1 in both runs: every row
     shard.old_log_probs, _ = actor.compute_old_log_probs(shard)

@@ -78,7 +78,8 @@ class Actor:
         # Context parallelism and packing need TE's attention on CUDA (before any collective).
         te_on_cuda = self.spec.transformer_engine and torch.cuda.is_available()
         layout.check_context_parallel(transformer_engine=self.spec.transformer_engine,
-                                      cuda=torch.cuda.is_available())
+                                      cuda=torch.cuda.is_available(),
+                                      half=self.spec.config.params_dtype in (torch.bfloat16, torch.float16))
         # Packing: null means "whenever that is what runs"; not with CP (THD chunks per segment
         # are not implemented: parallel/context.py splits padded rows).
         can_pack = te_on_cuda and layout.context == 1

@@ -72,7 +72,9 @@ class MicroBatchSettings:
     """Token budget of a train micro-batch: the tokens it computes (rows x longest row, padding
     included; packed: the rows' lengths summed) stay within it; null = micro_batch_size alone
     decides. Rows are grouped longest first; a row longer than the budget is a micro-batch of
-    its own."""
+    its own. The budget counts whole rows: under context parallelism each CP rank computes
+    1/parallel.context of them, so a budget sized for one rank's memory can be context times
+    larger."""
     max_tokens_per_forward_micro_batch: int | None = None
     """The same for the forward-only passes (old and reference log-probs keep no activations for
     backward, so a larger budget fits); null = max_tokens_per_micro_batch."""

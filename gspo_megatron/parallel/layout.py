@@ -152,13 +152,20 @@ class ParallelLayout:
                             num_query_groups=num_query_groups, vocab_size=vocab_size,
                             num_experts=num_experts)
 
-    def check_context_parallel(self, *, transformer_engine: bool, cuda: bool) -> None:
-        """LayoutError unless context parallelism can run with this layer spec on this machine:
-        only Transformer Engine's attention (CUDA) exchanges keys and values between CP ranks."""
+    def check_context_parallel(self, *, transformer_engine: bool, cuda: bool, half: bool) -> None:
+        """LayoutError unless context parallelism can run with this layer spec on this machine and
+        parameter dtype (`half`: bf16/fp16): only Transformer Engine's attention (CUDA) exchanges
+        keys and values between CP ranks, and only its flash/fused kernels, which take fp16/bf16,
+        do so (TE's get_attention_backend filters fp32 out of those, and its unfused attention has
+        no CP: "No dot product attention backend is available" at the first forward)."""
         if self.context > 1 and not (transformer_engine and cuda):
             raise LayoutError(f"parallel.context={self.context} needs the Transformer Engine layer "
                               "spec on CUDA: megatron's local attention does not support context "
                               "parallelism")
+        if self.context > 1 and not half:
+            raise LayoutError(f"parallel.context={self.context} needs model.dtype=bfloat16: "
+                              "Transformer Engine's attention kernels with context parallelism take "
+                              "16-bit inputs only")
 
     def validate_sizes(self) -> None:
         """The sizes themselves (>= 1; VPP needs PP), without a world size or a model."""
