@@ -17,12 +17,24 @@ from model_specs.hf_config import load_hf_config, model_dims
 from rollout.dataset import load_prompts
 
 
-def early_checks(cfg: RunConfig, world: int) -> None:
+def check_model_dir(cfg: RunConfig) -> Path:
+    """model.hf_path, which must hold a config.json."""
     hf_dir = Path(cfg.model.hf_path)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_path={str(hf_dir)!r}: no config.json there (expected a "
                                 f"Hugging Face model directory)")
-    hf = load_hf_config(hf_dir)
+    return hf_dir
+
+
+def check_prompts(cfg: RunConfig) -> None:
+    """rollout.prompts exists and parses (PromptFileError names the file and line)."""
+    if not Path(cfg.rollout.prompts).is_file():
+        raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")
+    load_prompts(cfg.rollout.prompts)
+
+
+def early_checks(cfg: RunConfig, world: int) -> None:
+    hf = load_hf_config(check_model_dir(cfg))
     # An MoE config names its expert count (hf_config normalises the families' aliases to
     # num_experts); the family table, which imports megatron-core, decides it in check_inputs.
     dims = model_dims(hf, str(hf.get("model_type")), moe=hf.get("num_experts") is not None)
@@ -31,6 +43,4 @@ def early_checks(cfg: RunConfig, world: int) -> None:
         # a sure "no" for context parallelism; with TE installed check_inputs asks CUDA too
         cfg.parallel.check_context_parallel(transformer_engine=False, cuda=False, half=False)
     cfg.parallel.validate(world, **dims)
-    if not Path(cfg.rollout.prompts).is_file():
-        raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")
-    load_prompts(cfg.rollout.prompts)
+    check_prompts(cfg)

@@ -89,11 +89,8 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     from gspo_megatron.checkpoint.loop_state import load_driver_state
     from gspo_megatron.checkpoint.manager import CheckpointError
     from model_specs import load_hf_config, model_dims_for
-    from rollout.dataset import load_prompts
-    hf = Path(cfg.model.hf_path)
-    if not (hf / "config.json").is_file():
-        raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no config.json there (expected a "
-                                f"Hugging Face model directory)")
+    from gspo_megatron.early_checks import check_model_dir, check_prompts
+    hf = check_model_dir(cfg)
     dims = model_dims_for(load_hf_config(hf))
     cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
     try:
@@ -113,9 +110,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     if not any((hf / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
                                 f"{', '.join(TOKENIZER_FILES)})")
-    if not Path(cfg.rollout.prompts).is_file():
-        raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")
-    load_prompts(cfg.rollout.prompts)  # PromptFileError names the file and line
+    check_prompts(cfg)  # PromptFileError names the file and line
     if cfg.rollout.environment:
         from gspo_megatron.episodes import env_factory
         env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args
