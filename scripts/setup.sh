@@ -12,17 +12,17 @@ PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
 VENV="$ROOT/.venv"
 STAMP="$VENV/.gspo_setup_stamp"
-inputs_hash() { cat pyproject.toml requirements/*.txt scripts/setup.sh | sha256sum | cut -d' ' -f1; }
+inputs_hash() { cat pyproject.toml requirements/*.txt scripts/setup.sh scripts/setup_lib.sh | sha256sum | cut -d' ' -f1; }
 want="$(inputs_hash)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
-echo "[setup] building $VENV (first use; about 3-4 minutes)" >&2
+source "$ROOT/scripts/setup_lib.sh"
+need_disk setup "$VENV" 9   # measured: 7.1 GiB when built, plus pip's unpacking room
+echo "[setup] building $VENV (first use; about 3-4 minutes, 7 GiB)" >&2
 t0=$SECONDS
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# Local-disk wheel locations are configured system-wide on these machines (pip.conf); filter the noise.
-quiet() { "$@" 2>&1 | { grep -v -E "is ignored: it is neither|^$" || true; }; return "${PIPESTATUS[0]}"; }
 PIN="$(mktemp)"; trap 'rm -f "$PIN"' EXIT
 printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$PIN"
 quiet "${PIP[@]}" install torch==2.14.1 torchvision==0.29.1

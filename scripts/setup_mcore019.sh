@@ -22,15 +22,16 @@ if [[ -z "$PY" ]]; then
 fi
 VENV="$ROOT/.venv-mcore019"
 STAMP="$VENV/.gspo_setup_stamp"
-want="$(cat pyproject.toml scripts/setup_mcore019.sh | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/setup_mcore019.sh scripts/setup_lib.sh | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
+source "$ROOT/scripts/setup_lib.sh"
+need_disk setup-mcore019 "$VENV" 7   # measured: 5.7 GiB when built
 echo "[setup-mcore019] building $VENV with $("$PY" --version)" >&2
 t0=$SECONDS
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-quiet() { "$@" 2>&1 | { grep -v -E "is ignored: it is neither|^$" || true; }; return "${PIPESTATUS[0]}"; }
 # torch 2.14.1 as in .venv (from PyPI for 3.12: a CUDA build, which runs on the CPU too).
 quiet "${PIP[@]}" install torch==2.14.1
 quiet "${PIP[@]}" install "megatron-core==0.19.2" "transformers==5.19.0" "tokenizers==0.23.2" -e ".[test]"

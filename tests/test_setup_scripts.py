@@ -1,0 +1,58 @@
+"""The venv builds stop at once, with one clear line, when the disk cannot hold the venv
+(scripts/setup_lib.sh: need_disk). Without the check, a full disk shows up minutes into the build
+as pip's "[Errno 28] No space left on device" and leaves a half-built venv behind."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIB = ROOT / "scripts" / "setup_lib.sh"
+
+
+def need_disk(venv: Path, gib: int) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", f'source "{LIB}"; need_disk setup "{venv}" {gib}; echo passed'],
+                          capture_output=True, text=True, timeout=30)
+
+
+def free_gib(path: Path) -> int:
+    return shutil.disk_usage(path).free // 2**30
+
+
+def test_refuses_a_fresh_build_that_does_not_fit(tmp_path: Path) -> None:
+    venv = tmp_path / ".venv"
+    too_much = free_gib(tmp_path) + 1000
+    out = need_disk(venv, too_much)
+    assert out.returncode == 1 and "passed" not in out.stdout
+    line = out.stderr.strip()
+    assert len(line.splitlines()) == 1, line
+    assert f"not enough disk for {venv}" in line and f"needs about {too_much} GiB" in line
+    assert f"{free_gib(tmp_path)} GiB free" in line or f"{free_gib(tmp_path) - 1} GiB free" in line
+    assert not venv.exists()
+
+
+def test_lets_a_build_that_fits_go_on(tmp_path: Path) -> None:
+    out = need_disk(tmp_path / ".venv", 0)
+    assert out.returncode == 0 and out.stdout.strip() == "passed", out.stderr
+
+
+def test_an_existing_venv_only_needs_room_for_an_update(tmp_path: Path) -> None:
+    venv = tmp_path / ".venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(shutil.which("python3"))
+    out = need_disk(venv, free_gib(tmp_path) + 1000)
+    assert out.returncode == 0, out.stderr  # 2 GiB asked, not the fresh build's figure
+
+
+def test_both_setup_scripts_check_before_pip_runs() -> None:
+    for name in ("setup.sh", "setup_mcore019.sh"):
+        text = (ROOT / "scripts" / name).read_text()
+        assert text.index("need_disk ") < text.index(' -m venv "$VENV"') < text.index('quiet "${PIP[@]}" install'), name
+
+
+def test_a_venv_in_a_folder_not_yet_made_is_measured_where_it_will_be(tmp_path: Path) -> None:
+    venv = tmp_path / "not" / "yet" / ".venv"
+    out = need_disk(venv, free_gib(tmp_path) + 1000)
+    assert out.returncode == 1 and " GiB free" in out.stderr and "has  GiB" not in out.stderr, out.stderr
+    assert "df: " not in out.stderr
