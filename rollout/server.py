@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -244,16 +245,20 @@ class ServerGroup:
     """The SGLang servers (and optional router) a run talks to; a context manager that stops them.
 
     `launch` starts children and owns them; `attach` only records URLs (stop() leaves them alone).
+    Logs go to config.log_dir, or else to a temporary folder that a clean stop removes (it is kept,
+    and named in the error, when a server fails to start or the `with` block raises).
     """
 
     def __init__(self, server_urls: Sequence[str], router_url: str | None = None,
-                 servers: Sequence[ManagedProcess] = (), router: ManagedProcess | None = None):
+                 servers: Sequence[ManagedProcess] = (), router: ManagedProcess | None = None,
+                 temp_log_dir: Path | None = None):
         if not server_urls:
             raise ValueError("a ServerGroup needs at least one server URL")
         self.server_urls = [u.rstrip("/") for u in server_urls]
         self.router_url = router_url.rstrip("/") if router_url else None
         self.servers = list(servers)
         self.router = router
+        self.temp_log_dir = temp_log_dir
 
     @classmethod
     def attach(cls, server_urls: Sequence[str], router_url: str | None = None,
@@ -279,7 +284,8 @@ class ServerGroup:
         """Start `num_servers` servers from `config` in parallel (each on its own free port; on GPU
         server i gets base_gpu_id = i * tp_size unless set), wait until all are healthy, then the
         router if asked. Any failure stops everything already started and re-raises."""
-        log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="gspo-sglang-logs-"))
+        temp_log_dir = None if config.log_dir else Path(tempfile.mkdtemp(prefix="gspo-sglang-logs-"))
+        log_dir = Path(config.log_dir) if config.log_dir else temp_log_dir
         procs: list[ManagedProcess] = []
         router_proc = None
         try:
@@ -300,18 +306,23 @@ class ServerGroup:
             for p in procs + ([router_proc] if router_proc else []):
                 p.stop()
             raise
-        return cls([p.url for p in procs], router_proc.url if router_proc else None, procs, router_proc)
+        return cls([p.url for p in procs], router_proc.url if router_proc else None, procs, router_proc,
+                   temp_log_dir)
 
-    def stop(self) -> None:
-        """Stop what this group launched (router first); attached servers are left running."""
+    def stop(self, keep_logs: bool = False) -> None:
+        """Stop what this group launched (router first); attached servers are left running. Then
+        remove the temporary log folder, if the group made one, unless keep_logs."""
         for p in ([self.router] if self.router else []) + self.servers:
             p.stop()
+        if self.temp_log_dir is not None and not keep_logs:
+            shutil.rmtree(self.temp_log_dir, ignore_errors=True)
+            self.temp_log_dir = None
 
     def __enter__(self) -> "ServerGroup":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.stop(keep_logs=exc_type is not None)
 
     def __repr__(self) -> str:
         return f"ServerGroup(servers={self.server_urls}, router={self.router_url})"

@@ -45,10 +45,25 @@ def test_attach_and_clean_stop(qwen3_server):
     # a server of our own: stop() ends the whole process group (scheduler, detokenizer too)
     from fixtures_servers import launch_tiny_server
     group = launch_tiny_server("qwen3", seed=2)
-    pgid = group.servers[0].proc.pid
+    pgid, logs = group.servers[0].proc.pid, group.temp_log_dir
+    assert logs is not None and list(logs.glob("sglang-*.log"))  # no log_dir given: a temporary one
     group.stop()
     time.sleep(0.5)
     assert _live_members(pgid) == []
+    assert not logs.exists()  # a clean stop removes the temporary logs
+
+
+def test_temporary_logs_are_kept_when_the_run_fails(tmp_path):
+    """Only a clean exit removes a temporary log folder; after an error it is what one reads."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with pytest.raises(RuntimeError):
+        with ServerGroup(["http://127.0.0.1:1"], temp_log_dir=logs):
+            raise RuntimeError("the run failed")
+    assert logs.is_dir()
+    with ServerGroup(["http://127.0.0.1:1"], temp_log_dir=logs):
+        pass
+    assert not logs.exists()
 
 
 def _live_members(pgid: int) -> list[int]:
