@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.actor.packing import resolve_packing
 from gspo_megatron.actor.settings import Available
 from gspo_megatron.checkpoint.loop_state import LoopState
 from gspo_megatron.checkpoint.manager import CheckpointManager
@@ -100,12 +101,13 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     cfg.parallel.check_context_parallel(transformer_engine=compute.transformer_engine,
                                         cuda=Available.detect().cuda, half=cfg.model.dtype == "bfloat16")
     cfg.parallel.validate(world, **dims)
-    if cfg.train.pack_sequences and not (compute.transformer_engine and Available.detect().cuda):
-        raise ConfigError("train.pack_sequences=True: expected the Transformer Engine layer spec on "
-                          "CUDA (megatron's local attention refuses packed sequences)")
-    if cfg.train.pack_sequences and cfg.parallel.context > 1:
-        raise ConfigError(f"train.pack_sequences=True: not supported with parallel.context="
-                          f"{cfg.parallel.context}")
+    available = Available.detect()
+    try:  # the Actor resolves it the same way
+        resolve_packing(cfg.train.pack_sequences, te_on_cuda=compute.transformer_engine and available.cuda,
+                        context=cfg.parallel.context, half=cfg.model.dtype == "bfloat16",
+                        te_version=available.te_version)
+    except ValueError as e:
+        raise ConfigError(f"train.{e}") from None
     fingerprint = model_fingerprint(hf)  # reads every weight file's header: DamagedFileError names it
     if not any((hf / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "

@@ -38,5 +38,23 @@ def test_context_parallel_row_compares_and_skips():
     assert not compare(run, dict(close, num_sequences=4.0), mask)["ok"]  # counted per CP rank
     assert not compare(run, dict(close, grad_norm=4.0), mask)["ok"]
     assert not compare(run, dict(close, lp=lp + 0.5), mask)["ok"]
+    assert not compare(run, close, mask, tol=1e-4)["ok"]  # the packed row's fp32 tolerance
     skip = cp_row(Path("/nonexistent"), Path("."), Path("."), None)  # no CUDA here
     assert skip["ok"] and "SKIP: needs 2 GPUs, found 0" in table(skip)
+
+
+def test_packed_row_control_and_cell():
+    """The packed-vs-padded row's pieces that do not need TE: the one-segment control joins every
+    row (and the padding) into one attention segment, and the cell shows a failure's reason."""
+    import torch
+
+    from gspo_megatron.actor.packing import pack
+    from tools.gpu_check import _one_segment, _packed_cell
+    packed = pack(torch.arange(20).reshape(2, 10), torch.tensor([10, 7]), multiple=8)
+    assert packed.cu_seqlens.tolist() == [0, 10, 17, 24]
+    control = _one_segment(packed)
+    assert control.cu_seqlens_q.tolist() == [0, 24] and control.cu_seqlens_q.dtype == torch.int32
+    assert control.max_seqlen_q == 24 and control.qkv_format == "thd"
+    assert _packed_cell(dict(error="RuntimeError: no backend", ok=False)) == "FAIL: RuntimeError: no backend"
+    cell = _packed_cell(dict(lp_max=1e-6, after_max=2e-6, grad_norm=(2.0, 2.01), leak=0.17, ok=True))
+    assert cell == "1.0e-06, after step 2.0e-06, grad norm 2.01 vs 2; one-segment control 0.17"

@@ -64,3 +64,21 @@ def test_rollout_order_is_the_old_equal_row_split():
     after = sum(computed_tokens([lengths[i] for i in p], packed=False)
                 for p in plan_micro_batches(lengths, max_rows=3))
     assert (before, after) == (3 * 40 + 2 * 38 + 2 * 39, 3 * 40 + 3 * 12 + 1 * 5)  # 274 vs 161
+
+
+def test_a_packed_micro_batch_counts_its_pack_not_its_rows():
+    """model_tokens (the padding metric and max_micro_batch_tokens) of a packed micro-batch is
+    the pack's length: the real tokens rounded up to the multiple, not rows x longest row."""
+    import torch
+
+    from gspo_megatron.actor.batch import TrainBatch, micro_batch
+    from gspo_megatron.actor.microbatches import model_tokens, padding_stats
+    from gspo_megatron.actor.packing import pack
+    lengths = torch.tensor([9, 3, 6])
+    t = torch.arange(9)[None]
+    batch = TrainBatch(tokens=torch.randint(3, 50, (3, 9)), lengths=lengths,
+                       loss_mask=(t >= 1) & (t < lengths[:, None]), advantages=torch.zeros(3))
+    mb = micro_batch(batch, 0, [0, 1, 2])
+    assert model_tokens(mb) == 27 and padding_stats([mb]) == (18, 27)
+    mb.packed = pack(mb.tokens, mb.lengths, multiple=4)
+    assert model_tokens(mb) == 20 and padding_stats([mb]) == (18, 20)

@@ -5,6 +5,7 @@ local attention (the only one on CPU) refuses packed sequences, so the model sid
 GPU by tools/gpu_check.py (packed vs unpacked log-probs, TE spec)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gspo_megatron.actor.packing import pack, rows_from_pack
@@ -61,3 +62,46 @@ def test_rows_from_pack_equals_the_unpacked_rows():
     for start, n in zip(p.starts.tolist(), lengths.tolist()):
         used[start + 1:start + n] = 1
     assert torch.equal(values.grad, used)
+
+
+def test_resolve_packing_packs_where_it_runs_and_refuses_where_it_does_not():
+    from gspo_megatron.actor.packing import resolve_packing
+    gpu = dict(te_on_cuda=True, context=1, half=True, te_version="2.20.2+cu13")
+    assert resolve_packing(None, **gpu) and resolve_packing(True, **gpu)
+    assert not resolve_packing(False, **gpu)
+    # fp32: only a TE whose unfused attention takes THD (2.11+); older ones silently pad by default
+    assert resolve_packing(None, **{**gpu, "half": False, "te_version": "2.11.0.dev0+abc"})
+    assert not resolve_packing(None, **{**gpu, "half": False, "te_version": "2.10.0"})
+    assert resolve_packing(None, **{**gpu, "te_version": "2.10.0"})  # bf16 runs on flash attention
+    cases = {
+        "needs the Transformer Engine layer spec on CUDA": dict(gpu, te_on_cuda=False, te_version=None),
+        "is not supported with parallel.context > 1": dict(gpu, context=2),
+        r"with fp32 parameters needs Transformer Engine >= 2.11 \(found 2.9.1": dict(gpu, half=False, te_version="2.9.1"),
+    }
+    for message, where in cases.items():
+        assert not resolve_packing(None, **where) and not resolve_packing(False, **where)
+        with pytest.raises(ValueError, match=f"^pack_sequences=True {message}"):
+            resolve_packing(True, **where)
+
+
+def test_the_actor_refuses_packing_on_this_machine(tmp_path):
+    """Before any process group or model exists: one line naming the setting."""
+    from fixtures_models import tiny_model_dir
+    from gspo_megatron.actor import Actor
+    from gspo_megatron.actor.settings import MicroBatchSettings
+    from gspo_megatron.parallel.layout import ParallelLayout
+    with pytest.raises(ValueError, match="^pack_sequences=True needs the Transformer Engine layer spec on CUDA"):
+        Actor(str(tiny_model_dir("qwen3_moe", 0)), ParallelLayout(),
+              batching=MicroBatchSettings(pack_sequences=True))
+
+
+def test_run_config_asking_for_packing_here_fails_at_start(capsys, tmp_path):
+    from fixtures_models import tiny_model_dir
+    from gspo_megatron.cli import main
+    assert main(["train", "examples/tiny_moe_larger_digit.yaml", "--set",
+                 f"model.hf_path={tiny_model_dir('qwen3_moe', 0)}", "--set",
+                 f"checkpoint.dir={tmp_path / 'ck'}", "--set", "train.pack_sequences=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("gspo-megatron: error: train.pack_sequences=True needs the Transformer Engine "
+                              "layer spec on CUDA"), err[-1]
+    assert not (tmp_path / "ck").exists()

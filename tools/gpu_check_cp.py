@@ -45,28 +45,37 @@ def run(hf: Path, mcore: Path, batch_file: Path, context: int, out: Path) -> Non
                   params_dtype=torch.bfloat16,  # CP needs 16-bit attention (layout.py)
                   compute=ComputeSettings(transformer_engine=True))
     actor.load_weights(mcore)
-    shard = actor.shard(batch)  # DP = 1 in both runs: every row
-    shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
-    metrics = actor.train_step(shard)
-    after, _ = actor.compute_old_log_probs(shard)
+    result = on_policy_step(actor, batch, layout=actor.layout.describe(dist.get_world_size()))
     if dist.get_rank() == 0:
-        torch.save(dict(lp=shard.old_log_probs, after=after, layout=actor.layout.describe(dist.get_world_size()),
-                        **{k: metrics[k] for k in ("loss", "grad_norm", "num_sequences", "tokens")}), out)
+        torch.save(result, out)
     destroy_process_groups()
 
 
-def compare(cp1: dict, cp2: dict, mask) -> dict:
+def on_policy_step(actor, batch, layout: str) -> dict:
+    """The old log-probs of `batch` (every row: DP = 1), one on-policy GSPO step on them, the
+    log-probs after it, and the step's metrics: what compare() reads."""
+    shard = actor.shard(batch)
+    shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
+    metrics = actor.train_step(shard)
+    after, _ = actor.compute_old_log_probs(shard)
+    return dict(lp=shard.old_log_probs, after=after, layout=layout,
+                **{k: metrics[k] for k in ("loss", "grad_norm", "num_sequences", "tokens")})
+
+
+def compare(cp1: dict, cp2: dict, mask, tol: float = BF16_TOL, spec: str = "te CP2", dtype: str = "bf16") -> dict:
+    """Run 2 against run 1 (each: log-probs before and after one on-policy step, and the step's
+    metrics). Also what gpu_check.py's packed-vs-padded comparison uses, with its dtype's `tol`."""
     import torch
     d_lp = (cp2["lp"] - cp1["lp"]).abs()[mask]
     d_after = (cp2["after"] - cp1["after"]).abs()[mask]
     step1, step2 = (cp1["after"] - cp1["lp"])[mask], (cp2["after"] - cp2["lp"])[mask]
-    row = dict(spec="te CP2", dtype="bf16", layouts=f"{cp2['layout']} vs {cp1['layout']}",
+    row = dict(spec=spec, dtype=dtype, tol=tol, layouts=f"{cp2['layout']} vs {cp1['layout']}",
                lp_max=float(d_lp.max()), lp_mean=float(d_lp.mean()), after_max=float(d_after.max()),
                step_cos=float(torch.nn.functional.cosine_similarity(step1, step2, dim=0)),
                loss=(cp1["loss"], cp2["loss"]), grad_norm=(cp1["grad_norm"], cp2["grad_norm"]),
                counts=((cp1["num_sequences"], cp1["tokens"]), (cp2["num_sequences"], cp2["tokens"])))
     g1, g2 = row["grad_norm"]
-    row["ok"] = (row["lp_max"] <= BF16_TOL and row["after_max"] <= BF16_TOL
+    row["ok"] = (row["lp_max"] <= tol and row["after_max"] <= tol
                  and abs(cp1["loss"] - cp2["loss"]) <= 1e-3 and row["counts"][0] == row["counts"][1]
                  and abs(g2 - g1) <= GRAD_NORM_RTOL * max(abs(g1), 1e-12))
     return row

@@ -28,8 +28,9 @@ from gspo_megatron.actor.batch import TrainBatch
 from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
                                        spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
+from gspo_megatron.actor.packing import resolve_packing
 from gspo_megatron.actor.routing import Routing
-from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, ComputeSettings, LogProbSettings,
+from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
 from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
@@ -82,13 +83,10 @@ class Actor:
                                       half=self.spec.config.params_dtype in (torch.bfloat16, torch.float16))
         # Packing: null means "whenever that is what runs"; not with CP (THD chunks per segment
         # are not implemented: parallel/context.py splits padded rows).
-        can_pack = te_on_cuda and layout.context == 1
-        if self.batching.pack_sequences and not can_pack:
-            raise ValueError("pack_sequences=True needs the Transformer Engine layer spec on CUDA "
-                             "(megatron's local attention refuses packed sequences)" if not te_on_cuda
-                             else "pack_sequences=True is not supported with parallel.context > 1")
-        self.batching = dataclasses.replace(self.batching, pack_sequences=bool(
-            can_pack if self.batching.pack_sequences is None else self.batching.pack_sequences))
+        self.batching = dataclasses.replace(self.batching, pack_sequences=resolve_packing(
+            self.batching.pack_sequences, te_on_cuda=te_on_cuda, context=layout.context,
+            half=self.spec.config.params_dtype in (torch.bfloat16, torch.float16),
+            te_version=Available.detect().te_version))
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)

@@ -114,8 +114,12 @@ def build(batch: TrainBatch, *, max_rows: int, max_tokens: int | None, seq_multi
     return mbs
 
 
+def model_tokens(mb: MicroBatch) -> int:
+    """Tokens the model computes for `mb`: its pack's length, or rows x padded length."""
+    return (mb.packed or mb).tokens.numel()
+
+
 def padding_stats(mbs: Sequence[MicroBatch]) -> tuple[int, int]:
     """(real tokens, computed tokens) of a rank's micro-batches (fillers compute one row)."""
     real = sum(int(mb.lengths.sum()) for mb in mbs if mb.lengths is not None)
-    computed = sum(mb.packed.tokens.numel() if mb.packed is not None else mb.tokens.numel() for mb in mbs)
-    return real, computed
+    return real, sum(model_tokens(mb) for mb in mbs)

@@ -19,8 +19,39 @@ segment of its own, which no row reads. Context parallelism is not supported her
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
+
+# Transformer Engine's unfused attention, its only backend for fp32, takes THD from TE 2.11: in
+# 2.5-2.10 dot_product_attention/utils.py (v2.10 lines 679-682) disables it for qkv_format="thd",
+# and dot_product_attention.py (v2.10 line 1398) then raises "No dot product attention backend is
+# available". Flash and cuDNN attention take only 16-bit inputs.
+FP32_PACKING_MIN_TE = (2, 11)
+
+
+def resolve_packing(requested: bool | None, *, te_on_cuda: bool, context: int, half: bool,
+                    te_version: str | None) -> bool:
+    """Whether micro-batches are packed: `requested` None means "whenever it runs here" (TE's
+    attention on CUDA, no context parallelism, 16-bit parameters or a TE that takes fp32 THD);
+    True where it cannot run is refused in one line, naming why."""
+    why = None
+    if not te_on_cuda:
+        why = "needs the Transformer Engine layer spec on CUDA (megatron's local attention refuses packed sequences)"
+    elif context > 1:
+        why = "is not supported with parallel.context > 1"
+    elif not half and _version(te_version) < FP32_PACKING_MIN_TE:
+        why = (f"with fp32 parameters needs Transformer Engine >= "
+               f"{'.'.join(map(str, FP32_PACKING_MIN_TE))} (found {te_version}: no fp32 attention for "
+               f"packed sequences); use model.dtype=bfloat16 or pack_sequences=false")
+    if requested and why:
+        raise ValueError(f"pack_sequences=True {why}")
+    return bool(why is None if requested is None else requested)
+
+
+def _version(text: str | None) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
 @dataclasses.dataclass

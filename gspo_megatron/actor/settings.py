@@ -168,6 +168,7 @@ class Available:
     cuda: bool
     transformer_engine: bool
     apex_wgrad: bool  # apex's fused_weight_gradient_mlp_cuda extension
+    te_version: str | None = None  # transformer_engine.__version__ where it imports
 
     @staticmethod
     def detect() -> "Available":
@@ -176,8 +177,13 @@ class Available:
         import torch
 
         from model_specs.norms import HAVE_TE
+        te_version = None
+        if HAVE_TE:
+            import transformer_engine
+            te_version = transformer_engine.__version__
         return Available(cuda=torch.cuda.is_available(), transformer_engine=HAVE_TE,
-                         apex_wgrad=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
+                         apex_wgrad=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+                         te_version=te_version)
 
 
 @dataclass(frozen=True)

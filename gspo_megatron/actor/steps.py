@@ -197,7 +197,7 @@ def _padding_metrics(mbs: list[MicroBatch]) -> dict[str, float]:
     group = ps.get_data_parallel_group()
     real, computed = microbatches.padding_stats(mbs)
     totals = torch.tensor([real, computed], dtype=torch.float64, device=comm_device(group))
-    largest = torch.tensor([max(mb.tokens.numel() for mb in mbs)], dtype=torch.float64,
+    largest = torch.tensor([max(microbatches.model_tokens(mb) for mb in mbs)], dtype=torch.float64,
                            device=comm_device(group))
     dist.all_reduce(totals, group=group)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
