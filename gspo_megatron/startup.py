@@ -94,18 +94,18 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     hf = check_model_dir(cfg)
     dims = model_dims_for(load_hf_config(hf))
     cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
+    available = Available.detect()
     try:
-        compute = cfg.compute.resolve(Available.detect())  # a kernel this machine lacks: named now
+        compute = cfg.compute.resolve(available)  # a kernel this machine lacks: named now
     except ValueError as e:
         raise ConfigError(f"compute.{e}") from None
+    half = cfg.model.dtype == "bfloat16"
     cfg.parallel.check_context_parallel(transformer_engine=compute.transformer_engine,
-                                        cuda=Available.detect().cuda, half=cfg.model.dtype == "bfloat16")
+                                        cuda=available.cuda, half=half)
     cfg.parallel.validate(world, **dims)
-    available = Available.detect()
     try:  # the Actor resolves it the same way
         resolve_packing(cfg.train.pack_sequences, te_on_cuda=compute.transformer_engine and available.cuda,
-                        context=cfg.parallel.context, half=cfg.model.dtype == "bfloat16",
-                        te_version=available.te_version)
+                        context=cfg.parallel.context, half=half, te_version=available.te_version)
     except ValueError as e:
         raise ConfigError(f"train.{e}") from None
     fingerprint = model_fingerprint(hf)  # reads every weight file's header: DamagedFileError names it

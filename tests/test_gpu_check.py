@@ -52,7 +52,7 @@ def test_packed_row_control_and_cell():
     from tools.gpu_check import _one_segment, _packed_cell
     packed = pack(torch.arange(20).reshape(2, 10), torch.tensor([10, 7]), multiple=8)
     assert packed.cu_seqlens.tolist() == [0, 10, 17, 24]
-    control = _one_segment(packed)
+    control = _one_segment(packed).seq_params()
     assert control.cu_seqlens_q.tolist() == [0, 24] and control.cu_seqlens_q.dtype == torch.int32
     assert control.max_seqlen_q == 24 and control.qkv_format == "thd"
     assert _packed_cell(dict(error="RuntimeError: no backend", ok=False)) == "FAIL: RuntimeError: no backend"

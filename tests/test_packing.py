@@ -84,7 +84,7 @@ def test_resolve_packing_packs_where_it_runs_and_refuses_where_it_does_not():
             resolve_packing(True, **where)
 
 
-def test_the_actor_refuses_packing_on_this_machine(tmp_path):
+def test_the_actor_refuses_packing_on_this_machine():
     """Before any process group or model exists: one line naming the setting."""
     from fixtures_models import tiny_model_dir
     from gspo_megatron.actor import Actor

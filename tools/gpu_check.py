@@ -11,10 +11,10 @@ transformers on the same device (fp32: max |diff| <= 1e-4; bf16: <= BF16_TOL, th
 implementations of the same model differ by); TE: packed THD micro-batches against padded rows,
 before and after one SGD step, same tolerance, with a one-segment control (_packed_vs_padded),
 5. one GSPO step, a checkpoint (model + optimizer) saved and loaded into a fresh actor of EACH
-spec (bit-exact), 6. the checkpoint exported to HF and compared bit-exactly with the trained weights, and the untrained conversion exported and
-compared with the original HF file, 7. (TE, 2+ GPUs) context parallelism: CP2 against CP1 in
-bf16, log-probs and one GSPO step (tools/gpu_check_cp.py; a SKIP row with one GPU), 8. the fused
-log-prob benchmark in bf16 (GPU only).
+spec (bit-exact), 6. the checkpoint exported to HF and compared bit-exactly with the trained
+weights, and the untrained conversion exported and compared with the original HF file,
+7. (TE, 2+ GPUs) context parallelism: CP2 against CP1 in bf16, log-probs and one GSPO step
+(tools/gpu_check_cp.py; a SKIP row with one GPU), 8. the fused log-prob benchmark in bf16 (GPU only).
 Prints the tables last; exits 1 if any row fails.
 """
 from __future__ import annotations
@@ -85,14 +85,11 @@ def _actor(hf_dir: Path, spec: str, dtype, pack: bool = False, sgd: bool = False
 
 
 def _one_segment(packed):
-    """PackedInputs.seq_params with the row boundaries removed: attention and RoPE run across
-    the whole pack. The packed check's control: it must move the log-probs (fp32: beyond tol)."""
-    import torch
-    from megatron.core.packed_seq_params import PackedSeqParams
+    """`packed` with the row boundaries removed: one segment, so attention and RoPE run across the
+    whole pack. The packed check's control: it must move the log-probs (fp32: beyond tol)."""
+    import dataclasses
     total = int(packed.cu_seqlens[-1])
-    cu = torch.tensor([0, total], dtype=torch.int32, device=packed.cu_seqlens.device)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                           cu_seqlens_kv_padded=cu, max_seqlen_q=total, max_seqlen_kv=total)
+    return dataclasses.replace(packed, cu_seqlens=packed.cu_seqlens.new_tensor([0, total]), max_seqlen=total)
 
 
 def _packed_vs_padded(hf_dir: Path, mcore: Path, batch, dtype, name: str, tol: float) -> dict:
@@ -106,16 +103,16 @@ def _packed_vs_padded(hf_dir: Path, mcore: Path, batch, dtype, name: str, tol: f
 
     from gspo_megatron.actor import packing, steps
     from tools.gpu_check_cp import compare, on_policy_step
+    seq_params = packing.PackedInputs.seq_params
     runs, leak = {}, None
     for pack in (False, True):
         actor = _actor(hf_dir, "te", dtype, pack=pack, sgd=True)
         actor.load_weights(mcore)
-        if pack:
-            assert actor.batching.pack_sequences, "the packed actor did not pack"
-            with mock.patch.object(steps, "seq_multiple", lambda: PACK_MULTIPLE), \
-                    mock.patch.object(packing.PackedInputs, "seq_params", _one_segment):
-                leak, _ = actor.compute_old_log_probs(actor.shard(batch))
         with mock.patch.object(steps, "seq_multiple", lambda: PACK_MULTIPLE if pack else 1):
+            if pack:
+                assert actor.batching.pack_sequences, "the packed actor did not pack"
+                with mock.patch.object(packing.PackedInputs, "seq_params", lambda p: seq_params(_one_segment(p))):
+                    leak, _ = actor.compute_old_log_probs(actor.shard(batch))
             runs[pack] = on_policy_step(actor, batch, layout="packed THD" if pack else "padded")
         del actor
     row = compare(runs[False], runs[True], batch.loss_mask, tol=tol, spec="te", dtype=name)

@@ -77,16 +77,15 @@ class Actor:
         self.spec = model if isinstance(model, ModelSpec) else spec_for_layout(
             model, layout, params_dtype=params_dtype, compute=compute)
         # Context parallelism and packing need TE's attention on CUDA (before any collective).
-        te_on_cuda = self.spec.transformer_engine and torch.cuda.is_available()
+        available = Available.detect()
+        half = self.spec.config.params_dtype in (torch.bfloat16, torch.float16)
         layout.check_context_parallel(transformer_engine=self.spec.transformer_engine,
-                                      cuda=torch.cuda.is_available(),
-                                      half=self.spec.config.params_dtype in (torch.bfloat16, torch.float16))
+                                      cuda=available.cuda, half=half)
         # Packing: null means "whenever that is what runs"; not with CP (THD chunks per segment
         # are not implemented: parallel/context.py splits padded rows).
         self.batching = dataclasses.replace(self.batching, pack_sequences=resolve_packing(
-            self.batching.pack_sequences, te_on_cuda=te_on_cuda, context=layout.context,
-            half=self.spec.config.params_dtype in (torch.bfloat16, torch.float16),
-            te_version=Available.detect().te_version))
+            self.batching.pack_sequences, te_on_cuda=self.spec.transformer_engine and available.cuda,
+            context=layout.context, half=half, te_version=available.te_version))
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)
