@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from tqdm import tqdm
 
 from gspo_megatron.checkpoint.hf_files import HFTensorReader, copy_metadata_files
-from gspo_megatron.checkpoint.model_io import EXTRA_STATE, HF_SUBDIR, TorchDcpSaveStrategy
+from gspo_megatron.checkpoint.model_io import HF_SUBDIR, TorchDcpSaveStrategy, without_extra_state
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 from model_specs import load_hf_config, model_spec_for
 from model_specs.weight_maps import WeightMap, WeightMapError, weight_map_for
@@ -62,7 +62,7 @@ def meta_model_state(hf: dict[str, Any], dtype: torch.dtype) -> tuple[dict[str, 
     with torch.device("meta"):
         model = GPTModel(spec.config, spec.block_spec(None), pre_process=True, post_process=True,
                          **spec.gpt_model_kwargs())
-    sd = {k: v for k, v in model.sharded_state_dict().items() if not k.endswith(EXTRA_STATE)}
+    sd = without_extra_state(model.sharded_state_dict())
     return sd, dict(model.named_parameters())
 
 

@@ -6,13 +6,14 @@
 Checkpoint keys are those of GPTModel.sharded_state_dict() (global layer and expert indices, TE-style
 norm names whatever the backend), so a checkpoint written under one layout (or by
 tools/convert_hf_to_megatron.py in one process) loads under any other layout the model allows.
-Linear layers' `_extra_state` (Transformer Engine FP8 metadata; empty with the local spec) is not
-part of a model checkpoint. The HF config and tokenizer files ride along in `<ckpt>/hf/` so the
+Linear layers' extra state (Transformer Engine FP8 metadata; empty with the local spec; see
+`is_extra_state`) is not part of a model checkpoint. The HF config and tokenizer files ride along in `<ckpt>/hf/` so the
 checkpoint can be exported back to HF (tools/convert_megatron_to_hf.py) without the source model.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,7 +34,27 @@ from model_specs import model_dims_for
 from model_specs.hf_config import normalize_hf_config
 
 HF_SUBDIR = "hf"
-EXTRA_STATE = "_extra_state"
+# `_extra_state`, and TE's grouped linear's per-GEMM `_extra_state1`, `_extra_state2`, ... as the
+# last component of a (possibly nested) state-dict key.
+_EXTRA_STATE_RE = re.compile(r"(?:^|\.)_extra_state\d*$")
+
+
+def is_extra_state(key: str) -> bool:
+    """A Transformer Engine module's extra state (FP8 scaling metadata), never a weight.
+
+    A grouped linear (grouped-GEMM experts) names GEMM 0's `{prefix}_extra_state` and GEMM i's
+    `{prefix}_extra_state{i}` in its sharded state dict, all shards of one ShardedObject key
+    (megatron/core/extensions/transformer_engine.py, TEGroupedLinear._sharded_state_dict_grouped
+    and merge_extra_states). Matching only the `_extra_state` suffix dropped GEMM 0's shard and
+    kept the others: "1 ShardedObject are missing" at every save and load with grouped GEMM on an
+    H100 (2026-11-24; Megatron-LM PR 6509, NeMo-RL issues 1053 and 1128 are the same class)."""
+    return _EXTRA_STATE_RE.search(key) is not None
+
+
+def without_extra_state(sd: dict[str, Any]) -> dict[str, Any]:
+    """`sd` without its extra-state entries (by dict key, and by sharded key for ShardedBase values)."""
+    return {k: v for k, v in sd.items()
+            if not is_extra_state(k) and not is_extra_state(getattr(v, "key", ""))}
 
 
 class CheckpointMismatchError(ValueError):
@@ -45,7 +66,7 @@ def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict[str, Any
     out = {}
     for i, m in enumerate(models):
         sd = unwrap(m).sharded_state_dict()
-        out[f"model{i}"] = {k: v for k, v in sd.items() if not k.endswith(EXTRA_STATE)}
+        out[f"model{i}"] = without_extra_state(sd)
     return out
 
 
@@ -91,7 +112,7 @@ def _load_model_chunks(chunks: Sequence[torch.nn.Module], state: dict, path: str
     """Each chunk's `model{i}` entry of a loaded checkpoint, strictly (TE's _extra_state aside)."""
     for i, c in enumerate(chunks):
         missing, unexpected = unwrap(c).load_state_dict(state[f"model{i}"], strict=False)
-        missing = [k for k in missing if not k.endswith(EXTRA_STATE)]
+        missing = [k for k in missing if not is_extra_state(k)]
         if missing or unexpected:
             raise CheckpointMismatchError(f"loading {path} into model chunk {i}: missing {missing}, "
                                           f"unexpected {unexpected}")
