@@ -243,8 +243,9 @@ def setup(cfg: RunConfig) -> Run:
         print(f"[gspo] {cfg.describe_loss()}", flush=True)
     actor = build_actor(cfg)
     if rank == 0:
+        available = Available.detect()
         print(f"[gspo] layout {actor.layout.describe(world)} on {world} rank(s); compute: "
-              f"{cfg.compute.resolve(Available.detect()).describe()}", flush=True)
+              f"{cfg.compute.resolve(available).describe(available)}", flush=True)
     run = Run(cfg, rank, world, actor, None, None, ckpt, MetricsWriter(None, enabled=False),
               LoopState(extra={"source_model": inputs.model_fingerprint}), resumed_from=resume_from)
     if ckpt:

@@ -85,6 +85,41 @@ def test_megatron_still_compares_cuda_type_strings():
     assert "param.type() == 'torch.cuda.FloatTensor'" in source
 
 
+BACKWARD_CODE = """
+import torch
+from megatron.core.fusions import fused_softmax
+
+
+class Recomputed(torch.autograd.Function):  # megatron's recomputation runs forward code in backward
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        mask = fused_softmax.get_default_causal_mask(5)   # fused_softmax.py:327
+        assert mask.device.type == "cpu" and mask.shape == (5, 5) and mask[0, 1] and not mask[1, 0]
+        return g
+
+
+x = torch.ones(2, requires_grad=True)
+Recomputed.apply(x).sum().backward()
+print("BACKWARD-OK")
+"""
+
+
+@pytest.mark.slow
+def test_causal_mask_built_in_backward():
+    out = run_snippet(BACKWARD_CODE)
+    assert out.returncode == 0 and "BACKWARD-OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_causal_mask_in_backward_still_needed():
+    out = run_snippet(BACKWARD_CODE, skip=("backward_device_literals",))
+    assert out.returncode != 0, "megatron's causal mask no longer needs CUDA in backward: drop it"
+
+
 MOE_CODE = """
 import numpy as np, torch
 from megatron.core.transformer.moe import moe_utils, token_dispatcher

@@ -14,8 +14,9 @@ without finalize_model_grads_func the schedule never synchronises gradients acro
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,8 @@ from model_specs import ModelSpec, load_hf_config, model_dims_for, model_spec_fo
 def spec_for_layout(model: str | Path | Mapping[str, Any], layout: ParallelLayout, *,
                     params_dtype: torch.dtype = torch.float32,
                     overrides: Mapping[str, Any] | None = None,
-                    compute: ComputeSettings | None = None) -> ModelSpec:
+                    compute: ComputeSettings | None = None,
+                    available: Available | None = None) -> ModelSpec:
     """model_specs' ModelSpec of an HF model (dict, config.json or directory) for `layout`.
 
     The layout is checked against the model's dimensions first (LayoutError naming the numbers;
@@ -48,11 +50,12 @@ def spec_for_layout(model: str | Path | Mapping[str, Any], layout: ParallelLayou
     TransformerConfig fields, the CPU adaptations when CUDA is absent, the compute settings
     (resolved against this machine: TE spec, grouped GEMM, fusions, recomputation), then
     `overrides` are handed to model_specs, which knows nothing of layouts or machines.
+    available: what this machine has (None: detect it).
     """
     hf = load_hf_config(model)
     dims = model_dims_for(hf)
     layout.validate_model(**dims)
-    available = Available.detect()
+    available = available or Available.detect()
     compute = (compute or ComputeSettings()).resolve(available)
     layout.check_context_parallel(transformer_engine=compute.transformer_engine, cuda=available.cuda,
                                   half=params_dtype in (torch.bfloat16, torch.float16))
@@ -95,25 +98,79 @@ def _check_config_matches_layout(spec: ModelSpec, layout: ParallelLayout) -> Non
                          "actor scales the loss itself (see actor/steps.py)")
 
 
+@contextlib.contextmanager
+def _native_linears_buildable_without_apex(needed: bool) -> Iterator[None]:
+    """While `needed`: megatron's ColumnParallelLinear builds with gradient_accumulation_fusion=True
+    although apex's fused_weight_gradient_mlp_cuda is missing. Its constructor refuses that
+    (megatron/core/tensor_parallel/layers.py:924, module flag `_grad_accum_fusion_available`, set
+    at import at line 44), which made every TE-spec model crash on a GPU without apex: the output
+    layer is megatron's own ColumnParallelLinear in either spec. `unfuse_native_linears` turns the
+    fusion off on those layers right after the build, so the extension is never called."""
+    from megatron.core.tensor_parallel import layers
+    if not hasattr(layers, "_grad_accum_fusion_available"):
+        raise RuntimeError("megatron-core moved tensor_parallel.layers._grad_accum_fusion_available: "
+                           "update actor/build.py (gradient accumulation fusion without apex)")
+    saved = layers._grad_accum_fusion_available
+    layers._grad_accum_fusion_available = saved or needed
+    try:
+        yield
+    finally:
+        layers._grad_accum_fusion_available = saved
+
+
+def unfuse_native_linears(model: torch.nn.Module) -> list[str]:
+    """Turn gradient_accumulation_fusion off on megatron's own Column/RowParallelLinear layers of
+    `model` (they need apex's extension; Transformer Engine's layers accumulate into main_grad
+    themselves and keep it); returns their names. DDP's backward hook adds a layer's `.grad` into
+    `main_grad` per parameter unless the GEMM already did (distributed_data_parallel.py:437,
+    `grad_added_to_main_grad`), so fused TE layers and unfused native ones mix in one model."""
+    names = []
+    for name, m in model.named_modules():
+        if isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)) \
+                and m.gradient_accumulation_fusion:
+            m.gradient_accumulation_fusion = False
+            names.append(name)
+    return names
+
+
+def build_gpt_model(spec: ModelSpec, vp_stage: int | None, *, apex_wgrad: bool) -> GPTModel:
+    """The GPTModel of one (virtual) pipeline stage of this rank, on the CPU (the caller moves it).
+
+    With config.gradient_accumulation_fusion on and apex's fused_weight_gradient_mlp_cuda missing
+    (`apex_wgrad` False: the usual GPU node, apex is not on PyPI), Transformer Engine's layers fuse
+    the weight-gradient accumulation and megatron's own linears (the output layer; every linear of
+    the local spec) accumulate unfused."""
+    without_apex = bool(spec.config.gradient_accumulation_fusion) and not apex_wgrad
+    with _native_linears_buildable_without_apex(without_apex):
+        model = GPTModel(
+            spec.config, spec.block_spec(vp_stage),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage, **spec.gpt_model_kwargs())
+    if without_apex:
+        unfuse_native_linears(model)
+    return model
+
+
 def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
                        use_distributed_optimizer: bool = False,
-                       grad_reduce_in_fp32: bool = True) -> list[DistributedDataParallel]:
+                       grad_reduce_in_fp32: bool = True,
+                       apex_wgrad: bool | None = None) -> list[DistributedDataParallel]:
     """One DDP-wrapped GPTModel per virtual pipeline stage of this rank (a list of 1 without VPP).
 
     Needs megatron's parallel state (init_process_groups(layout)). Parameters are initialised by
     megatron's init methods from the seeded RNG; load real weights with weights.load_full_state_dict.
+    apex_wgrad: apex's fused_weight_gradient_mlp_cuda is installed (None: detect; build_gpt_model).
     """
     _check_config_matches_layout(spec, layout)
     config = spec.config
+    if apex_wgrad is None:
+        apex_wgrad = Available.detect().apex_wgrad
     vpp = layout.vpp
     chunks = []
     for v in range(vpp):
         vp_stage = v if vpp > 1 else None
-        model = GPTModel(
-            config, spec.block_spec(vp_stage),
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage, **spec.gpt_model_kwargs())
+        model = build_gpt_model(spec, vp_stage, apex_wgrad=apex_wgrad)
         model.model_type = ModelType.encoder_or_decoder
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)

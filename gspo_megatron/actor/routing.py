@@ -122,12 +122,15 @@ class Routing:
     def has_routers(self) -> bool:
         return any(self.controls.values())
 
-    def check_supported(self, config) -> None:
+    def check_supported(self, config, *, replay: bool) -> None:
+        """ValueError if the model cannot run the routing tools. Recomputation matters to replay
+        only: drift and the engine comparison record in forward-only passes, which recompute
+        nothing."""
         if config.moe_router_fusion:
             raise ValueError("routing replay / routing drift need moe_router_fusion=False: the fused "
                              "router kernel does not call router_replay (megatron moe_utils.py)")
         modules = set(config.recompute_modules or []) if config.recompute_granularity == "selective" else set()
-        if config.recompute_granularity == "full" or modules & {"moe", "mlp"}:
+        if replay and (config.recompute_granularity == "full" or modules & {"moe", "mlp"}):
             raise ValueError("routing replay cannot run with the router recomputed in backward "
                              "(compute.recompute=full, or selective with 'moe'/'mlp'): use "
                              "recompute=none or selective without those modules")

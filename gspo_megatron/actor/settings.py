@@ -205,8 +205,10 @@ class ComputeSettings:
     bias_activation_fusion: bool | None = None
     """Fused SwiGLU (megatron's fused kernel; null: on CUDA)."""
     gradient_accumulation_fusion: bool | None = None
-    """Accumulate weight gradients inside the GEMM into the fp32 main_grad (TE's layers, or apex's
-    fused_weight_gradient_mlp_cuda with the local spec; null: with TE)."""
+    """Accumulate weight gradients inside the GEMM into the fp32 main_grad (null: with TE). TE's
+    layers do it themselves; megatron's own linears (the output layer in either spec, every layer
+    of the local spec) need apex's fused_weight_gradient_mlp_cuda and, without it, accumulate
+    unfused (actor/build.py: build_gpt_model)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activation recomputation in backward: none; selective (recompute_modules); full (every
     transformer layer, uniformly)."""
@@ -262,8 +264,11 @@ class ComputeSettings:
                           recompute_num_layers=1)
         return fields
 
-    def describe(self) -> str:
+    def describe(self, available: Available | None = None) -> str:
+        """One line of what runs; with `available`, where the accumulation fusion stops short."""
         on = [n for n in ("moe_grouped_gemm", "moe_permute_fusion", "apply_rope_fusion",
                           "bias_activation_fusion", "gradient_accumulation_fusion") if getattr(self, n)]
+        if self.gradient_accumulation_fusion and available is not None and not available.apex_wgrad:
+            on[-1] += " (TE layers; output layer unfused: no apex)"
         return (f"{'TE' if self.transformer_engine else 'local'} spec, on: {', '.join(on) or 'none'}, "
                 f"recompute {self.recompute}")

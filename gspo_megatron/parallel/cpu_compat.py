@@ -169,6 +169,23 @@ def _patch_all_gather() -> None:
     torch.distributed.all_gather = _all_gather_uneven
 
 
+def _patch_backward_device_literals() -> None:
+    """Recomputation (compute.recompute) runs layers' forward again inside autograd's backward,
+    where CpuDeviceMode is not active: megatron's causal mask (transformer/utils.py:35, called by
+    fusions/fused_softmax.py:327) is then built with device="cuda" and fails. Both names point at
+    a CPU twin (cached like the original)."""
+    import functools
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    @functools.lru_cache(maxsize=32)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+
+    utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+
 def _enter_device_mode() -> None:
     CpuDeviceMode().__enter__()  # active for the rest of the process, like the patches above
 
@@ -179,6 +196,7 @@ ADAPTATIONS = {
     "megatron_rng": _patch_megatron_rng,
     "moe": _patch_moe,
     "uneven_all_gather": _patch_all_gather,
+    "backward_device_literals": _patch_backward_device_literals,
     "device_mode": _enter_device_mode,
 }
 
