@@ -65,25 +65,28 @@ def make_batch(rows: int, lo: int, hi: int, vocab: int, seed: int = 0):
 
 
 def configurations(device: str):
-    """(name, ComputeSettings kwargs, MicroBatchSettings kwargs, LogProbSettings kwargs)."""
+    """(name, ComputeSettings kwargs, MicroBatchSettings kwargs, LogProbSettings kwargs). Packing
+    is said explicitly: left at null it is on wherever the TE spec runs on CUDA, which on
+    2026-11-24 made every CUDA row packed (padding 0.0% throughout, "rows in order x4" included)."""
     none = dict(moe_grouped_gemm=False, moe_permute_fusion=False, apply_rope_fusion=False,
                 bias_activation_fusion=False, gradient_accumulation_fusion=False)
-    before = dict(micro_batch_size=4, longest_first=False)  # rows in rollout order, 4 per micro-batch
+    # rows in rollout order, 4 per micro-batch, padded
+    before = dict(micro_batch_size=4, longest_first=False, pack_sequences=False)
     if device == "cpu":
         return [("before: rows in order, 4 per micro-batch, chunk 1024", {}, before, dict(chunk_tokens=1024)),
                 ("+ longest first", {}, dict(micro_batch_size=4), dict(chunk_tokens=1024)),
                 ("+ chunk from the memory budget", {}, dict(micro_batch_size=4), {}),
                 ("+ token budget 1024 (up to 64 rows)", {}, dict(micro_batch_size=64,
                                                                 max_tokens_per_micro_batch=1024), {})]
+    padded = dict(micro_batch_size=4, pack_sequences=False)
+    budget = dict(micro_batch_size=64, max_tokens_per_micro_batch=16384, pack_sequences=False)
     return [("before: TE spec, one GEMM per expert, rows in order x4, chunk 1024", none, before,
              dict(chunk_tokens=1024)),
             ("+ grouped GEMM and TE fusions", {}, before, dict(chunk_tokens=1024)),
-            ("+ longest first", {}, dict(micro_batch_size=4), dict(chunk_tokens=1024)),
-            ("+ chunk from the memory budget", {}, dict(micro_batch_size=4), {}),
-            ("+ token budget 16384, longest first", {}, dict(micro_batch_size=64,
-                                                             max_tokens_per_micro_batch=16384), {}),
-            ("+ packed sequences (THD)", {}, dict(micro_batch_size=64, max_tokens_per_micro_batch=16384,
-                                                  pack_sequences=True), {})]
+            ("+ longest first", {}, padded, dict(chunk_tokens=1024)),
+            ("+ chunk from the memory budget", {}, padded, {}),
+            ("+ token budget 16384, longest first", {}, budget, {}),
+            ("+ packed sequences (THD)", {}, {**budget, "pack_sequences": True}, {})]
 
 
 def timed(fn, device: str) -> float:
@@ -95,6 +98,25 @@ def timed(fn, device: str) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0, out
+
+
+def measure(actor, batch, args, flops: float, real_tokens: int) -> dict:
+    """Median GSPO and CE step times over --reps after a warm-up, and the step's metrics."""
+    from gspo_megatron.actor import LossSettings
+    shard = actor.shard(batch)
+    shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
+    times, metrics = {"gspo": [], "ce": []}, None
+    for rep in range(args.reps + 1):
+        for loss in ("gspo", "ce"):
+            actor.loss = LossSettings(name=loss)
+            seconds, m = timed(lambda: actor.train_step(shard), args.device)
+            if rep:  # the first repeat warms up
+                times[loss].append(seconds)
+            metrics = m if loss == "gspo" else metrics
+    step = statistics.median(times["gspo"])
+    return dict(step=step, tokens_s=real_tokens / step, mfu=flops / step / (args.peak_tflops * 1e12),
+                padding=metrics["padding_fraction"], mbs=metrics["num_microbatches"],
+                packed=bool(actor.batching.pack_sequences), ratio=step / statistics.median(times["ce"]))
 
 
 def main() -> None:
@@ -124,38 +146,35 @@ def main() -> None:
     for k, (name, compute, batching, logprob) in enumerate(configurations(args.device)):
         if args.only and k not in args.only:
             continue
-        actor = Actor(hf, ParallelLayout(), optimizer=OptimizerSettings(lr=1e-6),
-                      loss=LossSettings(name="gspo"), logprob=LogProbSettings(**logprob),
-                      batching=MicroBatchSettings(**batching), params_dtype=dtype,
-                      compute=ComputeSettings(**compute))
-        shard = actor.shard(batch)
-        shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
-        times, metrics = {"gspo": [], "ce": []}, None
-        for rep in range(args.reps + 1):
-            for loss in ("gspo", "ce"):
-                actor.loss = LossSettings(name=loss)
-                seconds, m = timed(lambda: actor.train_step(shard), args.device)
-                if rep:  # the first repeat warms up
-                    times[loss].append(seconds)
-                metrics = m if loss == "gspo" else metrics
-        step = statistics.median(times["gspo"])
-        rows.append(dict(name=name, step=step, tokens_s=sum(lengths) / step,
-                         mfu=flops / step / (args.peak_tflops * 1e12),
-                         padding=metrics["padding_fraction"], mbs=metrics["num_microbatches"],
-                         ratio=step / statistics.median(times["ce"])))
-        del actor
+        try:
+            # One process for every configuration: close() gives the memory back (Actor.close).
+            with Actor(hf, ParallelLayout(), optimizer=OptimizerSettings(lr=1e-6),
+                       loss=LossSettings(name="gspo"), logprob=LogProbSettings(**logprob),
+                       batching=MicroBatchSettings(**batching), params_dtype=dtype,
+                       compute=ComputeSettings(**compute)) as actor:
+                rows.append(dict(name=name, **measure(actor, batch, args, flops, sum(lengths))))
+        except torch.OutOfMemoryError as e:
+            rows.append(dict(name=name, error=f"out of memory ({str(e).splitlines()[0][:60]})"))
         if args.device == "cuda":
-            torch.cuda.empty_cache()
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            rows[-1]["peak_gib"] = peak
+            torch.cuda.reset_peak_memory_stats()
     print(f"\n{args.device}: {len(lengths)} rows, {sum(lengths)} real tokens (lengths {min(lengths)}-"
           f"{max(lengths)}), {'Qwen3-30B-A3B layer shapes, 8 layers, 32 experts, bf16' if args.device == 'cuda' else 'tiny Qwen3-MoE, fp32'}; "
           f"median of {args.reps}")
-    mfu_head = " MFU |" if args.device == "cuda" else ""
-    print(f"| configuration | GSPO step s | tokens/s |{mfu_head} padding | micro-batches | GSPO/CE |")
-    print("|---|---|---|" + ("---|" if args.device == "cuda" else "") + "---|---|---|")
+    gpu = args.device == "cuda"
+    head = " MFU |" if gpu else ""
+    tail = " peak GiB |" if gpu else ""
+    print(f"| configuration | GSPO step s | tokens/s |{head} packed | padding | micro-batches | GSPO/CE |{tail}")
+    print("|---|---|---|" + ("---|" if gpu else "") + "---|---|---|---|" + ("---|" if gpu else ""))
     for r in rows:
-        mfu = f" {100 * r['mfu']:.1f}% |" if args.device == "cuda" else ""
-        print(f"| {r['name']} | {r['step']:.3f} | {r['tokens_s']:,.0f} |{mfu} {100 * r['padding']:.1f}% | "
-              f"{r['mbs']:.0f} | {r['ratio']:.2f} |")
+        peak = f" {r['peak_gib']:.1f} |" if gpu else ""
+        if "error" in r:
+            print(f"| {r['name']} | {r['error']} |" + " |" * (6 if gpu else 5) + peak)
+            continue
+        mfu = f" {100 * r['mfu']:.1f}% |" if gpu else ""
+        print(f"| {r['name']} | {r['step']:.3f} | {r['tokens_s']:,.0f} |{mfu} {'yes' if r['packed'] else 'no'} | "
+              f"{100 * r['padding']:.1f}% | {r['mbs']:.0f} | {r['ratio']:.2f} |{peak}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ def test_gpu_check_cpu_smoke(tmp_path):
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| local") or ln.startswith("| HF")]
     assert len(rows) == 2 and all(r.endswith("| PASS |") for r in rows), proc.stdout[-2000:]
     assert "| local | fp32 | " in rows[0] and "| - | -0.3125 |" in rows[0]  # on-policy: -mean(A)
+    # Where the weight-gradient accumulation is fused: nowhere on a CPU (no TE, no apex).
+    assert "| megatron's own (" in rows[0] and " 0/" in rows[0].split("megatron's own")[1], rows[0]
 
 
 def test_context_parallel_row_compares_and_skips():

@@ -114,7 +114,7 @@ def _packed_vs_padded(hf_dir: Path, mcore: Path, batch, dtype, name: str, tol: f
                 with mock.patch.object(packing.PackedInputs, "seq_params", lambda p: seq_params(_one_segment(p))):
                     leak, _ = actor.compute_old_log_probs(actor.shard(batch))
             runs[pack] = on_policy_step(actor, batch, layout="packed THD" if pack else "padded")
-        del actor
+        actor.close()
     row = compare(runs[False], runs[True], batch.loss_mask, tol=tol, spec="te", dtype=name)
     row["leak"] = float((leak - runs[True]["lp"]).abs()[batch.loss_mask].max())
     if name == "fp32":
@@ -127,6 +127,22 @@ def _packed_cell(p: dict) -> str:
         return f"FAIL: {p['error']}"
     return (f"{p['lp_max']:.1e}, after step {p['after_max']:.1e}, grad norm {p['grad_norm'][1]:.4g} vs "
             f"{p['grad_norm'][0]:.4g}; one-segment control {p['leak']:.2g}")
+
+
+def wgrad_fusion(actor) -> str:
+    """Where the weight-gradient accumulation is fused: Transformer Engine's layers (their own
+    fuse_wgrad_accumulation) and megatron's own linears (apex's extension; actor/build.py)."""
+    from megatron.core import tensor_parallel
+    te, native = [], []
+    for name, m in actor.models[0].named_modules():
+        if hasattr(m, "fuse_wgrad_accumulation"):
+            te.append(bool(m.fuse_wgrad_accumulation))
+        elif isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)):
+            native.append((name, bool(m.gradient_accumulation_fusion)))
+    fused = [n for n, f in native if f]
+    names = ", ".join(n for n, _ in native) if len(native) <= 2 else f"{len(native)} layers"
+    out = f"TE {sum(te)}/{len(te)} fused; " if te else ""
+    return out + f"megatron's own ({names}) {len(fused)}/{len(native)} fused"
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -161,16 +177,18 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
     mask = batch.loss_mask
     wmap = weight_map_for(json.loads((hf_dir / "config.json").read_text()))
     rows = []
+    allocated_before = torch.cuda.memory_allocated() if device == "cuda" else 0
     for spec in specs:
         for name in dtypes:
             dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[name])
             actor = _actor(hf_dir, spec, dtype)
+            row = dict(spec=spec, dtype=name, tol=FP32_TOL if name == "fp32" else BF16_TOL,
+                       wgrad=wgrad_fusion(actor))
             actor.load_weights(mcore)
             lp, _ = actor.compute_old_log_probs(actor.shard(batch))
             ref = _hf_log_probs(hf_dir, batch, dtype, device)
             diff = (lp - ref).abs()[mask]
-            row = dict(spec=spec, dtype=name, lp_max=float(diff.max()), lp_mean=float(diff.mean()),
-                       tol=FP32_TOL if name == "fp32" else BF16_TOL)
+            row.update(lp_max=float(diff.max()), lp_mean=float(diff.mean()))
             row["ok"] = row["lp_max"] <= row["tol"]
             if spec == "te":  # packed (THD) micro-batches against padded rows
                 try:
@@ -189,10 +207,11 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
             ckpt = CheckpointManager(out / f"ckpt_{spec}_{name}", hf_dir=str(hf_dir))
             path = ckpt.save(1, actor, LoopState(step=1))
             for target in specs:  # the checkpoint loads into either spec, model and optimizer
-                other = _actor(hf_dir, target, dtype)
-                ckpt.load(path, other)
-                row[f"load_{target}"] = _max_diff(trained, other.full_state_dict())
+                with _actor(hf_dir, target, dtype) as other:
+                    ckpt.load(path, other)
+                    row[f"load_{target}"] = _max_diff(trained, other.full_state_dict())
                 row["ok"] &= row[f"load_{target}"] == 0.0
+            actor.close()
             exported = load_file(str(_export(path / "model", out / f"hf_{spec}_{name}") / "model.safetensors"))
             expected = {h: t for m in wmap.mappings() for h, t in zip(m.hf, wmap.to_hf(m, trained[m.megatron]))}
             row["export"] = _max_diff(expected, exported)
@@ -200,6 +219,10 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
             rows.append(row)
     rows.append(dict(spec="conversion", dtype="fp32", untrained_export=untrained_export,
                      ok=untrained_export == 0.0))
+    if device == "cuda":  # every Actor above was closed: its memory is back (Actor.close)
+        after = torch.cuda.memory_allocated()
+        rows.append(dict(spec="memory", before=allocated_before, after=after,
+                         ok=after <= allocated_before + (1 << 20)))
     if "te" in specs and device == "cuda":
         from tools.gpu_check_cp import cp_row
         rows.append(cp_row(out, hf_dir, mcore, batch))
@@ -208,20 +231,25 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
 
 def table(rows: list[dict]) -> str:
     lines = ["| spec | dtype | log-prob max / mean abs diff vs transformers (tol) | packed vs padded | "
-             "GSPO step loss | checkpoint -> local / te (max diff) | export vs trained (max diff) | result |",
-             "|---|---|---|---|---|---|---|---|"]
+             "GSPO step loss | checkpoint -> local / te (max diff) | export vs trained (max diff) | "
+             "wgrad accumulation fusion | result |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        result = "PASS" if r["ok"] else "FAIL"
         if r["spec"] == "te CP2":  # its own table (gpu_check_cp.table)
             continue
         if r["spec"] == "conversion":
-            lines.append(f"| HF -> megatron -> HF | fp32 | - | - | - | - | {r['untrained_export']:.1e} | "
-                         f"{'PASS' if r['ok'] else 'FAIL'} |")
+            lines.append(f"| HF -> megatron -> HF | fp32 | - | - | - | - | {r['untrained_export']:.1e} | - | {result} |")
+            continue
+        if r["spec"] == "memory":
+            lines.append(f"| every Actor closed | - | memory_allocated {r['before'] / 2**20:.1f} MiB before the "
+                         f"first, {r['after'] / 2**20:.1f} MiB after the last | - | - | - | - | - | {result} |")
             continue
         loads = " / ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("load_local", "load_te"))
         packed = _packed_cell(r["packed"]) if "packed" in r else "-"
         lines.append(f"| {r['spec']} | {r['dtype']} | {r['lp_max']:.2e} / {r['lp_mean']:.2e} "
                      f"({r['tol']:g}) | {packed} | {r['loss']:.4f} | {loads} | {r['export']:.1e} | "
-                     f"{'PASS' if r['ok'] else 'FAIL'} |")
+                     f"{r['wgrad']} | {result} |")
     return "\n".join(lines)
 
 

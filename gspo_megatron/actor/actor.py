@@ -16,6 +16,7 @@ The layout is checked against the real world size and the model before any colle
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -41,10 +42,37 @@ from gspo_megatron.parallel.process_groups import init_process_groups
 from model_specs import ModelSpec
 
 
+_CLOSED = "this Actor was closed (Actor.close()); build a new one"
+
+
 def _world_size() -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _cut_hidden_references(chunks: list[torch.nn.Module]) -> None:
+    """What keeps a dropped Actor's model alive beyond Python's reach (Actor.close). A function of
+    its own: its loop variables must be gone before close() collects."""
+    for chunk in chunks:
+        # A cycle the collector cannot see: megatron's MoE token dispatcher keeps the last
+        # forward's routing probs (token_dispatcher.py, `self.probs`), whose autograd graph
+        # reaches the router weight's AccumulateGrad node, whose DDP backward hook holds the
+        # DDP chunk (C++ edges, not traversed by gc). Without this a trained MoE Actor
+        # stayed in memory for good.
+        for module in unwrap(chunk).modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            for name, value in list(vars(dispatcher).items()) if dispatcher is not None else ():
+                if torch.is_tensor(value):
+                    setattr(dispatcher, name, None)
+        chunk.grad_accs.clear()
+        # megatron caches methods with functools.lru_cache on the class, `self` in the key
+        # (RotaryEmbedding.forward: rotary_pos_embedding.py:177), which holds the module and,
+        # through the cached values' graph, the rest. The caches only save recomputation.
+        for cls in {c for m in unwrap(chunk).modules() for c in type(m).__mro__}:
+            for attr in vars(cls).values():
+                if callable(getattr(attr, "cache_clear", None)):
+                    attr.cache_clear()
 
 
 class Actor:
@@ -56,12 +84,15 @@ class Actor:
                  batching: MicroBatchSettings | None = None,
                  old_log_probs: str = "recompute", seed: int = 1234,
                  params_dtype: torch.dtype = torch.float32,
-                 compute: ComputeSettings | None = None, routing: RoutingSettings | None = None) -> None:
+                 compute: ComputeSettings | None = None, routing: RoutingSettings | None = None,
+                 available: Available | None = None) -> None:
         """old_log_probs: where pi_old comes from, "recompute" (a forward-only pass before the
         updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4). compute: TE
         spec, fused kernels, recomputation (None: what this machine supports). batching: how rows
         become micro-batches (token budgets); micro_batch_size alone is the shorthand for
-        MicroBatchSettings(micro_batch_size=...). routing: MoE routing replay and drift metrics."""
+        MicroBatchSettings(micro_batch_size=...). routing: MoE routing replay and drift metrics.
+        available: what the machine has (None: detected; tests pass machine profiles).
+        Free the model and optimizer with close() (or `with Actor(...) as actor:`)."""
         self.layout = layout
         self.optimizer_settings = optimizer or OptimizerSettings()
         self.loss = loss or LossSettings()
@@ -74,10 +105,10 @@ class Actor:
         if old_log_probs not in OLD_LOG_PROB_SOURCES:
             raise ValueError(f"old_log_probs must be one of {OLD_LOG_PROB_SOURCES}, got {old_log_probs!r}")
         self.old_log_probs = old_log_probs
+        available = available or Available.detect()
         self.spec = model if isinstance(model, ModelSpec) else spec_for_layout(
-            model, layout, params_dtype=params_dtype, compute=compute)
+            model, layout, params_dtype=params_dtype, compute=compute, available=available)
         # Context parallelism and packing need TE's attention on CUDA (before any collective).
-        available = Available.detect()
         half = self.spec.config.params_dtype in (torch.bfloat16, torch.float16)
         layout.check_context_parallel(transformer_engine=self.spec.transformer_engine,
                                       cuda=available.cuda, half=half)
@@ -91,7 +122,8 @@ class Actor:
         init_process_groups(layout, seed=seed)
         self.chunks = build_model_chunks(
             self.spec, layout, use_distributed_optimizer=self.optimizer_settings.use_distributed_optimizer,
-            grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32)
+            grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32,
+            apex_wgrad=available.apex_wgrad)
         set_fused(self.chunks, self.logprob.fused)
         config = self.spec.config
         self.routing_settings = (routing or RoutingSettings()).resolve(
@@ -99,9 +131,49 @@ class Actor:
             context_parallel=layout.context)
         self.routing = Routing(self.chunks, config.num_layers, config.moe_router_topk or 0)
         if self.routing_settings.replay or self.routing_settings.drift:
-            self.routing.check_supported(config)
+            self.routing.check_supported(config, replay=self.routing_settings.replay)
         self.optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
         self._reference: list[torch.Tensor] | None = None  # KL reference: this rank's shards, on CPU
+
+    # --- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free this rank's model, gradient buffers and optimizer state now (GPU memory included);
+        the Actor cannot be used afterwards. Process groups stay (the trainer's teardown ends them).
+
+        Why dropping the last reference is not enough: the model, its TransformerConfig and the
+        optimizer refer to each other (config.no_sync_func -> DDP chunks, config.grad_scale_func
+        -> optimizer, every module -> config), so only Python's cycle collector frees them, at a
+        time that counts objects, not bytes; a new Actor built meanwhile (a benchmark, a retry
+        after an out-of-memory) found the GPU still full. The cycles are cut here, then collected."""
+        if self._chunks is None:
+            return
+        config = self.spec.config
+        config.no_sync_func = config.grad_scale_func = config.finalize_model_grads_func = None
+        _cut_hidden_references(self._chunks)
+        self._chunks = self._optimizer = self._routing = self.scheduler = self._reference = None
+        if ps.model_parallel_is_initialized() and getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
+            ps.get_global_memory_buffer().buffer.clear()  # megatron's SP all-gather scratch (a cache)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "Actor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _live(self, value):
+        if value is None:
+            raise RuntimeError(_CLOSED)
+        return value
+
+    chunks = property(lambda self: self._live(self._chunks),
+                      lambda self, v: setattr(self, "_chunks", v),
+                      doc="The DDP-wrapped model chunks, one per virtual pipeline stage.")
+    optimizer = property(lambda self: self._live(self._optimizer),
+                         lambda self, v: setattr(self, "_optimizer", v))
+    routing = property(lambda self: self._live(self._routing), lambda self, v: setattr(self, "_routing", v))
 
     # --- layout facts -------------------------------------------------------------------------
     @property
