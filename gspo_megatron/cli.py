@@ -23,6 +23,8 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from gspo_megatron.checkpoint.hf_files import DamagedFileError
     from gspo_megatron.checkpoint.manager import CheckpointError
     from gspo_megatron.checkpoint.model_io import CheckpointMismatchError
+    from gspo_megatron.checkpoint.output_dirs import OutputDirError
+    from gspo_megatron.checkpoint.run_lock import RunLockedError
     from gspo_megatron.config import ConfigError
     from gspo_megatron.driver import DriverError
     from gspo_megatron.parallel.layout import LayoutError
@@ -36,7 +38,7 @@ def known_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, HFConfigError, LayoutError, FileNotFoundError, PromptFileError,
             ServerStartError, SGLangError, CheckpointError, CheckpointMismatchError,
             WeightSyncError, RewardErrorBudgetExceeded, DriverError, DamagedFileError,
-            EnvironmentSpecError)
+            EnvironmentSpecError, OutputDirError, RunLockedError)
 
 
 def quiet_cpu_import_warnings() -> None:
@@ -87,9 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         return _error(e)
     quiet_cpu_import_warnings()
     errors = known_errors()
+    from gspo_megatron.stop import SignalExit
     try:
         from gspo_megatron.trainer import train
         return train(cfg)
+    except SignalExit as e:
+        saved = f"saved a checkpoint of {e.saved} in {cfg.checkpoint.dir}; " if e.saved else ""
+        print(f"gspo-megatron: {e.args[0].split(':')[0]} (rank {os.environ.get('RANK', '0')}): {saved}"
+              f"exiting with {e.exit_code} (the same command resumes)", file=sys.stderr, flush=True)
+        return e.exit_code
     except KeyboardInterrupt:
         print(f"gspo-megatron: interrupted (rank {os.environ.get('RANK', '0')})", file=sys.stderr)
         return 130

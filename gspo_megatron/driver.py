@@ -25,7 +25,7 @@ from model_specs.hf_config import load_hf_config
 from rollout.pool import ServerPool
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
 from rollout.chat import ChatTemplate
-from rollout.manager import RolloutManager
+from rollout.manager import RolloutInterrupted, RolloutManager
 from rollout.rewards import get_reward_fn
 from rollout.sample import Sample
 from rollout.server import ServerConfig, ServerGroup
@@ -185,11 +185,20 @@ class Driver:
             servers.stop()
             raise
 
-    def rollout_batch(self, weight_version: str, step: int) -> tuple[TrainBatch, dict[str, float]]:
-        """One rollout batch from the policy of `weight_version`: (TrainBatch, rollout metrics)."""
+    def rollout_batch(self, weight_version: str, step: int, should_stop: Callable[[], bool] | None = None,
+                      ) -> tuple[TrainBatch, dict[str, float]] | None:
+        """One rollout batch from the policy of `weight_version`: (TrainBatch, rollout metrics);
+        None when `should_stop` interrupted it (the driver's state is then back where the step
+        began: the same prompts are drawn again)."""
         r = self.cfg.rollout
-        result = self.manager.generate_step(self.stream, r.prompts_per_step,
-                                            current_weight_version=weight_version)
+        before = self.state() if should_stop is not None else None
+        try:
+            result = self.manager.generate_step(self.stream, r.prompts_per_step,
+                                                current_weight_version=weight_version,
+                                                should_stop=should_stop)
+        except RolloutInterrupted:
+            self.load_state(before["stream"], before["manager"])
+            return None
         per_token = r.environment is not None and r.turn_credit == "return_to_go"
         batch = samples_to_batch(result.groups, r.group_size,
                                  turn_discount=r.turn_discount if per_token else None)

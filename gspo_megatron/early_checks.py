@@ -26,11 +26,11 @@ def check_model_dir(cfg: RunConfig) -> Path:
     return hf_dir
 
 
-def check_prompts(cfg: RunConfig) -> None:
-    """rollout.prompts exists and parses (PromptFileError names the file and line)."""
+def check_prompts(cfg: RunConfig) -> int:
+    """rollout.prompts exists and parses (PromptFileError names the file and line); its record count."""
     if not Path(cfg.rollout.prompts).is_file():
         raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")
-    load_prompts(cfg.rollout.prompts)
+    return len(load_prompts(cfg.rollout.prompts))
 
 
 def early_checks(cfg: RunConfig, world: int) -> None:

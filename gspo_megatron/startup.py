@@ -28,6 +28,8 @@ from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.driver import Driver, on_driver, scratch_dir
 from gspo_megatron.metrics import MetricsWriter
 from gspo_megatron.parallel.process_groups import free_port
+from gspo_megatron.run_folders import lock_run_folders, release
+from gspo_megatron.stop import GracefulStop
 
 INITIAL_DIR = "initial_megatron"
 REFERENCE_DIR = "reference"
@@ -49,6 +51,8 @@ class Run:
     loop: LoopState
     resumed_from: Path | None = None
     export_src: Path | None = None   # megatron checkpoint of the final policy, for export_hf
+    stop: GracefulStop = dataclasses.field(default_factory=lambda: GracefulStop(enabled=False))
+    locks: list = dataclasses.field(default_factory=list)  # rank 0: its folders' RunLocks
 
     def final_model_checkpoint(self) -> Path:
         """Collective. A megatron checkpoint of the current policy: the last checkpoint's model if
@@ -80,6 +84,8 @@ class Inputs:
     """What check_inputs established about the run's inputs."""
     model_fingerprint: dict[str, Any]     # what the run's derived state must have been made from
     resume_from: Path | None              # the complete, verified checkpoint to resume from
+    prompts: dict[str, Any] = dataclasses.field(default_factory=dict)  # the prompt set's fingerprint
+    new_prompt_epoch: bool = False        # resume over a changed prompt set: start a new epoch
 
 
 def check_inputs(cfg: RunConfig, world: int) -> Inputs:
@@ -91,6 +97,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     from gspo_megatron.checkpoint.manager import CheckpointError
     from model_specs import load_hf_config, model_dims_for
     from gspo_megatron.early_checks import check_model_dir, check_prompts
+    from gspo_megatron.run_folders import check_outputs, check_prompt_set, prompt_set_fingerprint
     hf = check_model_dir(cfg)
     dims = model_dims_for(load_hf_config(hf))
     cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
@@ -112,20 +119,27 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     if not any((hf / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
                                 f"{', '.join(TOKENIZER_FILES)})")
-    check_prompts(cfg)  # PromptFileError names the file and line
+    prompts = prompt_set_fingerprint([cfg.rollout.prompts], check_prompts(cfg))  # names file and line
     if cfg.rollout.environment:
         from gspo_megatron.episodes import env_factory
         env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args
     if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():
         raise FileNotFoundError(f"model.megatron_checkpoint={cfg.model.megatron_checkpoint!r}: not a "
                                 f"megatron dist_checkpointing directory (no metadata.json)")
-    resume_from = None
+    resume_from, new_epoch = None, False
     if cfg.checkpoint.dir:
         ckpt = CheckpointManager(cfg.checkpoint.dir)
         resume_from = ckpt.latest()
+    # Every folder the run writes: writable, room for a checkpoint, a harmless export target.
+    check_outputs(cfg, hf, ckpt.size_bytes(resume_from) if resume_from else None,
+                  resuming=resume_from is not None)
     if resume_from is not None:
-        ckpt.verify(resume_from)  # the manifest: names the first missing or short file
-        change = describe_change(load_driver_state(resume_from).extra.get("source_model"), fingerprint)
+        # The manifest: the first missing, short or changed file (each rank checks its share).
+        ckpt.verify(resume_from, checksums=cfg.checkpoint.verify_checksums,
+                    share=(int(os.environ.get("RANK", "0")), world))
+        extra = load_driver_state(resume_from).extra
+        new_epoch = check_prompt_set(cfg, extra.get("prompts"), prompts)
+        change = describe_change(extra.get("source_model"), fingerprint)
         if change and "no record" not in change:
             raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
                                   f"than model.hf_path={str(hf)!r} ({change}); resume with that "
@@ -141,7 +155,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             if change and "no record" not in change:
                 raise CheckpointError(f"{ref} (the KL reference) was made from another model than "
                                       f"model.hf_path={str(hf)!r} ({change}); start a new run")
-    return Inputs(fingerprint, resume_from)
+    return Inputs(fingerprint, resume_from, prompts, new_epoch)
 
 
 def initial_megatron_checkpoint(cfg: RunConfig, rank: int, fingerprint: dict[str, Any]) -> Path:
@@ -232,11 +246,23 @@ def build_sync(cfg: RunConfig, actor, driver: Driver | None):
                       driver.pool if driver else None, bucket_bytes=cfg.sync.bucket_mb << 20)
 
 
-def setup(cfg: RunConfig) -> Run:
+def setup(cfg: RunConfig, stop: GracefulStop | None = None) -> Run:
     rank, world = rank_env()
     inputs = check_inputs(cfg, world)
-    ckpt = CheckpointManager(cfg.checkpoint.dir, keep=cfg.checkpoint.keep,
-                             hf_dir=cfg.model.hf_path) if cfg.checkpoint.dir else None
+    # The run owns its folders from here on (before anything is written into them).
+    locks = lock_run_folders(cfg) if rank == 0 else []
+    try:
+        run = _build(cfg, rank, world, inputs, stop or GracefulStop(enabled=False))
+    except BaseException:
+        release(locks)
+        raise
+    run.locks = locks
+    return run
+
+
+def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: GracefulStop) -> Run:
+    ckpt = CheckpointManager(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, hf_dir=cfg.model.hf_path,
+                             checksums=cfg.checkpoint.verify_checksums) if cfg.checkpoint.dir else None
     resume_from = inputs.resume_from
     init_ckpt = None if resume_from else initial_megatron_checkpoint(cfg, rank, inputs.model_fingerprint)
     if rank == 0:
@@ -247,12 +273,17 @@ def setup(cfg: RunConfig) -> Run:
         print(f"[gspo] layout {actor.layout.describe(world)} on {world} rank(s); compute: "
               f"{cfg.compute.resolve(available).describe(available)}", flush=True)
     run = Run(cfg, rank, world, actor, None, None, ckpt, MetricsWriter(None, enabled=False),
-              LoopState(extra={"source_model": inputs.model_fingerprint}), resumed_from=resume_from)
+              LoopState(extra={"source_model": inputs.model_fingerprint, "prompts": inputs.prompts}),
+              resumed_from=resume_from, stop=stop)
     if ckpt:
         ckpt.clean_incomplete()
     run.driver = start_driver(cfg, rank)
     if resume_from:
         run.loop = ckpt.load(resume_from, actor)
+        run.loop.extra["prompts"] = inputs.prompts
+        if inputs.new_prompt_epoch and run.loop.data_cursor:  # rollout.prompts_changed=restart_epoch
+            run.loop.data_cursor = {**run.loop.data_cursor, "position": 0,
+                                    "epoch": run.loop.data_cursor["epoch"] + 1}
         if rank == 0:
             run.driver.load_state(run.loop.data_cursor, run.loop.rollout_buffer)
             print(f"[gspo] resumed from {resume_from} (step {run.loop.step})", flush=True)
@@ -305,19 +336,23 @@ def set_up_reference(run: Run) -> None:
 def teardown(run: Run | None) -> None:
     """Close the metrics, stop the servers this run started, leave the process groups."""
     from gspo_megatron.parallel.process_groups import destroy_process_groups
-    if run is not None:
-        run.writer.close()
-        if run.driver is not None:
-            run.driver.stop()
-    if dist.is_initialized():
-        destroy_process_groups()
+    try:
+        if run is not None:
+            run.writer.close()
+            if run.driver is not None:
+                run.driver.stop()
+        if dist.is_initialized():
+            destroy_process_groups()
+    finally:
+        if run is not None:
+            release(run.locks)
 
 
-def export_hf(src: Path, out_dir: str) -> None:
-    """The final policy as HF safetensors (rank 0, after the process groups are gone)."""
+def export_hf(src: Path, cfg: RunConfig) -> None:
+    """The final policy as HF safetensors (rank 0, after the process groups are gone), published
+    whole into checkpoint.export_hf: it replaces only an earlier export (output_dirs)."""
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
-    out = Path(out_dir)
-    if out.exists():
-        shutil.rmtree(out)
-    convert_megatron_to_hf(src, out)
+    from gspo_megatron.run_folders import export_rules
+    out = convert_megatron_to_hf(src, cfg.checkpoint.export_hf, field="checkpoint.export_hf",
+                                 **export_rules(cfg))
     print(f"[gspo] exported the final policy to {out} (HF format)", flush=True)

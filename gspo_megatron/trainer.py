@@ -17,6 +17,7 @@ from gspo_megatron.config import RunConfig
 from gspo_megatron.driver import on_driver, sft_batch
 from gspo_megatron.metrics import format_progress
 from gspo_megatron.startup import Run, begin_rl, export_hf, setup, teardown
+from gspo_megatron.stop import GracefulStop, SignalExit
 
 
 class PhaseTimer(dict):
@@ -28,14 +29,23 @@ class PhaseTimer(dict):
 
 
 def run_loop(run: Run) -> None:
-    cfg, actor, loop = run.cfg, run.actor, run.loop
+    cfg, actor, loop, stop = run.cfg, run.actor, run.loop, run.stop
     ckpt_time: dict[str, float] = {}
+    saved = loop.step if run.resumed_from else None  # the step of the newest checkpoint
     for step in range(loop.step, cfg.train.steps):
+        if stop.agreed():  # SIGTERM / SIGUSR1 (stop.py): save below, then exit
+            break
         t = PhaseTimer()
         with t("step"):
             with t("rollout"):  # rank 0 generates and scores; every rank receives the batch
-                batch, metrics = on_driver(run.rank, lambda: run.driver.rollout_batch(
-                    str(loop.weight_version), step))
+                got = on_driver(run.rank, lambda: run.driver.rollout_batch(
+                    str(loop.weight_version), step, should_stop=stop.requested))
+            if got is None:  # a signal interrupted the rollout: the step is abandoned
+                if run.rank == 0:
+                    print(f"[gspo] the rollout of step {step} was interrupted by the signal: the step "
+                          "is abandoned (the resumed run draws its prompts again)", flush=True)
+                break
+            batch, metrics = got
             shard = actor.shard(batch, num_mini_batches=cfg.train.mini_batches)  # my DP rows
             with t("log_probs"):  # pi_old: forward-only recompute, or the engine's log-probs
                 shard.old_log_probs, old = actor.compute_old_log_probs(shard)
@@ -60,7 +70,14 @@ def run_loop(run: Run) -> None:
         if run.ckpt and (loop.step % cfg.checkpoint.interval == 0 or loop.step == cfg.train.steps):
             t0 = time.perf_counter()
             save_checkpoint(run)
+            saved = loop.step
             ckpt_time = {"time/checkpoint": time.perf_counter() - t0}  # logged with the next step
+    signum = stop.agreed()
+    if signum:
+        if run.ckpt and saved != loop.step:
+            save_checkpoint(run)
+            saved = loop.step
+        raise SignalExit(signum, saved=f"step {saved}" if saved is not None else None)
 
 
 # --- the pieces ------------------------------------------------------------------------------------
@@ -117,6 +134,8 @@ def warm_start(run: Run) -> None:
     cfg, actor = run.cfg, run.actor
     n = cfg.train.warm_start_batch_size
     for k in range(cfg.train.warm_start_steps):
+        if run.stop.agreed():  # nothing of RL to save yet: a rerun warm-starts again, the same way
+            raise SignalExit(run.stop.signum)
         examples = on_driver(run.rank, lambda: run.driver.warm_start_examples(n, offset=k * n))
         m = actor.sft_step(actor.shard(sft_batch(examples)), lr=cfg.train.warm_start_lr)
         if run.rank == 0 and cfg.logging.progress and (k % 10 == 0 or k == cfg.train.warm_start_steps - 1):
@@ -127,8 +146,9 @@ def warm_start(run: Run) -> None:
 def train(cfg: RunConfig) -> int:
     """Run the whole job on this rank; returns the process exit code."""
     run = None
+    stop = GracefulStop(enabled=cfg.checkpoint.save_on_signal)  # first, so setup is covered too
     try:
-        run = setup(cfg)  # every input checked, then actor, servers, weights (initial or resumed)
+        run = setup(cfg, stop)  # every input checked, then actor, servers, weights (initial or resumed)
         if run.resumed_from is None and cfg.train.warm_start_steps > 0:
             warm_start(run)
         begin_rl(run)     # the KL reference, and the servers get the policy RL starts from
@@ -137,6 +157,7 @@ def train(cfg: RunConfig) -> int:
             run.export_src = run.final_model_checkpoint()  # collective
     finally:
         teardown(run)
+        stop.restore()
     if run is not None and run.rank == 0 and cfg.checkpoint.export_hf:
-        export_hf(run.export_src, cfg.checkpoint.export_hf)  # one process, no process group
+        export_hf(run.export_src, cfg)  # one process, no process group
     return 0

@@ -100,6 +100,10 @@ class ManagerConfig:
         return params
 
 
+class RolloutInterrupted(Exception):
+    """generate_step stopped because `should_stop` said so (a graceful stop of the run)."""
+
+
 @dataclasses.dataclass
 class StepResult:
     groups: list[list[Sample]]
@@ -181,12 +185,17 @@ class RolloutManager:
                 for i in range(self.config.group_size)]
 
     def generate_step(self, prompts: Iterator[dict], num_groups: int,
-                      current_weight_version: str | None = None) -> StepResult:
+                      current_weight_version: str | None = None,
+                      should_stop: Callable[[], bool] | None = None) -> StepResult:
         """Return `num_groups` complete groups: buffered groups first, then new prompts from
         `prompts` (consumed lazily; over-sampling draws more). current_weight_version: the policy's
-        version for mask_stale_tokens (default: the newest version seen in each sample)."""
+        version for mask_stale_tokens (default: the newest version seen in each sample).
+        should_stop: polled about once a second; when it says True the in-flight requests are
+        aborted and RolloutInterrupted is raised (the caller restores its saved state: the buffer
+        and the prompt stream are then mid-step)."""
         cfg = self.config
-        t0 = time.monotonic()
+        t0 = last_done = time.monotonic()
+        poll = cfg.request_timeout_s if should_stop is None else min(1.0, cfg.request_timeout_s)
         kept: list[list[Sample]] = []
         open_groups: dict[int, list[Sample]] = {}
         in_flight: dict[Future, Sample] = {}
@@ -249,10 +258,16 @@ class RolloutManager:
                         f"{m['groups_dropped_equal_reward']} dropped (all rewards equal), "
                         f"{m['prompts_drawn']} prompts drawn (limit {max_draws} = max_draw_factor "
                         f"{cfg.max_draw_factor} x {num_groups}), or the prompt iterator ran out")
-                done, _ = wait(list(in_flight), timeout=cfg.request_timeout_s, return_when=FIRST_COMPLETED)
+                if should_stop is not None and should_stop():
+                    raise RolloutInterrupted(f"rollout interrupted with {len(kept)} of {num_groups} "
+                                             f"groups ({len(in_flight)} requests in flight)")
+                done, _ = wait(list(in_flight), timeout=poll, return_when=FIRST_COMPLETED)
                 if not done:
+                    if time.monotonic() - last_done < cfg.request_timeout_s:
+                        continue
                     raise TimeoutError(f"no rollout request finished within {cfg.request_timeout_s} s "
                                        f"({len(in_flight)} in flight)")
+                last_done = time.monotonic()
                 for f in done:
                     sample = in_flight.pop(f)
                     f.result()  # a server failure propagates here

@@ -123,5 +123,7 @@ def test_not_a_checkpoint_and_non_empty_output(tmp_path):
         convert_megatron_to_hf(tmp_path, tmp_path / "out")
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("")
-    with pytest.raises(FileExistsError, match="is not empty"):
+    from gspo_megatron.checkpoint.output_dirs import OutputDirError
+    with pytest.raises(OutputDirError, match="is a non-empty folder that gspo-megatron did not write"):
         convert_hf_to_megatron(tiny_model_dir("qwen3"), tmp_path / "busy")
+    assert [p.name for p in (tmp_path / "busy").iterdir()] == ["x"]

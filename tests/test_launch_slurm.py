@@ -4,8 +4,10 @@ The cluster is tests/slurm_cluster.py's (slurmctld + slurmd n1, n2; 2 CPUs each)
 same scripts users run, with GPUs=0 (gloo).
 
 - The real run: `gspo-megatron train` (TP2 on one node) against a real SGLang server on the other
-  node (`python -m rollout.server`, the scripts' defaults), requeued mid-run by Slurm and resumed
-  from its checkpoint with no step lost or repeated.
+  node (`python -m rollout.server`, the scripts' defaults), signalled mid-run as the time limit
+  does (`scancel --signal=USR1 --batch`): it saves on the signal, the job requeues itself and the
+  next attempt resumes from that checkpoint with no step lost or repeated. Two real jobs on one
+  run folder: the second trainer stops at the run lock.
 - The launcher's edge cases (colocated and disaggregated shapes, the two preemption paths, a failing
   trainer, bad input) run with stand-ins that take seconds instead of minutes: tests/
   launch_toy_trainer.py (a real all-reduce across ranks and nodes, atomic per-step checkpoints,
@@ -101,33 +103,45 @@ d.destroy_process_group()"'
     assert results == [["0", "n1", "3.0"], ["1", "n2", "3.0"]], out
 
 
-def test_real_trainer_and_sglang_requeued_mid_run_resume_without_losing_a_step(slurm_cluster, tmp_path):
-    """The tiny MoE job as users submit it: trainer ranks (TP2) on n1, a real SGLang server on n2.
-    After the step-2 checkpoint Slurm requeues the job (`scontrol requeue`: SIGTERM, as preemption);
-    the second attempt resumes from `latest` and the run ends with each step's metrics exactly once."""
-    from gspo_megatron.metrics import read_jsonl, read_scalars
-    steps, run_dir = 4, tmp_path / "run"
-    sets = {"model.hf_path": tiny_model_dir("qwen3_moe", 0), "parallel.tensor": 2,
+def _real_job(tmp_path: Path, run_dir: Path, mode: str, nodes: int, steps: int, **extra) -> list[str]:
+    sets = {"model.hf_path": tiny_model_dir("qwen3_moe", 0), "parallel.tensor": 2 if mode == "disaggregated" else 1,
             "rollout.group_size": 4, "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 6,
             "train.steps": steps, "train.mini_batches": 2, "train.micro_batch_size": 4,
-            "train.warm_start_steps": 0, "checkpoint.interval": 1, "checkpoint.export_hf": "null",
-            "logging.tensorboard_dir": run_dir / "tb"}
+            "train.warm_start_steps": 0, "checkpoint.interval": 100, "checkpoint.export_hf": "null",
+            "logging.tensorboard_dir": run_dir / "tb", **extra}
+    return [str(ROOT / "launch/slurm/submit.sh"), "--wait", "--mode", mode, "--nodes", str(nodes),
+            *(["--server-nodes", "1", "--procs-per-node", "2"] if mode == "disaggregated" else []),
+            "--gpus-per-node", "0", "--model-path", str(sets["model.hf_path"]), "--run-dir", str(run_dir),
+            str(ROOT / "examples/tiny_moe_larger_digit.yaml"),
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+
+
+def _real_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GSPO_", "SLURM_"))}
     env["GSPO_PYTHON"] = PY  # the trainer command stays the default, .venv/bin/gspo-megatron train
-    cmd = [str(ROOT / "launch/slurm/submit.sh"), "--wait", "--mode", "disaggregated", "--nodes", "2",
-           "--server-nodes", "1", "--procs-per-node", "2", "--gpus-per-node", "0",
-           "--model-path", str(sets["model.hf_path"]), "--run-dir", str(run_dir),
-           str(ROOT / "examples/tiny_moe_larger_digit.yaml"),
-           *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
-    proc = slurm_cluster.popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    marker = run_dir / "checkpoints" / "step_00000002" / "COMPLETE"
+    return env
+
+
+def test_real_trainer_and_sglang_preempted_mid_run_save_on_the_signal_and_resume(slurm_cluster, tmp_path):
+    """The tiny MoE job as users submit it: trainer ranks (TP2) on n1, a real SGLang server on n2,
+    checkpoints only every 100 steps. Mid-run, `scancel --signal=USR1 --batch` (what the time limit
+    sends, `#SBATCH --signal=B:USR1@300`): the batch script SIGTERMs the trainer step, every rank
+    finishes or abandons its step, saves it (checkpoint.save_on_signal) and exits 143; the script
+    requeues the job; the second attempt resumes from that checkpoint and the run ends with each
+    step's metrics exactly once."""
+    from gspo_megatron.metrics import read_jsonl, read_scalars
+    steps, run_dir = 6, tmp_path / "run"
+    proc = slurm_cluster.popen(_real_job(tmp_path, run_dir, "disaggregated", 2, steps), env=_real_env(),
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    jsonl = run_dir / "tb" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 600
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert marker.exists(), "no step-2 checkpoint:\n" + explain(proc, {"dir": run_dir})
+        while not (jsonl.is_file() and len(read_jsonl(jsonl)) >= 2) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert jsonl.is_file() and len(read_jsonl(jsonl)) >= 2, "no step 1:\n" + explain(proc, {"dir": run_dir})
         job_id = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()[0]
-        slurm_cluster.run(["scontrol", "requeue", job_id])
+        slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
         proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
@@ -136,20 +150,56 @@ def test_real_trainer_and_sglang_requeued_mid_run_resume_without_losing_a_step(s
     run = {"dir": run_dir}
     assert proc.returncode == 0, explain(proc, run)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
-    records = read_jsonl(run_dir / "tb" / "metrics.jsonl")
+    records = read_jsonl(jsonl)
     assert [r["step"] for r in records] == list(range(steps)), explain(proc, run)
     assert [s for s, _ in read_scalars(run_dir / "tb")["rollout/reward_mean"]] == list(range(steps))
     log = batch_log(run)
-    assert "SIGTERM (cancel, preemption or requeue)" in log
+    assert "USR1 (time limit near or preemption notice)" in log and "requeued: the next attempt resumes" in log
     assert log.count("has 'latest': the trainer resumes from it") == 1, log
     logs = step_logs(run)
     attempts = sorted({p.split("/")[0] for p in logs})
     assert [a.split(".")[1] for a in attempts] == ["0", "1"], logs
-    assert sorted(p.split("/")[1] for p in logs if p.startswith(attempts[1])) == [
-        "server-n2-s0.log", "trainer-n1-r0.log", "trainer-n1-r1.log"]
+    first = {r: (run_dir / "logs" / attempts[0] / f"trainer-n1-r{r}.log").read_text() for r in (0, 1)}
+    saved = [ln for ln in first[0].splitlines() if "saved a checkpoint of step" in ln]
+    assert len(saved) == 1 and saved[0].startswith("gspo-megatron: SIGTERM (rank 0): saved a checkpoint of "
+                                                   "step ") and "exiting with 143" in saved[0], first[0][-3000:]
+    k = int(saved[0].split("of step ")[1].split()[0])
+    assert 2 <= k < steps and "SIGTERM (rank 1): saved a checkpoint of step" in first[1], first[1][-3000:]
     resumed = (run_dir / "logs" / attempts[1] / "trainer-n1-r0.log").read_text()
-    assert "resumed from" in resumed and "layout TP2" in resumed, resumed[-3000:]
-    assert "servers: http://n2:30000" in log
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{k:08d}'} (step {k})" in resumed, resumed[-3000:]
+    assert "layout TP2" in resumed and "servers: http://n2:30000" in log
+
+
+def test_two_jobs_on_one_run_folder_one_trains_the_other_stops_at_the_lock(slurm_cluster, tmp_path):
+    """Two jobs submitted with the same run folder, one node each (colocated: its own SGLang
+    server): whichever trainer starts second stops at once with the lock line naming the other's
+    host, pid and Slurm job; the first trains to the end; metrics hold every step once."""
+    from gspo_megatron.metrics import read_jsonl
+    run_dir, steps = tmp_path / "run", 3
+    procs = []
+    for port in (31000, 32000):  # both "nodes" share this host's ports
+        env = {**_real_env(), "GSPO_SERVER_PORT": str(port)}
+        procs.append(slurm_cluster.popen(_real_job(tmp_path, run_dir, "colocated", 1, steps), env=env,
+                                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.communicate(timeout=600)
+    finally:
+        if any(p.poll() is None for p in procs):
+            for p in procs:
+                p.kill()
+            slurm_cluster.cancel_all()
+    run = {"dir": run_dir}
+    codes = sorted(p.returncode for p in procs)
+    assert codes[0] == 0 and codes[1] != 0, explain(procs[0], run) + explain(procs[1], run)
+    trainer_logs = {p: p.read_text() for p in (run_dir / "logs").glob("*/trainer-*.log")}
+    refused = [t for t in trainer_logs.values() if "is in use by another run" in t]
+    assert len(refused) == 1, trainer_logs
+    line = [ln for ln in refused[0].splitlines() if ln.startswith("gspo-megatron: error")]
+    assert len(line) == 1 and f"checkpoint.dir='{run_dir / 'checkpoints'}' is in use by another run (host " in line[0]
+    assert ", Slurm job " in line[0] and "Traceback" not in refused[0]
+    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl")] == list(range(steps))
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
 
 
 def test_colocated_servers_and_ranks_on_both_nodes(slurm_cluster, run):

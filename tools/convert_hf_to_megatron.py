@@ -18,18 +18,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gspo_megatron.checkpoint.hf_files import DTYPES  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="HF model directory (config.json + *.safetensors)")
-    p.add_argument("--out", required=True, help="output directory (created; must be empty)")
+    p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier output "
+                   "of this tool (replaced whole); written beside it and renamed into place")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="store parameters in this dtype (float32, bfloat16, float16); default: "
                         "the HF tensors' dtype")
     args = p.parse_args(argv)
-    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron, run_tool
 
-    print(convert_hf_to_megatron(args.hf, args.out, dtype=DTYPES.get(args.dtype)))
+    return run_tool("convert_hf_to_megatron", lambda: convert_hf_to_megatron(
+        args.hf, args.out, dtype=DTYPES.get(args.dtype)))
 
 
 if __name__ == "__main__":  # dist_checkpointing may spawn helpers: keep the guard
-    main()
+    sys.exit(main())

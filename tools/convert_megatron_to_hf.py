@@ -4,7 +4,9 @@
 
 Writes model-0000i-of-0000N.safetensors shards (+ model.safetensors.index.json) or a single
 model.safetensors, and the config / tokenizer files stored in the checkpoint's hf/ directory, so
-`transformers.AutoModelForCausalLM.from_pretrained(OUT)` and SGLang load it directly.
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` and SGLang load it directly. OUT is
+written beside itself and renamed into place, marked by gspo_export.json: it may be new, empty or
+an earlier export (replaced whole); any other non-empty folder is refused in one line.
 """
 from __future__ import annotations
 
@@ -17,19 +19,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gspo_megatron.checkpoint.hf_files import DTYPES  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--megatron", required=True, help="megatron checkpoint directory")
-    p.add_argument("--out", required=True, help="output HF model directory (created)")
+    p.add_argument("--out", required=True, help="output HF model directory: new, empty, or an earlier "
+                   "export (replaced whole, never mixed); written beside it and renamed into place")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="cast weights to this dtype; default: as stored in the checkpoint")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size limit")
     args = p.parse_args(argv)
+    from gspo_megatron.checkpoint.convert import run_tool
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
 
-    print(convert_megatron_to_hf(args.megatron, args.out, dtype=DTYPES.get(args.dtype),
-                                 max_shard_bytes=int(args.max_shard_gb * (1 << 30))))
+    return run_tool("convert_megatron_to_hf", lambda: convert_megatron_to_hf(
+        args.megatron, args.out, dtype=DTYPES.get(args.dtype),
+        max_shard_bytes=int(args.max_shard_gb * (1 << 30))))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

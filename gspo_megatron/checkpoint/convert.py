@@ -14,6 +14,7 @@ family's weight map (model_specs/weight_maps.py), one megatron parameter at a ti
 from __future__ import annotations
 
 import contextlib
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,6 +28,7 @@ from tqdm import tqdm
 
 from gspo_megatron.checkpoint.hf_files import HFTensorReader, copy_metadata_files
 from gspo_megatron.checkpoint.model_io import HF_SUBDIR, TorchDcpSaveStrategy, without_extra_state
+from gspo_megatron.checkpoint.output_dirs import publish_dir
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 from model_specs import load_hf_config, model_spec_for
 from model_specs.weight_maps import WeightMap, WeightMapError, weight_map_for
@@ -125,8 +127,11 @@ class _StreamingSaveStrategy(TorchDcpSaveStrategy):
 
 
 def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
-                           dtype: torch.dtype | None = None) -> Path:
-    """Write HF safetensors at hf_dir as a megatron checkpoint at out_dir (+ out_dir/hf/)."""
+                           dtype: torch.dtype | None = None, *, field: str = "--out") -> Path:
+    """Write HF safetensors at hf_dir as a megatron checkpoint at out_dir (+ out_dir/hf/).
+
+    `out_dir` is published whole (output_dirs.publish_dir): new, empty or an earlier output of
+    this project, never the HF model or a folder holding it (`field` names it in errors)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     hf = load_hf_config(hf_dir)
     wmap = weight_map_for(hf)
@@ -134,9 +139,13 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
     by_name = wmap.by_megatron_name()
     dtype = dtype or reader.dtype(by_name["embedding.word_embeddings.weight"].hf[0])
     _check_unused_hf(reader, wmap, hf)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"output directory {out_dir} is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    return publish_dir(out_dir, lambda tmp: _write_megatron(hf_dir, tmp, hf, wmap, reader, dtype),
+                       field=field, protected={"the HF model": hf_dir}, source=str(hf_dir))
+
+
+def _write_megatron(hf_dir: Path, out_dir: Path, hf: dict, wmap: WeightMap, reader: HFTensorReader,
+                    dtype: torch.dtype) -> None:
+    by_name = wmap.by_megatron_name()
     # megatron writes metadata.json last: a checkpoint interrupted before it is not loadable.
     copy_metadata_files(hf_dir, out_dir / HF_SUBDIR)
     with single_process_megatron():
@@ -156,7 +165,6 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
 
         dist_checkpointing.save(sharded_sd, str(out_dir),
                                 sharded_strategy=_StreamingSaveStrategy(load_param))
-    return out_dir
 
 
 def _check_hf_shapes(reader: HFTensorReader, wmap: WeightMap, params: dict) -> None:
@@ -174,3 +182,28 @@ def _check_unused_hf(reader: HFTensorReader, wmap: WeightMap, hf: dict[str, Any]
     if unused:
         raise WeightMapError(f"HF checkpoint {reader.dir} has tensors the {wmap.family} weight map "
                              f"does not use (another architecture or config?): {sorted(unused)[:10]}")
+
+
+def run_tool(prog: str, convert: Callable[[], Path]) -> int:
+    """A converter's command line: print the output folder and return 0, or one line
+    `PROG: error: ...` (a wrong path, a model the map does not describe, an output folder that
+    must not be replaced, a full disk) and return 2; anything else keeps its traceback."""
+    from gspo_megatron.checkpoint.hf_files import DamagedFileError
+    from gspo_megatron.checkpoint.manager import write_failure_kind
+    from gspo_megatron.checkpoint.model_io import CheckpointMismatchError
+    from gspo_megatron.checkpoint.output_dirs import OutputDirError
+    from model_specs import HFConfigError
+    known = (FileNotFoundError, NotADirectoryError, OutputDirError, WeightMapError, HFConfigError,
+             CheckpointMismatchError, DamagedFileError)
+    try:
+        print(convert())
+        return 0
+    except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        if isinstance(e, known):
+            message = " ".join(str(e).split()) if "\n" not in str(e) else str(e).strip()
+        elif any(write_failure_kind(e)):
+            message = f"no space left on device while writing ({e.__class__.__name__}); free space and rerun"
+        else:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        return 2

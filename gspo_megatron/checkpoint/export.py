@@ -20,6 +20,7 @@ from tqdm import tqdm
 from gspo_megatron.checkpoint.convert import check_map_covers, meta_model_state, \
     single_process_megatron
 from gspo_megatron.checkpoint.hf_files import HFShardWriter, copy_metadata_files
+from gspo_megatron.checkpoint.output_dirs import publish_dir
 from gspo_megatron.checkpoint.model_io import (HF_SUBDIR, check_is_checkpoint, check_matches,
                                                checkpoint_hf_config)
 from model_specs.weight_maps import WeightMapError, weight_map_for
@@ -27,8 +28,15 @@ from model_specs.weight_maps import WeightMapError, weight_map_for
 
 def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
                            dtype: torch.dtype | None = None, batch_bytes: int = 1 << 30,
-                           max_shard_bytes: int = 5 << 30) -> Path:
-    """Write the model of a megatron checkpoint (any layout) as HF safetensors + metadata files."""
+                           max_shard_bytes: int = 5 << 30, *, field: str = "--out",
+                           protected: dict[str, str | Path | None] | None = None,
+                           may_hold: dict[str, str | Path | None] | None = None) -> Path:
+    """Write the model of a megatron checkpoint (any layout) as HF safetensors + metadata files.
+
+    `out_dir` is published whole (output_dirs.publish_dir): written beside it, then renamed into
+    place; it may be new, empty or an earlier export, and must not be or hold the checkpoint or
+    anything in `protected` or `may_hold` (output_dirs.check_export_target; `field` names
+    `out_dir` in errors)."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     check_is_checkpoint(ckpt_dir)
     hf = checkpoint_hf_config(ckpt_dir)
@@ -38,8 +46,16 @@ def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
     if emb is None:
         raise WeightMapError(f"{ckpt_dir} has no embedding.word_embeddings.weight: not a GPT model "
                              "checkpoint")
+    return publish_dir(out_dir, lambda tmp: _write_hf(ckpt_dir, tmp, hf, wmap, emb.dtype, dtype,
+                                                      batch_bytes, max_shard_bytes),
+                       field=field, protected={"the checkpoint": ckpt_dir, **(protected or {})},
+                       may_hold=may_hold or {}, source=str(ckpt_dir))
+
+
+def _write_hf(ckpt_dir: Path, out_dir: Path, hf: dict, wmap, stored_dtype: torch.dtype,
+              dtype: torch.dtype | None, batch_bytes: int, max_shard_bytes: int) -> None:
     with single_process_megatron():
-        sharded_sd, params = meta_model_state(hf, emb.dtype)
+        sharded_sd, params = meta_model_state(hf, stored_dtype)
         check_map_covers(wmap, params)
         check_matches(sharded_sd, ckpt_dir)
         copy_metadata_files(ckpt_dir / HF_SUBDIR, out_dir)
@@ -53,11 +69,10 @@ def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
                         writer.add(name, t.to(dtype) if dtype else t)
                     bar.update(1)
     cfg = json.loads((out_dir / "config.json").read_text())
-    cfg["dtype"] = str(dtype or emb.dtype).removeprefix("torch.")  # what the shards hold
+    cfg["dtype"] = str(dtype or stored_dtype).removeprefix("torch.")  # what the shards hold
     if "torch_dtype" in cfg:  # transformers < 5 spells it so
         cfg["torch_dtype"] = cfg["dtype"]
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return out_dir
 
 
 def _batches(mappings, params, batch_bytes: int):

@@ -8,7 +8,6 @@ against the session's shared SGLang server (attached by URL, as test_trainer_e2e
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,29 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from faults_common import CONFIG, copy_run, dead_url, in_process_error, train_args
 from fixtures_models import tiny_model_dir
-from test_trainer_e2e import ROOT, _error_line, base_overrides, env, run_train, server_url, train_cmd  # noqa: F401
-
-CONFIG = "examples/tiny_moe_larger_digit.yaml"
-
-
-def _dead_url() -> str:
-    from gspo_megatron.parallel.process_groups import free_port
-    return f"http://127.0.0.1:{free_port()}"
-
-
-def _in_process_error(capsys, argv: list[str]) -> str:
-    """`gspo-megatron train argv` in this process: exit code 2 and exactly one error line."""
-    from gspo_megatron.cli import main
-    assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.startswith("gspo-megatron: error")]
-    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
-    return lines[0]
-
-
-def _args(run_dir: Path, url: str, **extra) -> list[str]:
-    return [CONFIG, *base_overrides(run_dir, url, **extra)]
+from test_trainer_e2e import ROOT, _error_line, env, run_train, server_url, train_cmd  # noqa: F401
 
 
 # --- fast: caught by the input checks -----------------------------------------------------------
@@ -73,15 +52,15 @@ def test_layout_and_prompt_errors_write_nothing(tmp_path, capsys):
     hf = str(tiny_model_dir("qwen3_moe", 0))
     base = [CONFIG, "--set", f"model.hf_path={hf}", "--set", f"checkpoint.dir={ck}",
             "--set", f"logging.tensorboard_dir={tmp_path / 'tb'}"]
-    line = _in_process_error(capsys, base + ["--set", "parallel.tensor=3"])
+    line = in_process_error(capsys, base + ["--set", "parallel.tensor=3"])
     assert "num_attention_heads 4 is not divisible by tensor 3" in line
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "hi", "answer": "1"}\n{"prompt": "h\u00e9llo", "answer": }\n')
-    line = _in_process_error(capsys, base + ["--set", f"rollout.prompts={bad}"])
+    line = in_process_error(capsys, base + ["--set", f"rollout.prompts={bad}"])
     assert f"{bad}:2: not valid JSON: Expecting value at character 31 of the line" in line
     assert "'mpt\": \"h\u00e9llo\", \"answer\": >>>}'" in line
     bad.write_bytes(b'{"prompt": "hi", "answer": "1"}\n{"prompt": "\xff"}\n')
-    line = _in_process_error(capsys, base + ["--set", f"rollout.prompts={bad}"])
+    line = in_process_error(capsys, base + ["--set", f"rollout.prompts={bad}"])
     assert f"{bad}: not UTF-8 text (invalid start byte at byte offset 44)" in line
     assert not ck.exists() and not (tmp_path / "tb").exists()
 
@@ -97,7 +76,7 @@ def test_damaged_model_safetensors_is_named(tmp_path, capsys, damage, needle):
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir("qwen3_moe", 0), model)
     damage(model / "model.safetensors")
-    line = _in_process_error(capsys, [CONFIG, "--set", f"model.hf_path={model}",
+    line = in_process_error(capsys, [CONFIG, "--set", f"model.hf_path={model}",
                                       "--set", f"checkpoint.dir={tmp_path / 'ck'}"])
     assert f"{model / 'model.safetensors'}" in line and needle in line, line
     assert not (tmp_path / "ck").exists()
@@ -110,34 +89,20 @@ def test_undecodable_latest_pointer_is_one_line(tmp_path, capsys):
     args = [CONFIG, "--set", f"model.hf_path={tiny_model_dir('qwen3_moe', 0)}",
             "--set", f"checkpoint.dir={ck}"]
     (ck / "latest").write_bytes(b"\xff\xfe\x00step")
-    line = _in_process_error(capsys, args)
+    line = in_process_error(capsys, args)
     assert f"{ck / 'latest'} holds non-text bytes, expected a step name like step_00000010" in line
     (ck / "latest").write_text("garbage\n")
-    assert f"{ck / 'latest'} names 'garbage', expected step_NNNNNNNN" in _in_process_error(capsys, args)
+    assert f"{ck / 'latest'} names 'garbage', expected step_NNNNNNNN" in in_process_error(capsys, args)
 
 
 # --- slow: real runs ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, server_url):  # noqa: F811
-    """One real run of one step with a checkpoint (step_00000001), copied by each test."""
-    run_dir = tmp_path_factory.mktemp("trained")
-    proc = run_train(_args(run_dir, server_url, **{"train.steps": 1}))
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return run_dir
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_damaged_checkpoint_shard_is_named_before_start_then_resumes(tmp_path, capsys, trained,
                                                                      server_url, damage):  # noqa: F811
     """Item 3: a missing or truncated shard of the latest checkpoint is named (from the manifest)
     before any server or process group starts; restored, the run resumes."""
-    run_dir = _copy(trained, tmp_path / "run")
+    run_dir = copy_run(trained, tmp_path / "run")
     shard = sorted((run_dir / "ckpt" / "step_00000001" / "model").glob("*.distcp"))[0]
     original = shard.read_bytes()
     if damage == "missing":
@@ -145,7 +110,7 @@ def test_damaged_checkpoint_shard_is_named_before_start_then_resumes(tmp_path, c
     else:
         shard.write_bytes(original[: len(original) // 2])
     t0 = time.perf_counter()
-    line = _in_process_error(capsys, _args(run_dir, server_url, **{"train.steps": 2}))
+    line = in_process_error(capsys, train_args(run_dir, server_url, **{"train.steps": 2}))
     seconds = time.perf_counter() - t0
     if damage == "missing":  # both messages name the file by its full path
         assert f"is damaged: {shard} is missing (the manifest lists {len(original)} bytes)" in line
@@ -154,7 +119,7 @@ def test_damaged_checkpoint_shard_is_named_before_start_then_resumes(tmp_path, c
                f"{len(original)} (truncated)" in line
     assert seconds < 5, seconds  # no server was started (that takes 20-50 s)
     shard.write_bytes(original)
-    proc = run_train(_args(run_dir, server_url, **{"train.steps": 2}))
+    proc = run_train(train_args(run_dir, server_url, **{"train.steps": 2}))
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
     assert (run_dir / "ckpt" / "latest").read_text().strip() == "step_00000002"
 
@@ -162,10 +127,10 @@ def test_damaged_checkpoint_shard_is_named_before_start_then_resumes(tmp_path, c
 @pytest.mark.slow
 def test_missing_rng_state_resumes_with_one_warning(tmp_path, trained, server_url):  # noqa: F811
     """Item 6: a resume without a rank's RNG state (a changed world size) says so in one line."""
-    run_dir = _copy(trained, tmp_path / "run")
+    run_dir = copy_run(trained, tmp_path / "run")
     rng = run_dir / "ckpt" / "step_00000001" / "rng"
     (rng / "rank_0.pt").unlink()
-    proc = run_train(_args(run_dir, server_url, **{"train.steps": 2}))
+    proc = run_train(train_args(run_dir, server_url, **{"train.steps": 2}))
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("gspo-megatron: warning")]
     assert warnings == [f"gspo-megatron: warning: {rng} has no RNG state for rank(s) [0] (the "
@@ -175,9 +140,9 @@ def test_missing_rng_state_resumes_with_one_warning(tmp_path, trained, server_ur
 
 @pytest.mark.slow
 def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, capsys, trained, server_url):  # noqa: F811
-    run_dir = _copy(trained, tmp_path / "run")
+    run_dir = copy_run(trained, tmp_path / "run")
     other = tiny_model_dir("qwen3_moe", 1)
-    line = _in_process_error(capsys, _args(run_dir, server_url, **{"model.hf_path": str(other)}))
+    line = in_process_error(capsys, train_args(run_dir, server_url, **{"model.hf_path": str(other)}))
     assert f"checkpoint.dir='{run_dir / 'ckpt'}' holds a run of another model than " \
            f"model.hf_path='{other}' (model.safetensors differs (contents)); resume with that model, " \
            "or start over in a new checkpoint.dir" in line
@@ -190,12 +155,12 @@ def test_stale_initial_conversion_of_another_model_is_redone(tmp_path, server_ur
     from safetensors.torch import load_file
     ck = tmp_path / "ckpt"
     model_a, model_b = tiny_model_dir("qwen3_moe", 0), tiny_model_dir("qwen3_moe", 1)
-    first = run_train(_args(tmp_path, _dead_url(), **{"model.hf_path": str(model_a),
+    first = run_train(train_args(tmp_path, dead_url(), **{"model.hf_path": str(model_a),
                                                       "rollout.server_startup_timeout_s": 2}))
     assert "no healthy SGLang server" in _error_line(first)
     assert (ck / "initial_megatron" / "metadata.json").is_file()
     out = tmp_path / "exported"
-    second = run_train(_args(tmp_path, server_url, **{
+    second = run_train(train_args(tmp_path, server_url, **{
         "model.hf_path": str(model_b), "train.lr": 0.0, "train.steps": 1, "train.warm_start_steps": 0,
         "checkpoint.export_hf": str(out)}))
     assert second.returncode == 0, second.stderr[-3000:]
@@ -207,20 +172,21 @@ def test_stale_initial_conversion_of_another_model_is_redone(tmp_path, server_ur
 
 @pytest.mark.slow
 def test_sigkill_during_initial_conversion_leaves_nothing_complete_and_rerun_converts(tmp_path):
-    """A conversion killed half-way leaves only initial_megatron.tmp; the rerun converts again and
-    its result equals the HF weights. (Both runs stop at the unreachable server, after converting.)"""
+    """A conversion killed half-way leaves only its temporary folder (.initial_megatron.tmp.gspo-tmp-PID,
+    output_dirs.publish_dir); the rerun removes it, converts again, and its result equals the HF
+    weights. (Both runs stop at the unreachable server, after converting.)"""
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
     from safetensors.torch import load_file
     from tools.make_tiny_model import make_tiny_model
     model = make_tiny_model("qwen3_moe", tmp_path / "model", seed=3, num_hidden_layers=8,
                             num_experts=16)  # ~400 tensors: a conversion that takes a moment
-    args = _args(tmp_path, _dead_url(), **{"model.hf_path": str(model),
+    args = train_args(tmp_path, dead_url(), **{"model.hf_path": str(model),
                                            "rollout.server_startup_timeout_s": 2})
     ck = tmp_path / "ckpt"
     proc = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    tmp = ck / "initial_megatron.tmp"
+    tmp = ck / f".initial_megatron.tmp.gspo-tmp-{proc.pid}"
     while not (tmp.is_dir() and len(list(tmp.glob("*"))) > 3) and time.monotonic() < deadline:
         assert proc.poll() is None, "the run ended before its conversion was caught"
         time.sleep(0.005)
@@ -230,23 +196,10 @@ def test_sigkill_during_initial_conversion_leaves_nothing_complete_and_rerun_con
     rerun = run_train(args)
     assert "no healthy SGLang server" in _error_line(rerun)
     assert not tmp.exists() and (ck / "initial_megatron" / "source.json").is_file()
+    assert not [p for p in ck.iterdir() if ".gspo-" in p.name or p.name.endswith(".tmp")]
     convert_megatron_to_hf(ck / "initial_megatron", tmp_path / "back")
     want, got = load_file(str(model / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
     assert sorted(want) == sorted(got) and all((want[k] == got[k]).all() for k in want)
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 3 MiB tmpfs: room for one tiny-MoE checkpoint with its optimizer state, not for two."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.slow
@@ -254,7 +207,7 @@ def test_disk_full_during_checkpoint_save_is_one_line_and_resumes(tmp_path, smal
     """Item 2: the second checkpoint does not fit: one line with the path and "no space left on
     device", nothing published (latest still names step 1); with more space the run resumes."""
     ck = small_disk / "ck"
-    args = _args(tmp_path, server_url, **{
+    args = train_args(tmp_path, server_url, **{
         "checkpoint.dir": str(ck), "checkpoint.keep": 2, "train.steps": 2,
         "model.megatron_checkpoint": str(_initial_conversion(tmp_path)),
         "sync.dir": str(tmp_path / "sync")})
@@ -271,24 +224,48 @@ def test_disk_full_during_checkpoint_save_is_one_line_and_resumes(tmp_path, smal
 
 
 @pytest.mark.slow
-def test_disk_full_during_the_initial_conversion_is_one_line(tmp_path, small_disk):
-    """The initial HF -> megatron conversion does not fit (a 3 MiB tmpfs, a model of 16 experts):
-    one line naming the folder, "no space left on device" and the bytes the weights need; the
-    temporary folder is removed."""
+def test_no_room_for_the_initial_conversion_stops_before_it(tmp_path, small_disk):
+    """A model whose conversion and first checkpoint cannot fit (a 3 MiB tmpfs, a model of 64
+    experts) is refused by the free-space check, before anything is converted or started."""
     from rollout.server import free_port
-    model = tmp_path / "big"
-    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--arch", "qwen3_moe", "--out",
-                    str(model), "--override", "num_experts=64", "--override", "num_hidden_layers=4"],
-                   cwd=ROOT, env=env(), check=True, capture_output=True)
+    model = _big_model(tmp_path)
     ck = small_disk / "ck"
     proc = run_train([CONFIG, "--set", f"model.hf_path={model}", "--set", f"checkpoint.dir={ck}",
                       "--set", f"logging.tensorboard_dir={tmp_path / 'tb'}",
                       "--set", f"rollout.server_urls=[http://127.0.0.1:{free_port()}]",
                       "--set", "rollout.server_startup_timeout_s=2"])
     line = _error_line(proc)
+    assert f"checkpoint.dir='{ck}': 3.0 MiB free, the initial conversion and one checkpoint " \
+           "(parameters + optimizer state, estimated from the model) needs about " in line, line
+    assert not ck.exists()
+
+
+def test_disk_full_during_the_initial_conversion_is_one_line(tmp_path, small_disk):
+    """The initial HF -> megatron conversion runs out of space (the disk filled after the start-up
+    check, here by calling the conversion step directly): one line naming the folder, "no space
+    left on device" and the bytes the weights need; nothing half-written stays."""
+    model = _big_model(tmp_path)
+    ck = small_disk / "ck"
+    code = ("import sys; from gspo_megatron.config import load_config; "
+            "from gspo_megatron.checkpoint.fingerprint import model_fingerprint; "
+            "from gspo_megatron.startup import initial_megatron_checkpoint; "
+            f"cfg = load_config({CONFIG!r}, ['model.hf_path={model}', 'checkpoint.dir={ck}']); "
+            "initial_megatron_checkpoint(cfg, 0, model_fingerprint(cfg.model.hf_path))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "CheckpointError" in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
     assert f"converting model.hf_path='{model}' into {ck / 'initial_megatron'} failed: no space left " \
            "on device (" in line and "bytes needed: the model's weight files); free space and rerun" in line
-    assert not (ck / "initial_megatron.tmp").exists() and not (ck / "initial_megatron").exists()
+    assert not list(ck.iterdir()), sorted(ck.iterdir())
+
+
+def _big_model(tmp_path: Path) -> Path:
+    model = tmp_path / "big"
+    subprocess.run([sys.executable, "tools/make_tiny_model.py", "--arch", "qwen3_moe", "--out",
+                    str(model), "--override", "num_experts=64", "--override", "num_hidden_layers=4"],
+                   cwd=ROOT, env=env(), check=True, capture_output=True)
+    return model
 
 
 def _initial_conversion(tmp_path: Path) -> Path:
@@ -306,7 +283,7 @@ def test_server_death_mid_run_is_one_line_with_the_url_once(tmp_path):
     from gspo_megatron.metrics import read_jsonl
     with launch_tiny_server("qwen3_moe") as group:
         url = group.server_urls[0]
-        proc = subprocess.Popen(train_cmd(1) + _args(tmp_path, url, **{"train.steps": 20}), cwd=ROOT,
+        proc = subprocess.Popen(train_cmd(1) + train_args(tmp_path, url, **{"train.steps": 20}), cwd=ROOT,
                                 env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         jsonl = tmp_path / "tb" / "metrics.jsonl"
         deadline = time.monotonic() + 300
@@ -320,3 +297,14 @@ def test_server_death_mid_run_is_one_line_with_the_url_once(tmp_path):
     assert lines[0].count(url) == 1, lines[0]
     assert "The servers are left paused" not in lines[0], lines[0]  # a dead server is not paused
     assert json.loads(jsonl.read_text().splitlines()[0])["step"] == 0
+
+
+def test_missing_tokenizer_is_one_line_before_anything(tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("qwen3_moe", 0), model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"):
+        (model / name).unlink(missing_ok=True)
+    line = in_process_error(capsys, [CONFIG, "--set", f"model.hf_path={model}",
+                                     "--set", f"checkpoint.dir={tmp_path / 'ck'}"])
+    assert f"model.hf_path='{model}': no tokenizer there" in line
+    assert not (tmp_path / "ck").exists()

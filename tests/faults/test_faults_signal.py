@@ -1,0 +1,120 @@
+"""SIGTERM / SIGUSR1: save, exit with the signal's status, resume with every prompt trained once
+(gspo_megatron/stop.py).
+
+Before: SIGTERM ended the run at once without a save, although Slurm preemption and `scancel` send
+it first and leave a grace period. Now a signal during a rollout abandons that step (its prompts
+are drawn again on resume); later in a step, the step finishes; then a checkpoint of the last
+finished step is saved and the process exits with 128 + the signal number. The Slurm path (USR1
+ahead of the time limit, `scancel --signal`, requeue) is in tests/test_launch_slurm.py.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from faults_common import CONFIG, train_args
+from test_trainer_e2e import PROMPTS, ROOT, env, run_train, server_url, train_cmd  # noqa: F401
+
+pytestmark = pytest.mark.slow
+STEPS = 5
+LONG_ROLLOUT = {"rollout.ignore_eos": "true", "rollout.max_new_tokens": 1024}  # ~3 s per rollout
+
+
+def _start(run_dir: Path, url: str, **extra) -> subprocess.Popen:
+    args = train_args(run_dir, url, **{"train.steps": STEPS, "checkpoint.interval": 100,
+                                       "logging.rollout_records": str(run_dir / "records.jsonl"), **extra})
+    return subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
+    from gspo_megatron.metrics import read_jsonl
+    jsonl, deadline = run_dir / "tb" / "metrics.jsonl", time.monotonic() + 600
+    while not (jsonl.is_file() and len(read_jsonl(jsonl)) >= n):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def _prompts_trained(run_dir: Path) -> list[list[list[int]]]:
+    """Prompt ids of each step's groups, sorted (groups join a batch as they complete)."""
+    rows = [json.loads(ln) for ln in (run_dir / "records.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps), "a step was recorded twice (the records go back in time)"
+    out: dict[int, list] = {}
+    for r in rows:
+        if r["index"] == 0:
+            out.setdefault(r["step"], []).append(r["prompt_ids"])
+    return [sorted(out[k]) for k in sorted(out)]
+
+
+def _expected_prompts(n_groups: int) -> list[list[int]]:
+    """The prompt stream of an uninterrupted run: PromptStream's seeded order."""
+    from transformers import AutoTokenizer
+
+    from fixtures_models import tiny_model_dir
+    from gspo_megatron.config import load_config
+    from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
+    cfg = load_config(CONFIG, [])
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3_moe", 0))
+    stream = PromptStream(load_prompts(PROMPTS), seed=cfg.train.seed, shuffle=cfg.rollout.shuffle_prompts)
+    return [chat_prompt_ids(tok, next(stream)) for _ in range(n_groups)]
+
+
+def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: int, **extra) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    name = signal.Signals(signum).name
+    from gspo_megatron.metrics import read_jsonl
+    done = len(read_jsonl(run_dir / "tb" / "metrics.jsonl"))
+    assert (run_dir / "ckpt" / "latest").read_text().strip() == f"step_{done:08d}"
+    lines = [ln for ln in err.splitlines() if ln.startswith("gspo-megatron:")]
+    assert lines == [f"gspo-megatron: {name} (rank 0): saved a checkpoint of step {done} in "
+                     f"{run_dir / 'ckpt'}; exiting with {128 + signum} (the same command resumes)"], err[-3000:]
+    resumed = run_train(train_args(run_dir, url, **{
+        "train.steps": STEPS, "checkpoint.interval": 100,
+        "logging.rollout_records": str(run_dir / "records.jsonl"), **extra}))
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl")] == list(range(STEPS))
+    per_step = 2  # rollout.prompts_per_step
+    expected = _expected_prompts(STEPS * per_step)
+    expected = [sorted(expected[k * per_step:(k + 1) * per_step]) for k in range(STEPS)]
+    assert _prompts_trained(run_dir) == expected, \
+        "the trained prompts differ from an uninterrupted run's (a prompt lost or trained twice)"
+    return out
+
+
+def test_sigterm_in_a_train_phase_finishes_the_step_saves_and_resumes(tmp_path, server_url):  # noqa: F811
+    proc = _start(tmp_path, server_url)
+    _wait_for_steps(tmp_path, proc, 2)
+    proc.send_signal(signal.SIGTERM)
+    _finish_and_check(tmp_path, server_url, proc, signal.SIGTERM)
+
+
+def test_sigusr1_during_a_rollout_abandons_the_step_and_resumes_it(tmp_path, server_url):  # noqa: F811
+    proc = _start(tmp_path, server_url, **LONG_ROLLOUT)
+    _wait_for_steps(tmp_path, proc, 2)
+    time.sleep(0.3)  # into step 2's rollout: 8 x 1024 tokens on a CPU server
+    proc.send_signal(signal.SIGUSR1)
+    out = _finish_and_check(tmp_path, server_url, proc, signal.SIGUSR1, **LONG_ROLLOUT)
+    # (_finish_and_check saw the checkpoint of the last finished step before resuming)
+    assert re.search(r"the rollout of step [2-4] was interrupted by the signal: the step is abandoned",
+                     out), out[-3000:]
+
+
+def test_a_second_signal_exits_at_once(tmp_path, server_url):  # noqa: F811
+    proc = _start(tmp_path, server_url, **LONG_ROLLOUT)
+    _wait_for_steps(tmp_path, proc, 1)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert time.monotonic() - t0 < 30
+    assert "gspo-megatron: SIGTERM (rank 0): exiting with 143" in err, err[-3000:]
