@@ -93,6 +93,15 @@ class RolloutConfig(ManagerConfig):
     needs loss.name=gspo_token."""
     turn_discount: float = 1.0
     """Discount of later turns' rewards in return_to_go."""
+    stale_policy: Literal["regenerate", "drop"] = "regenerate"
+    """With train.max_staleness > 0: a group too stale to train is generated again from its prompt
+    (regenerate: no prompt is lost) or dropped (drop: counted in async/dropped_stale)."""
+    max_buffered_groups: int | None = None
+    """With train.max_staleness > 0: finished groups waiting for the trainer, at most (the rollout
+    thread waits instead of generating more); null = prompts_per_step x (max_staleness + 1)."""
+    max_buffered_tokens: int | None = None
+    """With train.max_staleness > 0: tokens of the finished groups waiting, at most; null = no bound
+    beyond max_buffered_groups."""
 
 
 @dataclasses.dataclass
@@ -113,6 +122,13 @@ class TrainConfig(OptimizerSettings, MicroBatchSettings):
     starts with fresh Adam moments and its own learning-rate schedule)."""
     warm_start_batch_size: int = 32
     """Examples per warm-start step."""
+    max_staleness: int = 0
+    """Asynchronous RL: rollouts keep generating while the trainer trains (rollout/async_rollouts.py).
+    A sample whose oldest trained token came from weight version v trains at version V only if
+    V - v <= max_staleness (else rollout.stale_policy). 0 = the synchronous loop (rollout, train,
+    sync in turn). pi_old stays exact: each token's is the policy that generated it (the engine's
+    log-prob of that version, or recomputed with that version's weights, kept on the host for
+    max_staleness versions: docs/async.md)."""
 
     def __post_init__(self) -> None:
         OptimizerSettings.__post_init__(self)
@@ -261,6 +277,17 @@ class RunConfig:
         need(not self.moe.drift or t.old_log_probs == "recompute", "moe.drift", self.moe.drift,
              "false or null with train.old_log_probs=engine (pi_old's routing is recorded in the "
              "recompute pass)")
+        need(t.max_staleness >= 0, "train.max_staleness", t.max_staleness, ">= 0")
+        if t.max_staleness > 0:
+            need(r.max_buffered_groups is None or r.max_buffered_groups >= r.prompts_per_step,
+                 "rollout.max_buffered_groups", r.max_buffered_groups,
+                 f">= rollout.prompts_per_step ({r.prompts_per_step}) or null")
+            need(r.max_buffered_tokens is None or r.max_buffered_tokens >= 1,
+                 "rollout.max_buffered_tokens", r.max_buffered_tokens, ">= 1 or null")
+            need(not self.moe.drift, "moe.drift", self.moe.drift,
+                 "false or null with train.max_staleness > 0 (pi_old spans several weight versions)")
+            need(not r.mask_stale_tokens, "rollout.mask_stale_tokens", r.mask_stale_tokens,
+                 "false with train.max_staleness > 0 (stale tokens train, with their own pi_old)")
         need(not (self.moe.replay and self.moe.engine_routing is False), "moe.engine_routing",
              self.moe.engine_routing, "true or null with moe.replay=true (replay needs the engine's routing)")
 

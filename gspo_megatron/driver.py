@@ -9,6 +9,7 @@ rollout/ knows nothing of megatron; this module turns its Samples into the actor
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 from pathlib import Path
@@ -25,6 +26,8 @@ from model_specs.hf_config import load_hf_config
 from rollout.pool import ServerPool
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
 from rollout.chat import ChatTemplate
+from gspo_megatron.staleness import take_fresh_groups
+from rollout.async_rollouts import AsyncRollouts
 from rollout.manager import RolloutInterrupted, RolloutManager
 from rollout.rewards import get_reward_fn
 from rollout.sample import Sample
@@ -113,11 +116,13 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
         "rollout/reward_errors": m.get("reward_errors", 0.0),
         "perf/rollout_tokens_per_s": m.get("rollout_tokens_per_second", 0.0),
         **{f"rollout/{k}": m[k] for k in EPISODE_METRICS if k in m},
+        **{f"async/{k}": m[k] for k in ASYNC_METRICS if k in m},
     }
 
 
 EPISODE_METRICS = ("turns_per_episode", "tool_calls_per_episode", "env_token_fraction",
                    "reward_per_turn", "episode_length_mean", "env_error_fraction")
+ASYNC_METRICS = ("staleness_mean", "staleness_max", "dropped_stale", "regenerated_stale", "buffer_groups")
 
 
 def wants_engine_routing(cfg: RunConfig) -> bool:
@@ -155,6 +160,8 @@ class Driver:
                 encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec), decode=decode,
                 reward_fn=get_reward_fn(r.reward))
         self.records = RolloutRecords(cfg.logging.rollout_records) if cfg.logging.rollout_records else None
+        self.producer: AsyncRollouts | None = None  # train.max_staleness > 0: start_async()
+        self._async_state: dict[str, Any] | None = None  # a resume's queue, until start_async()
 
     @classmethod
     def start(cls, cfg: RunConfig, log_dir: str | None = None) -> "Driver":
@@ -186,27 +193,54 @@ class Driver:
             raise
 
     def rollout_batch(self, weight_version: str, step: int, should_stop: Callable[[], bool] | None = None,
-                      ) -> tuple[TrainBatch, dict[str, float]] | None:
-        """One rollout batch from the policy of `weight_version`: (TrainBatch, rollout metrics);
-        None when `should_stop` interrupted it (the driver's state is then back where the step
-        began: the same prompts are drawn again)."""
+                      oldest_version: int | None = None) -> tuple[TrainBatch, dict[str, float]] | None:
+        """One rollout batch for the policy of `weight_version`: (TrainBatch, rollout metrics);
+        None when `should_stop` interrupted it (nothing of the step is lost: the same prompts
+        come again). Synchronous: generated now, with that policy. Asynchronous (a producer): the
+        next groups the rollout thread finished, those whose oldest trained token is older than
+        `oldest_version` generated again or dropped (rollout.stale_policy)."""
         r = self.cfg.rollout
-        before = self.state() if should_stop is not None else None
-        try:
-            result = self.manager.generate_step(self.stream, r.prompts_per_step,
-                                                current_weight_version=weight_version,
-                                                should_stop=should_stop)
-        except RolloutInterrupted:
-            self.load_state(before["stream"], before["manager"])
-            return None
+        if self.producer is not None:
+            got = take_fresh_groups(self.producer, r.prompts_per_step, int(weight_version),
+                                    oldest_version, r.stale_policy, should_stop)
+            if got is None:
+                return None
+            groups, manager_metrics = got
+        else:
+            before = self.state() if should_stop is not None else None
+            try:
+                result = self.manager.generate_step(self.stream, r.prompts_per_step,
+                                                    current_weight_version=weight_version,
+                                                    should_stop=should_stop)
+            except RolloutInterrupted:
+                self.load_state(before["stream"], before["manager"])
+                return None
+            groups, manager_metrics = result.groups, result.metrics
         per_token = r.environment is not None and r.turn_credit == "return_to_go"
-        batch = samples_to_batch(result.groups, r.group_size,
-                                 turn_discount=r.turn_discount if per_token else None)
-        metrics = rollout_metrics(result.groups, result.metrics)
+        batch = samples_to_batch(groups, r.group_size, turn_discount=r.turn_discount if per_token else None)
+        metrics = rollout_metrics(groups, manager_metrics)
         metrics["rollout/policy_lag_max"] = policy_lag(batch, int(weight_version))
         if self.records is not None:
-            self.records.write(step, [s for g in result.groups for s in g], batch)
+            self.records.write(step, [s for g in groups for s in g], batch)
         return batch, metrics
+
+    # --- asynchronous rollouts (train.max_staleness > 0) -------------------------------------
+    def start_async(self, version: Callable[[], str]) -> None:
+        """Start the rollout thread (after a resume's load_state): it generates with the
+        servers' current weights, labelled by `version()`, until stop()."""
+        r, t = self.cfg.rollout, self.cfg.train
+        if self.producer is None:
+            self.producer = AsyncRollouts(
+                self.manager, self.stream, batch_groups=r.prompts_per_step,
+                max_groups=r.max_buffered_groups or r.prompts_per_step * (t.max_staleness + 1),
+                max_tokens=r.max_buffered_tokens, version=version)
+            if self._async_state:
+                self.producer.load_state(self._async_state)
+            self.producer.start()
+
+    def paused(self):
+        """Nothing generates inside (a weight sync, a checkpoint); a no-op when synchronous."""
+        return self.producer.paused() if self.producer is not None else contextlib.nullcontext()
 
     def warm_start_examples(self, n: int, offset: int) -> list[tuple[list[int], list[int], list[int]]]:
         """n (prompt ids, response ids, response loss mask) for the supervised warm start, cycling
@@ -229,15 +263,27 @@ class Driver:
 
     # --- state -------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {"stream": self.stream.to_state(), "manager": self.manager.to_state()}
+        """The prompt cursor and the rollout state (asynchronous: taken with the rollout thread
+        paused, its finished groups and in-flight ones, cut short, with their versions)."""
+        with self.paused():
+            manager = self.manager.to_state()
+            if self.producer is not None:
+                manager["async"] = self.producer.to_state()
+            return {"stream": self.stream.to_state(), "manager": manager}
 
     def load_state(self, cursor: dict[str, Any], buffer: dict[str, Any]) -> None:
         if cursor:
             self.stream.load_state(cursor)
         if buffer:
+            buffer = dict(buffer)
+            self._async_state = buffer.pop("async", None)
+            if self._async_state and self.producer is not None:
+                self.producer.load_state(self._async_state)
             self.manager.load_state(buffer)
 
     def stop(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
         try:
             self.manager.close()
             self.pool.close()

@@ -47,6 +47,15 @@ TAGS = {
     "rollout/episode_length_mean": "multi-turn: tokens per episode after the prompt (model + environment)",
     "rollout/env_error_fraction": "multi-turn: episodes ended by an environment that raised or "
                                   "returned a malformed step (reward 0; counted like reward errors)",
+    "async/staleness_mean": "train.max_staleness > 0: mean over the trained samples of (weights "
+                            "trained - the oldest version among the sample's trained tokens)",
+    "async/staleness_max": "the largest such staleness (never above train.max_staleness)",
+    "async/dropped_stale": "groups too stale to train, dropped this step (rollout.stale_policy=drop)",
+    "async/regenerated_stale": "groups too stale to train, sent back to be generated again",
+    "async/buffer_groups": "finished groups waiting for the trainer when the step took its batch",
+    "async/rollout_busy": "fraction of the step's wall time the rollout thread was generating",
+    "async/train_busy": "fraction of the step's wall time the trainer computed (log-probs, train, sync)",
+    "async/overlap": "fraction of the step's wall time both were busy at once",
     "rollout/policy_lag_max": "most weight updates between the policy that sampled a trained token "
                               "and the current one (0 = on-policy; > 0 with partial rollouts)",
     "train/loss": "policy loss (mean over mini-batches)",

@@ -4,7 +4,7 @@ was trained on, checked on resume.
     check_outputs(cfg, hf_dir)            # every output folder: writable, room for a checkpoint,
                                           # an export target that destroys nothing (one line each)
     locks = lock_run_folders(cfg)         # rank 0: RunLockedError if another run holds one
-    fp = prompt_set_fingerprint(cfg)      # paths, bytes, records, SHA-256
+    fp = prompt_set_fingerprint(files, n) # rollout.prompt_sets: paths, bytes, records, SHA-256
     check_prompt_set(cfg, stored, fp)     # a resume over another prompt set: refused or a new epoch
 
 Each error is one line naming the field, the path and what to do (startup.check_inputs calls
@@ -12,7 +12,6 @@ these on every rank before the first collective; nothing is written or started b
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -107,20 +106,6 @@ def release(locks: list[RunLock]) -> None:
 
 
 # --- the prompt set ------------------------------------------------------------------------------
-def prompt_set_fingerprint(paths: list[str | Path], records: int) -> dict[str, Any]:
-    """The prompt files' resolved paths, total bytes, record count and SHA-256 of their bytes
-    (read once, 1 MiB at a time: about a second per GB)."""
-    digest, size = hashlib.sha256(), 0
-    for p in paths:
-        digest.update(f"{Path(p).stat().st_size}\0".encode())  # file boundaries, not names: a moved set is the same
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-                size += len(chunk)
-    return {"paths": [str(Path(p).resolve()) for p in paths], "bytes": size, "records": records,
-            "sha256": digest.hexdigest()}
-
-
 def prompt_set_changed(stored: dict[str, Any] | None, now: dict[str, Any]) -> str:
     """'' when the sets are the same (a moved file with the same bytes is the same set)."""
     if not stored:

@@ -97,7 +97,8 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     from gspo_megatron.checkpoint.manager import CheckpointError
     from model_specs import load_hf_config, model_dims_for
     from gspo_megatron.early_checks import check_model_dir, check_prompts
-    from gspo_megatron.run_folders import check_outputs, check_prompt_set, prompt_set_fingerprint
+    from gspo_megatron.run_folders import check_outputs, check_prompt_set
+    from rollout.prompt_sets import prompt_set_fingerprint
     hf = check_model_dir(cfg)
     dims = model_dims_for(load_hf_config(hf))
     cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
@@ -210,10 +211,15 @@ def _raise_if_disk_full(error: BaseException, tmp: Path, hf_path: str) -> None:
 def build_actor(cfg: RunConfig):
     from gspo_megatron.actor import Actor, LogProbSettings
     t = cfg.train
+    # Routing drift compares pi_old's routing with the updated policy's: with asynchronous
+    # rollouts pi_old spans several versions, so its default is off there (config.validate
+    # refuses drift=true).
+    routing = dataclasses.replace(cfg.moe, drift=False) if t.max_staleness and cfg.moe.drift is None else cfg.moe
     return Actor(cfg.model.hf_path, cfg.parallel, optimizer=t, loss=cfg.loss,
                  logprob=LogProbSettings(temperature=cfg.rollout.temperature),
                  batching=t, old_log_probs=t.old_log_probs, seed=t.seed,
-                 params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute, routing=cfg.moe)
+                 params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute, routing=routing,
+                 max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0)
 
 
 def start_driver(cfg: RunConfig, rank: int) -> Driver | None:

@@ -11,7 +11,7 @@ startup.py builds what it works with (and checks every input before anything is 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver import on_driver, sft_batch
@@ -21,25 +21,39 @@ from gspo_megatron.stop import GracefulStop, SignalExit
 
 
 class PhaseTimer(dict):
+    """Seconds per phase (`time/<phase>`), and when each phase ran (`spans`, monotonic)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+
     @contextmanager
     def __call__(self, phase: str):
         t0 = time.perf_counter()
+        m0 = time.monotonic()
         yield
         self[f"time/{phase}"] = self.get(f"time/{phase}", 0.0) + time.perf_counter() - t0
+        self.spans.setdefault(phase, []).append((m0, time.monotonic()))
 
 
 def run_loop(run: Run) -> None:
     cfg, actor, loop, stop = run.cfg, run.actor, run.loop, run.stop
     ckpt_time: dict[str, float] = {}
     saved = loop.step if run.resumed_from else None  # the step of the newest checkpoint
+    staleness = cfg.train.max_staleness  # 0: the synchronous loop (rollout, train, sync in turn)
+    if staleness and run.rank == 0:  # the rollout thread generates from here on (docs/async.md)
+        run.driver.start_async(version=lambda: str(loop.weight_version))
     for step in range(loop.step, cfg.train.steps):
         if stop.agreed():  # SIGTERM / SIGUSR1 (stop.py): save below, then exit
             break
         t = PhaseTimer()
+        live = loop.weight_version  # the weights the servers serve, and the trainer holds
         with t("step"):
-            with t("rollout"):  # rank 0 generates and scores; every rank receives the batch
+            with t("rollout"):  # synchronous: rank 0 generates and scores; asynchronous: it takes
+                # what the rollout thread finished; every rank receives the batch
                 got = on_driver(run.rank, lambda: run.driver.rollout_batch(
-                    str(loop.weight_version), step, should_stop=stop.requested))
+                    str(live), step, should_stop=stop.requested,
+                    oldest_version=oldest_usable_version(run, live) if staleness else None))
             if got is None:  # a signal interrupted the rollout: the step is abandoned
                 if run.rank == 0:
                     print(f"[gspo] the rollout of step {step} was interrupted by the signal: the step "
@@ -47,8 +61,12 @@ def run_loop(run: Run) -> None:
                 break
             batch, metrics = got
             shard = actor.shard(batch, num_mini_batches=cfg.train.mini_batches)  # my DP rows
-            with t("log_probs"):  # pi_old: forward-only recompute, or the engine's log-probs
-                shard.old_log_probs, old = actor.compute_old_log_probs(shard)
+            with t("log_probs"):  # pi_old: forward-only recompute, or the engine's log-probs;
+                # asynchronous: each token's from the weights of the version that generated it
+                shard.old_log_probs, old = actor.compute_old_log_probs(
+                    shard, versions=trained_versions(batch) if staleness else None, live_version=live)
+                if staleness and cfg.train.old_log_probs == "recompute":
+                    actor.keep_version(live)  # for the stale tokens of the next steps
             if cfg.loss.kl_coef > 0:
                 with t("ref_log_probs"):  # the KL reference: forward-only with its weights swapped in
                     shard.ref_log_probs, _ = actor.compute_ref_log_probs(shard)
@@ -57,11 +75,13 @@ def run_loop(run: Run) -> None:
             if actor.routing_settings.drift:
                 with t("routing_drift"):  # forward-only: how many top-k sets moved since pi_old
                     old.update(actor.measure_routing_drift(shard))
-            with t("sync"):  # new weights into SGLang before the next rollout
-                loop.weight_version += 1
+            with t("sync"), run.driver.paused() if run.rank == 0 else nullcontext():
+                loop.weight_version += 1  # new weights into SGLang (the rollout thread waits)
                 sync = run.sync.sync(loop.weight_version)
             loop.step = step + 1
         metrics.update(train_metrics(updates, old), **sync_metrics(sync), **t, **ckpt_time)
+        if staleness and run.rank == 0:
+            metrics.update(overlap_metrics(t, run.driver.producer))
         metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / t["time/step"]
         run.writer.log(step, metrics)  # before the checkpoint: a resume never loses a step's metrics
         if run.rank == 0 and cfg.logging.progress:
@@ -112,6 +132,31 @@ def train_metrics(updates: list[dict[str, float]], old: dict[str, float]) -> dic
             out[f"routing/{name}" if "_layer/" not in name else
                 f"routing_layers/{name.replace('_layer/', '_layer_')}"] = value
     return {k: v for k, v in out.items() if v is not None}
+
+
+def trained_versions(batch) -> list[int]:
+    """The weight versions among the batch's trained tokens (every rank holds the whole batch)."""
+    return sorted(set(batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)].tolist()))
+
+
+def oldest_usable_version(run: Run, live: int) -> int:
+    """The oldest version a sample may come from at `live`: max_staleness back, and, when pi_old is
+    recomputed, no older than the weights kept (after a resume, none from before it)."""
+    oldest = live - run.cfg.train.max_staleness
+    if run.cfg.train.old_log_probs == "recompute":
+        oldest = max(oldest, min(run.actor.kept_versions() + [live]))
+    return oldest
+
+
+def overlap_metrics(t: PhaseTimer, producer) -> dict[str, float]:
+    """Busy fractions of the rollout thread and the trainer over the step, and their overlap."""
+    start, end = t.spans["step"][0]
+    train = [s for phase, spans in t.spans.items() if phase not in ("step", "rollout") for s in spans]
+    rollout = producer.busy_spans(start, end)
+    wall = max(end - start, 1e-9)
+    both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in train for c, d in rollout)
+    return {"async/rollout_busy": sum(b - a for a, b in rollout) / wall,
+            "async/train_busy": sum(b - a for a, b in train) / wall, "async/overlap": both / wall}
 
 
 def sync_metrics(report: dict[str, float]) -> dict[str, float]:

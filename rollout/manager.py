@@ -136,6 +136,9 @@ class RolloutManager:
         self.reward_fn, self.env_factory, self.encode_text = reward_fn, env_factory, encode_text
         self.chat, self.max_turns = chat, max_turns
         self.buffer: collections.deque[list[Sample]] = collections.deque()
+        self.ready: collections.deque[list[Sample]] = collections.deque()
+        """Complete, scored groups a stopped step kept (generate_step(keep_on_stop=True)): the
+        next step takes them first, as they are."""
         self.next_group_id = 0
         self.reward_budget = RewardErrorBudget(config.max_reward_error_fraction)
         self._run_tag = uuid.uuid4().hex[:8]
@@ -186,17 +189,21 @@ class RolloutManager:
 
     def generate_step(self, prompts: Iterator[dict], num_groups: int,
                       current_weight_version: str | None = None,
-                      should_stop: Callable[[], bool] | None = None) -> StepResult:
-        """Return `num_groups` complete groups: buffered groups first, then new prompts from
-        `prompts` (consumed lazily; over-sampling draws more). current_weight_version: the policy's
-        version for mask_stale_tokens (default: the newest version seen in each sample).
-        should_stop: polled about once a second; when it says True the in-flight requests are
-        aborted and RolloutInterrupted is raised (the caller restores its saved state: the buffer
-        and the prompt stream are then mid-step)."""
+                      should_stop: Callable[[], bool] | None = None,
+                      keep_on_stop: bool = False) -> StepResult:
+        """Return `num_groups` complete groups: ready and buffered groups first, then new prompts
+        from `prompts` (consumed lazily; over-sampling draws more). current_weight_version: the
+        policy's version for mask_stale_tokens (default: the newest version seen in each sample).
+        should_stop: polled every 0.2 s; when it says True the in-flight requests are aborted and
+        RolloutInterrupted is raised. keep_on_stop: nothing of the step is lost then: its complete
+        groups go to `ready`, its unfinished ones (partial responses, their tokens' versions kept)
+        to the front of the buffer, in group order; without it the caller restores a saved state."""
         cfg = self.config
         t0 = last_done = time.monotonic()
-        poll = cfg.request_timeout_s if should_stop is None else min(1.0, cfg.request_timeout_s)
+        poll = cfg.request_timeout_s if should_stop is None else min(0.2, cfg.request_timeout_s)
         kept: list[list[Sample]] = []
+        while self.ready and len(kept) < num_groups:
+            kept.append(self.ready.popleft())
         open_groups: dict[int, list[Sample]] = {}
         in_flight: dict[Future, Sample] = {}
         m = collections.Counter()
@@ -232,12 +239,15 @@ class RolloutManager:
         def start_group(group: list[Sample]) -> None:
             open_groups[group[0].group_id] = group
             for s in group:
+                if s.status == ABORTED:  # an episode cut by a stop: it restarts
+                    self._reset(s)
                 if s.status != DONE:
                     m["samples_resumed"] += bool(s.response_ids)
                     submit(s)
             if all(s.status == DONE for s in group):
                 finish_group(group)
 
+        interrupted = False
         try:
             while len(kept) < num_groups:
                 while len(kept) + len(open_groups) < num_groups + cfg.oversample_groups:
@@ -259,8 +269,8 @@ class RolloutManager:
                         f"{m['prompts_drawn']} prompts drawn (limit {max_draws} = max_draw_factor "
                         f"{cfg.max_draw_factor} x {num_groups}), or the prompt iterator ran out")
                 if should_stop is not None and should_stop():
-                    raise RolloutInterrupted(f"rollout interrupted with {len(kept)} of {num_groups} "
-                                             f"groups ({len(in_flight)} requests in flight)")
+                    interrupted = True
+                    break
                 done, _ = wait(list(in_flight), timeout=poll, return_when=FIRST_COMPLETED)
                 if not done:
                     if time.monotonic() - last_done < cfg.request_timeout_s:
@@ -282,6 +292,12 @@ class RolloutManager:
                         finish_group(group)
         finally:
             self._drain(in_flight)
+        if interrupted:
+            message = f"rollout interrupted with {len(kept)} of {num_groups} groups complete"
+            if keep_on_stop:
+                self.ready.extendleft(reversed(kept))
+                self.buffer.extendleft(sorted(open_groups.values(), key=lambda g: -g[0].group_id))
+            raise RolloutInterrupted(message)
         for group in sorted(open_groups.values(), key=lambda g: g[0].group_id):
             if all(s.status == DONE for s in group):
                 self.buffer.append(group)
@@ -331,6 +347,7 @@ class RolloutManager:
             "buffer_groups": float(len(self.buffer)),
             "reward_error_fraction_total": self.reward_budget.errors / max(1, self.reward_budget.calls),
             "rollout_seconds": seconds,
+            "response_tokens": float(resp_tokens),
             "rollout_tokens_per_second": resp_tokens / max(seconds, 1e-9),
         })
         if self.env_factory is not None:
@@ -342,11 +359,13 @@ class RolloutManager:
         """The buffer and counters as plain data (JSON-serialisable when prompt records are)."""
         return {"next_group_id": self.next_group_id,
                 "buffer": [[s.to_dict() for s in g] for g in self.buffer],
+                "ready": [[s.to_dict() for s in g] for g in self.ready],
                 "reward_budget": self.reward_budget.to_state()}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.next_group_id = int(state["next_group_id"])
         self.buffer = collections.deque([Sample.from_dict(d) for d in g] for g in state["buffer"])
+        self.ready = collections.deque([Sample.from_dict(d) for d in g] for g in state.get("ready", []))
         self.reward_budget.load_state(state["reward_budget"])
 
     def close(self) -> None:

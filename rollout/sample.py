@@ -8,11 +8,13 @@ The trainer's sequence is prompt_ids + response_ids.
 
 Routing replay (MoE, rollout.return_routed_experts): `routed_experts` is aligned with the whole
 sequence `tokens` (prompt included): int16 [len(tokens), num_hidden_layers, top-k]; row p = the
-experts the engine chose for the token at input position p in the sample's LAST generate call.
-That call had the whole sequence so far as its input, so a partial rollout resumed from prompt +
-partial response, or the next turn of a multi-turn episode, re-covers every earlier position with
-the newest weights. Rows the engine never processed as input are -1: the final token (sampled,
-never fed) and environment tokens appended after the last model turn. None when not requested.
+experts the engine chose at input position p in the generate call that produced token p + 1, so
+a replayed route belongs to the weight version that generated the token it predicts. A later
+call (a partial rollout resumed after a weight sync, the next turn of an episode) also returns
+rows for the earlier positions, recomputed by its prefill: they fill only rows no earlier call
+covered (the environment tokens of earlier turns). Rows the engine never processed as input are
+-1: the final token (sampled, never fed) and environment tokens appended after the last model
+turn. None when not requested.
 
 What SGLang 0.5.23 returns (verified on a live CPU server, tests/test_routed_experts_rollout.py;
 paths under .venv/lib/python3.11/site-packages/sglang/srt/):
@@ -102,12 +104,18 @@ class Sample:
         if routed_experts is not None and (routed_experts.ndim != 3 or len(routed_experts) != rows):
             raise ValueError(f"routed experts of shape {tuple(routed_experts.shape)} for a sequence of "
                              f"{rows + 1} tokens: expected [{rows}, layers, top-k]")
+        earlier = self.routed_experts
         self.response_ids += ids
         self.logprobs += logprobs
         self.loss_mask += [1] * len(ids)
         self.weight_versions += versions
         if routed_experts is not None:
-            self.routed_experts = routed_experts.astype(np.int16, copy=False)
+            routed = routed_experts.astype(np.int16, copy=True)
+            if earlier is not None:  # rows an earlier call produced stay (the module docstring)
+                n = min(len(earlier), len(routed))
+                covered = (earlier[:n] >= 0).any(axis=(1, 2))
+                routed[:n][covered] = earlier[:n][covered]
+            self.routed_experts = routed
         self._pad_routed_experts()
 
     def append_env_tokens(self, ids: list[int]) -> None:

@@ -15,6 +15,7 @@ The layout is checked against the real world size and the model before any colle
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -31,6 +32,7 @@ from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, chec
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.packing import resolve_packing
 from gspo_megatron.actor.routing import Routing
+from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, swapped_in
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
@@ -85,13 +87,14 @@ class Actor:
                  old_log_probs: str = "recompute", seed: int = 1234,
                  params_dtype: torch.dtype = torch.float32,
                  compute: ComputeSettings | None = None, routing: RoutingSettings | None = None,
-                 available: Available | None = None) -> None:
+                 available: Available | None = None, max_staleness: int = 0) -> None:
         """old_log_probs: where pi_old comes from, "recompute" (a forward-only pass before the
         updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4). compute: TE
         spec, fused kernels, recomputation (None: what this machine supports). batching: how rows
         become micro-batches (token budgets); micro_batch_size alone is the shorthand for
         MicroBatchSettings(micro_batch_size=...). routing: MoE routing replay and drift metrics.
         available: what the machine has (None: detected; tests pass machine profiles).
+        max_staleness: asynchronous rollouts, so many versions back (keep_version).
         Free the model and optimizer with close() (or `with Actor(...) as actor:`)."""
         self.layout = layout
         self.optimizer_settings = optimizer or OptimizerSettings()
@@ -134,6 +137,7 @@ class Actor:
             self.routing.check_supported(config, replay=self.routing_settings.replay)
         self.optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
         self._reference: list[torch.Tensor] | None = None  # KL reference: this rank's shards, on CPU
+        self._versions = VersionedWeights(keep=max_staleness)  # pi_old of stale tokens (recompute)
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -151,6 +155,7 @@ class Actor:
         config.no_sync_func = config.grad_scale_func = config.finalize_model_grads_func = None
         _cut_hidden_references(self._chunks)
         self._chunks = self._optimizer = self._routing = self.scheduler = self._reference = None
+        self._versions = VersionedWeights(keep=0)
         if ps.model_parallel_is_initialized() and getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
             ps.get_global_memory_buffer().buffer.clear()  # megatron's SP all-gather scratch (a cache)
         gc.collect()
@@ -201,18 +206,23 @@ class Actor:
         return batch.shard(self.dp_rank, self.dp_size, num_mini_batches)
 
     # --- compute ------------------------------------------------------------------------------
-    def compute_old_log_probs(self, batch: TrainBatch) -> tuple[torch.Tensor | None, dict[str, float]]:
+    def compute_old_log_probs(self, batch: TrainBatch, versions: list[int] | None = None,
+                              live_version: int | None = None) -> tuple[torch.Tensor | None, dict[str, float]]:
         """pi_old for the coming updates: `(old_log_probs [b, s] on the last stage else None,
         metrics)`; the caller sets `batch.old_log_probs`.
 
         recompute: a forward-only pass (metrics: log_prob_mean, entropy_mean and, with rollout
         log-probs, logprob_abs_diff_vs_rollout = the train/inference mismatch). engine: the
-        rollout log-probs as they are (no pass, no metrics).
+        rollout log-probs as they are (no pass, no metrics). `versions` (asynchronous rollouts:
+        the weight versions among the global batch's trained tokens, the same on every rank) other
+        than `live_version`: each token's pi_old from the weights of its own version (keep_version).
         """
         if self.old_log_probs == "engine":
             if batch.rollout_log_probs is None:
                 raise ValueError("old_log_probs='engine' needs batch.rollout_log_probs")
             return (batch.rollout_log_probs if self.is_last_stage else None), {}
+        if versions is not None and any(v != live_version for v in versions):
+            return self._versioned_old_log_probs(batch, list(versions), live_version)
         self._begin_routing(batch, record=bool(self.routing_settings.drift),
                             compare_engine=batch.routed_experts is not None)
         log_probs, metrics = compute_log_probs(self.chunks, batch, batching=self.batching,
@@ -292,26 +302,17 @@ class Actor:
     def set_reference(self, full: dict[str, torch.Tensor] | None = None) -> None:
         """Keep this rank's parameter shards as the KL reference policy: the current weights, or
         those of `full` (one-process megatron tensors, e.g. a saved reference; every rank passes
-        it, and the current weights are left as they were). The copy lives in host memory: one
-        extra copy of the rank's shards, never a second model or optimizer."""
+        it, and the current weights are left as they were). The copy lives in host memory
+        (snapshots.py)."""
         params = self._local_params()
         if full is None:
-            self._reference = [p.detach().to("cpu", copy=True) for p in params]
+            self._reference = host_copy(params)
             return
         current = [p.detach().clone() for p in params]
         load_full_state_dict(self.chunks, full)
-        self._reference = [p.detach().to("cpu", copy=True) for p in params]
+        self._reference = host_copy(params)
         for p, c in zip(params, current):
             p.copy_(c)
-
-    @torch.no_grad()
-    def _swap_reference(self) -> None:
-        """Exchange the parameters with the reference copy, in place (the DDP buffers and the
-        optimizer's main params are untouched; swapping twice restores every bit)."""
-        for p, r in zip(self._local_params(), self._reference):
-            held = p.detach().to("cpu", copy=True)
-            p.copy_(r.to(p.device))
-            r.copy_(held)
 
     def compute_ref_log_probs(self, batch: TrainBatch) -> tuple[torch.Tensor | None, dict[str, float]]:
         """Log-probs under the reference policy (set_reference), for the KL penalty: `(ref_log_probs
@@ -319,14 +320,53 @@ class Actor:
         A forward-only pass with the reference weights swapped in, then swapped back."""
         if self._reference is None:
             raise RuntimeError("compute_ref_log_probs needs a reference policy: call set_reference() first")
-        self._swap_reference()
-        self._begin_routing(batch)
+        with swapped_in(self._local_params(), self._reference):
+            return self._forward_only(batch)
+
+    def _forward_only(self, batch: TrainBatch, **routing) -> tuple[torch.Tensor | None, dict[str, float]]:
+        self._begin_routing(batch, **routing)
         try:
-            return compute_log_probs(self.chunks, batch, batching=self.batching,
-                                     logprob=self.logprob, before_forward=self.routing.before_forward)
+            log_probs, metrics = compute_log_probs(self.chunks, batch, batching=self.batching,
+                                                   logprob=self.logprob,
+                                                   before_forward=self.routing.before_forward)
         finally:
-            self.routing.end()
-            self._swap_reference()
+            routing_metrics = self.routing.end()
+        return log_probs, {**metrics, **routing_metrics}
+
+    # --- pi_old of asynchronous rollouts (train.max_staleness > 0; docs/async.md) ----------------
+    def keep_version(self, version: int) -> None:
+        """Before the updates of `version`: keep its weights on the host, so that tokens it
+        generates can get their pi_old recomputed later (the newest max_staleness versions)."""
+        self._versions.keep(version, self._local_params())
+
+    def kept_versions(self) -> list[int]:
+        """The versions whose weights keep_version holds."""
+        return self._versions.versions()
+
+    def _versioned_old_log_probs(self, batch: TrainBatch, versions: list[int], live: int,
+                                 ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """pi_old per token from the weights of the version that generated it: one forward-only
+        pass per version in `versions` (the same list on every rank: every pass is collective),
+        each pass's metrics over its own tokens, combined weighted by their counts."""
+        out, parts = None, []
+        for v in versions:
+            mine = batch.loss_mask & (batch.weight_versions == v)
+            part = dataclasses.replace(batch, loss_mask=mine)
+            context = contextlib.nullcontext() if v == live else self._versions.of(v, self._local_params())
+            with context:
+                lp, m = self._forward_only(part, compare_engine=batch.routed_experts is not None)
+            parts.append(m)
+            if lp is not None:
+                out = lp if out is None else torch.where(mine, lp, out)
+        n = [p.get("tokens", 0.0) for p in parts]
+        total = max(sum(n), 1.0)
+        metrics = dict(parts[-1])
+        for key in ("log_prob_mean", "entropy_mean", "logprob_abs_diff_vs_rollout", "logprob_k3_vs_rollout"):
+            if all(key in p for p in parts):
+                metrics[key] = sum(p[key] * k for p, k in zip(parts, n)) / total
+        metrics["tokens"] = sum(n)
+        metrics["versions"] = float(len(versions))
+        return out, metrics
 
     # --- weights and checkpoints ----------------------------------------------------------------
     def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:

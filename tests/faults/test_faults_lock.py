@@ -146,13 +146,13 @@ def test_a_sigkilled_runs_lock_does_not_block_the_resume(tmp_path, server_url): 
     args = [CONFIG, *base_overrides(tmp_path, server_url, **{"train.steps": 3})]
     proc = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    marker = tmp_path / "ckpt" / "step_00000001" / "COMPLETE"
+    lock = tmp_path / "ckpt" / LOCK_NAME
     deadline = time.monotonic() + 300
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert (tmp_path / "ckpt" / LOCK_NAME).exists()  # left behind by the killed run
+    assert lock.exists()  # left behind by the killed run
     resumed = subprocess.run(train_cmd(1) + args, cwd=ROOT, env=env(), text=True, capture_output=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

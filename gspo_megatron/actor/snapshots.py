@@ -1,0 +1,68 @@
+"""Host copies of one rank's parameter shards, swapped in for a forward pass: the KL reference
+policy, and the weights of recent versions for pi_old of asynchronous rollouts.
+
+    snap = host_copy(params)                  # this rank's shards, on the CPU
+    with swapped_in(params, snap):            # the model runs with them; restored bit for bit
+        ...
+    versions = VersionedWeights(keep=2)       # train.max_staleness versions back
+    versions.keep(7, params)                  # before version 7's updates
+    with versions.of(6, params): ...          # pi_old of tokens version 6 generated
+
+Only parameter data is swapped: DDP's buffers and the optimizer's fp32 main params are untouched,
+and swapping twice restores every bit. One extra host copy of the rank's shards per snapshot,
+never a second model or optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+
+
+def host_copy(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().to("cpu", copy=True) for p in params]
+
+
+@torch.no_grad()
+def swap(params: Sequence[torch.Tensor], stored: Sequence[torch.Tensor]) -> None:
+    """Exchange the parameters' data with `stored`, in place."""
+    for p, r in zip(params, stored):
+        held = p.detach().to("cpu", copy=True)
+        p.copy_(r.to(p.device))
+        r.copy_(held)
+
+
+@contextlib.contextmanager
+def swapped_in(params: Sequence[torch.Tensor], stored: Sequence[torch.Tensor]) -> Iterator[None]:
+    swap(params, stored)
+    try:
+        yield
+    finally:
+        swap(params, stored)
+
+
+class VersionedWeights:
+    """The weights of the last `keep` versions, as host copies (train.max_staleness of them)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep_count = keep
+        self.store: dict[int, list[torch.Tensor]] = {}
+
+    def keep(self, version: int, params: Sequence[torch.Tensor]) -> None:
+        """Copy the live weights as `version`; forget all but the newest `keep` versions."""
+        if self.keep_count < 1:
+            return
+        self.store[version] = host_copy(params)
+        for v in sorted(self.store)[:-self.keep_count]:
+            del self.store[v]
+
+    def versions(self) -> list[int]:
+        return sorted(self.store)
+
+    @contextlib.contextmanager
+    def of(self, version: int, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        if version not in self.store:
+            raise KeyError(f"no weights of version {version} kept (kept: {self.versions()})")
+        with swapped_in(params, self.store[version]):
+            yield
