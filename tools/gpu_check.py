@@ -7,8 +7,9 @@ local and the Transformer Engine layer spec, as one table.
 Steps, per spec (TE only where it imports) and dtype:
 1. a tiny HF Qwen3-MoE (tools/make_tiny_model.py), 2. converted to megatron (spec-independent),
 3. the actor built on the device in fp32 and bf16 and loaded from it, 4. its log-probs against
-transformers on the same device (fp32: max |diff| <= 1e-4; bf16: <= BF16_TOL, the figure two bf16
-implementations of the same model differ by); TE: packed THD micro-batches against padded rows,
+transformers on the same device (fp32: max |diff| <= 1e-4, TE's fp32 <= TF32_TOL: TE computes fp32
+GEMMs in TF32, and a local-spec row with torch's TF32 on shows that envelope; bf16: <= BF16_TOL,
+the figure two bf16 implementations of the same model differ by); TE: packed THD micro-batches against padded rows,
 before and after one SGD step, same tolerance, with a one-segment control (_packed_vs_padded),
 5. one GSPO step, a checkpoint (model + optimizer) saved and loaded into a fresh actor of EACH
 spec (bit-exact), 6. the checkpoint exported to HF and compared bit-exactly with the trained
@@ -31,6 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FP32_TOL = 1e-4
+# Transformer Engine runs every pure-fp32 GEMM in TF32, with no switch to turn it off
+# (transformer_engine/common/gemm/cublaslt_gemm.cu, cublas_gemm: "Use TF32 only for pure FP32
+# GEMM" -> CUBLAS_COMPUTE_32F_FAST_TF32, the same in TE 2.2-2.20; torch's allow_tf32 is not read).
+# TF32 keeps 10 mantissa bits: a unit roundoff of 2^-11 ~ 4.9e-4 on every GEMM input. So the TE
+# spec's fp32 log-probs are TF32 log-probs: 1.45e-4 from transformers on the H100 (2026-11-24),
+# where the local spec (torch matmuls, TF32 off) gives 1.4e-6. The TE fp32 rows are held to
+# 2^-10 ~ 1e-3 nats, twice TF32's roundoff, and the table prints the envelope that says whether
+# that is TF32 alone: the local spec with torch's TF32 turned on ("local+tf32" row).
+TF32_TOL = 2.0 ** -10
 BF16_TOL = 0.1  # nats: max |log p| difference between two bf16 implementations of the tiny model
 PACK_MULTIPLE = 8  # packs padded as under TP8 + sequence parallelism (TP1 alone never pads a pack)
 
@@ -182,7 +192,8 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
         for name in dtypes:
             dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[name])
             actor = _actor(hf_dir, spec, dtype)
-            row = dict(spec=spec, dtype=name, tol=FP32_TOL if name == "fp32" else BF16_TOL,
+            tol = (TF32_TOL if spec == "te" else FP32_TOL) if name == "fp32" else BF16_TOL
+            row = dict(spec=spec, dtype=name, tol=tol,
                        wgrad=wgrad_fusion(actor))
             actor.load_weights(mcore)
             lp, _ = actor.compute_old_log_probs(actor.shard(batch))
@@ -217,6 +228,8 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
             row["export"] = _max_diff(expected, exported)
             row["ok"] &= row["export"] == 0.0
             rows.append(row)
+    if device == "cuda" and "te" in specs:  # the TF32 envelope of the TE spec's fp32 rows (TF32_TOL)
+        rows.append(tf32_envelope(hf_dir, mcore, batch, mask, device))
     rows.append(dict(spec="conversion", dtype="fp32", untrained_export=untrained_export,
                      ok=untrained_export == 0.0))
     if device == "cuda":  # every Actor above was closed: its memory is back (Actor.close)
@@ -227,6 +240,24 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
         from tools.gpu_check_cp import cp_row
         rows.append(cp_row(out, hf_dir, mcore, batch))
     return rows
+
+
+def tf32_envelope(hf_dir: Path, mcore: Path, batch, mask, device: str) -> dict:
+    """The local spec in fp32 with torch's TF32 matmuls on: how far TF32 alone moves the tiny
+    model's log-probs from transformers' (fp32, TF32 off) on this GPU."""
+    import torch
+    ref = _hf_log_probs(hf_dir, batch, torch.float32, device)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        with _actor(hf_dir, "local", torch.float32) as actor:
+            actor.load_weights(mcore)
+            lp, _ = actor.compute_old_log_probs(actor.shard(batch))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    diff = (lp - ref).abs()[mask]
+    return dict(spec="local+tf32", dtype="fp32", lp_max=float(diff.max()), lp_mean=float(diff.mean()),
+                tol=TF32_TOL, ok=float(diff.max()) <= TF32_TOL)
 
 
 def table(rows: list[dict]) -> str:
@@ -240,6 +271,10 @@ def table(rows: list[dict]) -> str:
             continue
         if r["spec"] == "conversion":
             lines.append(f"| HF -> megatron -> HF | fp32 | - | - | - | - | {r['untrained_export']:.1e} | - | {result} |")
+            continue
+        if r["spec"] == "local+tf32":
+            lines.append(f"| local, torch TF32 on (TE's fp32 envelope) | fp32 | {r['lp_max']:.2e} / "
+                         f"{r['lp_mean']:.2e} ({r['tol']:.1e}) | - | - | - | - | - | {result} |")
             continue
         if r["spec"] == "memory":
             lines.append(f"| every Actor closed | - | memory_allocated {r['before'] / 2**20:.1f} MiB before the "
