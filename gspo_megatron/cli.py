@@ -33,12 +33,12 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from rollout.client import SGLangError
     from rollout.dataset import PromptFileError
     from rollout.envs import EnvironmentSpecError
-    from rollout.rewards import RewardErrorBudgetExceeded
+    from rollout.rewards import RewardErrorBudgetExceeded, RewardSpecError
     from rollout.server import ServerStartError
     return (ConfigError, HFConfigError, LayoutError, FileNotFoundError, PromptFileError,
             ServerStartError, SGLangError, CheckpointError, CheckpointMismatchError,
             WeightSyncError, RewardErrorBudgetExceeded, DriverError, DamagedFileError,
-            EnvironmentSpecError, OutputDirError, RunLockedError)
+            EnvironmentSpecError, OutputDirError, RunLockedError, RewardSpecError)
 
 
 def quiet_cpu_import_warnings() -> None:

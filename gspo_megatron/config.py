@@ -54,8 +54,21 @@ class LossConfig(LossSettings):
 
 @dataclasses.dataclass
 class RolloutConfig(ManagerConfig):
-    prompts: str = ""
-    """Prompt file: jsonl, one {"prompt": ..., "answer": ...} record per line."""
+    prompts: str | list[str] = ""
+    """The prompt set: a jsonl file, a parquet file, a folder of parquet shards (train-*.parquet, as
+    `datasets` writes them), a folder saved by datasets' save_to_disk, or a list of these (read in
+    order). Local paths only: these machines have no dataset hub. Large sets are memory-mapped,
+    never read whole (rollout/prompt_sets.py)."""
+    prompt_key: str = "prompt"
+    """Where a row keeps its prompt, a dotted path into nested fields; the prompt is a string or a
+    list of {role, content} messages (both through the tokenizer's chat template)."""
+    answer_key: str = "answer"
+    """Where a row keeps the answer the reward checks, a dotted path (verl: reward_model.ground_truth).
+    The row's other fields (data_source, extra_info, ...) reach the reward function and the
+    environment as they are."""
+    max_prompt_tokens: int | None = None
+    """Drop prompts longer than this many tokens (through the chat template) when the set is
+    loaded, and say how many (verl's filter_overlong_prompts); null = keep all."""
     reward: str = "math"
     """Reward function name (rollout.rewards.get_reward_fn): math, exact_match, ..."""
     prompts_per_step: int = 8
@@ -176,6 +189,33 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class EvalConfig:
+    prompts: str | list[str] = ""
+    """A held-out prompt set (the same inputs as rollout.prompts); empty = no evaluation."""
+    prompt_key: str | None = None
+    """As rollout.prompt_key (null: rollout's)."""
+    answer_key: str | None = None
+    """As rollout.answer_key (null: rollout's)."""
+    interval: int = 0
+    """Evaluate before step 0, before every interval-th step, and after the last step, with the
+    weights of that moment on the live servers; 0 = never."""
+    samples_per_prompt: int = 1
+    """n: responses per eval prompt; eval/accuracy is mean@n, eval/pass@k the fraction of prompts
+    with at least one correct response among the n."""
+    temperature: float = 0.0
+    """Eval sampling temperature (0: greedy)."""
+    top_p: float = 1.0
+    """Eval nucleus sampling threshold."""
+    max_new_tokens: int | None = None
+    """Eval response budget (null: rollout.max_new_tokens)."""
+    max_prompts: int | None = None
+    """Evaluate on the first this many prompts of the set (null: all)."""
+    reward: str | None = None
+    """Reward function of the eval (null: rollout.reward; an environment's rewards when
+    rollout.environment is set)."""
+
+
+@dataclasses.dataclass
 class LoggingConfig:
     tensorboard_dir: str | None = "runs/gspo"
     """TensorBoard event directory (null = off). `tensorboard --logdir` it."""
@@ -183,6 +223,9 @@ class LoggingConfig:
     """Also append each step's metrics as one JSON line here (null: tensorboard_dir/metrics.jsonl)."""
     progress: bool = True
     """Print a one-line progress display per step on rank 0."""
+    eval_records: str | None = None
+    """Append every eval response (step, prompt row, response ids and text, reward, data_source) as
+    one JSON line here (null = off)."""
     rollout_records: str | None = None
     """Append every rollout sample of every step as one JSON line here (null = off): prompt and
     response ids, loss mask, log-probs, weight versions, rewards and, for episodes, each turn's
@@ -208,6 +251,8 @@ class RunConfig:
     """Steps, batches, optimizer."""
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     """Weight sync into SGLang."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Evaluation on a held-out prompt set during training."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpoints and resume."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -230,7 +275,20 @@ class RunConfig:
                 raise ConfigError(f"{field}={value!r}: expected {expected}")
         m, r, t, c = self.model, self.rollout, self.train, self.checkpoint
         need(bool(m.hf_path), "model.hf_path", m.hf_path, "a Hugging Face model directory")
-        need(bool(r.prompts), "rollout.prompts", r.prompts, "a jsonl prompt file")
+        need(bool(r.prompts), "rollout.prompts", r.prompts,
+             "a prompt set (jsonl, parquet, a folder of them or saved by datasets, or a list)")
+        need(r.max_prompt_tokens is None or r.max_prompt_tokens >= 1, "rollout.max_prompt_tokens",
+             r.max_prompt_tokens, ">= 1 or null")
+        e = self.eval
+        need(e.interval >= 0, "eval.interval", e.interval, ">= 0 (0 = never)")
+        need(not e.interval or bool(e.prompts), "eval.prompts", e.prompts,
+             "a prompt set when eval.interval > 0")
+        need(e.samples_per_prompt >= 1, "eval.samples_per_prompt", e.samples_per_prompt, ">= 1")
+        need(e.temperature >= 0, "eval.temperature", e.temperature, ">= 0 (0 = greedy)")
+        need(0 < e.top_p <= 1, "eval.top_p", e.top_p, "in (0, 1]")
+        need(e.max_new_tokens is None or e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens,
+             ">= 1 or null")
+        need(e.max_prompts is None or e.max_prompts >= 1, "eval.max_prompts", e.max_prompts, ">= 1 or null")
         for name in ("tensor", "pipeline", "expert", "context"):
             v = getattr(self.parallel, name)
             need(v >= 1, f"parallel.{name}", v, ">= 1")

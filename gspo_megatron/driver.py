@@ -162,12 +162,18 @@ class Driver:
         self.records = RolloutRecords(cfg.logging.rollout_records) if cfg.logging.rollout_records else None
         self.producer: AsyncRollouts | None = None  # train.max_staleness > 0: start_async()
         self._async_state: dict[str, Any] | None = None  # a resume's queue, until start_async()
+        self.evaluator = None  # eval: made at its first use
 
     @classmethod
-    def start(cls, cfg: RunConfig, log_dir: str | None = None) -> "Driver":
-        """Attach to rollout.server_urls, or launch rollout.num_servers local servers."""
+    def start(cls, cfg: RunConfig, log_dir: str | None = None, prompt_rows=None) -> "Driver":
+        """Attach to rollout.server_urls, or launch rollout.num_servers local servers.
+        prompt_rows: the rows of the prompt set to use (rollout.max_prompt_tokens; None: all)."""
         r = cfg.rollout
-        records = load_prompts(r.prompts)  # a bad prompt file fails before any server starts
+        # A bad prompt set fails before any server starts; parquet is memory-mapped from a cache
+        # in the run's folder (prompt_sets.py), made here once.
+        records = load_prompts(r.prompts, r.prompt_key, r.answer_key, cache_dir=scratch_dir(cfg, "prompt_cache"))
+        if prompt_rows is not None:
+            records = records.with_kept(prompt_rows)
         if r.server_urls:
             servers = ServerGroup.attach(r.server_urls, r.router_url,
                                          health_timeout_s=r.server_startup_timeout_s)
@@ -238,6 +244,13 @@ class Driver:
                 self.producer.load_state(self._async_state)
             self.producer.start()
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out evaluation of the servers' current weights (evaluation.py)."""
+        if self.evaluator is None:
+            from gspo_megatron.evaluation import Evaluator
+            self.evaluator = Evaluator(self.cfg, self, cache_dir=scratch_dir(self.cfg, "prompt_cache"))
+        return self.evaluator.run(step)
+
     def paused(self):
         """Nothing generates inside (a weight sync, a checkpoint); a no-op when synchronous."""
         return self.producer.paused() if self.producer is not None else contextlib.nullcontext()
@@ -284,6 +297,8 @@ class Driver:
     def stop(self) -> None:
         if self.producer is not None:
             self.producer.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         try:
             self.manager.close()
             self.pool.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gspo_megatron.config import RunConfig
 from model_specs.hf_config import load_hf_config, model_dims
-from rollout.dataset import load_prompts
+from rollout.dataset import PromptFileError, PromptSet, load_prompts
 
 
 def check_model_dir(cfg: RunConfig) -> Path:
@@ -26,11 +26,22 @@ def check_model_dir(cfg: RunConfig) -> Path:
     return hf_dir
 
 
-def check_prompts(cfg: RunConfig) -> int:
-    """rollout.prompts exists and parses (PromptFileError names the file and line); its record count."""
-    if not Path(cfg.rollout.prompts).is_file():
-        raise FileNotFoundError(f"rollout.prompts={cfg.rollout.prompts!r}: file not found")
-    return len(load_prompts(cfg.rollout.prompts))
+def check_prompts(cfg: RunConfig) -> tuple[PromptSet, PromptSet | None]:
+    """rollout.prompts and eval.prompts exist and every row has a usable prompt and answer
+    (PromptFileError names the field, the file, the row and the key); nothing is written."""
+    r, e = cfg.rollout, cfg.eval
+    train = _open("rollout.prompts", r.prompts, r.prompt_key, r.answer_key)
+    held_out = None
+    if e.interval and e.prompts:
+        held_out = _open("eval.prompts", e.prompts, e.prompt_key or r.prompt_key, e.answer_key or r.answer_key)
+    return train, held_out
+
+
+def _open(field: str, spec, prompt_key: str, answer_key: str) -> PromptSet:
+    try:
+        return load_prompts(spec, prompt_key=prompt_key, answer_key=answer_key)
+    except PromptFileError as err:
+        raise PromptFileError(f"{field}: {err}") from None
 
 
 def early_checks(cfg: RunConfig, world: int) -> None:

@@ -93,6 +93,7 @@ class RolloutRecords:
                 adv = batch.advantages[row]
                 f.write(json.dumps({
                     "step": step, "row": row, "group_id": s.group_id, "index": s.index,
+                    "data_source": s.prompt.get("data_source"),
                     "prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
                     "loss_mask": s.loss_mask, "logprobs": s.logprobs,
                     "weight_versions": s.weight_versions, "reward": s.reward,

@@ -47,6 +47,12 @@ TAGS = {
     "rollout/episode_length_mean": "multi-turn: tokens per episode after the prompt (model + environment)",
     "rollout/env_error_fraction": "multi-turn: episodes ended by an environment that raised or "
                                   "returned a malformed step (reward 0; counted like reward errors)",
+    "eval/accuracy": "held-out eval (eval: section): fraction of eval responses that are correct "
+                     "(mean@n over eval.samples_per_prompt), logged with the step it precedes",
+    "eval/pass@k": "fraction of eval prompts with a correct response among their n",
+    "eval/reward_mean": "mean reward of the eval responses",
+    "eval/response_length": "mean eval response length in tokens",
+    "time/eval": "seconds of the held-out evaluation",
     "async/staleness_mean": "train.max_staleness > 0: mean over the trained samples of (weights "
                             "trained - the oldest version among the sample's trained tokens)",
     "async/staleness_max": "the largest such staleness (never above train.max_staleness)",
@@ -157,9 +163,11 @@ LAYER_TAGS = {
 
 
 def documented(tag: str) -> bool:
-    """The tag is in TAGS, or is `<LAYER_TAGS key>_layer_<i>`."""
+    """The tag is in TAGS, is `<LAYER_TAGS key>_layer_<i>`, or an eval tag per data source
+    (`eval/accuracy/<source>`, `eval/pass@k/<source>`)."""
     head, _, tail = tag.rpartition("_layer_")
-    return tag in TAGS or (head in LAYER_TAGS and tail.isdigit())
+    per_source = tag.startswith(("eval/accuracy/", "eval/pass@k/"))
+    return tag in TAGS or (head in LAYER_TAGS and tail.isdigit()) or per_source
 
 
 def per_layer_histograms(metrics: Mapping[str, float]) -> dict[str, list[float]]:

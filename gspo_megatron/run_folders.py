@@ -132,3 +132,19 @@ def check_prompt_set(cfg: RunConfig, stored: dict[str, Any] | None, now: dict[st
                       f"checkpoint.dir={cfg.checkpoint.dir!r} was trained on ({change}); resume with "
                       "that set, or set rollout.prompts_changed=restart_epoch to start a new epoch "
                       "over this one")
+
+
+def drop_overlong_prompts(cfg: RunConfig, prompts, hf_dir: Path):
+    """rollout.max_prompt_tokens: the rows kept (an index array), said in one line."""
+    from transformers import AutoTokenizer
+
+    from rollout.dataset import PromptFileError, filter_overlong
+    r = cfg.rollout
+    try:
+        kept, dropped = filter_overlong(prompts, AutoTokenizer.from_pretrained(str(hf_dir)), r.max_prompt_tokens)
+    except PromptFileError as e:
+        raise PromptFileError(f"rollout.prompts={r.prompts!r}: {e}") from None
+    print(f"[gspo] rollout.prompts: {dropped} of {prompts.total_rows} prompts are longer than "
+          f"{r.max_prompt_tokens} tokens (rollout.max_prompt_tokens) and were dropped; {len(kept)} remain",
+          flush=True)
+    return kept.kept

@@ -29,6 +29,7 @@ from gspo_megatron.driver import Driver, on_driver, scratch_dir
 from gspo_megatron.metrics import MetricsWriter
 from gspo_megatron.parallel.process_groups import free_port
 from gspo_megatron.run_folders import lock_run_folders, release
+from gspo_megatron.staleness import share_cpu_with_servers
 from gspo_megatron.stop import GracefulStop
 
 INITIAL_DIR = "initial_megatron"
@@ -86,6 +87,7 @@ class Inputs:
     resume_from: Path | None              # the complete, verified checkpoint to resume from
     prompts: dict[str, Any] = dataclasses.field(default_factory=dict)  # the prompt set's fingerprint
     new_prompt_epoch: bool = False        # resume over a changed prompt set: start a new epoch
+    prompt_rows: Any = None               # rank 0, rollout.max_prompt_tokens: the rows kept
 
 
 def check_inputs(cfg: RunConfig, world: int) -> Inputs:
@@ -97,7 +99,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     from gspo_megatron.checkpoint.manager import CheckpointError
     from model_specs import load_hf_config, model_dims_for
     from gspo_megatron.early_checks import check_model_dir, check_prompts
-    from gspo_megatron.run_folders import check_outputs, check_prompt_set
+    from gspo_megatron.run_folders import check_outputs, check_prompt_set, drop_overlong_prompts
     from rollout.prompt_sets import prompt_set_fingerprint
     hf = check_model_dir(cfg)
     dims = model_dims_for(load_hf_config(hf))
@@ -120,10 +122,20 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     if not any((hf / n).is_file() for n in TOKENIZER_FILES):
         raise FileNotFoundError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
                                 f"{', '.join(TOKENIZER_FILES)})")
-    prompts = prompt_set_fingerprint([cfg.rollout.prompts], check_prompts(cfg))  # names file and line
+    train_set, _ = check_prompts(cfg)  # PromptFileError names the file, the row and the key
+    r = cfg.rollout
+    prompts = prompt_set_fingerprint(train_set.files(), train_set.total_rows, selection={
+        "prompt_key": r.prompt_key, "answer_key": r.answer_key, "max_prompt_tokens": r.max_prompt_tokens})
+    kept = None
+    if r.max_prompt_tokens and int(os.environ.get("RANK", "0")) == 0:  # the driver's rows
+        kept = drop_overlong_prompts(cfg, train_set, hf)
     if cfg.rollout.environment:
         from gspo_megatron.episodes import env_factory
         env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args
+    else:
+        from rollout.rewards import get_reward_fn
+        for reward in {cfg.rollout.reward, cfg.eval.reward or cfg.rollout.reward}:
+            get_reward_fn(reward)  # RewardSpecError names an unknown name or a module:function that fails
     if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():
         raise FileNotFoundError(f"model.megatron_checkpoint={cfg.model.megatron_checkpoint!r}: not a "
                                 f"megatron dist_checkpointing directory (no metadata.json)")
@@ -156,7 +168,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             if change and "no record" not in change:
                 raise CheckpointError(f"{ref} (the KL reference) was made from another model than "
                                       f"model.hf_path={str(hf)!r} ({change}); start a new run")
-    return Inputs(fingerprint, resume_from, prompts, new_epoch)
+    return Inputs(fingerprint, resume_from, prompts, new_epoch, kept)
 
 
 def initial_megatron_checkpoint(cfg: RunConfig, rank: int, fingerprint: dict[str, Any]) -> Path:
@@ -222,12 +234,12 @@ def build_actor(cfg: RunConfig):
                  max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0)
 
 
-def start_driver(cfg: RunConfig, rank: int) -> Driver | None:
+def start_driver(cfg: RunConfig, rank: int, prompt_rows=None) -> Driver | None:
     """Rank 0 starts (or attaches) the servers; a failure there stops every rank."""
     holder: list[Driver] = []
 
     def start() -> str:
-        holder.append(Driver.start(cfg, str(scratch_dir(cfg, "logs"))))
+        holder.append(Driver.start(cfg, str(scratch_dir(cfg, "logs")), prompt_rows=prompt_rows))
         return "ok"
     on_driver(rank, start)
     return holder[0] if holder else None
@@ -255,6 +267,7 @@ def build_sync(cfg: RunConfig, actor, driver: Driver | None):
 def setup(cfg: RunConfig, stop: GracefulStop | None = None) -> Run:
     rank, world = rank_env()
     inputs = check_inputs(cfg, world)
+    share_cpu_with_servers(cfg)  # asynchronous rollouts on a CPU: torch leaves the servers cores
     # The run owns its folders from here on (before anything is written into them).
     locks = lock_run_folders(cfg) if rank == 0 else []
     try:
@@ -283,7 +296,7 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
               resumed_from=resume_from, stop=stop)
     if ckpt:
         ckpt.clean_incomplete()
-    run.driver = start_driver(cfg, rank)
+    run.driver = start_driver(cfg, rank, inputs.prompt_rows)
     if resume_from:
         run.loop = ckpt.load(resume_from, actor)
         run.loop.extra["prompts"] = inputs.prompts

@@ -15,6 +15,7 @@ from contextlib import contextmanager, nullcontext
 
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver import on_driver, sft_batch
+from gspo_megatron.evaluation import eval_due
 from gspo_megatron.metrics import format_progress
 from gspo_megatron.startup import Run, begin_rl, export_hf, setup, teardown
 from gspo_megatron.stop import GracefulStop, SignalExit
@@ -48,6 +49,7 @@ def run_loop(run: Run) -> None:
             break
         t = PhaseTimer()
         live = loop.weight_version  # the weights the servers serve, and the trainer holds
+        held_out = on_driver(run.rank, lambda: run.driver.evaluate(step)) if eval_due(cfg, step) else {}
         with t("step"):
             with t("rollout"):  # synchronous: rank 0 generates and scores; asynchronous: it takes
                 # what the rollout thread finished; every rank receives the batch
@@ -79,7 +81,7 @@ def run_loop(run: Run) -> None:
                 loop.weight_version += 1  # new weights into SGLang (the rollout thread waits)
                 sync = run.sync.sync(loop.weight_version)
             loop.step = step + 1
-        metrics.update(train_metrics(updates, old), **sync_metrics(sync), **t, **ckpt_time)
+        metrics.update(train_metrics(updates, old), **sync_metrics(sync), **t, **ckpt_time, **held_out)
         if staleness and run.rank == 0:
             metrics.update(overlap_metrics(t, run.driver.producer))
         metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / t["time/step"]
@@ -93,6 +95,8 @@ def run_loop(run: Run) -> None:
             saved = loop.step
             ckpt_time = {"time/checkpoint": time.perf_counter() - t0}  # logged with the next step
     signum = stop.agreed()
+    if not signum and eval_due(cfg, 0) and loop.step == cfg.train.steps:  # the final eval
+        run.writer.log(loop.step, on_driver(run.rank, lambda: run.driver.evaluate(loop.step)))
     if signum:
         if run.ckpt and saved != loop.step:
             save_checkpoint(run)

@@ -7,6 +7,7 @@ the fraction of failed reward calls exceeds a configured limit.
 """
 from __future__ import annotations
 
+import importlib
 import re
 import threading
 from typing import Any, Callable, Sequence
@@ -84,10 +85,27 @@ REWARDS: dict[str, RewardFn] = {"math": math_reward, "exact_match": exact_match_
                                 "format": format_reward()}
 
 
+class RewardSpecError(ValueError):
+    """rollout.reward names nothing that can be called; the message says why."""
+
+
 def get_reward_fn(name: str) -> RewardFn:
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; expected one of {sorted(REWARDS)}")
-    return REWARDS[name]
+    """A shipped reward by name, or your own as `package.module:function`: fn(record, response_text)
+    -> float, where `record` is the prompt row (its "prompt", "answer" and every other field of the
+    row: data_source, extra_info, ...)."""
+    if name in REWARDS:
+        return REWARDS[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise RewardSpecError(f"rollout.reward={name!r}: {type(e).__name__}: {e}") from None
+        if not callable(fn):
+            raise RewardSpecError(f"rollout.reward={name!r}: {attr} is not callable")
+        return fn
+    raise RewardSpecError(f"unknown reward {name!r}; expected one of {sorted(REWARDS)} or "
+                          "package.module:function")
 
 
 def score_sample(sample: Sample, fn: RewardFn, response_text: str) -> bool:

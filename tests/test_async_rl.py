@@ -136,16 +136,20 @@ def _trained_prompts(run_dir: Path) -> list[tuple]:
 def test_async_sigkill_and_resume_trains_every_prompt_once(tmp_path, server_url):  # noqa: F811
     from gspo_megatron.metrics import read_jsonl
     args = _args(tmp_path, server_url, **{"train.steps": 6})
-    proc = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    log = tmp_path / "first_run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT)
     marker = tmp_path / "ckpt" / "step_00000002" / "COMPLETE"
     deadline = time.monotonic() + 600
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(1.5)  # into step 3 or later: the rollout thread is ahead of the checkpoint
+    # At once: the rollout thread already runs ahead of the checkpoint (a step takes 0.1-0.3 s
+    # here, and checkpoint.keep=2 deletes step 2's checkpoint at step 6: a wait of 1.5 s
+    # outlived it).
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert marker.exists()
+    assert proc.returncode == -signal.SIGKILL, f"exit {proc.returncode}:\n" + log.read_text()[-5000:]
+    assert marker.exists(), log.read_text()[-5000:]
     resumed = run_train(args)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-5000:]
     assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl")] == list(range(6))

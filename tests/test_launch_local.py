@@ -65,7 +65,7 @@ def test_local_real_trainer_and_server_then_rerun_resumes(tmp_path):
             "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 6, "train.steps": 2,
             "train.mini_batches": 2, "train.micro_batch_size": 4, "train.warm_start_steps": 0,
             "checkpoint.interval": 1, "checkpoint.export_hf": "null",
-            "logging.tensorboard_dir": run_dir / "tb"}
+            "logging.tensorboard_dir": run_dir / "tb", "eval.interval": 0}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GSPO_", "SLURM_"))}
     env.update(GSPO_PYTHON=PY, GSPO_SERVER_PORT=str(free_port()))
     cmd = ["bash", str(ROOT / "launch/local.sh"), "--gpus", "0", "--procs", "2", "--model-path", str(model),

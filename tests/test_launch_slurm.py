@@ -108,7 +108,7 @@ def _real_job(tmp_path: Path, run_dir: Path, mode: str, nodes: int, steps: int, 
             "rollout.group_size": 4, "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 6,
             "train.steps": steps, "train.mini_batches": 2, "train.micro_batch_size": 4,
             "train.warm_start_steps": 0, "checkpoint.interval": 100, "checkpoint.export_hf": "null",
-            "logging.tensorboard_dir": run_dir / "tb", **extra}
+            "logging.tensorboard_dir": run_dir / "tb", "eval.interval": 0, **extra}
     return [str(ROOT / "launch/slurm/submit.sh"), "--wait", "--mode", mode, "--nodes", str(nodes),
             *(["--server-nodes", "1", "--procs-per-node", "2"] if mode == "disaggregated" else []),
             "--gpus-per-node", "0", "--model-path", str(sets["model.hf_path"]), "--run-dir", str(run_dir),

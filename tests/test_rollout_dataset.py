@@ -25,19 +25,20 @@ def test_load_prompts_ok(tmp_path):
     p = _write(tmp_path, [json.dumps({"prompt": "1+1?", "answer": "2"}), "",
                           json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": 3})])
     assert [r["answer"] for r in load_prompts(p)] == ["2", 3]
+    assert len(load_prompts(p)) == 2
 
 
 @pytest.mark.parametrize("line,match", [
     ("{not json", r"prompts.jsonl:2: not valid JSON"),
-    ("[1, 2]", r"prompts.jsonl:2: expected a JSON object"),
-    (json.dumps({"prompt": "x"}), r"prompts.jsonl:2: missing field\(s\) \['answer'\]"),
+    ("[1, 2]", r"prompts.jsonl:2: expected an object, got list"),
+    (json.dumps({"prompt": "x"}), r"prompts.jsonl:2: no key 'answer' \(no 'answer'; the row has \['prompt'\]\)"),
     (json.dumps({"prompt": "", "answer": 1}), r"prompts.jsonl:2: 'prompt' must be"),
 ])
 def test_load_prompts_errors_name_file_and_line(tmp_path, line, match):
     p = _write(tmp_path, [json.dumps({"prompt": "ok", "answer": "1"}), line])
     with pytest.raises(PromptFileError, match=match):
         load_prompts(p)
-    with pytest.raises(PromptFileError, match="not found"):
+    with pytest.raises(PromptFileError, match="missing.jsonl: no such file or folder"):
         load_prompts(tmp_path / "missing.jsonl")
 
 

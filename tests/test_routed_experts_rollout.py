@@ -88,11 +88,15 @@ def test_sample_keeps_routing_aligned_with_tokens():
     s.check_aligned()
     with pytest.raises(ValueError, match=r"expected \[9, layers, top-k\]"):
         s.append_model_tokens([6, 7], [-1.0, -1.0], ["v", "v"], _routing(8))
-    # the next call had the whole sequence as input: its routing replaces the stored one
+    # the next call had the whole sequence as input: it fills the rows no earlier call covered
+    # (the environment tokens and the last sampled token), the earlier call's rows stay: a route
+    # belongs to the call (the weight version) that generated the token it predicts
+    before = s.routed_experts.copy()
     new = _routing(9, seed=1)
     s.append_model_tokens([6, 7], [-1.0, -1.0], ["v", "v"], new)
     assert s.routed_experts.shape == (10, 3, 2)
-    np.testing.assert_array_equal(s.routed_experts[:9], new)
+    np.testing.assert_array_equal(s.routed_experts[:4], before[:4])
+    np.testing.assert_array_equal(s.routed_experts[4:9], new[4:9])
     # a call that came back without routing (aborted early) pads; the older rows stay
     s.append_model_tokens([], [], [], None)
     s.append_model_tokens([9], [-1.0], ["v"], None)
