@@ -60,7 +60,8 @@ def child(args) -> None:
 
     def step():
         if args.path == "fused":
-            log_probs, _ = fused_token_logprobs(hidden, weight, targets, chunk_tokens=args.chunk_tokens)
+            log_probs, _ = fused_token_logprobs(hidden, weight, targets, chunk_tokens=args.chunk_tokens or None,
+                                                chunk_memory_mb=args.chunk_memory_mb)
         else:
             log_probs, _ = vocab_parallel_token_logprobs(hidden @ weight.t(), targets)
         log_probs.sum().backward()
@@ -113,7 +114,7 @@ def measure_once(path: str, t: int, v: int, args) -> dict | str:
             return f"skipped (needs ~{need / 2**30:.0f} GiB)"
     cmd = [sys.executable, __file__, "--child", "--path", path, "--tokens", str(t), "--vocab", str(v),
            "--hidden", str(args.hidden), "--dtype", args.dtype, "--device", args.device,
-           "--chunk-tokens", str(args.chunk_tokens)]
+           "--chunk-tokens", str(args.chunk_tokens), "--chunk-memory-mb", str(args.chunk_memory_mb)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
                               [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])})
@@ -138,7 +139,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--chunk-tokens", type=int, default=1024)
+    p.add_argument("--chunk-tokens", type=int, default=1024, help="0: from --chunk-memory-mb (the actor's default)")
+    p.add_argument("--chunk-memory-mb", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=1, help="fresh processes per cell; the fastest counts")
     p.add_argument("--paths", nargs="+", default=["fused", "straightforward"])
     p.add_argument("--no-skip", action="store_true", help="run straightforward even if it may not fit")
@@ -150,7 +152,7 @@ def main() -> None:
         return child(args)
 
     gib = 2**30
-    print(f"# device={args.device} dtype={args.dtype} hidden={args.hidden} chunk_tokens={args.chunk_tokens} "
+    print(f"# device={args.device} dtype={args.dtype} hidden={args.hidden} chunk_tokens={args.chunk_tokens or 'from memory'} chunk_memory_mb={args.chunk_memory_mb} "
           f"repeats={args.repeats}; peak = extra memory over the inputs (GiB), work = peak minus the returned "
           "gradients; wall / cpu = seconds of forward+backward (cpu = process CPU time, robust to a "
           "shared machine); ratio = fused / straightforward")

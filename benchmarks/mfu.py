@@ -6,7 +6,9 @@
 One process, one device. A batch of rows with uniform random lengths (GPU: 16 rows in [512, 2048];
 CPU: 32 rows in [8, 128]) with old log-probs computed once; each configuration times the GSPO
 train step (forward + backward + optimizer, megatron's schedule) over --reps repeats after a
-warm-up, and reports the median.
+warm-up, and reports the median. On CUDA one more step runs under torch.profiler: "GPU busy" is
+its kernels' device time over its wall time (goal >= 85%), and the ten ops with the most GPU time
+are printed for the last configuration.
 
 Counting rule (MFU): FLOPs of the REAL tokens only (padding is waste, not work) over the step
 time, against --peak-tflops (790: the bf16 dense peak measured on an H100). Per real token,
@@ -80,13 +82,21 @@ def configurations(device: str):
                                                                 max_tokens_per_micro_batch=1024), {})]
     padded = dict(micro_batch_size=4, pack_sequences=False)
     budget = dict(micro_batch_size=64, max_tokens_per_micro_batch=16384, pack_sequences=False)
+    # megatron recomputes these in backward instead of keeping their inputs (TE spec only:
+    # layernorm and moe_act need TE and grouped GEMM)
+    selective = dict(recompute="selective", recompute_modules=["core_attn", "moe_act", "layernorm"])
     return [("before: TE spec, one GEMM per expert, rows in order x4, chunk 1024", none, before,
              dict(chunk_tokens=1024)),
             ("+ grouped GEMM and TE fusions", {}, before, dict(chunk_tokens=1024)),
             ("+ longest first", {}, padded, dict(chunk_tokens=1024)),
             ("+ chunk from the memory budget", {}, padded, {}),
             ("+ token budget 16384, longest first", {}, budget, {}),
-            ("+ packed sequences (THD)", {}, {**budget, "pack_sequences": True}, {})]
+            ("+ packed sequences (THD)", {}, {**budget, "pack_sequences": True}, {}),
+            # Memory headroom (issue 21): 32k and 64k ran out of memory on 2026-11-24 (32 rows).
+            ("+ packed, token budget 32768, selective recompute", selective,
+             {**budget, "max_tokens_per_micro_batch": 32768, "pack_sequences": True}, {}),
+            ("+ packed, token budget 65536, selective recompute", selective,
+             {**budget, "max_tokens_per_micro_batch": 65536, "pack_sequences": True}, {})]
 
 
 def timed(fn, device: str) -> float:
@@ -98,6 +108,25 @@ def timed(fn, device: str) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0, out
+
+
+def gpu_busy(fn) -> tuple[float, list[tuple[str, float]]]:
+    """One profiled step: the share of its wall time the GPU spends in kernels (their device
+    time summed: one stream at a time in this step), and the ten ops with the most device time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    def device_us(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    kernels = sum(device_us(e) for e in averages) / 1e6
+    top = sorted(((e.key, device_us(e) / 1e6) for e in averages), key=lambda kv: -kv[1])[:10]
+    return min(kernels / wall, 1.0), top
 
 
 def measure(actor, batch, args, flops: float, real_tokens: int) -> dict:
@@ -114,7 +143,9 @@ def measure(actor, batch, args, flops: float, real_tokens: int) -> dict:
                 times[loss].append(seconds)
             metrics = m if loss == "gspo" else metrics
     step = statistics.median(times["gspo"])
-    return dict(step=step, tokens_s=real_tokens / step, mfu=flops / step / (args.peak_tflops * 1e12),
+    actor.loss = LossSettings(name="gspo")
+    busy, top = gpu_busy(lambda: actor.train_step(shard)) if args.device == "cuda" else (None, [])
+    return dict(step=step, busy=busy, top=top, tokens_s=real_tokens / step, mfu=flops / step / (args.peak_tflops * 1e12),
                 padding=metrics["padding_fraction"], mbs=metrics["num_microbatches"],
                 packed=bool(actor.batching.pack_sequences), ratio=step / statistics.median(times["ce"]))
 
@@ -125,6 +156,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=790.0)
     p.add_argument("--only", type=int, nargs="*", help="indices of the configurations to run")
+    p.add_argument("--rows", type=int, help="rows in the batch (GPU default 16, CPU 32)")
     args = p.parse_args()
     import torch
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -135,11 +167,11 @@ def main() -> None:
     from gspo_megatron.parallel.layout import ParallelLayout
     if args.device == "cuda":
         hf, dtype = QWEN3_30B_LAYERS, torch.bfloat16
-        batch = make_batch(16, 512, 2048, hf["vocab_size"])
+        batch = make_batch(args.rows or 16, 512, 2048, hf["vocab_size"])
     else:
         from model_specs.qwen3_moe import tiny_hf_config
         hf, dtype = tiny_hf_config(), torch.float32
-        batch = make_batch(32, 8, 128, hf["vocab_size"])
+        batch = make_batch(args.rows or 32, 8, 128, hf["vocab_size"])
     lengths = batch.lengths.tolist()
     flops = train_flops(hf, lengths)
     rows = []
@@ -163,18 +195,24 @@ def main() -> None:
           f"{max(lengths)}), {'Qwen3-30B-A3B layer shapes, 8 layers, 32 experts, bf16' if args.device == 'cuda' else 'tiny Qwen3-MoE, fp32'}; "
           f"median of {args.reps}")
     gpu = args.device == "cuda"
-    head = " MFU |" if gpu else ""
+    head = " MFU | GPU busy |" if gpu else ""
     tail = " peak GiB |" if gpu else ""
     print(f"| configuration | GSPO step s | tokens/s |{head} packed | padding | micro-batches | GSPO/CE |{tail}")
-    print("|---|---|---|" + ("---|" if gpu else "") + "---|---|---|---|" + ("---|" if gpu else ""))
+    print("|---|---|---|" + ("---|---|" if gpu else "") + "---|---|---|---|" + ("---|" if gpu else ""))
     for r in rows:
         peak = f" {r['peak_gib']:.1f} |" if gpu else ""
         if "error" in r:
-            print(f"| {r['name']} | {r['error']} |" + " |" * (6 if gpu else 5) + peak)
+            print(f"| {r['name']} | {r['error']} |" + " |" * (7 if gpu else 5) + peak)
             continue
-        mfu = f" {100 * r['mfu']:.1f}% |" if gpu else ""
+        mfu = f" {100 * r['mfu']:.1f}% | {100 * r['busy']:.0f}% |" if gpu else ""
         print(f"| {r['name']} | {r['step']:.3f} | {r['tokens_s']:,.0f} |{mfu} {'yes' if r['packed'] else 'no'} | "
               f"{100 * r['padding']:.1f}% | {r['mbs']:.0f} | {r['ratio']:.2f} |{peak}")
+
+    done = [r for r in rows if r.get("top")]
+    if done:  # where the time goes in the last configuration that ran
+        print(f"\nGPU time by op, one profiled GSPO step of \"{done[-1]['name']}\" (s):")
+        for key, seconds in done[-1]["top"]:
+            print(f"  {seconds:8.3f}  {key[:100]}")
 
 
 if __name__ == "__main__":

@@ -121,5 +121,6 @@ def model_tokens(mb: MicroBatch) -> int:
 
 def padding_stats(mbs: Sequence[MicroBatch]) -> tuple[int, int]:
     """(real tokens, computed tokens) of a rank's micro-batches (fillers compute one row)."""
-    real = sum(int(mb.lengths.sum()) for mb in mbs if mb.lengths is not None)
+    lengths = [mb.lengths for mb in mbs if mb.lengths is not None]
+    real = int(torch.cat(lengths).sum()) if lengths else 0  # one read, not one per micro-batch
     return real, sum(model_tokens(mb) for mb in mbs)

@@ -62,6 +62,7 @@ class PackedInputs:
     starts: torch.Tensor          # [m] where each row starts in the pack
     lengths: torch.Tensor         # [m] real tokens per row
     max_seqlen: int
+    real: int = 0                 # sum(lengths), known on the host (no device sync to read it)
 
     def to(self, device) -> "PackedInputs":
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device)
@@ -91,7 +92,7 @@ def pack(tokens: torch.Tensor, lengths: torch.Tensor, multiple: int = 1) -> Pack
     max_seqlen = max([int(n) for n in lengths.tolist()] + [pad])
     return PackedInputs(tokens=flat[None], position_ids=positions[None].to(tokens.device),
                         cu_seqlens=torch.tensor(bounds, dtype=torch.int32), starts=starts,
-                        lengths=lengths, max_seqlen=max_seqlen)
+                        lengths=lengths, max_seqlen=max_seqlen, real=real)
 
 
 def rows_from_pack(pack_values: torch.Tensor, packed: PackedInputs, m: int, s: int) -> torch.Tensor:

@@ -87,7 +87,7 @@ def _token_coords(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         total = mb.packed.tokens.shape[1]
         rows = torch.full((total,), -1, dtype=torch.long, device=device)
         pos = torch.full((total,), -1, dtype=torch.long, device=device)
-        real = int(lengths.sum())
+        real = mb.packed.real  # a host int: int(lengths.sum()) would wait for the device
         rows[:real] = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
         starts = torch.cumsum(lengths, 0) - lengths
         pos[:real] = torch.arange(real, device=device) - torch.repeat_interleave(starts, lengths)
@@ -114,7 +114,7 @@ class Routing:
                     found.append(module.router_replay)
             self.controls[id(chunk)] = found
         self._pass: dict | None = None
-        self.table: dict[int, torch.Tensor] = {}  # layer -> [b, s, k] int16: the old pass's choice
+        self.table: dict[int, torch.Tensor] = {}  # layer -> [b + 1, s, k] int16: the old pass's choice (row b: a sink)
         self.recorded_shape: tuple[int, int] | None = None  # the same on every rank (no table
         # on a stage without MoE layers), so every rank takes the same collectives
 
@@ -182,12 +182,15 @@ class Routing:
                 self._count("replay", layer, engine, natural, t["mask"])
             return
         if p["record"]:
-            if layer not in self.table:
-                b, s = p["shape"]
-                self.table[layer] = torch.full((b, s, natural.shape[1]), -1, dtype=torch.int16,
+            b, s = p["shape"]
+            if layer not in self.table:  # row b: a sink for tokens not kept (see below)
+                self.table[layer] = torch.full((b + 1, s, natural.shape[1]), -1, dtype=torch.int16,
                                                device=natural.device)
-            keep = t["real"] & (t["batch_rows"] >= 0) & (t["pos"] < p["shape"][1])
-            self.table[layer][t["batch_rows"][keep], t["pos"][keep]] = natural[keep].to(torch.int16)
+            keep = t["real"] & (t["batch_rows"] >= 0) & (t["pos"] < s)
+            # Writes of tokens not kept go to the sink row: boolean indexing (table[rows[keep]])
+            # would wait for the device to learn how many tokens are kept, per layer.
+            rows, pos = torch.where(keep, t["batch_rows"], b), torch.where(keep, t["pos"], 0)
+            self.table[layer][rows, pos] = natural.to(torch.int16)
         if p["compare_old"] and layer in self.table:
             old = self.table[layer].to(natural.device)
             inside = t["real"] & (t["batch_rows"] >= 0) & (t["pos"] < p["shape"][1])

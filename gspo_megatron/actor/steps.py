@@ -117,26 +117,28 @@ def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, 
     contributes = is_last_stage_rank() and ps.get_tensor_model_parallel_rank() == 0
     device = comm_device()
     sums, extremes = [], []  # max-reduced; a min is reduced as the max of its negation
+    none = torch.full((), float("-inf"), dtype=torch.float64, device=device)
     for key, op in keys.items():
         values = [r[key].double().to(device) for r in reports if key in r] if contributes else []
         if op == "sum":
             sums.append(torch.stack(values).sum() if values else
                         torch.zeros((), dtype=torch.float64, device=device))
-        else:
+        else:  # on the device: a per-micro-batch .item() would wait for it N times
             sign = -1.0 if op == "min" else 1.0
-            extremes.append(max((sign * v).item() for v in values) if values else float("-inf"))
+            extremes.append((sign * torch.stack(values)).max() if values else none)
     sum_t = torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64, device=device)
-    ext_t = torch.tensor(extremes, dtype=torch.float64, device=device)
+    ext_t = torch.stack(extremes) if extremes else torch.zeros(0, dtype=torch.float64, device=device)
     dist.all_reduce(sum_t)
     dist.all_reduce(ext_t, op=dist.ReduceOp.MAX)
-    out, i_sum, i_ext = {}, 0, 0
+    # The step's one wait for the device: both totals in one copy to the host.
+    host = torch.cat([sum_t, ext_t]).cpu()
+    out, i_sum, i_ext = {}, 0, len(sums)
     for key, op in keys.items():
         if op == "sum":
-            out[key] = torch.tensor(sum_t[i_sum].item())
+            out[key] = host[i_sum]
             i_sum += 1
         else:
-            v = ext_t[i_ext].item()
-            out[key] = torch.tensor(-v if op == "min" else v)
+            out[key] = -host[i_ext] if op == "min" else host[i_ext]
             i_ext += 1
     return out
 
@@ -220,18 +222,22 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
     """
     mbs = plan(batch, batching, forward_only=True)
     b, s = batch.tokens.shape
-    out = torch.zeros(b, s, dtype=torch.float32)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, log-probs [m, s]) on the device
 
     def keep(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
         report, zero = _token_totals(mb, log_probs, entropy), log_probs.sum() * 0.0
         if mb.targets is not None:  # context parallel: this rank's chunks, at input positions
             log_probs = from_input_positions(context.all_gather(log_probs, _cp_group()))
-        real = mb.rows >= 0
         width = min(s, log_probs.shape[1])
-        out[mb.rows[real].cpu(), :width] = log_probs[real, :width].float().cpu()
+        kept.append((mb.rows, torch.nn.functional.pad(log_probs[:, :width].float(), (0, s - width))))
         return zero, report
 
     reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True, before_forward=before_forward)
+    out = torch.zeros(b, s, dtype=torch.float32)
+    if kept:  # one copy to the host after the schedule, not one per micro-batch (filler rows: -1)
+        rows = torch.cat([r for r, _ in kept]).cpu()
+        values = torch.cat([v for _, v in kept]).cpu()
+        out[rows[rows >= 0]] = values[rows >= 0]
     keys = {k: "sum" for k in ("num_tokens", "entropy_sum", "log_prob_sum")}
     if batch.rollout_log_probs is not None:
         keys.update(rollout_abs_diff_sum="sum", rollout_k3_sum="sum", rollout_tokens="sum")
