@@ -3,6 +3,7 @@
     gspo-megatron train examples/tiny_moe_larger_digit.yaml [--set a.b=c ...]
     torchrun --nproc-per-node 2 $(which gspo-megatron) train CONFIG --set parallel.tensor=2
     gspo-megatron config                      # every config field with its docstring and default
+    gspo-megatron plan CONFIG --gpus 64 --model Qwen3-235B-A22B   # layouts that fit (planner/)
 
 Known failures (bad config, missing file, unreachable server, impossible layout, unusable
 checkpoint) print one line `gspo-megatron: error: ...` on stderr and exit with code 2; anything
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field, e.g. --set parallel.tensor=2 (repeatable)")
     sub.add_parser("config", help="print every config field with its default and docstring")
+    from gspo_megatron.planner.arguments import add_arguments
+    add_arguments(sub.add_parser("plan", help="layouts that fit a model on N GPUs: memory per GPU, "
+                                 "largest token budget, estimated step time (--check runs one)"))
     return p
 
 
@@ -78,6 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config":
         print(describe_fields())
         return 0
+    if args.command == "plan":
+        quiet_cpu_import_warnings()
+        from gspo_megatron.planner.command import run
+        from gspo_megatron.planner.plan import PlanError
+        try:
+            return run(args)
+        except (ConfigError, PlanError, FileNotFoundError) as e:
+            return _error(e)
+        except Exception as e:  # noqa: BLE001 - layout and model errors are known; others are bugs
+            from gspo_megatron.parallel.layout import LayoutError
+            from model_specs.hf_config import HFConfigError
+            if isinstance(e, (LayoutError, HFConfigError)):
+                return _error(e)
+            raise
     from gspo_megatron.early_checks import early_checks
     from gspo_megatron.parallel.layout import LayoutError
     from model_specs.hf_config import HFConfigError

@@ -1,8 +1,8 @@
 """The published config.json of real MoE models map, and their parameter counts (computed from the
 mapped TransformerConfig by model_specs.param_count) are the published ones within 2%.
 
-The configs are the fields of each model's config.json on the Hugging Face hub (written here from
-the published files; no hub access in tests). Published sizes: Qwen3-30B-A3B 30.5B total / 3.3B
+The configs are the fields of each model's config.json on the Hugging Face hub (model_specs/published.py,
+written from the published files; no hub access in tests). Published sizes: Qwen3-30B-A3B 30.5B total / 3.3B
 active, Qwen3-235B-A22B 235B / 22B, Qwen2-57B-A14B 57B / 14B (Qwen count the embedding tables
 as active), GLM-4.5 355B / 32B and GLM-4.5-Air 106B / 12B (Zhipu's active counts leave the
 embedding tables out, and neither count includes the multi-token-prediction layer).
@@ -14,55 +14,7 @@ import torch
 
 from model_specs import load_hf_config, model_spec_for
 from model_specs.param_count import param_count
-
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
-    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
-    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
-    "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}
-QWEN3_235B_A22B = dict(
-    QWEN3_30B_A3B, hidden_size=4096, intermediate_size=12288, max_window_layers=94,
-    moe_intermediate_size=1536, num_attention_heads=64, num_hidden_layers=94,
-)
-QWEN2_57B_A14B = {
-    "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
-    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
-    "model_type": "qwen2_moe", "moe_intermediate_size": 2560, "norm_topk_prob": False,
-    "num_attention_heads": 28, "num_experts": 64, "num_experts_per_tok": 8,
-    "num_hidden_layers": 28, "num_key_value_heads": 4, "output_router_logits": False,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-    "shared_expert_intermediate_size": 20480, "sliding_window": 131072,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
-}
-GLM_45 = {
-    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 5120, "partial_rotary_factor": 0.5,
-    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 131072,
-    "model_type": "glm4_moe", "moe_intermediate_size": 1536, "norm_topk_prob": True,
-    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160,
-    "n_shared_experts": 1, "routed_scaling_factor": 2.5, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "num_hidden_layers": 92, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
-    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.54.0", "use_cache": True, "use_qk_norm": True,
-    "vocab_size": 151552,
-}
-GLM_45_AIR = dict(
-    GLM_45, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
-    n_routed_experts=128, routed_scaling_factor=1.0, first_k_dense_replace=1,
-    num_hidden_layers=46, use_qk_norm=False,
-)
+from model_specs.published import GLM_45, GLM_45_AIR, QWEN2_57B_A14B, QWEN3_30B_A3B, QWEN3_235B_A22B  # noqa: F401
 
 # name: (config, published total, published active, active counts the embedding tables)
 PUBLISHED = {

@@ -1,0 +1,1 @@
+"""Layout planner: which TP/PP/EP/CP layout and token budget fit a model on a cluster (cli `plan`)."""

@@ -1,0 +1,28 @@
+"""The arguments of `gspo-megatron plan` (no torch import: the CLI builds its parser first)."""
+from __future__ import annotations
+
+import argparse
+
+GPU_KINDS = ("a100", "h100", "h200")  # plan.GPUS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML run config: dtype, optimizer, token budget, recompute, rollout sizes")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config field (repeatable)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--gpu", choices=GPU_KINDS, default="h100", help="GPU kind: peak, links, memory")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB (default: the GPU kind's)")
+    p.add_argument("--nodes", type=int, help="nodes (GPUs per node = gpus / nodes)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8, or gpus / nodes)")
+    p.add_argument("--model", help="a published model name (model_specs/published.py), "
+                   "tiny-qwen3-moe, or an HF config.json / model folder; default: the config's model.hf_path")
+    p.add_argument("--tokens", type=int, help="tokens per train micro-batch (default: "
+                   "train.max_tokens_per_micro_batch, else 16384)")
+    p.add_argument("--step-tokens", type=int, help="tokens per optimizer step over all ranks (default: "
+                   "prompts_per_step x group_size x max_new_tokens / mini_batches)")
+    p.add_argument("--layout", help="fix some layout fields, e.g. tensor=4,pipeline=8")
+    p.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    p.add_argument("--all", action="store_true", help="also print the layouts that do not fit, with why")
+    p.add_argument("--check", action="store_true", help="run the chosen layout (--layout, else the "
+                   "config's parallel section) for two steps and print predicted against measured")

@@ -1,0 +1,108 @@
+"""The `gspo-megatron plan` command: arguments, the run config's settings, the printed plan.
+
+    gspo-megatron plan CONFIG --gpus N [--gpu h100] [--gpu-memory 80GiB] [--nodes M]
+                       [--model NAME|DIR] [--tokens N] [--layout tensor=4,pipeline=8] [--all]
+    gspo-megatron plan CONFIG --gpus 2 --model tiny-qwen3-moe --layout tensor=2 --check
+
+The arguments are arguments.py's (imported by the CLI before torch is).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from gspo_megatron.planner.memory import GiB, MemorySettings
+from gspo_megatron.planner.plan import GPUS, PlanError, load_model, parse_memory, plan, table
+
+
+def _layout_fields(text: str | None) -> dict:
+    out = {}
+    for part in filter(None, (text or "").split(",")):
+        key, _, value = part.partition("=")
+        if key not in {"tensor", "pipeline", "virtual_pipeline", "expert", "expert_tensor", "context",
+                       "first_stage_layers", "last_stage_layers"} or not value.isdigit():
+            raise PlanError(f"--layout {text!r}: expected fields such as tensor=4,pipeline=8")
+        out[key] = int(value)
+    return out
+
+
+def settings_from(cfg, tokens: int | None) -> MemorySettings:
+    t, c = cfg.train, cfg.compute
+    modules = tuple(c.recompute_modules) if c.recompute_modules else ("core_attn",)
+    return MemorySettings(
+        params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+        optimizer=t.optimizer, sgd_momentum=t.sgd_momentum,
+        use_distributed_optimizer=t.use_distributed_optimizer, grad_reduce_in_fp32=t.grad_reduce_in_fp32,
+        max_tokens=tokens or t.max_tokens_per_micro_batch or 16384, recompute=c.recompute,
+        recompute_modules=modules)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gspo_megatron.config import load_config
+    if args.gpus < 1:
+        raise PlanError(f"--gpus {args.gpus}: expected >= 1")
+    gpu = GPUS[args.gpu]
+    capacity = parse_memory(args.gpu_memory) if args.gpu_memory else gpu.memory
+    if args.nodes is not None and (args.nodes < 1 or args.gpus % args.nodes):
+        raise PlanError(f"--nodes {args.nodes}: expected a divisor of --gpus {args.gpus}")
+    per_node = args.gpus_per_node or (args.gpus // args.nodes if args.nodes else min(8, args.gpus))
+    cfg = load_config(args.config, args.overrides)
+    hf = load_model(args.model or cfg.model.hf_path)
+    s = settings_from(cfg, args.tokens)
+    r = cfg.rollout
+    step_tokens = args.step_tokens or max(
+        s.max_tokens, r.prompts_per_step * r.group_size * r.max_new_tokens // cfg.train.mini_batches)
+    fixed = _layout_fields(args.layout)
+    if args.check:
+        return check(args, fixed or _config_layout(cfg))
+    rows, refused = plan(hf, args.gpus, gpu, capacity, per_node, s, step_tokens,
+                         mean_len=min(r.max_new_tokens, s.max_tokens) / 2, fixed=fixed)
+    if not rows:
+        first = max(refused.values(), key=lambda v: v[0])[1] if refused else "none to try"
+        raise PlanError(f"no valid layout of {args.gpus} GPUs{' with --layout ' + args.layout if fixed else ''}: {first}")
+    fits = sum(r.fits for r in rows)
+    print(f"{args.model or cfg.model.hf_path} on {args.gpus} x {args.gpu} ({capacity / GiB:.1f} GiB, "
+          f"{per_node} per node): {cfg.model.dtype}, {s.optimizer}"
+          f"{' (distributed)' if s.use_distributed_optimizer else ''}, recompute {s.recompute}, "
+          f"{s.max_tokens} tokens per micro-batch, {step_tokens} tokens per step")
+    print(f"{len(rows)} valid layouts, {fits} fit; estimates: memory of the fullest pipeline stage, "
+          "step time from FLOPs and communication (gspo_megatron/planner/plan.py)\n")
+    print(table(rows, capacity, s, args.all, args.top))
+    if refused:
+        top = sorted(refused.values(), key=lambda v: -v[0])[:5]
+        print("\nrefused by the layout validation (count, an example): " +
+              "; ".join(f"{n} x {example}" for n, example in top))
+    return 0
+
+
+def _config_layout(cfg) -> dict:
+    import dataclasses
+    return {f.name: getattr(cfg.parallel, f.name) for f in dataclasses.fields(cfg.parallel)
+            if getattr(cfg.parallel, f.name) != f.default}
+
+
+def check(args: argparse.Namespace, layout: dict) -> int:
+    """Runs gspo_megatron/planner/check.py on --gpus ranks (torchrun; gloo on CPU)."""
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    cmd = [torchrun, f"--nproc-per-node={args.gpus}", "--master-port", str(_free_port()),
+           "-m", "gspo_megatron.planner.check", args.config, "--layout",
+           ",".join(f"{k}={v}" for k, v in layout.items()), "--gpu", args.gpu]
+    for option in ("model", "tokens", "gpu_memory"):
+        if getattr(args, option) is not None:
+            cmd += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
+    for o in args.overrides:
+        cmd += ["--set", o]
+    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}).returncode
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

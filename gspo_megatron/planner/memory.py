@@ -1,0 +1,275 @@
+"""Per-GPU memory of one training rank, from the model spec, the layout and the settings.
+
+Every term is a formula with its source in megatron-core (0.16.1 line numbers; 0.19 the same
+logic). Static terms (weights, gradients, optimizer state) are exact counts of what the built
+model and optimizer hold (tests/test_planner.py compares them with built models on gloo: TP2,
+PP2, EP2, VPP2, DP2 with the distributed optimizer). Activations and the log-prob pass are
+estimates, per token, to be checked against a GPU (`gspo-megatron plan --check`).
+
+    mem = rank_memory(spec, layout, world, MemorySettings(max_tokens=16384))
+    mem.total(), mem.static(), mem.max_tokens_that_fit(80 * 2**30)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from gspo_megatron.parallel.layout import ParallelLayout
+from model_specs.common import ModelSpec
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """What the memory depends on beyond the model and the layout (the run config's fields)."""
+
+    params_dtype: torch.dtype = torch.bfloat16
+    """model.dtype: weights and activations."""
+    optimizer: str = "adam"
+    """train.optimizer."""
+    sgd_momentum: float = 0.0
+    use_distributed_optimizer: bool = False
+    """train.use_distributed_optimizer: optimizer state sharded over data parallel (ZeRO-1)."""
+    grad_reduce_in_fp32: bool = True
+    """train.grad_reduce_in_fp32."""
+    max_tokens: int = 16384
+    """Tokens one train micro-batch computes (train.max_tokens_per_micro_batch)."""
+    num_microbatches: int = 8
+    """Micro-batches per optimizer step on a rank (how many the pipeline keeps in flight)."""
+    recompute: str = "none"
+    """compute.recompute: none, selective, full."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """compute.recompute_modules with recompute=selective (megatron's default: core_attn)."""
+    fused_log_probs: bool = True
+    """logprob.fused: chunked log-probs, never the whole [tokens, vocab/TP] logits."""
+    chunk_memory_mb: int = 1024
+    """logprob.chunk_memory_mb: the fused path's chunk budget."""
+    overhead_bytes: int = int(2.5 * GiB)
+    """CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers and the allocator's slack; a
+    calibration constant (measured per GPU by --check)."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes on one rank (the pipeline stage that needs the most)."""
+
+    stage: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    log_probs: int
+    overhead: int
+    activation_bytes_per_token: float
+    """activations / max_tokens: what one more token of budget costs."""
+
+    def static(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+    def total(self) -> int:
+        return self.static() + self.activations + self.log_probs + self.overhead
+
+    def max_tokens_that_fit(self, capacity: int) -> int:
+        """The largest micro-batch token budget whose total fits in `capacity` bytes (multiple of
+        1024; 0 when even the static memory does not fit). The log-prob pass is taken at its
+        value for this budget (flat with fused log-probs)."""
+        room = capacity - self.static() - self.overhead - self.log_probs
+        if room <= 0 or self.activation_bytes_per_token <= 0:
+            return 0
+        return int(room // self.activation_bytes_per_token) // 1024 * 1024
+
+
+# --- parameters ---------------------------------------------------------------------------------
+def _is_moe_layer(c, i: int) -> bool:
+    """megatron's moe_layer_freq (transformer_block / moe_utils get_moe_layer_pattern)."""
+    if not c.num_moe_experts:
+        return False
+    freq = c.moe_layer_freq
+    return (i % freq == 0) if isinstance(freq, int) else bool(freq[i])
+
+
+def _mlp(c, ffn: int) -> int:
+    """fc1 (gated: [2 x ffn, h]) + fc2 ([h, ffn]); megatron MLP, no biases (add_bias_linear off
+    in every mapped family)."""
+    return (3 if c.gated_linear_unit else 2) * c.hidden_size * ffn
+
+
+def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
+    """(dense, expert) parameters of transformer layer i on one rank.
+
+    attention (self_attention.py): linear_qkv [(q + 2 kv) / TP, h] (+ bias), linear_proj
+    [h, q / TP]; q/k layernorm [head_dim] each (replicated); input and pre-MLP RMSNorm [h] each
+    (replicated; TE fuses them into the next linear's layer_norm_weight, the same count).
+    MoE (moe_layer.py): router [E, h] replicated (the expert bias is a buffer, router.py:172);
+    E / EP local experts of fc1 + fc2 split by ETP; a shared expert split by TP, its gate [1, h].
+    Dense MLP split by TP.
+    """
+    h, d = c.hidden_size, c.kv_channels
+    q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
+    dense = h * (q + 2 * kv) // tp + q * h // tp + 2 * h
+    dense += (q + 2 * kv) // tp if c.add_qkv_bias else 0
+    dense += 2 * d if c.qk_layernorm else 0
+    expert = 0
+    if _is_moe_layer(c, i):
+        dense += c.num_moe_experts * h
+        if c.moe_shared_expert_intermediate_size:
+            dense += _mlp(c, c.moe_shared_expert_intermediate_size) // tp
+            dense += h if c.moe_shared_expert_gate else 0
+        expert = c.num_moe_experts // ep * _mlp(c, c.moe_ffn_hidden_size) // etp
+    else:
+        dense += _mlp(c, c.ffn_hidden_size) // tp
+    return dense, expert
+
+
+def stage_params(spec: ModelSpec, layout: ParallelLayout, pp_rank: int) -> tuple[int, int]:
+    """(dense, expert) parameters one rank of pipeline stage `pp_rank` holds, all its virtual
+    stages: its layers, the embedding on the first stage (vocab / TP x h), the output layer (unless
+    tied with PP1: megatron keeps a copy on the last stage when PP > 1, gpt_model.py) and the
+    final norm on the last."""
+    c, tp = spec.config, layout.tensor
+    dense = expert = 0
+    for row in layout.virtual_stage_layers(c.num_layers):
+        for i in row[pp_rank]:
+            d, e = layer_params(c, i, tp, layout.expert, layout.etp)
+            dense, expert = dense + d, expert + e
+    table = spec.vocab_size // tp * c.hidden_size
+    first, last = pp_rank == 0, pp_rank == layout.pipeline - 1
+    dense += table if first else 0
+    if last:
+        tied_here = spec.share_embeddings_and_output_weights and layout.pipeline == 1
+        dense += c.hidden_size + (0 if tied_here else table)
+    return dense, expert
+
+
+# --- static bytes ---------------------------------------------------------------------------------
+def _optimizer_bytes_per_param(s: MemorySettings) -> int:
+    """Adam: exp_avg + exp_avg_sq in fp32, plus an fp32 main copy of 16-bit weights
+    (optimizer/optimizer.py Float16OptimizerWithFloat16Params; distrib_optimizer.py
+    shard_fp32_from_float16_groups). SGD: a momentum buffer when momentum > 0."""
+    main = 4 if s.params_dtype != torch.float32 else 0
+    if s.optimizer == "adam":
+        return 8 + main
+    return (4 if s.sgd_momentum else 0) + main
+
+
+def static_bytes(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemorySettings,
+                 pp_rank: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) bytes of a rank of stage `pp_rank`.
+
+    Gradients: DDP's contiguous grad buffer, fp32 with grad_reduce_in_fp32 or fp32 weights
+    (distributed/param_and_grad_buffer.py), one per parameter. The distributed optimizer keeps
+    state for its shard only: dense parameters over data parallel x context parallel
+    (intra_dp_cp group), experts over the expert-data-parallel group (world / (ETP x EP x PP)).
+    """
+    dense, expert = stage_params(spec, layout, pp_rank)
+    p_bytes = torch.tensor([], dtype=s.params_dtype).element_size()
+    g_bytes = 4 if (s.grad_reduce_in_fp32 or s.params_dtype == torch.float32) else p_bytes
+    per = _optimizer_bytes_per_param(s)
+    if s.use_distributed_optimizer:
+        dp_cp = world // (layout.tensor * layout.pipeline)
+        edp = world // (layout.etp * layout.expert * layout.pipeline)
+        optimizer = per * (-(-dense // dp_cp) + -(-expert // edp))
+    else:
+        optimizer = per * (dense + expert)
+    return (dense + expert) * p_bytes, (dense + expert) * g_bytes, optimizer
+
+
+# --- activations ----------------------------------------------------------------------------------
+def layer_activation_bytes(spec: ModelSpec, layout: ParallelLayout, s: MemorySettings, i: int) -> float:
+    """Bytes layer i keeps for backward per token of a micro-batch, on one rank (estimate).
+
+    From Korthikanti et al. 2022 ("Reducing activation recomputation", table 2) with flash
+    attention (TE's fused attention keeps q, k, v, its output and a per-head fp32 log-sum-exp; no
+    [s, s] scores). With sequence parallelism the layer-norm inputs and outputs are split over TP
+    (megatron's linears keep their SP-split input and gather it again in backward,
+    tensor_parallel/layers.py LinearWithGradAccumulationAndAsyncCommunication). MoE: every token
+    goes to top-k experts; the alltoall dispatcher spreads the k copies of a rank's tokens over the
+    EP ranks, so on average a rank's experts keep k copies of its own token count: the permuted
+    input [h], fc1's output [2 x ffn] (gated), the activation's [ffn], fc2's output [h].
+    Recomputation (transformer_layer.py, moe/experts.py): "layernorm" drops the norm outputs,
+    "moe_act" the activation's output, "core_attn" the log-sum-exp, "moe"/"mlp" keep only the
+    block's input, "full" keeps only the layer's input.
+    """
+    c, tp = spec.config, layout.tensor
+    b = torch.tensor([], dtype=s.params_dtype).element_size()
+    h, d = c.hidden_size, c.kv_channels
+    q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
+    sp = tp if layout.use_sequence_parallel(spec.is_moe) else 1
+    if s.recompute == "full":
+        return b * h / sp
+    mods = set(s.recompute_modules) if s.recompute == "selective" else set()
+    norm_out = 0 if "layernorm" in mods else b * h / sp
+    attn = b * h / sp + norm_out + b * (q + 2 * kv) / tp + b * q / tp
+    attn += 0 if "core_attn" in mods else 4 * c.num_attention_heads / tp
+    if _is_moe_layer(c, i):
+        if "moe" in mods:
+            return attn + b * h / sp
+        ffn, k = c.moe_ffn_hidden_size, c.moe_router_topk
+        gate = 2 if c.gated_linear_unit else 1
+        per_copy = b * (2 * h + gate * ffn + (0 if "moe_act" in mods else ffn))
+        mlp = b * h / sp + norm_out + 8 * c.num_moe_experts / sp + k * per_copy / sp
+        if c.moe_shared_expert_intermediate_size:
+            sh = c.moe_shared_expert_intermediate_size
+            mlp += b * (gate * sh + sh) / tp
+        return attn + mlp
+    if "mlp" in mods:
+        return attn + b * h / sp
+    gate = 2 if c.gated_linear_unit else 1
+    return attn + b * h / sp + norm_out + b * (gate + 1) * c.ffn_hidden_size / tp
+
+
+def in_flight(layout: ParallelLayout, pp_rank: int, num_microbatches: int) -> float:
+    """Micro-batches whose activations a stage holds at its peak, in units of all its layers.
+    1F1B (schedules.py forward_backward_pipelining_without_interleaving): num_warmup =
+    PP - rank - 1, plus the one in flight. Interleaved: (PP - rank - 1) x 2 + (VPP - 1) x PP
+    warm-up chunks + 1, each 1/VPP of the stage's layers."""
+    pp, vpp, m = layout.pipeline, layout.vpp, num_microbatches
+    if pp == 1:
+        return 1.0
+    if vpp == 1:
+        return float(min(pp - pp_rank, m))
+    chunks = min((pp - pp_rank - 1) * 2 + (vpp - 1) * pp + 1, m * vpp)
+    return chunks / vpp
+
+
+def log_prob_bytes(spec: ModelSpec, layout: ParallelLayout, s: MemorySettings) -> float:
+    """The last stage's output layer and log-probs for one micro-batch (logprobs.py): fused, one
+    chunk of [chunk, vocab / TP] fp32 logits and their exp (default_chunk_tokens keeps those in
+    chunk_memory_mb) plus per-token scalars; straightforward, the [tokens, vocab / TP] logits in
+    the model's dtype, their fp32 copy and the log-softmax."""
+    tokens = s.max_tokens / layout.context
+    v = spec.vocab_size / layout.tensor
+    b = torch.tensor([], dtype=s.params_dtype).element_size()
+    if s.fused_log_probs:
+        return min(s.chunk_memory_mb * 2**20, tokens * v * 8) + 16 * tokens
+    return tokens * v * (b + 8)
+
+
+def stage_memory(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemorySettings, r: int) -> RankMemory:
+    """The memory of a rank of pipeline stage r (see the module docstring)."""
+    weights, grads, opt = static_bytes(spec, layout, world, s, r)
+    layers = [i for row in layout.virtual_stage_layers(spec.config.num_layers) for i in row[r]]
+    per_token = sum(layer_activation_bytes(spec, layout, s, i) for i in layers)
+    per_token *= in_flight(layout, r, s.num_microbatches) / layout.context
+    # The layer in backward: its activations recomputed (full/selective) and their gradients, for
+    # one micro-batch (the size of one layer's activations kept without recomputation).
+    plain = dataclasses.replace(s, recompute="none")
+    per_token += max(layer_activation_bytes(spec, layout, plain, i) for i in layers) / layout.context
+    per_token += spec.config.hidden_size * 4 / layout.context  # the stage's input/output hidden
+    logp = int(log_prob_bytes(spec, layout, s)) if r == layout.pipeline - 1 else 0
+    return RankMemory(stage=r, weights=weights, gradients=grads, optimizer=opt,
+                      activations=int(per_token * s.max_tokens), log_probs=logp,
+                      overhead=s.overhead_bytes, activation_bytes_per_token=per_token)
+
+
+def rank_memory(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemorySettings) -> RankMemory:
+    """The memory of the pipeline stage that needs the most."""
+    return max((stage_memory(spec, layout, world, s, r) for r in range(layout.pipeline)),
+               key=lambda m: m.total())
+
+
+def with_tokens(s: MemorySettings, max_tokens: int) -> MemorySettings:
+    return dataclasses.replace(s, max_tokens=max_tokens)

@@ -1,0 +1,228 @@
+"""`gspo-megatron plan`: the layouts that fit a model on a cluster, ranked by estimated tokens/s.
+
+    gspo-megatron plan examples/qwen3_235b_a22b.yaml --model Qwen3-235B-A22B --gpus 64
+
+Every TP x PP (x VPP) x EP layout of the world is checked by the project's own validation
+(ParallelLayout.validate; a layer count the stages do not divide gets megatron's uneven split);
+each valid one gets the per-GPU memory of memory.py at the configured token budget, the largest
+budget that fits, and a step-time estimate:
+
+    compute   = FLOPs / (GPU peak x GEMM_EFFICIENCY), FLOPs = 8 x N_active x tokens + attention
+                (6 N per trained token, 2 N for the old-log-prob pass), over the world
+    bubble    = compute x (PP - 1) / (VPP x micro-batches)              1F1B / interleaved
+    TP        = 8 collectives per layer and micro-batch (SP all-gather + reduce-scatter, attention
+                and MLP, forward and backward) of tokens x h bytes x (TP - 1) / TP, over NVLink
+    EP        = 4 all-to-alls per MoE layer and micro-batch (dispatch + combine, both passes) of
+                tokens / TP x top-k x h bytes x (EP - 1) / EP, NVLink inside a node, else the network
+    DP        = gradient all-reduce 2 (DP - 1) / DP x gradient bytes, over the network when DP
+                spans nodes
+and step = compute + bubble + TP + EP + DP (no overlap assumed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
+from gspo_megatron.planner.memory import GiB, MemorySettings, RankMemory, rank_memory, with_tokens
+
+
+class PlanError(ValueError):
+    """Bad planner input (one line)."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    memory: int
+    peak_tflops: float      # bf16 dense
+    nvlink_gbs: float       # per GPU, one direction
+    network_gbs: float      # per GPU, between nodes
+
+
+GPUS = {"h100": Gpu(80 * GiB, 989.0, 450.0, 50.0), "h200": Gpu(141 * 10**9, 989.0, 450.0, 50.0),
+        "a100": Gpu(80 * GiB, 312.0, 300.0, 25.0)}
+# The share of the peak the GEMMs of an MoE step reach (a calibration constant: the 2026-11-22
+# hand-tuned H100 run reached 22.8% MFU end to end; megatron reports ~47% for Mixtral-scale MoE).
+GEMM_EFFICIENCY = 0.45
+
+
+def parse_memory(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|TiB|TB)\s*", text)
+    if not m:
+        raise PlanError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 141GB or 81920MiB")
+    unit = {"GiB": 2**30, "GB": 10**9, "MiB": 2**20, "MB": 10**6, "TiB": 2**40, "TB": 10**12}[m.group(2)]
+    return int(float(m.group(1)) * unit)
+
+
+def load_model(name_or_path: str) -> dict[str, Any]:
+    from model_specs import load_hf_config
+    from model_specs.published import BY_NAME
+    if name_or_path in BY_NAME:
+        return dict(BY_NAME[name_or_path])
+    if name_or_path == "tiny-qwen3-moe":  # the tests' and the main job's model (make_tiny_model.py)
+        from model_specs.qwen3_moe import tiny_hf_config
+        return tiny_hf_config()
+    if not Path(name_or_path).exists():
+        raise PlanError(f"--model {name_or_path!r}: not a published model ({', '.join(BY_NAME)}, "
+                        "tiny-qwen3-moe) and no such config.json or model folder")
+    return load_hf_config(name_or_path)
+
+
+def pipeline_splits(num_layers: int, pp: int, vpp: int) -> list[dict]:
+    """The layer splits to try for PP x VPP: even when it divides, else megatron's uneven split
+    with the first and last stages lighter (they hold the embedding and the output layer), else
+    the last stage alone."""
+    if pp == 1:
+        return [{}] if vpp == 1 else []
+    if num_layers % (pp * vpp) == 0:
+        return [{}]
+    out = []
+    for ends in (("first_stage_layers", "last_stage_layers"), ("last_stage_layers",), ("first_stage_layers",)):
+        middle_stages = pp - len(ends)
+        if middle_stages < 1:
+            continue
+        for x in range(num_layers // pp, 0, -1):  # as close to an even share as allowed
+            rest = num_layers - len(ends) * x
+            if x % vpp == 0 and rest > 0 and rest % (middle_stages * vpp) == 0 and x <= rest // middle_stages:
+                out.append({e: x for e in ends})
+                break
+        if out:
+            break
+    return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Row:
+    layout: ParallelLayout
+    name: str
+    memory: RankMemory | None = None
+    max_tokens: int = 0
+    step_s: float = 0.0
+    tokens_s: float = 0.0
+    verdict: str = ""
+    fits: bool = False
+
+
+def candidate_layouts(dims: dict, world: int, gpus_per_node: int, fixed: dict,
+                      ) -> tuple[list[ParallelLayout], dict[str, list]]:
+    """Valid layouts of `world` ranks, and the refused ones by reason: {reason with the numbers
+    as N: [count, the first message]}."""
+    experts = dims.get("num_experts") or 1
+    refused: dict[str, list] = {}
+    out = []
+    for tp in (d for d in divisors(gpus_per_node) if d <= 8):
+        for pp in divisors(world):
+            if pp > dims["num_layers"]:
+                continue
+            for vpp in (1, 2):
+                for ep in (d for d in divisors(experts) if world % (d * pp) == 0):
+                    if experts == 1 and ep > 1:
+                        continue
+                    for split in pipeline_splits(dims["num_layers"], pp, vpp):
+                        kwargs = dict(tensor=tp, pipeline=pp, virtual_pipeline=vpp if vpp > 1 else None,
+                                      expert=ep, expert_tensor=1 if experts > 1 else None, **split)
+                        kwargs.update(fixed)
+                        layout = ParallelLayout(**kwargs)
+                        try:
+                            layout.validate(world, **dims)
+                        except LayoutError as e:
+                            key = re.sub(r"\d+", "N", str(e))[:90]
+                            refused.setdefault(key, [0, str(e)])[0] += 1
+                            continue
+                        if layout not in out:
+                            out.append(layout)
+    return out, refused
+
+
+def step_time(spec, layout: ParallelLayout, world: int, s: MemorySettings, gpu: Gpu, gpus_per_node: int,
+              step_tokens: int, mean_len: float, mem: RankMemory) -> float:
+    """Seconds of one optimizer step's train + log-prob passes (module docstring)."""
+    from model_specs.param_count import param_count
+    c = spec.config
+    active = param_count(spec).active
+    flops = 8 * active * step_tokens + 8 * c.num_layers * c.num_attention_heads * c.kv_channels * mean_len * step_tokens
+    compute = flops / world / (gpu.peak_tflops * 1e12 * GEMM_EFFICIENCY)
+    dp = layout.data_parallel(world)
+    mbs = max(1, -(-step_tokens // (dp * s.max_tokens)))
+    bubble = compute * (layout.pipeline - 1) / (layout.vpp * mbs)
+    b = torch.tensor([], dtype=s.params_dtype).element_size()
+    tokens_mb = s.max_tokens / layout.context
+    layers = c.num_layers / layout.pipeline
+    link = gpu.nvlink_gbs * 1e9
+    tp = 0.0
+    if layout.tensor > 1:
+        tp = 1.5 * layers * mbs * 8 * tokens_mb * c.hidden_size * b * (layout.tensor - 1) / layout.tensor / link
+    ep = 0.0
+    if layout.expert > 1 and c.num_moe_experts:
+        bw = link if layout.expert <= gpus_per_node else gpu.network_gbs * 1e9
+        vol = tokens_mb / layout.tensor * c.moe_router_topk * c.hidden_size * b * (layout.expert - 1) / layout.expert
+        ep = 1.5 * layers * mbs * 4 * vol / bw
+    dp_s = 0.0
+    if dp > 1:
+        bw = link if world <= gpus_per_node else gpu.network_gbs * 1e9
+        dp_s = 2 * (dp - 1) / dp * mem.gradients / bw
+    return compute + bubble + tp + ep + dp_s
+
+
+def plan(hf: dict, world: int, gpu: Gpu, capacity: int, gpus_per_node: int, s: MemorySettings,
+         step_tokens: int, mean_len: float, fixed: dict | None = None) -> tuple[list[Row], dict[str, list]]:
+    """Every valid layout with its memory, largest budget, estimated step time and verdict;
+    fitting ones first, by estimated tokens/s."""
+    from model_specs import model_dims_for, model_spec_for
+    dims = model_dims_for(hf)
+    layouts, refused = candidate_layouts(dims, world, gpus_per_node, fixed or {})
+    rows = []
+    for layout in layouts:
+        name = layout.describe(world)
+        spec = model_spec_for(hf, params_dtype=s.params_dtype, transformer_engine=False,
+                              overrides=layout.transformer_config_fields(is_moe=bool(dims.get("num_experts"))))
+        dp = layout.data_parallel(world)
+        settings = dataclasses.replace(s, num_microbatches=max(1, -(-step_tokens // (dp * s.max_tokens))))
+        mem = rank_memory(spec, layout, world, settings)
+        row = Row(layout, name, mem, max_tokens=mem.max_tokens_that_fit(capacity))
+        static = mem.static() + mem.overhead
+        if static > capacity:
+            row.verdict = (f"cannot hold the weights, gradients and optimizer state: "
+                           f"{mem.static() / GiB:.1f} GiB + {mem.overhead / GiB:.1f} GiB overhead > {capacity / GiB:.1f} GiB")
+        elif mem.total() > capacity:
+            row.verdict = (f"needs {mem.total() / GiB:.1f} GiB at {s.max_tokens} tokens; fits at <= {row.max_tokens}"
+                           if row.max_tokens else f"needs {mem.total() / GiB:.1f} GiB; no token budget fits")
+        else:
+            row.fits, row.verdict = True, "fits"
+        budget = s.max_tokens if row.fits else row.max_tokens
+        if budget:
+            fitted = dataclasses.replace(settings, max_tokens=budget)
+            row.step_s = step_time(spec, layout, world, fitted, gpu, gpus_per_node, step_tokens, mean_len,
+                                   rank_memory(spec, layout, world, fitted))
+            row.tokens_s = step_tokens / row.step_s
+        rows.append(row)
+    rows.sort(key=lambda r: (not r.fits, r.max_tokens == 0, -r.tokens_s))
+    return rows, refused
+
+
+def table(rows: list[Row], capacity: int, s: MemorySettings, show_all: bool, top: int) -> str:
+    shown = [r for r in rows if r.fits][:top] + ([r for r in rows if not r.fits] if show_all else [])
+    head = ("| layout | stage | weights | grads | optimizer | activations | log-probs | overhead | total GiB "
+            "| left GiB (SGLang KV, colocated) | max tokens | est. step s | est. tokens/s | verdict |")
+    lines = [head, "|" + "---|" * 14]
+    for r in shown:
+        m = r.memory
+        g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
+        left = g(max(capacity - m.total(), 0))
+        est = (f"{r.step_s:.2f} | {r.tokens_s:,.0f}") if r.tokens_s else "- | -"
+        lines.append(f"| {r.name} | {m.stage} | {g(m.weights)} | {g(m.gradients)} | {g(m.optimizer)} | "
+                     f"{g(m.activations)} | {g(m.log_probs)} | {g(m.overhead)} | {g(m.total())} | {left} | "
+                     f"{r.max_tokens} | {est} | {r.verdict} |")
+    return "\n".join(lines)
+
+
+__all__ = ["GPUS", "Gpu", "PlanError", "parse_memory", "load_model", "plan", "table", "with_tokens"]
