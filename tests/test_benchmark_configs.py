@@ -7,17 +7,13 @@ way the Actor resolves it on a CUDA + TE machine (bf16, TE 2.20.2).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from script_modules import load_script
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from gspo_megatron.actor.packing import resolve_packing
+from gspo_megatron.actor.settings import MicroBatchSettings
 
-import mfu  # noqa: E402
-
-from gspo_megatron.actor.packing import resolve_packing  # noqa: E402
-from gspo_megatron.actor.settings import MicroBatchSettings  # noqa: E402
+mfu = load_script("benchmarks/mfu.py")
 
 
 @pytest.mark.parametrize("device", ["cuda", "cpu"])

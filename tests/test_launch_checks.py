@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBMIT = ROOT / "launch" / "slurm" / "submit.sh"
 LOCAL = ROOT / "launch" / "local.sh"
-sys.path.insert(0, str(ROOT / "launch"))
-import check_config  # noqa: E402
+check_config = load_script("launch/check_config.py")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

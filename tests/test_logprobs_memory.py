@@ -8,20 +8,17 @@ tests/test_logprobs.py (values and gradients to 1e-5 of a dense log_softmax).
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from script_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 MiB = 2**20
 V, H = 32768, 256
 
 
 def _work(path: str, tokens: int, chunk_tokens: int, chunk_memory_mb: int = 1024) -> float:
-    from logprobs_memory import measure_once
+    measure_once = load_script("benchmarks/logprobs_memory.py").measure_once
     args = SimpleNamespace(hidden=H, dtype="fp32", device="cpu", chunk_tokens=chunk_tokens,
                            chunk_memory_mb=chunk_memory_mb, no_skip=True)
     r = measure_once(path, tokens, V, args)

@@ -9,6 +9,7 @@ per rank on CPU) and the step time (no prediction: the estimate is a GPU's).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -87,7 +88,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
         stage = ps.get_pipeline_model_parallel_rank()
-        settings = s.__class__(**{**s.__dict__, "num_microbatches": 2})
+        settings = dataclasses.replace(s, num_microbatches=2)
         predicted = stage_memory(actor.spec, layout, world, settings, stage)
         mine = dict(rank=dist.get_rank(), stage=stage, measured=measured_static(actor), predicted=predicted,
                     peak=torch.cuda.max_memory_allocated() if cuda else None, seconds=seconds)
