@@ -112,6 +112,7 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
         "rollout/truncated_fraction": m.get("truncated_fraction", 0.0),
         "rollout/groups_dropped": m.get("groups_dropped_equal_reward", 0.0),
         "rollout/partial_resumed": m.get("samples_resumed", 0.0),
+        "rollout/partial_restarted": m.get("samples_restarted_routing", 0.0),
         "rollout/partial_buffered": m.get("groups_partial_buffered", 0.0),
         "rollout/reward_errors": m.get("reward_errors", 0.0),
         "perf/rollout_tokens_per_s": m.get("rollout_tokens_per_second", 0.0),

@@ -38,6 +38,8 @@ TAGS = {
     "rollout/truncated_fraction": "fraction of responses cut by max_new_tokens",
     "rollout/groups_dropped": "groups dropped by dynamic sampling (all rewards equal)",
     "rollout/partial_resumed": "samples resumed from a partial rollout this step",
+    "rollout/partial_restarted": "partial responses restarted from the prompt: with routing replay, "
+                                 "one generated under other weights is not resumed",
     "rollout/partial_buffered": "groups left unfinished in the partial-rollout buffer",
     "rollout/reward_errors": "reward function calls that raised",
     "rollout/turns_per_episode": "multi-turn: model turns per episode",

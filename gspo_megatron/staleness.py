@@ -21,7 +21,7 @@ from rollout.manager import episode_metrics
 from rollout.sample import Sample
 
 # manager metrics that add up over the rollout thread's batches between two trainer steps
-_COUNTS = ("groups_dropped_equal_reward", "samples_resumed", "groups_partial_buffered",
+_COUNTS = ("groups_dropped_equal_reward", "samples_resumed", "samples_restarted_routing", "groups_partial_buffered",
            "reward_errors", "response_tokens", "rollout_seconds", "prompts_drawn", "batches")
 
 

@@ -208,7 +208,10 @@ def test_async_multiturn_episodes(tmp_path, server_url):  # noqa: F811
 def test_async_routing_replay(tmp_path):
     """moe.replay with max_staleness 1, the run's own server (it must return routed experts):
     replayed routes belong to the version that generated each token, so pi_old recomputed with
-    that version's weights and its routes still equals SGLang's log-probs."""
+    that version's weights and its routes still equals SGLang's log-probs. A response cut by a
+    weight sync restarts from its prompt: resumed, SGLang would route its prefix with the new
+    weights while its earlier tokens need the old routes of the same positions (kept resumed,
+    the recomputed pi_old was off by 1e-4 to 1.6e-3 after the first sync)."""
     from fixtures_models import tiny_model_dir
     from test_trainer_e2e import PROMPTS
     sets = {"model.hf_path": str(tiny_model_dir("qwen3_moe", 0)), "rollout.prompts": str(PROMPTS),
@@ -223,3 +226,7 @@ def test_async_routing_replay(tmp_path):
     s = _check_staleness(tmp_path, 1)
     assert all(v < 1e-4 for v in s["train/logprob_abs_diff"]), s["train/logprob_abs_diff"]
     assert all(v == 0.0 for v in s["routing/replay_mismatch"]), s["routing/replay_mismatch"]
+    from gspo_megatron.metrics import read_jsonl
+    restarted = sum(r.get("rollout/partial_restarted", 0.0) for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl"))
+    print(f"partial responses restarted (not resumed under new weights): {restarted:.0f}")
+    assert restarted > 0  # responses were cut by syncs (24 per run measured): the case arose
