@@ -35,6 +35,7 @@ LAYOUTS = {  # name: (world, layout, bf16, distributed optimizer)
 def _measured(rank, world, layout_kwargs: dict, bf16: bool, dist_opt: bool):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.planner.check import measured_static
     from gspo_megatron.planner.memory import MemorySettings, static_bytes
     from megatron.core import parallel_state as ps
     from model_specs.qwen3_moe import tiny_hf_config
@@ -44,15 +45,7 @@ def _measured(rank, world, layout_kwargs: dict, bf16: bool, dist_opt: bool):
                use_distributed_optimizer=dist_opt), loss=LossSettings(name="ce"), micro_batch_size=4,
                params_dtype=dtype) as actor:
         actor.train_step(actor.shard(_batch()))  # Adam's state exists after the first step
-        weights = sum(p.numel() * p.element_size() for p in actor._local_params())
-        grads = sum(buf.grad_data.numel() * buf.grad_data.element_size()
-                    for chunk in actor.chunks for buf in chunk.buffers + chunk.expert_parallel_buffers)
-        opt = 0
-        for sub in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-            for state in sub.optimizer.state.values():
-                opt += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.dim())
-            if bf16:  # the fp32 main copies the optimizer steps (its param groups)
-                opt += sum(p.numel() * 4 for g in sub.optimizer.param_groups for p in g["params"])
+        weights, grads, opt = measured_static(actor)  # what plan --check measures
         settings = MemorySettings(params_dtype=dtype, use_distributed_optimizer=dist_opt)
         predicted = static_bytes(actor.spec, layout, world, settings, ps.get_pipeline_model_parallel_rank())
     return dict(measured=(weights, grads, opt), predicted=predicted)
