@@ -113,4 +113,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from gspo_megatron.parallel.process_groups import destroy_process_groups
+    try:
+        main()
+    finally:
+        # Leave the groups together: a rank that exits while gloo's threads still serve another
+        # rank's collective aborts with "terminate called without an active exception" (SIGABRT;
+        # CI saw it on rank 1 after the table was printed).
+        if dist.is_initialized():
+            dist.barrier()
+            destroy_process_groups()
