@@ -183,10 +183,15 @@ def per_layer_histograms(metrics: Mapping[str, float]) -> dict[str, list[float]]
     return out
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, float]]:
-    """The per-step records of a metrics.jsonl (the last record per step wins)."""
+def read_jsonl(path: str | Path, *, live: bool = False) -> list[dict[str, float]]:
+    """The per-step records of a metrics.jsonl (the last record per step wins). live: the run is
+    still writing it, so a last line without its newline is one being written and is left for the
+    next read (it would be a JSON error here); a finished file is read whole."""
     by_step: dict[int, dict[str, float]] = {}
-    for line in Path(path).read_text().splitlines():
+    text = Path(path).read_text()
+    if live and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+    for line in text.splitlines():
         if line.strip():
             rec = json.loads(line)
             by_step[int(rec["step"])] = rec

@@ -135,7 +135,7 @@ def _trained_prompts(run_dir: Path) -> list[tuple]:
 @pytest.mark.slow
 def test_async_sigkill_and_resume_trains_every_prompt_once(tmp_path, server_url):  # noqa: F811
     from gspo_megatron.metrics import read_jsonl
-    args = _args(tmp_path, server_url, **{"train.steps": 6})
+    args = _args(tmp_path, server_url, **{"train.steps": 6, "checkpoint.keep": 0})
     log = tmp_path / "first_run.log"
     with log.open("w") as out:
         proc = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT)
@@ -144,8 +144,8 @@ def test_async_sigkill_and_resume_trains_every_prompt_once(tmp_path, server_url)
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     # At once: the rollout thread already runs ahead of the checkpoint (a step takes 0.1-0.3 s
-    # here, and checkpoint.keep=2 deletes step 2's checkpoint at step 6: a wait of 1.5 s
-    # outlived it).
+    # here). checkpoint.keep=0: with keep=2, step 6's save deleted step 2's checkpoint, and a wait
+    # of 1.5 s (or a stalled poll on a loaded machine) outlived it.
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"exit {proc.returncode}:\n" + log.read_text()[-5000:]

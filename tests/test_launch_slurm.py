@@ -136,10 +136,10 @@ def test_real_trainer_and_sglang_preempted_mid_run_save_on_the_signal_and_resume
     jsonl = run_dir / "tb" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 600
-        while not (jsonl.is_file() and len(read_jsonl(jsonl)) >= 2) and proc.poll() is None \
+        while not (jsonl.is_file() and len(read_jsonl(jsonl, live=True)) >= 2) and proc.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert jsonl.is_file() and len(read_jsonl(jsonl)) >= 2, "no step 1:\n" + explain(proc, {"dir": run_dir})
+        assert jsonl.is_file() and len(read_jsonl(jsonl, live=True)) >= 2, "no step 1:\n" + explain(proc, {"dir": run_dir})
         job_id = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()[0]
         slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
         proc.communicate(timeout=600)

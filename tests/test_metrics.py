@@ -37,6 +37,22 @@ def test_resume_purges_steps_of_the_interrupted_run(tmp_path):
                                                                     (3, 13.0)]
 
 
+def test_live_read_leaves_a_line_being_written(tmp_path):
+    """Tests poll a running trainer's metrics.jsonl: a line caught half-written is left for the next
+    read (live=True); a finished file with a broken line is an error, not silently shortened."""
+    import json
+
+    import pytest
+    path = tmp_path / "metrics.jsonl"
+    whole = [json.dumps({"step": s, "rollout/reward_mean": 0.5}) for s in range(2)]
+    path.write_text("\n".join(whole) + "\n" + whole[0][:9])
+    assert [r["step"] for r in read_jsonl(path, live=True)] == [0, 1]
+    with pytest.raises(json.JSONDecodeError):
+        read_jsonl(path)
+    path.write_text("\n".join(whole) + "\n")
+    assert [r["step"] for r in read_jsonl(path, live=True)] == [0, 1] == [r["step"] for r in read_jsonl(path)]
+
+
 def test_disabled_writer_writes_nothing(tmp_path):
     w = MetricsWriter(str(tmp_path / "tb"), enabled=False)
     w.log(0, {"a/b": 1.0})

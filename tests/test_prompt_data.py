@@ -199,7 +199,7 @@ def test_resume_mid_epoch_over_parquet_trains_every_prompt_once(tmp_path, server
     args = [CONFIG, *base_overrides(tmp_path, server_url, **{
         "rollout.prompts": data, "rollout.answer_key": "reward_model.ground_truth", "train.steps": 8,
         "train.warm_start_steps": 0, "checkpoint.interval": 2,
-        "logging.rollout_records": str(tmp_path / "records.jsonl")})]
+        "checkpoint.keep": 0, "logging.rollout_records": str(tmp_path / "records.jsonl")})]
     proc = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     marker = tmp_path / "ckpt" / "step_00000004" / "COMPLETE"

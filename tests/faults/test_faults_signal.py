@@ -36,7 +36,7 @@ def _start(run_dir: Path, url: str, **extra) -> subprocess.Popen:
 def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
     from gspo_megatron.metrics import read_jsonl
     jsonl, deadline = run_dir / "tb" / "metrics.jsonl", time.monotonic() + 600
-    while not (jsonl.is_file() and len(read_jsonl(jsonl)) >= n):
+    while not (jsonl.is_file() and len(read_jsonl(jsonl, live=True)) >= n):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
 
@@ -111,7 +111,16 @@ def test_a_second_signal_exits_at_once(tmp_path, server_url):  # noqa: F811
     proc = _start(tmp_path, server_url, **LONG_ROLLOUT)
     _wait_for_steps(tmp_path, proc, 1)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.05)
+    # The second signal only after the handler has seen the first: two SIGTERMs that arrive before
+    # Python runs its handler are one to it (CPython keeps one "tripped" flag per signal), and a
+    # fixed 50 ms pause was not always enough on a loaded machine.
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "SIGTERM: saving at the next safe point" in line:
+            break
+    else:
+        pytest.fail("the run ended before it took the first SIGTERM:\n" + "".join(seen)[-3000:])
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
