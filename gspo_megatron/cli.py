@@ -99,11 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     from gspo_megatron.early_checks import early_checks
     from gspo_megatron.parallel.layout import LayoutError
     from model_specs.hf_config import HFConfigError
+    from gspo_megatron.checkpoint.run_lock import RunLockedError
     from rollout.dataset import PromptFileError
     try:
         cfg = load_config(args.config, args.overrides)
         early_checks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    except (ConfigError, LayoutError, HFConfigError, PromptFileError, FileNotFoundError) as e:
+    except (ConfigError, LayoutError, HFConfigError, PromptFileError, FileNotFoundError, RunLockedError) as e:
         return _error(e)
     quiet_cpu_import_warnings()
     errors = known_errors()

@@ -1,15 +1,18 @@
 """The checks the command line makes before torch and megatron-core are imported (a fraction of a
 second instead of several seconds and a screen of import warnings): the model directory's
 config.json, the parallel layout against the model's dimensions and the world size, the prompt
-file. startup.check_inputs makes them again with the model family's own table, then everything
-that needs torch (weight files, compute settings, the resume checkpoint).
+file, and (rank 0) that no live run holds the run's folders. startup.check_inputs makes them
+again with the model family's own table, then everything that needs torch (weight files, compute
+settings, the resume checkpoint); startup.setup then takes the locks.
 
     early_checks(cfg, world_size)   # raises ConfigError, LayoutError, HFConfigError,
-                                    # PromptFileError or FileNotFoundError, naming the value
+                                    # PromptFileError, FileNotFoundError or RunLockedError
+                                    # (another live run holds the run's folders), naming the value
 """
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from gspo_megatron.config import RunConfig
@@ -55,3 +58,7 @@ def early_checks(cfg: RunConfig, world: int) -> None:
         cfg.parallel.check_context_parallel(transformer_engine=False, cuda=False, half=False)
     cfg.parallel.validate(world, **dims)
     check_prompts(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:  # the rank that takes the locks; another rank could
+        # see its own rank 0's lock, taken meanwhile
+        from gspo_megatron.run_folders import check_run_folders_unlocked
+        check_run_folders_unlocked(cfg)  # RunLockedError: another live run holds a folder

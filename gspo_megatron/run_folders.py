@@ -17,7 +17,7 @@ from typing import Any
 
 from gspo_megatron.checkpoint.output_dirs import (OutputDirError, check_export_target,
                                                   check_free_space, check_writable_dir)
-from gspo_megatron.checkpoint.run_lock import RunLock
+from gspo_megatron.checkpoint.run_lock import RunLock, check_unlocked
 from gspo_megatron.config import ConfigError, RunConfig
 
 
@@ -82,18 +82,31 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
         check_free_space("checkpoint.dir", cfg.checkpoint.dir, need, what)
 
 
-def lock_run_folders(cfg: RunConfig) -> list[RunLock]:
-    """Rank 0: lock checkpoint.dir and logging.tensorboard_dir (or the run folder); all or none."""
+def lock_folders(cfg: RunConfig) -> dict[str, str]:
+    """Config field -> folder a run locks: checkpoint.dir and logging.tensorboard_dir (or the run
+    folder), each folder once."""
     folders = {"checkpoint.dir": cfg.checkpoint.dir, "logging.tensorboard_dir": cfg.logging.tensorboard_dir}
     if not any(folders.values()):
         folders = {"(run folder)": run_root(cfg)}
+    out: dict[str, str] = {}
+    for field, folder in folders.items():
+        if folder and Path(folder).resolve() not in {Path(f).resolve() for f in out.values()}:
+            out[field] = folder
+    return out
+
+
+def check_run_folders_unlocked(cfg: RunConfig) -> None:
+    """Rank 0, before torch: RunLockedError naming the holder when a live run holds a folder."""
+    for field, folder in lock_folders(cfg).items():
+        check_unlocked(folder, field)
+
+
+def lock_run_folders(cfg: RunConfig) -> list[RunLock]:
+    """Rank 0: lock checkpoint.dir and logging.tensorboard_dir (or the run folder); all or none."""
     locks: list[RunLock] = []
-    seen = set()
     try:
-        for field, folder in folders.items():
-            if folder and Path(folder).resolve() not in seen:
-                seen.add(Path(folder).resolve())
-                locks.append(RunLock.acquire(folder, field))
+        for field, folder in lock_folders(cfg).items():
+            locks.append(RunLock.acquire(folder, field))
     except BaseException:
         release(locks)
         raise

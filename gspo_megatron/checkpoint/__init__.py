@@ -7,9 +7,19 @@
 Offline conversion: gspo_megatron.checkpoint.convert (tools/convert_hf_to_megatron.py) and
 gspo_megatron.checkpoint.export (tools/convert_megatron_to_hf.py).
 """
-from gspo_megatron.checkpoint.model_io import (CheckpointMismatchError, check_layout_fits,
-                                               checkpoint_hf_config, load_model,
-                                               model_sharded_state_dict, save_model)
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["CheckpointMismatchError", "check_layout_fits", "checkpoint_hf_config", "load_model",
            "model_sharded_state_dict", "save_model"]
+
+
+def __getattr__(name: str) -> Any:
+    """The model I/O names load megatron-core on first use (PEP 562), so that the package's light
+    modules (run_lock, output_dirs, durable) serve start-up checks that come before torch: a second
+    run on a locked folder stops in about a second, not after megatron's imports."""
+    if name in __all__:
+        return getattr(importlib.import_module("gspo_megatron.checkpoint.model_io"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from gspo_megatron.checkpoint.durable import fsync_file, write_json
 
 DRIVER_FILE = "driver.json"
 RNG_DIR = "rng"
@@ -49,35 +50,6 @@ class LoopState:
         if unknown:
             raise ValueError(f"loop state has unknown fields {sorted(unknown)}; expected {sorted(names)}")
         return cls(**d)
-
-
-def fsync_file(path: str | Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename / file creation in `path` durable (POSIX: fsync the directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def save_driver_state(ckpt_dir: Path, state: LoopState) -> None:

@@ -43,9 +43,9 @@ from torch.distributed.checkpoint import CheckpointException
 
 from gspo_megatron.checkpoint.hf_files import copy_metadata_files
 
-from gspo_megatron.checkpoint.loop_state import (RNG_DIR, LoopState, fsync_dir, fsync_file,
-                                                 load_driver_state, load_rng, save_driver_state,
-                                                 save_rng, write_json)
+from gspo_megatron.checkpoint.durable import fsync_dir, fsync_file, write_json
+from gspo_megatron.checkpoint.loop_state import (RNG_DIR, LoopState, load_driver_state, load_rng,
+                                                 save_driver_state, save_rng)
 from gspo_megatron.checkpoint.model_io import HF_SUBDIR
 
 LATEST = "latest"

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from gspo_megatron.checkpoint.loop_state import fsync_dir, write_json
+from gspo_megatron.checkpoint.durable import fsync_dir, write_json
 
 EXPORT_MARKER = "gspo_export.json"
 

@@ -100,6 +100,30 @@ def stale_reason(lock: Path, holder: dict[str, Any]) -> str | None:
     return None
 
 
+def _locked(folder: Path, field: str, holder: dict[str, Any]) -> RunLockedError:
+    return RunLockedError(
+        f"{field}={str(folder)!r} is in use by another run ({_describe(holder)}; lock file "
+        f"{folder / LOCK_NAME}); wait for it to end or use another {field}. A lock left by a killed "
+        f"run is taken over once its heartbeat is {STALE_S:.0f} s old (at once on the same host or "
+        "in the same Slurm job)")
+
+
+def check_unlocked(folder: str | Path, field: str) -> None:
+    """RunLockedError if a live run holds `folder`; a look that takes nothing and writes nothing
+    where the holder is on this host. The start-up checks call it before torch is imported, so a
+    second run stops in about a second; RunLock.acquire, later, is what decides."""
+    folder = Path(folder)
+    holder = _read(folder / LOCK_NAME)
+    if holder is None:
+        return
+    try:
+        why = stale_reason(folder / LOCK_NAME, holder)
+    except OSError:  # the clock probe in a folder we cannot write: acquire (after the checks) says
+        return
+    if why is None:
+        raise _locked(folder, field, holder)
+
+
 class RunLock:
     """The lock of one folder, held by this process (see the module docstring)."""
 
@@ -129,11 +153,7 @@ class RunLock:
                 else:
                     why = stale_reason(path, holder)
                 if why is None:
-                    raise RunLockedError(
-                        f"{field}={str(folder)!r} is in use by another run ({_describe(holder)}; "
-                        f"lock file {path}); wait for it to end or use another {field}. A lock "
-                        f"left by a killed run is taken over once its heartbeat is {STALE_S:.0f} s "
-                        "old (at once on the same host or in the same Slurm job)") from None
+                    raise _locked(folder, field, holder) from None
                 print(f"[gspo] taking over the lock of {folder}: {why} ({_describe(holder)})", flush=True)
                 try:  # only one racer can rename it away
                     os.rename(path, path.with_name(f"{LOCK_NAME}.stale-{me['token']}"))

@@ -61,6 +61,26 @@ def test_a_killed_holders_lock_is_taken_over(tmp_path, capsys):
     assert not (tmp_path / LOCK_NAME).exists()
 
 
+def test_the_look_before_torch_refuses_a_live_holder_and_leaves_a_dead_ones_lock(tmp_path):
+    """check_unlocked (the start-up checks' look, before torch): the same line as acquire for a
+    live holder; a dead holder's lock passes and stays as it is (acquire takes it over later)."""
+    from gspo_megatron.checkpoint.run_lock import check_unlocked
+    check_unlocked(tmp_path / "absent", "checkpoint.dir")
+    proc = _holder(tmp_path)
+    try:
+        with pytest.raises(RunLockedError) as looked:
+            check_unlocked(tmp_path, "checkpoint.dir")
+        with pytest.raises(RunLockedError) as taken:
+            RunLock.acquire(tmp_path, "checkpoint.dir")
+        assert str(looked.value) == str(taken.value) and f"pid {proc.pid}" in str(looked.value)
+    finally:
+        proc.kill()
+        proc.wait()
+    before = (tmp_path / LOCK_NAME).read_text()
+    check_unlocked(tmp_path, "checkpoint.dir")
+    assert (tmp_path / LOCK_NAME).read_text() == before and sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+
+
 def test_released_lock_is_free_and_release_only_removes_ours(tmp_path):
     a = RunLock.acquire(tmp_path, "checkpoint.dir")
     a.release()
@@ -134,6 +154,10 @@ def test_two_trainers_on_one_folder_second_exits_at_once_first_completes(tmp_pat
     assert second.returncode == 2 and len(lines) == 1 and "Traceback" not in second.stderr, second.stderr
     assert f"checkpoint.dir='{tmp_path / 'ckpt'}' is in use by another run (host " in lines[0]
     assert f"pid {first.pid}" in lines[0]
+    # Refused by the start-up checks, before torch and megatron-core are imported (their import
+    # warnings would be on stderr): 0.3-0.4 s here, where the lock itself, after the imports and
+    # the input checks, came 5.4 s after the start even on an idle machine.
+    assert second.stderr.strip().splitlines() == lines, second.stderr[-3000:]
     assert seconds < 10, f"the second run took {seconds:.1f} s to refuse"
     print(f"second run refused in {seconds:.1f} s")
     assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl")] == [0, 1, 2, 3]
