@@ -246,7 +246,7 @@ def wait_for_step(run, step: int, proc, timeout: float = 60) -> None:
 def test_preemption_requeue_resumes_without_losing_or_repeating_a_step(slurm_cluster, run):
     """Requeued twice mid-run: by `scontrol requeue` (Slurm's own preemption path: SIGTERM) and by
     the USR1 the time limit sends (the script requeues itself). Every step is committed once."""
-    steps = 7
+    steps = 10  # after step 4, the USR1 must land before the last step: 6 s of margin, not 3 s
     proc = slurm_cluster.popen(
         [str(ROOT / "launch/slurm/submit.sh"), "--wait", "--mode", "colocated", "--nodes", "2",
          "--gpus-per-node", "0", "--model-path", str(run["model"]), "--run-dir", str(run["dir"]),
@@ -256,7 +256,7 @@ def test_preemption_requeue_resumes_without_losing_or_repeating_a_step(slurm_clu
         wait_for_step(run, 2, proc)
         job_id = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()[0]
         slurm_cluster.run(["scontrol", "requeue", job_id])
-        wait_for_step(run, 4, proc)
+        wait_for_step(run, 4, proc, timeout=180)  # a requeue: cred expiry, reschedule, restart
         slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
         out, _ = proc.communicate(timeout=JOB_TIMEOUT)
     finally:
