@@ -96,10 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, (LayoutError, HFConfigError)):
                 return _error(e)
             raise
+    from gspo_megatron.checkpoint.run_lock import RunLockedError
     from gspo_megatron.early_checks import early_checks
     from gspo_megatron.parallel.layout import LayoutError
     from model_specs.hf_config import HFConfigError
-    from gspo_megatron.checkpoint.run_lock import RunLockedError
     from rollout.dataset import PromptFileError
     try:
         cfg = load_config(args.config, args.overrides)

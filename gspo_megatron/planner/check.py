@@ -46,6 +46,7 @@ def main() -> None:
     from gspo_megatron.actor.settings import MicroBatchSettings
     from gspo_megatron.config import load_config
     from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.parallel.process_groups import destroy_process_groups
     from gspo_megatron.planner.command import _layout_fields, settings_from
     from gspo_megatron.planner.memory import GiB, stage_memory
     from gspo_megatron.planner.plan import GPUS, load_model, step_time
@@ -110,16 +111,13 @@ def main() -> None:
             step = f"{est:.3f} / {r['seconds']:.3f}" if est is not None else f"- / {r['seconds']:.3f}"
             print(f"| {r['rank']} | {r['stage']} | {mib(pm.weights, w)} | {mib(pm.gradients, g)} | "
                   f"{mib(pm.optimizer, o)} | {peak} | {step} |")
+    # Leave the groups together: a rank that exits while gloo's threads still serve another rank
+    # aborts with "terminate called without an active exception" (SIGABRT; CI saw it on rank 1
+    # after the table was printed). Only on success: after an error a barrier would wait for the
+    # group's timeout, where torchrun ends the other ranks at once.
+    dist.barrier()
+    destroy_process_groups()
 
 
 if __name__ == "__main__":
-    from gspo_megatron.parallel.process_groups import destroy_process_groups
-    try:
-        main()
-    finally:
-        # Leave the groups together: a rank that exits while gloo's threads still serve another
-        # rank's collective aborts with "terminate called without an active exception" (SIGABRT;
-        # CI saw it on rank 1 after the table was printed).
-        if dist.is_initialized():
-            dist.barrier()
-            destroy_process_groups()
+    main()
