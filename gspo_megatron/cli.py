@@ -34,12 +34,15 @@ def known_errors() -> tuple[type[BaseException], ...]:
     from rollout.client import SGLangError
     from rollout.dataset import PromptFileError
     from rollout.envs import EnvironmentSpecError
-    from rollout.rewards import RewardErrorBudgetExceeded, RewardSpecError
+    from rollout.rewards import RewardErrorBudgetExceeded, RewardSpecError, RewardWorkerError
+    from rollout.rewards.http_service import RewardServiceError
+    from rollout.rewards.sandbox import SandboxUnavailable
     from rollout.server import ServerStartError
     return (ConfigError, HFConfigError, LayoutError, FileNotFoundError, PromptFileError,
             ServerStartError, SGLangError, CheckpointError, CheckpointMismatchError,
             WeightSyncError, RewardErrorBudgetExceeded, DriverError, DamagedFileError,
-            EnvironmentSpecError, OutputDirError, RunLockedError, RewardSpecError)
+            EnvironmentSpecError, OutputDirError, RunLockedError, RewardSpecError, RewardWorkerError,
+            RewardServiceError, SandboxUnavailable)
 
 
 def quiet_cpu_import_warnings() -> None:

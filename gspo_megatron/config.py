@@ -28,7 +28,8 @@ from gspo_megatron.algorithms.registry import LossSettings, RLLossName
 from gspo_megatron.config_parsing import (ConfigError, apply_overrides, build, describe, field_docs,
                                           parse_override, read_yaml_mapping)
 from gspo_megatron.parallel.layout import ParallelLayout
-from rollout.manager import ManagerConfig
+from rollout.manager_config import ManagerConfig
+from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "describe_fields", "field_docs",
            "load_config", "parse_override"]
@@ -70,7 +71,21 @@ class RolloutConfig(ManagerConfig):
     """Drop prompts longer than this many tokens (through the chat template) when the set is
     loaded, and say how many (verl's filter_overlong_prompts); null = keep all."""
     reward: str = "math"
-    """Reward function name (rollout.rewards.get_reward_fn): math, exact_match, ..."""
+    """The reward: math (math-verify on the final answer), exact_match, format, code (the response's
+    program against the row's tests, in a sandbox: code_sandbox), an http(s):// reward service
+    (reward_service), or your own as package.module:function (fn(record, response_text) -> float;
+    docs/rewards.md)."""
+    reward_workers: int = 4
+    """Processes that score responses while generation goes on (rollout/rewards/workers.py); the
+    thread that feeds the servers never scores. Also the number of requests in flight to an HTTP
+    reward service. Multi-turn environments give their rewards in the episode instead."""
+    reward_timeout_s: float = 60.0
+    """Hard bound on one reward call (and on a prompt's preparation: parsing its gold or its tests):
+    past it the worker is killed and replaced, and the response scores 0 with a reward error."""
+    code_sandbox: CodeSandboxSettings = dataclasses.field(default_factory=CodeSandboxSettings)
+    """reward: code: limits and isolation of the programs' runs."""
+    reward_service: RewardServiceSettings = dataclasses.field(default_factory=RewardServiceSettings)
+    """reward: http(s)://...: timeout, retries and headers of the requests."""
     prompts_per_step: int = 8
     """Prompts (groups) per rollout batch; the batch has prompts_per_step x group_size responses."""
     shuffle_prompts: bool = True
@@ -302,6 +317,14 @@ class RunConfig:
         need(r.num_servers >= 1, "rollout.num_servers", r.num_servers, ">= 1")
         need(0 <= r.max_reward_error_fraction <= 1, "rollout.max_reward_error_fraction",
              r.max_reward_error_fraction, "in [0, 1]")
+        need(r.reward_workers >= 1, "rollout.reward_workers", r.reward_workers, ">= 1")
+        need(r.reward_timeout_s > 0, "rollout.reward_timeout_s", r.reward_timeout_s, "> 0")
+        for reward in {r.reward, self.eval.reward or r.reward}:
+            if reward.startswith(("http://", "https://")):
+                worst = r.reward_service.worst_case_s()
+                need(r.reward_timeout_s > worst, "rollout.reward_timeout_s", r.reward_timeout_s,
+                     f"> {worst:g} s for the reward service's attempts to fit (rollout.reward_service: "
+                     f"timeout_s x (retries + 1) + backoffs), or fewer retries")
         for url in r.server_urls:
             need(url.startswith(("http://", "https://")), "rollout.server_urls", url,
                  "URLs like http://host:port")

@@ -191,12 +191,22 @@ def describe(cls: type) -> str:
     for sect in dataclasses.fields(cls):
         sect_cls = section_types(cls)[sect.name]
         lines.append(f"{sect.name}:  # {top_docs.get(sect.name, '')}")
-        docs, hints = field_docs(sect_cls), section_types(sect_cls)
-        for f in dataclasses.fields(sect_cls):
-            default = getattr(getattr(defaults, sect.name), f.name)
-            lines.append(f"  {f.name}: {default!r}  # ({type_name(hints[f.name])}) "
-                         f"{docs.get(f.name, '')}")
+        lines += _describe_fields(sect_cls, getattr(defaults, sect.name), "  ")
     return "\n".join(lines)
+
+
+def _describe_fields(cls: type, defaults: Any, indent: str) -> list[str]:
+    """`name: default  # (type) doc` per field; a nested dataclass is a sub-section, indented."""
+    lines = []
+    docs, hints = field_docs(cls), section_types(cls)
+    for f in dataclasses.fields(cls):
+        default = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines.append(f"{indent}{f.name}:  # {docs.get(f.name, '')}")
+            lines += _describe_fields(hints[f.name], default, indent + "  ")
+            continue
+        lines.append(f"{indent}{f.name}: {default!r}  # ({type_name(hints[f.name])}) {docs.get(f.name, '')}")
+    return lines
 
 
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:

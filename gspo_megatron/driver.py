@@ -29,7 +29,7 @@ from rollout.chat import ChatTemplate
 from gspo_megatron.staleness import take_fresh_groups
 from rollout.async_rollouts import AsyncRollouts
 from rollout.manager import RolloutInterrupted, RolloutManager
-from rollout.rewards import get_reward_fn
+from rollout.rewards import RewardWorkerPool
 from rollout.sample import Sample
 from rollout.server import ServerConfig, ServerGroup
 
@@ -115,10 +115,23 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
         "rollout/partial_restarted": m.get("samples_restarted_routing", 0.0),
         "rollout/partial_buffered": m.get("groups_partial_buffered", 0.0),
         "rollout/reward_errors": m.get("reward_errors", 0.0),
+        **reward_metrics(samples, m),
         "perf/rollout_tokens_per_s": m.get("rollout_tokens_per_second", 0.0),
         **{f"rollout/{k}": m[k] for k in EPISODE_METRICS if k in m},
         **{f"async/{k}": m[k] for k in ASYNC_METRICS if k in m},
     }
+
+
+def reward_metrics(samples: list[Sample], m: dict[str, float]) -> dict[str, float]:
+    """The reward workers' share of the step: timeouts, worker restarts, busy time, the p99 time
+    per response, and how long the rollout loop waited on scoring with nothing generating."""
+    seconds = sorted(s.metadata["reward_seconds"] for s in samples if "reward_seconds" in s.metadata)
+    p99 = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))] if seconds else 0.0
+    return {"reward/timeouts": m.get("reward_timeouts", 0.0),
+            "reward/worker_restarts": m.get("reward_worker_restarts", 0.0),
+            "reward/p99_ms": 1000.0 * p99,
+            "reward/wait_s": m.get("reward_wait_seconds", 0.0),
+            "time/reward": m.get("reward_seconds", 0.0)}
 
 
 EPISODE_METRICS = ("turns_per_episode", "tool_calls_per_episode", "env_token_fraction",
@@ -151,15 +164,17 @@ class Driver:
                                routed_experts_layout=layout)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         self.env_factory = env_factory(r) if r.environment else None
+        self.rewards: RewardWorkerPool | None = None
         if self.env_factory is not None:  # multi-turn: the environment gives the rewards
             self.chat = ChatTemplate(self.tokenizer)
             self.manager = RolloutManager(self.pool, r, decode=decode, env_factory=self.env_factory,
                                           chat=self.chat, max_turns=r.max_turns)
         else:
+            self.rewards = RewardWorkerPool.from_config(r)  # starts its workers now, while the run sets up
             self.manager = RolloutManager(
                 self.pool, r,  # the rollout config section is the manager's config (and more)
                 encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec), decode=decode,
-                reward_fn=get_reward_fn(r.reward))
+                scorer=self.rewards)
         self.records = RolloutRecords(cfg.logging.rollout_records) if cfg.logging.rollout_records else None
         self.producer: AsyncRollouts | None = None  # train.max_staleness > 0: start_async()
         self._async_state: dict[str, Any] | None = None  # a resume's queue, until start_async()
@@ -302,6 +317,8 @@ class Driver:
             self.evaluator.close()
         try:
             self.manager.close()
+            if self.rewards is not None:
+                self.rewards.close()
             self.pool.close()
         finally:
             self.servers.stop()

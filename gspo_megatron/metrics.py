@@ -41,7 +41,16 @@ TAGS = {
     "rollout/partial_restarted": "partial responses restarted from the prompt: with routing replay, "
                                  "one generated under other weights is not resumed",
     "rollout/partial_buffered": "groups left unfinished in the partial-rollout buffer",
-    "rollout/reward_errors": "reward function calls that raised",
+    "rollout/reward_errors": "reward calls that failed: raised, returned a non-finite or non-number "
+                             "value, ran past rollout.reward_timeout_s, or lost their worker (reward 0)",
+    "reward/timeouts": "reward calls killed at rollout.reward_timeout_s (their worker replaced)",
+    "reward/worker_restarts": "reward workers replaced this step (a timeout, or a worker that died: "
+                              "os._exit, a segfault, the OOM killer)",
+    "reward/p99_ms": "99th percentile of the scoring time per response",
+    "reward/wait_s": "seconds the rollout loop waited on scoring with nothing left generating (what "
+                     "scoring adds to the rollout phase)",
+    "time/reward": "seconds the reward workers spent scoring this step's responses (summed over "
+                   "workers; overlaps generation)",
     "rollout/turns_per_episode": "multi-turn: model turns per episode",
     "rollout/tool_calls_per_episode": "multi-turn: tool calls per episode",
     "rollout/env_token_fraction": "multi-turn: environment tokens / response tokens (not trained)",

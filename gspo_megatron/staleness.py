@@ -22,7 +22,8 @@ from rollout.sample import Sample
 
 # manager metrics that add up over the rollout thread's batches between two trainer steps
 _COUNTS = ("groups_dropped_equal_reward", "samples_resumed", "samples_restarted_routing", "groups_partial_buffered",
-           "reward_errors", "response_tokens", "rollout_seconds", "prompts_drawn", "batches")
+           "reward_errors", "response_tokens", "rollout_seconds", "prompts_drawn", "batches",
+           "reward_timeouts", "reward_worker_restarts", "reward_seconds", "reward_wait_seconds")
 
 
 def sample_version(sample: Sample) -> int | None:

@@ -133,9 +133,12 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
         from gspo_megatron.episodes import env_factory
         env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args
     else:
-        from rollout.rewards import get_reward_fn
+        from rollout.rewards.registry import check_reward
         for reward in {cfg.rollout.reward, cfg.eval.reward or cfg.rollout.reward}:
-            get_reward_fn(reward)  # RewardSpecError names an unknown name or a module:function that fails
+            # an unknown name, a module:function that fails, no sandbox, a service that is down
+            note = check_reward(reward, r.code_sandbox, r.reward_service)
+            if note and int(os.environ.get("RANK", "0")) == 0:
+                print(f"[gspo] {note}", flush=True)
     if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():
         raise FileNotFoundError(f"model.megatron_checkpoint={cfg.model.megatron_checkpoint!r}: not a "
                                 f"megatron dist_checkpointing directory (no metadata.json)")

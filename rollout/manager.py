@@ -2,7 +2,7 @@
 
     manager = RolloutManager(pool, ManagerConfig(group_size=8, max_new_tokens=512),
                              encode_prompt=lambda rec: chat_prompt_ids(tok, rec),
-                             decode=tok.decode, reward_fn=math_reward)
+                             decode=tok.decode, scorer=RewardWorkerPool("math", workers=8, timeout_s=60))
     result = manager.generate_step(prompt_iter, num_groups=32)   # -> result.groups, result.metrics
     state = manager.to_state()      # the buffer of unfinished groups, for the trainer's checkpoint
 
@@ -13,11 +13,16 @@ prompt + partial response asking only for the REMAINING budget. Every token keep
 that produced it; `mask_stale_tokens` zeroes the loss mask of tokens from older weights.
 Multi-turn episodes (an `env_factory`) run to completion and are never buffered: an episode cut
 by the end-of-step abort is discarded (counted in metrics).
+
+Rewards: a group whose responses are all done goes to the scorer (rollout/rewards: worker processes
+with a hard time bound per call) and is closed when its scores come back; this thread only hands
+groups over and waits on generation and scoring together, so scoring overlaps generation. A group
+still being scored when the step stops, or is full, waits in the buffer and is scored again.
+Multi-turn environments give their rewards during the episode (their own path).
 """
 from __future__ import annotations
 
 import collections
-import hashlib
 import dataclasses
 import itertools
 import math
@@ -26,78 +31,11 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
+from rollout.manager_config import ManagerConfig
 from rollout.pool import ServerPool
-from rollout.rewards import RewardErrorBudget, RewardFn, score_sample
+from rollout.rewards.answers import RewardFn
+from rollout.rewards.scoring import DIED, TIMEOUT, RewardErrorBudget, Score, Scorer, ThreadScorer
 from rollout.sample import ABORTED, DONE, PENDING, Sample
-
-
-@dataclasses.dataclass
-class ManagerConfig:
-    """How the rollout manager samples: groups, budgets, sampling parameters, partial rollouts.
-    (The trainer's `rollout:` config section is this plus prompts, reward and servers.)"""
-
-    group_size: int = 8
-    """G: responses sampled per prompt (GSPO's group)."""
-    max_new_tokens: int = 64
-    """Response budget per sample (all segments / turns together); a prompt record's own
-    "max_new_tokens" field overrides it for that prompt."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer computes log-probs at the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold (1.0 = off)."""
-    top_k: int = -1
-    """Top-k sampling (-1 = off; 1 = greedy, with log-probs of the full temperature-1 softmax)."""
-    max_turn_tokens: int | None = None
-    """Multi-turn: cap on one model turn (null: the remaining budget)."""
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
-    """Extra stop tokens; the model's EOS always stops (unless ignore_eos)."""
-    ignore_eos: bool = False
-    """Generate to the budget through EOS (benchmarks, tests)."""
-    seed: int | None = None
-    """Base of a per-request SGLang `sampling_seed` derived from (seed, group id, sample index,
-    tokens so far): rollouts fixed by the seed and the weights. SGLang honours it only with
-    --enable-deterministic-inference (added to servers the run starts), which needs a GPU
-    attention backend: on CPU (torch_native) the server refuses that flag and the seed is
-    ignored (sglang/srt/sampling/sampling_batch_info.py:157). null = unseeded sampling."""
-    dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (zero advantage) and draw more prompts to refill."""
-    oversample_groups: int = 0
-    """Groups kept in flight beyond those still needed (a faster fill; leftovers are aborted)."""
-    max_draw_factor: float = 8.0
-    """A step fails once it has drawn this many times the needed groups of new prompts without
-    filling the batch."""
-    partial_rollouts: bool = False
-    """Abort unfinished samples once the batch is full and resume them next step (their
-    remaining budget only)."""
-    mask_stale_tokens: bool = False
-    """With partial rollouts: loss-mask tokens produced by weights older than the current ones."""
-    max_in_flight_requests: int = 256
-    """Generation requests in flight at once (SGLang batches them)."""
-    request_timeout_s: float = 600.0
-    """Bound on any single wait for generation results (nothing waits forever)."""
-    max_reward_error_fraction: float = 0.0
-    """The run fails once more than this fraction of reward calls raised."""
-    return_routed_experts: bool = False
-    """MoE routing replay: record the experts SGLang routed every token to (Sample.routed_experts,
-    int16 [tokens, layers, top-k]). The servers must run with --enable-return-routed-experts
-    (ServerConfig.return_routed_experts). These requests bypass sglang-router (it drops the field)."""
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        """Extra keyword arguments of pool.generate (none unless routing replay is on)."""
-        return {"return_routed_experts": True} if self.return_routed_experts else {}
-
-    def sampling_params(self, max_new_tokens: int, sample: Sample | None = None) -> dict[str, Any]:
-        params = {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
-                  "top_p": self.top_p, "top_k": self.top_k}
-        if self.seed is not None and sample is not None:
-            # SGLang seeds its sampler per request and position (sglang/srt/layers/sampler.py:386)
-            key = f"{self.seed}/{sample.group_id}/{sample.index}/{len(sample.response_ids)}"
-            params["sampling_seed"] = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "big")
-        if self.ignore_eos:
-            params["ignore_eos"] = True
-        if self.stop_token_ids:
-            params["stop_token_ids"] = list(self.stop_token_ids)
-        return params
 
 
 class RolloutInterrupted(Exception):
@@ -114,33 +52,39 @@ class StepResult:
 class RolloutManager:
     def __init__(self, pool: ServerPool, config: ManagerConfig, *,
                  encode_prompt: Callable[[dict], list[int]] | None = None, decode: Callable[[list[int]], str],
-                 reward_fn: RewardFn | None = None, env_factory: Callable[[dict], Any] | None = None,
+                 reward_fn: RewardFn | None = None, scorer: Scorer | None = None,
+                 env_factory: Callable[[dict], Any] | None = None,
                  encode_text: Callable[[str], list[int]] | None = None, chat: Any = None,
-                 max_turns: int | None = None):
+                 max_turns: int | None = None, reward_budget: RewardErrorBudget | None = None):
         """encode_prompt: prompt record -> prompt token ids (e.g. dataset.chat_prompt_ids).
         decode: token ids -> text, for reward functions and environments (never re-encoded).
-        reward_fn: (record, response_text) -> float; required for single-turn.
+        scorer: scores single-turn groups (rollout.rewards.RewardWorkerPool: processes, a hard
+        time bound per call; not closed by this manager); or reward_fn: (record, response_text) ->
+        float, an in-process callable scored on a thread of its own (ThreadScorer: no time bound).
+        reward_budget: the run's reward error accounting, when shared (eval and training).
         env_factory: record -> Environment, for multi-turn episodes (rollout.multiturn), whose turns
         go through `chat` (rollout.chat.ChatTemplate: the tokenizer's template) or, without it,
         fixed ChatML markers tokenised with `encode_text` (its reset() message is the prompt, so
         encode_prompt is then unused). max_turns: bound on an episode's model turns (None: the
         environment's own)."""
-        if env_factory is None and reward_fn is None:
-            raise ValueError("RolloutManager needs a reward_fn (single-turn) or an env_factory")
+        if env_factory is None and reward_fn is None and scorer is None:
+            raise ValueError("RolloutManager needs a scorer or reward_fn (single-turn) or an env_factory")
         if env_factory is None and encode_prompt is None:
             raise ValueError("single-turn rollouts need encode_prompt")
         if env_factory is not None and encode_text is None and chat is None:
             raise ValueError("multi-turn (env_factory) needs a chat template (or encode_text)")
         self.pool, self.config = pool, config
         self.encode_prompt, self.decode = encode_prompt, decode
-        self.reward_fn, self.env_factory, self.encode_text = reward_fn, env_factory, encode_text
+        self.env_factory, self.encode_text = env_factory, encode_text
+        self._own_scorer = ThreadScorer(reward_fn) if scorer is None and reward_fn is not None else None
+        self.scorer = scorer or self._own_scorer
         self.chat, self.max_turns = chat, max_turns
         self.buffer: collections.deque[list[Sample]] = collections.deque()
         self.ready: collections.deque[list[Sample]] = collections.deque()
         """Complete, scored groups a stopped step kept (generate_step(keep_on_stop=True)): the
         next step takes them first, as they are."""
         self.next_group_id = 0
-        self.reward_budget = RewardErrorBudget(config.max_reward_error_fraction)
+        self.reward_budget = reward_budget or RewardErrorBudget(config.max_reward_error_fraction)
         self._run_tag = uuid.uuid4().hex[:8]
         self._rid_counter = itertools.count()
         self._executor = ThreadPoolExecutor(max_workers=config.max_in_flight_requests,
@@ -206,6 +150,7 @@ class RolloutManager:
             kept.append(self.ready.popleft())
         open_groups: dict[int, list[Sample]] = {}
         in_flight: dict[Future, Sample] = {}
+        scoring: dict[Future, tuple[list[Sample], list[Sample]]] = {}  # -> (group, its unscored samples)
         m = collections.Counter()
         max_draws = math.ceil(num_groups * cfg.max_draw_factor)
 
@@ -213,14 +158,34 @@ class RolloutManager:
             in_flight[self._executor.submit(self._run_sample, sample)] = sample
 
         def finish_group(group: list[Sample]) -> None:
-            del open_groups[group[0].group_id]
+            """Every response of the group is done: score it, or close it if it is scored."""
+            if any(g is group for g, _ in scoring.values()):  # its samples finished together
+                return
             for s in group:
                 s.check_aligned()
-                if s.reward is None:
-                    ok = score_sample(s, self.reward_fn, self.decode(s.response_ids))
-                    m["reward_errors"] += not ok
-                    self.reward_budget.record(ok, s.reward_error)
-                elif self.env_factory is not None:  # an episode's reward came from its environment
+            unscored = [s for s in group if s.reward is None]
+            if unscored and self.env_factory is None:
+                future = self.scorer.submit([s.prompt for s in unscored],
+                                            [self.decode(s.response_ids) for s in unscored])
+                scoring[future] = (group, unscored)
+                return
+            close_group(group)
+
+        def apply_scores(group: list[Sample], unscored: list[Sample], scores: list[Score]) -> None:
+            for s, score in zip(unscored, scores):
+                s.reward, s.reward_error = score.reward, score.error
+                s.metadata["reward_seconds"] = score.seconds
+                m["reward_errors"] += not score.ok
+                m["reward_timeouts"] += score.status == TIMEOUT
+                m["reward_worker_restarts"] += score.status in (TIMEOUT, DIED)
+                m["reward_seconds"] += score.seconds
+                self.reward_budget.record(score.ok, score.error)
+            close_group(group)
+
+        def close_group(group: list[Sample]) -> None:
+            del open_groups[group[0].group_id]
+            for s in group:
+                if self.env_factory is not None:  # an episode's reward came from its environment
                     error = s.metadata.get("env_error")
                     m["env_errors"] += error is not None
                     self.reward_budget.record(error is None, error)
@@ -269,7 +234,7 @@ class RolloutManager:
                     start_group(self._new_group(record))
                 if len(kept) >= num_groups:
                     break
-                if not in_flight:
+                if not in_flight and not scoring:
                     raise RuntimeError(
                         f"rollout step cannot fill {num_groups} groups: {len(kept)} kept, "
                         f"{m['groups_dropped_equal_reward']} dropped (all rewards equal), "
@@ -278,14 +243,22 @@ class RolloutManager:
                 if should_stop is not None and should_stop():
                     interrupted = True
                     break
-                done, _ = wait(list(in_flight), timeout=poll, return_when=FIRST_COMPLETED)
+                only_scoring, waited = not in_flight, time.monotonic()
+                done, _ = wait([*in_flight, *scoring], timeout=poll, return_when=FIRST_COMPLETED)
+                if only_scoring:  # what scoring costs this thread: waiting with nothing generating
+                    m["reward_wait_seconds"] += time.monotonic() - waited
                 if not done:
-                    if time.monotonic() - last_done < cfg.request_timeout_s:
+                    # scoring is bounded by the scorer (reward_timeout_s per call); this bounds generation
+                    if time.monotonic() - last_done < cfg.request_timeout_s or not in_flight:
                         continue
                     raise TimeoutError(f"no rollout request finished within {cfg.request_timeout_s} s "
                                        f"({len(in_flight)} in flight)")
                 last_done = time.monotonic()
                 for f in done:
+                    if f in scoring:
+                        group, unscored = scoring.pop(f)
+                        apply_scores(group, unscored, f.result())  # RewardWorkerError propagates
+                        continue
                     sample = in_flight.pop(f)
                     f.result()  # a server failure propagates here
                     if sample.status != DONE:  # aborted by someone else before we were full: resume
@@ -383,6 +356,8 @@ class RolloutManager:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._own_scorer is not None:
+            self._own_scorer.close()
 
 
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:

@@ -1,0 +1,251 @@
+"""`reward: code`: the response's program run against the row's tests, in the sandbox (sandbox.py).
+
+    reward = CodeReward(CodeSandboxSettings())
+    tests = reward.prepare(record)               # once per prompt: the row's tests, parsed
+    reward.score(record, response_text, tests)   # fraction of tests passed (or all-or-nothing)
+
+The program: the last fenced code block of the response (```python ... ``` or untagged ```...```;
+a later block in another language does not hide an earlier Python one), Python only.
+
+The tests, from the field the answer key points at (`rollout.answer_key`), in any of the layouts
+users keep them in:
+- APPS / TACO `input_output`, which is also verl's `reward_model.ground_truth`: a dict or its JSON
+  text `{"inputs": [...], "outputs": [...], "fn_name": optional}`. Without fn_name each test is a
+  stdin/stdout pair (an input or output given as a list of lines is joined); with it, each input is
+  the argument list of a call to `fn_name` (a top-level function, or a method of `class Solution`)
+  and the output its return value (APPS wraps it in a one-element list: both are accepted).
+- LiveCodeBench: a list (or its JSON text) of `{"input", "output", "testtype": "stdin" |
+  "functional"}`, from `public_test_cases`; the row's `private_test_cases` are added when
+  `code_sandbox.private_tests` is on (plain JSON, or LiveCodeBench's base64 + zlib + pickle of the
+  JSON text, unpickled with nothing but strings allowed). Functional tests take the function name
+  from the row's `metadata` (`{"func_name": ...}`) and one JSON value per input line.
+A per-test time limit comes from the row (`time_limit`: seconds, or text such as "2 seconds", at
+the top level or in the tests' dict), else from code_sandbox.time_limit_s.
+
+Comparison of stdout: equal after trimming trailing whitespace per line and trailing empty lines,
+else token by token with numbers equal within 1e-6 (relative or absolute). Return values: equal as
+JSON values, numbers within the same tolerance, tuples as lists.
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import math
+import pickle
+import re
+import zlib
+from typing import Any
+
+from rollout.rewards.sandbox import Sandbox
+from rollout.rewards.settings import CodeSandboxSettings
+
+_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
+FLOAT_TOLERANCE = 1e-6
+
+
+def extract_program(text: str) -> str | None:
+    """The last fenced Python (or untagged) code block of a response, or None."""
+    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(text)]
+    python = [code for tag, code in blocks if tag in PYTHON_TAGS]
+    return python[-1] if python else None
+
+
+@dataclasses.dataclass
+class Case:
+    input: Any
+    """stdin text, or the argument list of a call."""
+    output: Any
+    """expected stdout text, or the expected return value."""
+
+
+@dataclasses.dataclass
+class TestSuite:
+    cases: list[Case]
+    fn_name: str | None = None
+    """Call-based tests: the function (or Solution method) to call; None: stdin/stdout."""
+    time_limit_s: float | None = None
+
+
+class _StringsOnly(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from a test field")
+
+
+def _decode_tests(value: Any, where: str) -> Any:
+    """A test field as data: as it is, JSON text, or LiveCodeBench's base64(zlib(pickle(JSON)))."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text[:1] in "[{":
+        return json.loads(text)
+    try:
+        raw = _StringsOnly(io.BytesIO(zlib.decompress(base64.b64decode(text)))).load()
+    except Exception as e:  # noqa: BLE001 - named below with the field
+        raise ValueError(f"{where}: expected tests as JSON ({{inputs, outputs[, fn_name]}} or a list of "
+                         f"{{input, output, testtype}}) or LiveCodeBench's compressed form, got {text[:60]!r} "
+                         f"({type(e).__name__}: {e})") from None
+    return json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+
+
+def _lines(x: Any) -> str:
+    return "\n".join(map(str, x)) + "\n" if isinstance(x, list) else str(x)
+
+
+def _time_limit(*sources: Any) -> float | None:
+    for src in sources:
+        if isinstance(src, dict) and src.get("time_limit") is not None:
+            value = src["time_limit"]
+            m = re.match(r"\s*([0-9]*\.?[0-9]+)", str(value))
+            if m:
+                return float(m.group(1))
+    return None
+
+
+def load_tests(record: dict, private_tests: bool = True) -> TestSuite:
+    """The row's tests (module docstring for the layouts); ValueError naming the field otherwise."""
+    spec = _decode_tests(record["answer"], "answer")
+    if isinstance(spec, dict) and "inputs" in spec and "outputs" in spec:
+        inputs, outputs, fn_name = spec["inputs"], spec["outputs"], spec.get("fn_name")
+        if len(inputs) != len(outputs):
+            raise ValueError(f"answer: {len(inputs)} inputs but {len(outputs)} outputs")
+        if fn_name:
+            cases = [Case(list(i) if isinstance(i, (list, tuple)) else [i], o) for i, o in zip(inputs, outputs)]
+        else:
+            cases = [Case(_lines(i), _lines(o)) for i, o in zip(inputs, outputs)]
+        return TestSuite(cases, fn_name or None, _time_limit(spec, record))
+    if isinstance(spec, list) and all(isinstance(t, dict) and "input" in t and "output" in t for t in spec):
+        tests = list(spec)
+        if private_tests and record.get("private_test_cases"):
+            private = _decode_tests(record["private_test_cases"], "private_test_cases")
+            if not isinstance(private, list):
+                raise ValueError(f"private_test_cases: expected a list of tests, got {type(private).__name__}")
+            tests += private
+        functional = [t for t in tests if t.get("testtype") == "functional"]
+        fn_name = None
+        if functional:
+            meta = record.get("metadata")
+            meta = json.loads(meta) if isinstance(meta, str) and meta.strip() else meta or {}
+            fn_name = meta.get("func_name") if isinstance(meta, dict) else None
+            if not fn_name:
+                raise ValueError("functional tests need the function's name in the row's metadata "
+                                 "({\"func_name\": ...})")
+            cases = [Case([json.loads(line) for line in str(t["input"]).split("\n") if line.strip()],
+                          json.loads(t["output"])) for t in tests]
+        else:
+            cases = [Case(str(t["input"]), str(t["output"])) for t in tests]
+        return TestSuite(cases, fn_name, _time_limit(record))
+    raise ValueError("answer: expected tests as {inputs, outputs[, fn_name]} (APPS/TACO, verl) or a list "
+                     f"of {{input, output, testtype}} (LiveCodeBench), got {str(spec)[:80]!r}")
+
+
+def _tokens_equal(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    try:
+        x, y = float(a), float(b)
+    except ValueError:
+        return False
+    return math.isclose(x, y, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
+
+
+def stdout_matches(got: str, expected: str) -> bool:
+    """Module docstring: trimmed lines, else tokens with a float tolerance."""
+    def lines(s: str) -> list[str]:
+        out = [line.rstrip() for line in s.replace("\r\n", "\n").split("\n")]
+        while out and not out[-1]:
+            out.pop()
+        return out
+    if lines(got) == lines(expected):
+        return True
+    a, b = got.split(), expected.split()
+    return len(a) == len(b) and all(_tokens_equal(x, y) for x, y in zip(a, b))
+
+
+def values_equal(got: Any, expected: Any) -> bool:
+    if isinstance(got, bool) or isinstance(expected, bool):
+        return got == expected
+    if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
+        return math.isclose(got, expected, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
+    if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
+        return len(got) == len(expected) and all(values_equal(x, y) for x, y in zip(got, expected))
+    if isinstance(got, dict) and isinstance(expected, dict):
+        return got.keys() == expected.keys() and all(values_equal(got[k], expected[k]) for k in got)
+    return got == expected
+
+
+CALL_MARKER = "\n@@gspo-call-result@@"
+
+# Appended to a program for call-based tests: one call with the arguments read from stdin (JSON),
+# the JSON of the return value printed after a marker line (the program may print too).
+CALL_HARNESS = '''
+
+def __gspo_call():
+    import json as __json, sys as __sys
+    __args = __json.loads(__sys.stdin.read())
+    __fn = globals().get({name!r})
+    if __fn is None and "Solution" in globals():
+        __fn = getattr(globals()["Solution"](), {name!r})
+    __result = __fn(*__args)
+    if isinstance(__result, tuple):
+        __result = list(__result)
+    __sys.stdout.write({marker!r} + "\\n" + __json.dumps(__result) + "\\n")
+
+__gspo_call()
+'''
+
+
+class CodeReward:
+    """The `code` reward (module docstring). One sandbox per worker process."""
+
+    def __init__(self, settings: CodeSandboxSettings) -> None:
+        self.settings = settings
+        self.sandbox = Sandbox(settings)
+
+    def prepare(self, record: dict) -> TestSuite:
+        suite = load_tests(record, self.settings.private_tests)
+        if not suite.cases:
+            raise ValueError("the row has no tests")
+        return suite
+
+    def score(self, record: dict, response_text: str, suite: TestSuite | None = None) -> float:
+        suite = suite or self.prepare(record)
+        program = extract_program(response_text)
+        if program is None:
+            return 0.0
+        limit = suite.time_limit_s or self.settings.time_limit_s
+        passed = 0
+        for case in suite.cases:
+            ok = self._run_case(program, suite.fn_name, case, limit)
+            passed += ok
+            if not ok and self.settings.scoring == "all_pass":
+                return 0.0
+        return passed / len(suite.cases) if self.settings.scoring == "fraction" else float(passed == len(suite.cases))
+
+    def _run_case(self, program: str, fn_name: str | None, case: Case, limit: float) -> bool:
+        if fn_name is None:
+            result = self.sandbox.run(program, str(case.input).encode(), limit)
+            self._check(result)
+            return result.status == "ok" and stdout_matches(result.stdout.decode(errors="replace"), str(case.output))
+        source = program + CALL_HARNESS.format(name=fn_name, marker=CALL_MARKER.strip())
+        result = self.sandbox.run(source, json.dumps(case.input).encode(), limit)
+        self._check(result)
+        out = result.stdout.decode(errors="replace")
+        marker = CALL_MARKER.strip() + "\n"
+        if result.status != "ok" or marker not in out:
+            return False
+        try:
+            got = json.loads(out.rsplit(marker, 1)[1])
+        except json.JSONDecodeError:
+            return False
+        expected = case.output
+        return values_equal(got, expected) or (isinstance(expected, list) and len(expected) == 1
+                                               and values_equal(got, expected[0]))
+
+    @staticmethod
+    def _check(result: Any) -> None:
+        if result.status == "sandbox_error":  # ours, not the program's: a reward error, counted
+            raise RuntimeError(f"the code sandbox failed to start: "
+                               f"{result.stderr_tail.decode(errors='replace').strip()[-300:]}")

@@ -1,0 +1,118 @@
+"""What a scored response is, and the error accounting around rewards.
+
+    future = scorer.submit(records, texts)     # a group: RewardWorkerPool (workers.py) or ThreadScorer
+    scores = future.result()                   # one Score per response, never an exception
+    budget.record(score.ok, score.error)       # RewardErrorBudget: the run fails past its fraction
+
+Every way a reward call can fail ends in a Score with reward 0.0 and an `error` naming it: the
+function raised, returned something that is not a finite number, ran past rollout.reward_timeout_s
+(its worker killed), or its worker died (os._exit, a segfault, the OOM killer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Protocol
+
+# Score.status values
+OK, ERROR, TIMEOUT, DIED = "ok", "error", "timeout", "died"
+
+
+@dataclasses.dataclass
+class Score:
+    reward: float
+    error: str | None = None
+    """Why the reward is 0.0 instead of the function's value (None when it is the value)."""
+    status: str = OK
+    """ok, error (raised or returned a non-number), timeout, died."""
+    seconds: float = 0.0
+    """Scoring time of this response (a batched call's time split evenly over its responses)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+
+def as_reward(value: Any) -> float:
+    """The float a reward function returned, or ValueError saying what it returned instead."""
+    if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
+        f = float(value)
+        if math.isfinite(f):
+            return f
+        raise ValueError(f"returned {f} (expected a finite number)")
+    raise ValueError(f"returned {value!r:.60} of type {type(value).__name__} (expected a number)")
+
+
+def error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class Scorer(Protocol):
+    def submit(self, records: list[dict], texts: list[str]) -> "Future[list[Score]]": ...
+    def close(self) -> None: ...
+
+
+class ThreadScorer:
+    """Scores an in-process callable on a thread of its own (the thread that feeds the servers never
+    scores). For the Python API, where the reward is a lambda or a closure that cannot be imported
+    by a worker process; it has no hard time bound: a hung call hangs its thread. The trainer always
+    uses RewardWorkerPool."""
+
+    def __init__(self, fn: Callable[[dict, str], float]) -> None:
+        self.fn = fn
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+
+    def _score_all(self, records: list[dict], texts: list[str]) -> list[Score]:
+        out = []
+        for record, text in zip(records, texts):
+            t0 = time.perf_counter()
+            try:
+                out.append(Score(as_reward(self.fn(record, text)), seconds=time.perf_counter() - t0))
+            except Exception as e:  # noqa: BLE001 - a buggy reward must not kill a long run; it is counted
+                out.append(Score(0.0, error_text(e), ERROR, time.perf_counter() - t0))
+        return out
+
+    def submit(self, records: list[dict], texts: list[str]) -> "Future[list[Score]]":
+        return self._executor.submit(self._score_all, records, texts)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class RewardErrorBudgetExceeded(RuntimeError):
+    pass
+
+
+class RewardErrorBudget:
+    """Counts reward calls and failures over the run; raises past `max_error_fraction`
+    (checked once at least `min_calls` calls were made, so one early failure does not end a run)."""
+
+    def __init__(self, max_error_fraction: float = 0.0, min_calls: int = 1):
+        self.max_error_fraction, self.min_calls = max_error_fraction, min_calls
+        self.calls = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self._lock = threading.Lock()  # the train and the eval managers may share one budget
+
+    def record(self, ok: bool, error: str | None = None) -> None:
+        with self._lock:
+            self.calls += 1
+            if not ok:
+                self.errors += 1
+                self.last_error = error
+            if (self.calls >= self.min_calls
+                    and self.errors > self.max_error_fraction * self.calls):
+                raise RewardErrorBudgetExceeded(
+                    f"the reward (or environment) failed {self.errors} of {self.calls} times "
+                    f"(> rollout.max_reward_error_fraction {self.max_error_fraction}); last error: "
+                    f"{self.last_error}")
+
+    def to_state(self) -> dict[str, Any]:
+        return {"calls": self.calls, "errors": self.errors, "last_error": self.last_error}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.calls, self.errors, self.last_error = state["calls"], state["errors"], state["last_error"]
