@@ -52,7 +52,7 @@ def run_one(n: int, url: str, work: Path, steps: int, extra: list[str]) -> dict:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"max_staleness={n}: the run failed:\n{proc.stderr[-3000:]}")
-    return {"n": n, "records": read_jsonl(run / "tb" / "metrics.jsonl")}
+    return {"n": n, "records": read_jsonl(run / "tb" / "metrics.jsonl", steps_only=True)}
 
 
 def summarise(r: dict, skip: int) -> dict:
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--skip", type=int, default=3, help="warm-up steps left out of the medians")
     p.add_argument("--set", dest="extra", action="append", default=[], help="more overrides")
+    p.add_argument("--url", help="attach to this SGLang server (serving the tiny MoE) instead of starting one")
     args = p.parse_args(argv)
     from rollout.server import ServerConfig, ServerGroup
     if not (MODEL / "config.json").is_file():
@@ -85,7 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="gspo-bench-async-"))
     rows = []
     try:
-        with ServerGroup.launch(ServerConfig(model_path=str(MODEL), device="cpu")) as group:
+        group = (ServerGroup.attach([args.url]) if args.url
+                 else ServerGroup.launch(ServerConfig(model_path=str(MODEL), device="cpu")))
+        with group:
             for n in args.staleness:
                 extra = [a for kv in args.extra for a in ("--set", kv)]
                 rows.append(summarise(run_one(n, group.server_urls[0], work, args.steps, extra), args.skip))

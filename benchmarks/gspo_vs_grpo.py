@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def run(loss: str, args) -> dict[int, dict[str, float]]:
-    out = ROOT / "runs" / "gspo_vs_grpo" / loss
+    out = Path(args.out) / loss
     cmd = [str(ROOT / ".venv" / "bin" / "gspo-megatron"), "train", args.config,
            "--set", f"loss.name={loss}", "--set", f"train.steps={args.steps}",
            "--set", f"checkpoint.dir={out / 'ckpt'}", "--set", "checkpoint.export_hf=null",
@@ -34,17 +34,18 @@ def run(loss: str, args) -> dict[int, dict[str, float]]:
     print(f"[bench] {loss}: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
     from gspo_megatron.metrics import read_jsonl
-    return {int(r["step"]): r for r in read_jsonl(out / "tb" / "metrics.jsonl")}
+    return {int(r["step"]): r for r in read_jsonl(out / "tb" / "metrics.jsonl", steps_only=True)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="examples/tiny_moe_larger_digit.yaml")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--every", type=int, default=5, help="print every N-th step (and the last)")
     p.add_argument("--set", action="append", default=[], help="extra overrides for both runs")
     p.add_argument("--resume", action="store_true", help="keep earlier run dirs (resume them)")
-    args = p.parse_args()
+    p.add_argument("--out", default=str(ROOT / "runs" / "gspo_vs_grpo"), help="where the two runs go")
+    args = p.parse_args(argv)
     model = ROOT / "runs" / "models" / "tiny-qwen3-moe"
     if not (model / "config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--arch",

@@ -29,23 +29,23 @@ sys.path.insert(0, str(ROOT))
 
 RUNS = {"gspo": ["loss.name=gspo"], "grpo": ["loss.name=grpo"],
         "grpo_r3": ["loss.name=grpo", "moe.replay=true"]}
-MODEL_OVERRIDES = ["num_experts=16", "num_experts_per_tok=2"]
+MODEL_OVERRIDES = ["num_experts_per_tok=2"]
 COLUMNS = (("rollout/reward_mean", "reward", "{:>6.3f}"), ("routing/drift", "drift", "{:>6.3f}"),
            ("train/clip_fraction", "clip", "{:>6.3f}"), ("train/grad_norm", "gnorm", "{:>6.2f}"))
 
 
-def make_model(path: Path) -> None:
+def make_model(path: Path, experts: int) -> None:
     if (path / "config.json").is_file():
         return
     cmd = [sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--arch", "qwen3_moe",
            "--out", str(path), "--seed", "0"]
-    for o in MODEL_OVERRIDES:
+    for o in [*MODEL_OVERRIDES, f"num_experts={experts}"]:
         cmd += ["--override", o]
     subprocess.run(cmd, check=True)
 
 
 def run(name: str, args, model: Path) -> dict[int, dict[str, float]]:
-    out = ROOT / "runs" / "moe_stability" / name
+    out = Path(args.out) / name
     if out.exists():
         shutil.rmtree(out)
     sets = [f"model.hf_path={model}", f"train.steps={args.steps}", f"train.lr={args.lr}",
@@ -59,7 +59,7 @@ def run(name: str, args, model: Path) -> dict[int, dict[str, float]]:
     print(f"[bench] {name}: {' '.join(sets)}", flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
     from gspo_megatron.metrics import read_jsonl
-    return {int(r["step"]): r for r in read_jsonl(out / "tb" / "metrics.jsonl")}
+    return {int(r["step"]): r for r in read_jsonl(out / "tb" / "metrics.jsonl", steps_only=True)}
 
 
 def table(results: dict[str, dict[int, dict[str, float]]], every: int) -> str:
@@ -91,7 +91,7 @@ def table(results: dict[str, dict[int, dict[str, float]]], every: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="examples/tiny_moe_larger_digit.yaml")
     p.add_argument("--steps", type=int, default=60)
@@ -100,9 +100,14 @@ def main() -> None:
     p.add_argument("--every", type=int, default=5, help="print every N-th step (and the last)")
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     p.add_argument("--set", action="append", default=[], help="extra overrides for every run")
-    args = p.parse_args()
-    model = ROOT / "runs" / "models" / "tiny-qwen3-moe-e16"
-    make_model(model)
+    p.add_argument("--out", default=str(ROOT / "runs" / "moe_stability"), help="where the runs go")
+    p.add_argument("--experts", type=int, default=16, help="experts of the tiny MoE (top-2)")
+    p.add_argument("--url", help="attach every run to this SGLang server (serving a tiny MoE of --experts)")
+    args = p.parse_args(argv)
+    if args.url:
+        args.set.append(f"rollout.server_urls=[{args.url}]")
+    model = ROOT / "runs" / "models" / f"tiny-qwen3-moe-e{args.experts}"
+    make_model(model, args.experts)
     results = {name: run(name, args, model) for name in args.runs}
     print()
     print(table(results, args.every))

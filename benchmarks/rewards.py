@@ -116,15 +116,16 @@ def _batch(group: tuple[dict, list[str]]) -> tuple[list[dict], list[str]]:
     return [record] * len(texts), texts
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--groups", type=int, default=None, help="groups per workload (default: 32 math, 16 code)")
-    p.add_argument("--smoke", action="store_true", help="2 groups, 1 and 2 workers: the smallest size")
+    p.add_argument("--smoke", action="store_true", help="1 group of 2 per workload, 2 workers: the smallest size")
+    p.add_argument("--group-size", type=int, help="responses per group (default: 8 math, 4 code)")
     p.add_argument("--json", type=Path, help="also write the rows here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.smoke:
-        args.workers, args.groups = [1, 2], 2
+        args.workers, args.groups, args.group_size = [2], 1, 2
     rows = []
     print("| workload | responses | inline resp/s | inline ms/resp | " + " | ".join(
         f"{w} workers resp/s" for w in args.workers) + " | loop s inline | " + " | ".join(
@@ -132,7 +133,7 @@ def main() -> None:
         f"projected {PAPER_RESPONSES} resp: inline s | {PROJECTED_WORKERS} workers s |")
     print("|" + "---|" * (6 + 2 * len(args.workers)) + "---|")
     for label, (name, make, n_groups, size) in WORKLOADS.items():
-        groups = [make(g, size) for g in range(args.groups or n_groups)]
+        groups = [make(g, args.group_size or size) for g in range(args.groups or n_groups)]
         n = sum(len(t) for _, t in groups)
         total, _ = inline(name, groups)
         results = {w: pooled(name, groups, w, window_s=total) for w in args.workers}

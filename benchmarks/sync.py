@@ -32,7 +32,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", default="disk,tensor,distributed")
+    p.add_argument("--model", help="an HF Qwen3-MoE folder to sync instead of making one (--hidden ... ignored)")
+    p.add_argument("--url", help="with --model: an SGLang server already serving it (its weights are replaced)")
     args = p.parse_args(argv)
+    if args.url and not args.model:
+        p.error("--url needs --model (the model the server serves)")
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -54,19 +58,24 @@ def main(argv: list[str] | None = None) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="gspo-bench-sync-"))
     h = args.hidden
-    model_dir = make_tiny_model("qwen3_moe", work / "hf", seed=0, hidden_size=h,
-                                intermediate_size=2 * h, moe_intermediate_size=h // 2,
-                                num_hidden_layers=args.layers, num_experts=args.experts,
-                                num_attention_heads=8, num_key_value_heads=4, head_dim=h // 8)
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        model_dir = make_tiny_model("qwen3_moe", work / "hf", seed=0, hidden_size=h,
+                                    intermediate_size=2 * h, moe_intermediate_size=h // 2,
+                                    num_hidden_layers=args.layers, num_experts=args.experts,
+                                    num_attention_heads=8, num_key_value_heads=4, head_dim=h // 8)
     hf = normalize_hf_config(load_hf_config(model_dir))
+    h, args.layers, args.experts = hf["hidden_size"], hf["num_hidden_layers"], hf["num_experts"]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     actor = Actor(hf, ParallelLayout())
     bucket_bytes = int(args.bucket_mb * (1 << 20))
 
     rows = []
-    with ServerGroup.launch(ServerConfig(model_path=str(model_dir), device="cpu",
-                                         startup_timeout_s=600)) as group:
+    group = (ServerGroup.attach([args.url]) if args.url else
+             ServerGroup.launch(ServerConfig(model_path=str(model_dir), device="cpu", startup_timeout_s=600)))
+    with group:
         pool = ServerPool(group.server_urls)
         makers = {
             "disk": lambda: DiskTransport(pool, work / "disk", model_dir),

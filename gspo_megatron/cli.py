@@ -45,13 +45,20 @@ def known_errors() -> tuple[type[BaseException], ...]:
             RewardServiceError, SandboxUnavailable)
 
 
-def quiet_cpu_import_warnings() -> None:
-    """megatron-core says at import, a dozen lines, that Transformer Engine and Apex are missing,
-    and torch that there is no CUDA runtime: on a CPU that is expected (the run prints the compute
-    settings it resolved instead)."""
+def quiet_expected_warnings() -> None:
+    """Warnings a run prints that say nothing the user can act on, silenced:
+    - megatron-core says at import, a dozen lines, that Transformer Engine and Apex are missing, and
+      torch that there is no CUDA runtime: on a CPU that is expected (the run prints the compute
+      settings it resolved instead);
+    - torch's deprecations that megatron-core 0.16.1's own checkpoint code hits at every load
+      (`load_state_dict` -> `load` in dist_checkpointing/strategies/torch.py:799, ShardedTensor ->
+      DTensor): megatron's to change, not the user's (README, "What the main job prints")."""
     warnings.filterwarnings("ignore", message=r".*(Apex is|Transformer Engine and Apex are) not installed",
                             category=UserWarning)
     warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)
+    warnings.filterwarnings("ignore", message=r"`load_state_dict` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+                            category=FutureWarning)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_fields())
         return 0
     if args.command == "plan":
-        quiet_cpu_import_warnings()
+        quiet_expected_warnings()
         from gspo_megatron.planner.command import run
         from gspo_megatron.planner.plan import PlanError
         try:
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         early_checks(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except (ConfigError, LayoutError, HFConfigError, PromptFileError, FileNotFoundError, RunLockedError) as e:
         return _error(e)
-    quiet_cpu_import_warnings()
+    quiet_expected_warnings()
     errors = known_errors()
     from gspo_megatron.stop import SignalExit
     try:

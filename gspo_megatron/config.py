@@ -300,6 +300,9 @@ class RunConfig:
              "a prompt set when eval.interval > 0")
         need(e.samples_per_prompt >= 1, "eval.samples_per_prompt", e.samples_per_prompt, ">= 1")
         need(e.temperature >= 0, "eval.temperature", e.temperature, ">= 0 (0 = greedy)")
+        need(e.samples_per_prompt == 1 or e.temperature > 0, "eval.samples_per_prompt", e.samples_per_prompt,
+             "1 with eval.temperature=0: greedy decoding gives n identical responses (pass@k would equal "
+             "accuracy); set eval.temperature > 0 (e.g. 0.6) to sample n")
         need(0 < e.top_p <= 1, "eval.top_p", e.top_p, "in (0, 1]")
         need(e.max_new_tokens is None or e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens,
              ">= 1 or null")
@@ -307,7 +310,13 @@ class RunConfig:
         for name in ("tensor", "pipeline", "expert", "context"):
             v = getattr(self.parallel, name)
             need(v >= 1, f"parallel.{name}", v, ">= 1")
-        need(r.group_size >= 1, "rollout.group_size", r.group_size, ">= 1")
+        # Every loss here has group-relative advantages (GSPO Eq. 6, and turn credit normalised
+        # over the group): with one response per prompt every advantage is exactly 0 and the run
+        # learns nothing while looking healthy. A config whose every advantage must be 0 is an error.
+        need(r.group_size >= 2, "rollout.group_size", r.group_size,
+             f">= 2: loss.name={self.loss.name} uses group-relative advantages (reward minus the mean of "
+             f"the prompt's group, GSPO Eq. 6), so a group of one has advantage 0 everywhere and the run "
+             f"would learn nothing")
         need(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, ">= 1")
         need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
         need(r.temperature > 0, "rollout.temperature", r.temperature,

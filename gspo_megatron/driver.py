@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -171,6 +172,8 @@ class Driver:
                                           chat=self.chat, max_turns=r.max_turns)
         else:
             self.rewards = RewardWorkerPool.from_config(r)  # starts its workers now, while the run sets up
+            print(f"[gspo] reward: {r.reward} in {r.reward_workers} worker processes, at most "
+                  f"{r.reward_timeout_s:g} s a call", flush=True)
             self.manager = RolloutManager(
                 self.pool, r,  # the rollout config section is the manager's config (and more)
                 encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec), decode=decode,
@@ -193,6 +196,7 @@ class Driver:
         if r.server_urls:
             servers = ServerGroup.attach(r.server_urls, r.router_url,
                                          health_timeout_s=r.server_startup_timeout_s)
+            print(f"[gspo] SGLang: attached to {', '.join(servers.server_urls)}", flush=True)
         else:
             extra = list(r.server_extra_args)
             server = ServerConfig(model_path=cfg.model.hf_path, extra_args=extra,
@@ -207,7 +211,13 @@ class Driver:
                         f"(torch_native); use rollout.seed=null (rollout.top_k=1 for greedy)")
                 if "--enable-deterministic-inference" not in extra:
                     extra.append("--enable-deterministic-inference")  # honours sampling_seed
+            where = f"logs in {log_dir}" if log_dir else "logs in a temporary folder"
+            print(f"[gspo] SGLang: starting {r.num_servers} server(s) for {cfg.model.hf_path} on "
+                  f"{server.resolved_device()} ({where}; ~30 s on a CPU)", flush=True)
+            t0 = time.monotonic()
             servers = ServerGroup.launch(server, num_servers=r.num_servers)
+            print(f"[gspo] SGLang: ready in {time.monotonic() - t0:.0f} s at {', '.join(servers.server_urls)}",
+                  flush=True)
         try:
             return cls(cfg, servers, records)
         except BaseException:

@@ -18,13 +18,14 @@ from pathlib import Path
 from gspo_megatron.config import RunConfig
 from model_specs.hf_config import load_hf_config, model_dims
 from rollout.dataset import PromptFileError, PromptSet, load_prompts
+from rollout.prompt_rows import resolved
 
 
 def check_model_dir(cfg: RunConfig) -> Path:
     """model.hf_path, which must hold a config.json."""
     hf_dir = Path(cfg.model.hf_path)
     if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"model.hf_path={str(hf_dir)!r}: no config.json there (expected a "
+        raise FileNotFoundError(f"model.hf_path={resolved(hf_dir)}: no config.json there (expected a "
                                 f"Hugging Face model directory)")
     return hf_dir
 

@@ -192,10 +192,12 @@ def per_layer_histograms(metrics: Mapping[str, float]) -> dict[str, list[float]]
     return out
 
 
-def read_jsonl(path: str | Path, *, live: bool = False) -> list[dict[str, float]]:
+def read_jsonl(path: str | Path, *, live: bool = False, steps_only: bool = False) -> list[dict[str, float]]:
     """The per-step records of a metrics.jsonl (the last record per step wins). live: the run is
     still writing it, so a last line without its newline is one being written and is left for the
-    next read (it would be a JSON error here); a finished file is read whole."""
+    next read (it would be a JSON error here); a finished file is read whole. steps_only: only the
+    records of training steps (is_step_record), not the final eval's (logged at step train.steps
+    with eval/* metrics only); what a reader of step timings wants."""
     by_step: dict[int, dict[str, float]] = {}
     text = Path(path).read_text()
     if live and not text.endswith("\n"):
@@ -203,8 +205,15 @@ def read_jsonl(path: str | Path, *, live: bool = False) -> list[dict[str, float]
     for line in text.splitlines():
         if line.strip():
             rec = json.loads(line)
+            if steps_only and not is_step_record(rec):
+                continue
             by_step[int(rec["step"])] = rec
     return [by_step[s] for s in sorted(by_step)]
+
+
+def is_step_record(rec: dict) -> bool:
+    """A training step's record (it has the step's time), not an eval-only one."""
+    return "time/step" in rec
 
 
 def read_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:

@@ -194,6 +194,9 @@ def initial_megatron_checkpoint(cfg: RunConfig, rank: int, fingerprint: dict[str
             if out.exists():
                 print(f"[gspo] {out} is not a conversion of {cfg.model.hf_path} ({change}; made from "
                       f"{source}): converting again", flush=True)
+            else:
+                print(f"[gspo] converting the initial model {cfg.model.hf_path} (HF) into a megatron "
+                      f"checkpoint at {out}", flush=True)
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             try:

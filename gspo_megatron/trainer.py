@@ -42,6 +42,9 @@ def run_loop(run: Run) -> None:
     ckpt_time: dict[str, float] = {}
     saved = loop.step if run.resumed_from else None  # the step of the newest checkpoint
     staleness = cfg.train.max_staleness  # 0: the synchronous loop (rollout, train, sync in turn)
+    if run.rank == 0 and loop.step < cfg.train.steps:
+        print(f"[gspo] RL: steps {loop.step}..{cfg.train.steps - 1} ({cfg.loss.name}, "
+              f"{'synchronous' if not staleness else f'asynchronous, max_staleness {staleness}'})", flush=True)
     if staleness and run.rank == 0:  # the rollout thread generates from here on (docs/async.md)
         run.driver.start_async(version=lambda: str(loop.weight_version))
     for step in range(loop.step, cfg.train.steps):
@@ -182,6 +185,9 @@ def warm_start(run: Run) -> None:
     resets it, so RL starts from a fresh optimizer and its own learning-rate schedule."""
     cfg, actor = run.cfg, run.actor
     n = cfg.train.warm_start_batch_size
+    if run.rank == 0:
+        print(f"[gspo] warm start: {cfg.train.warm_start_steps} supervised steps on the prompt set's "
+              f"answers ({n} examples each), then RL", flush=True)
     for k in range(cfg.train.warm_start_steps):
         if run.stop.agreed():  # nothing of RL to save yet: a rerun warm-starts again, the same way
             raise SignalExit(run.stop.signum)

@@ -220,22 +220,44 @@ def _arrow_cache(files: list[Path], cache_dir: Path | None):
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
         schema = pq.ParquetFile(files[0]).schema_arrow
         counts = []
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for f in files:
-                # Small record batches: reading one row of a memory-mapped batch touches pages in
-                # proportion to the batch (a list/struct column of chat messages measured 400 KB
-                # a row at 8192 rows a batch, 37 KB at 256); 64 rows keep a million-row set's
-                # peak RSS under 300 MB after a thousand random reads (benchmarks/data.py).
-                for batch in pq.ParquetFile(f, memory_map=True, pre_buffer=False).iter_batches(batch_size=64):
-                    writer.write_batch(batch.cast(schema) if batch.schema != schema else batch)
-                    counts.append(batch.num_rows)
-        np.save(str(target) + ".rows.npy", np.asarray(counts, dtype=np.int64))
+        try:
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+                for f in files:
+                    # Small record batches: reading one row of a memory-mapped batch touches pages in
+                    # proportion to the batch (a list/struct column of chat messages measured 400 KB
+                    # a row at 8192 rows a batch, 37 KB at 256); 64 rows keep a million-row set's
+                    # peak RSS under 300 MB after a thousand random reads (benchmarks/data.py).
+                    for batch in pq.ParquetFile(f, memory_map=True, pre_buffer=False).iter_batches(batch_size=64):
+                        writer.write_batch(batch.cast(schema) if batch.schema != schema else batch)
+                        counts.append(batch.num_rows)
+            np.save(str(target) + ".rows.npy", np.asarray(counts, dtype=np.int64))
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # nothing half-written stays behind
+            raise
         os.replace(tmp, target)  # the data file last: it marks the cache complete
     return IpcRows(target)
 
 
+def check_same_schema(files: list[Path], parquet: list) -> None:
+    """The shards of one set have one schema (they become one table): else one line naming the
+    two files and the first column that differs, before anything is converted."""
+    first = parquet[0].schema_arrow
+    for f, pf in zip(files[1:], parquet[1:]):
+        other = pf.schema_arrow
+        if other.equals(first):
+            continue
+        a, b = {fl.name: fl.type for fl in first}, {fl.name: fl.type for fl in other}
+        name = next((n for n in list(a) + list(b) if a.get(n) != b.get(n)), None)
+        what = (f"{name!r} is {a[name]} in one and {b[name]} in the other" if name in a and name in b
+                else f"{name!r} is only in {files[0].name if name in a else f.name}" if name
+                else "the columns are in another order")
+        raise PromptFileError(f"{files[0]} and {f}: the shards of one prompt set must have one schema; "
+                              f"{what}")
+
+
 def open_parquet(path: Path, files: list[Path], cache_dir) -> ArrowSource:
     parquet = _read_parquet_schema_checked(files)
+    check_same_schema(files, parquet)
     return ArrowSource(path, files, lambda: _arrow_cache(files, cache_dir), "parquet", parquet)
 
 

@@ -16,6 +16,13 @@ class PromptFileError(ValueError):
     """A prompt file or one of its records is invalid; the message names file, row and key."""
 
 
+def resolved(path: str | Path) -> str:
+    """A path for an error message: as given, and where a relative one points (config paths are
+    relative to the working directory, not to the config file)."""
+    p = Path(path)
+    return f"{str(path)!r}" if p.is_absolute() else f"{str(path)!r} (= {Path.cwd() / p}, relative to the working directory)"
+
+
 def get_key(row: Any, path: str, where: str) -> Any:
     """row[a][b][c] for path "a.b.c"; PromptFileError naming the key and what the row has."""
     value, done = row, []

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rollout.arrow_prompts import open_parquet, parquet_files, saved_dataset
-from rollout.prompt_rows import JsonlSource, PromptFileError, make_record  # noqa: F401  (PromptFileError: the API)
+from rollout.prompt_rows import JsonlSource, PromptFileError, make_record, resolved  # noqa: F401  (PromptFileError: the API)
 
 
 def open_source(spec: str, cache_dir: str | Path | None):
@@ -40,11 +40,20 @@ def open_source(spec: str, cache_dir: str | Path | None):
         hub = "/" in spec and not spec.startswith((".", "/")) and len(spec.split("/")) == 2
         why = (" (it looks like a Hugging Face hub name: this machine has no hub access; download "
                "the dataset and give its local path)") if hub else ""
-        raise PromptFileError(f"{spec}: no such file or folder{why}")
+        raise PromptFileError(f"{resolved(spec)}: no such file or folder{why}")
     if path.is_file() and path.suffix in (".jsonl", ".json"):
         return JsonlSource(path)
     if path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
         return saved_dataset(path)
+    if path.is_dir() and (path / "dataset_dict.json").is_file():  # a DatasetDict: one folder per split
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
+        except (OSError, ValueError):
+            splits = []
+        splits = [s for s in splits if (path / s / "state.json").is_file()] or sorted(
+            d.name for d in path.iterdir() if (d / "state.json").is_file())
+        raise PromptFileError(f"{path}: a DatasetDict saved by save_to_disk, with the splits {splits}: give "
+                              f"one split's folder, e.g. {path / (splits[0] if splits else 'train')}")
     files = parquet_files(path)
     if path.is_file() and path.suffix != ".parquet" or not files:
         raise PromptFileError(f"{path}: not a prompt set (expected a .jsonl or .parquet file, a folder "

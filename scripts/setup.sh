@@ -22,6 +22,9 @@ need_disk setup "$VENV" 9   # measured: 7.1 GiB when built, plus pip's unpacking
 echo "[setup] building $VENV (first use; about 3-4 minutes, 7 GiB)" >&2
 t0=$SECONDS
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP_LOG="$VENV/setup-pip.log"
+: > "$PIP_LOG"
+echo "[setup] pip's output goes to $PIP_LOG (its lines about CUDA packages sglang lists but a CPU machine leaves out are expected: requirements/sglang-cpu.txt)" >&2
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 PIN="$(mktemp)"; trap 'rm -f "$PIN"' EXIT
 printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$PIN"
@@ -31,7 +34,8 @@ quiet "${PIP[@]}" install -c "$PIN" -e ".[test]"
 # subset of its requirements (requirements/sglang-cpu.txt says what is left out and why).
 quiet "${PIP[@]}" install -c "$PIN" --no-deps "sglang==0.5.23"
 quiet "${PIP[@]}" install -c "$PIN" -r requirements/sglang-cpu.txt
-"$VENV/bin/python" - <<'PY'
+"$VENV/bin/python" -c "$QUIET_IMPORTS
+exec(open('/dev/stdin').read())" <<'PY'
 import torch, megatron.core, sglang, transformers, tensorboard  # noqa: F401  fail here, not in a test
 print(f"[setup] torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
       f"sglang {sglang.__version__}, transformers {transformers.__version__}")

@@ -31,11 +31,15 @@ need_disk setup-mcore019 "$VENV" 7   # measured: 5.7 GiB when built
 echo "[setup-mcore019] building $VENV with $("$PY" --version)" >&2
 t0=$SECONDS
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+PIP_LOG="$VENV/setup-pip.log"
+: > "$PIP_LOG"
+echo "[setup-mcore019] pip's output goes to $PIP_LOG" >&2
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # torch 2.14.1 as in .venv (from PyPI for 3.12: a CUDA build, which runs on the CPU too).
 quiet "${PIP[@]}" install torch==2.14.1
 quiet "${PIP[@]}" install "megatron-core==0.19.2" "transformers==5.19.0" "tokenizers==0.23.2" -e ".[test]"
-"$VENV/bin/python" - <<'PY'
+"$VENV/bin/python" -c "$QUIET_IMPORTS
+exec(open('/dev/stdin').read())" <<'PY'
 # megatron.core.__version__ gains "+<git sha>" of whatever repository holds the venv
 # (megatron/core/package_info.py runs `git rev-parse` in its own directory): ask the metadata.
 from importlib.metadata import version

@@ -152,7 +152,7 @@ def test_async_sigkill_and_resume_trains_every_prompt_once(tmp_path, server_url)
     assert marker.exists(), log.read_text()[-5000:]
     resumed = run_train(args)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-5000:]
-    assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl")] == list(range(6))
+    assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)] == list(range(6))
     prompts = _trained_prompts(tmp_path)
     assert len(prompts) == 12 and len(set(prompts)) == 12, "a prompt trained twice"
     _check_staleness(tmp_path, 1)
@@ -173,7 +173,7 @@ def test_async_tp2_and_pp2_equal_one_process(tmp_path, server_url, layout):  # n
     assert one.returncode == 0, one.stderr[-5000:]
     two = run_train(_lockstep(tmp_path / "two", server_url) + ["--set", f"parallel.{layout}=2"], nproc=2)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
-    a, b = read_jsonl(tmp_path / "one" / "tb" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "tb" / "metrics.jsonl")
+    a, b = read_jsonl(tmp_path / "one" / "tb" / "metrics.jsonl", steps_only=True), read_jsonl(tmp_path / "two" / "tb" / "metrics.jsonl", steps_only=True)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2]
     for ra, rb in zip(a, b):
         for k in ("train/loss", "train/grad_norm", "train/logprob_abs_diff", "rollout/reward_mean",
@@ -227,6 +227,6 @@ def test_async_routing_replay(tmp_path):
     assert all(v < 1e-4 for v in s["train/logprob_abs_diff"]), s["train/logprob_abs_diff"]
     assert all(v == 0.0 for v in s["routing/replay_mismatch"]), s["routing/replay_mismatch"]
     from gspo_megatron.metrics import read_jsonl
-    restarted = sum(r.get("rollout/partial_restarted", 0.0) for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl"))
+    restarted = sum(r.get("rollout/partial_restarted", 0.0) for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True))
     print(f"partial responses restarted (not resumed under new weights): {restarted:.0f}")
     assert restarted > 0  # responses were cut by syncs (24 per run measured): the case arose

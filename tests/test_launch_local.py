@@ -78,7 +78,7 @@ def test_local_real_trainer_and_server_then_rerun_resumes(tmp_path):
                             timeout=600, env=env, cwd=ROOT)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     assert "resumed from" in second.stdout and "(step 2)" in second.stdout
-    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)] == [0, 1, 2]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     host = socket.gethostname().split(".")[0]
     for logs in sorted((run_dir / "logs").iterdir()):

@@ -136,10 +136,10 @@ def test_real_trainer_and_sglang_preempted_mid_run_save_on_the_signal_and_resume
     jsonl = run_dir / "tb" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 600
-        while not (jsonl.is_file() and len(read_jsonl(jsonl, live=True)) >= 2) and proc.poll() is None \
+        while not (jsonl.is_file() and len(read_jsonl(jsonl, live=True, steps_only=True)) >= 2) and proc.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert jsonl.is_file() and len(read_jsonl(jsonl, live=True)) >= 2, "no step 1:\n" + explain(proc, {"dir": run_dir})
+        assert jsonl.is_file() and len(read_jsonl(jsonl, live=True, steps_only=True)) >= 2, "no step 1:\n" + explain(proc, {"dir": run_dir})
         job_id = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()[0]
         slurm_cluster.run(["scancel", "--signal=USR1", "--batch", job_id])
         proc.communicate(timeout=600)
@@ -150,7 +150,7 @@ def test_real_trainer_and_sglang_preempted_mid_run_save_on_the_signal_and_resume
     run = {"dir": run_dir}
     assert proc.returncode == 0, explain(proc, run)
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
-    records = read_jsonl(jsonl)
+    records = read_jsonl(jsonl, steps_only=True)
     assert [r["step"] for r in records] == list(range(steps)), explain(proc, run)
     assert [s for s, _ in read_scalars(run_dir / "tb")["rollout/reward_mean"]] == list(range(steps))
     log = batch_log(run)
@@ -198,7 +198,7 @@ def test_two_jobs_on_one_run_folder_one_trains_the_other_stops_at_the_lock(slurm
     line = [ln for ln in refused[0].splitlines() if ln.startswith("gspo-megatron: error")]
     assert len(line) == 1 and f"checkpoint.dir='{run_dir / 'checkpoints'}' is in use by another run (host " in line[0]
     assert ", Slurm job " in line[0] and "Traceback" not in refused[0]
-    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl")] == list(range(steps))
+    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)] == list(range(steps))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
 
 

@@ -136,8 +136,9 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
         ([f"rollout.prompts={tmp_path / 'junk.parquet'}"],
          f"rollout.prompts: {tmp_path / 'junk.parquet'}: not a readable parquet file (ArrowInvalid: "),
         (["rollout.prompts=openai/gsm8k"],
-         "rollout.prompts: openai/gsm8k: no such file or folder (it looks like a Hugging Face hub name: "
-         "this machine has no hub access; download the dataset and give its local path)"),
+         f"rollout.prompts: 'openai/gsm8k' (= {ROOT / 'openai' / 'gsm8k'}, relative to the working directory): "
+         "no such file or folder (it looks like a Hugging Face hub name: this machine has no hub access; "
+         "download the dataset and give its local path)"),
         ([f"rollout.prompts={long}", "rollout.max_prompt_tokens=16"],
          f"rollout.prompts={str(long)!r}: every one of the 1 prompts is longer than 16 tokens"),
         ([f"eval.prompts={verl}", "eval.interval=5", "eval.answer_key=nope"],

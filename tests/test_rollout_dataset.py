@@ -38,7 +38,7 @@ def test_load_prompts_errors_name_file_and_line(tmp_path, line, match):
     p = _write(tmp_path, [json.dumps({"prompt": "ok", "answer": "1"}), line])
     with pytest.raises(PromptFileError, match=match):
         load_prompts(p)
-    with pytest.raises(PromptFileError, match="missing.jsonl: no such file or folder"):
+    with pytest.raises(PromptFileError, match="missing.jsonl': no such file or folder"):
         load_prompts(tmp_path / "missing.jsonl")
 
 

@@ -56,3 +56,15 @@ def test_a_venv_in_a_folder_not_yet_made_is_measured_where_it_will_be(tmp_path: 
     out = need_disk(venv, free_gib(tmp_path) + 1000)
     assert out.returncode == 1 and " GiB free" in out.stderr and "has  GiB" not in out.stderr, out.stderr
     assert "df: " not in out.stderr
+
+
+def test_pip_output_goes_to_the_log_and_only_a_failure_reaches_the_terminal(tmp_path: Path) -> None:
+    log = tmp_path / "pip.log"
+    script = (f'source "{LIB}"; PIP_LOG="{log}"; '
+              'quiet bash -c "echo ERROR: resolver noise >&2; echo fine"; echo "rc=$?"; '
+              'quiet bash -c "echo it broke >&2; exit 3"; echo "rc=$?"')
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert out.stdout.split() == ["rc=0", "rc=3"]
+    assert "resolver noise" not in out.stderr  # an expected pip complaint stays in the log
+    assert "this failed (exit 3)" in out.stderr and "it broke" in out.stderr and str(log) in out.stderr
+    assert "ERROR: resolver noise" in log.read_text() and "fine" in log.read_text()

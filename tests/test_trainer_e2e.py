@@ -64,7 +64,7 @@ def server_url(moe_server):
 
 def _check_run(run_dir: Path, steps: int) -> None:
     from gspo_megatron.metrics import read_jsonl, read_scalars
-    recs = read_jsonl(run_dir / "tb" / "metrics.jsonl")
+    recs = read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)
     assert [r["step"] for r in recs] == list(range(steps))
     scalars = read_scalars(run_dir / "tb")
     for tag in ("rollout/reward_mean", "rollout/reward_std", "rollout/accuracy",
@@ -131,7 +131,7 @@ def test_clear_errors_before_start(tmp_path, capsys):
     assert "train.lr='fast': expected float" in error([cfg, "--set", "train.lr=fast"])
     assert "model.hf_path='/nonexistent/model': no config.json" in error(
         [cfg, "--set", "model.hf_path=/nonexistent/model"])
-    assert "rollout.prompts: /nonexistent.jsonl: no such file or folder" in error(
+    assert "rollout.prompts: '/nonexistent.jsonl': no such file or folder" in error(
         [cfg, "--set", f"model.hf_path={hf}", "--set", "rollout.prompts=/nonexistent.jsonl"])
 
 

@@ -88,7 +88,7 @@ def test_multiturn_tp2_rows_rebuilt_from_records_and_resume(tmp_path, server_url
                                                        "rollout.turn_discount": 0.9, "train.steps": 3}),
                         nproc=2)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
-    assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)] == [0, 1, 2]
     assert [s for s, _ in read_scalars(tmp_path / "tb")["rollout/reward_mean"]] == [0, 1, 2]
     assert sorted({r["step"] for r in _records(tmp_path)}) == [0, 1, 2]
 
@@ -105,7 +105,7 @@ def test_broken_environment_is_recorded_and_counted(tmp_path, server_url):  # no
     assert any(e.startswith("ValueError: calculator crashed") for e in errors) or \
         any("reward 'not a number' is not a number" in e for e in errors), errors
     from gspo_megatron.metrics import read_jsonl
-    assert read_jsonl(tmp_path / "tb" / "metrics.jsonl")[0]["rollout/env_error_fraction"] > 0
+    assert read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)[0]["rollout/env_error_fraction"] > 0
     strict = run_train(_args(tmp_path / "strict", server_url, **{
         "rollout.environment": "tests.envs_for_tests:FlakyCalculator", "train.steps": 1}))
     lines = [ln for ln in strict.stderr.splitlines() if ln.startswith("gspo-megatron: error")]

@@ -13,6 +13,7 @@ checkpoint can be exported back to HF (tools/convert_megatron_to_hf.py) without 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -34,6 +35,19 @@ from model_specs import model_dims_for
 from model_specs.hf_config import normalize_hf_config
 
 HF_SUBDIR = "hf"
+
+
+class _OwnFolderFilter(logging.Filter):
+    """megatron's save warns "Overwriting old incomplete / corrupted checkpoint..." whenever the
+    folder is not empty (megatron/core/dist_checkpointing/serialization.py:383-387 in 0.16.1).
+    Ours never is: the HF files go into `hf/` first, into a folder made for this save (checkpoints
+    and conversions are written beside their place and renamed in), so the warning is never true."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Overwriting old incomplete / corrupted checkpoint" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.dist_checkpointing.serialization").addFilter(_OwnFolderFilter())
 # `_extra_state`, and TE's grouped linear's per-GEMM `_extra_state1`, `_extra_state2`, ... as the
 # last component of a (possibly nested) state-dict key.
 _EXTRA_STATE_RE = re.compile(r"(?:^|\.)_extra_state\d*$")

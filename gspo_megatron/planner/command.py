@@ -73,11 +73,21 @@ def run(args: argparse.Namespace) -> int:
           f"{s.max_tokens} tokens per micro-batch, {step_tokens} tokens per step")
     print(f"{len(rows)} valid layouts, {fits} fit; estimates: memory of the fullest pipeline stage, "
           "step time from FLOPs and communication (gspo_megatron/planner/plan.py)\n")
-    print(table(rows, capacity, s, args.all, args.top))
+    if not fits:  # nothing fits: the nearest layouts and why, and a failing exit (a script must not go on)
+        nearest = sorted(rows, key=lambda r: r.memory.total())[:args.top if args.all else 5]
+        print(table(nearest, capacity, s, True, 0))
+    else:
+        print(table(rows, capacity, s, args.all, args.top))
     if refused:
         top = sorted(refused.values(), key=lambda v: -v[0])[:5]
         print("\nrefused by the layout validation (count, an example): " +
               "; ".join(f"{n} x {example}" for n, example in top))
+    if not fits:
+        best = nearest[0]
+        print(f"\ngspo-megatron plan: no layout fits {args.gpus} x {capacity / GiB:.1f} GiB; the nearest, "
+              f"{best.name}, needs {best.memory.total() / GiB:.1f} GiB per GPU ({best.verdict}): more GPUs, "
+              f"more memory per GPU, fewer tokens per micro-batch (--tokens) or recompute", file=sys.stderr)
+        return 1
     return 0
 
 

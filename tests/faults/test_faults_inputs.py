@@ -287,7 +287,7 @@ def test_server_death_mid_run_is_one_line_with_the_url_once(tmp_path):
                                 env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         jsonl = tmp_path / "tb" / "metrics.jsonl"
         deadline = time.monotonic() + 300
-        while not (jsonl.is_file() and read_jsonl(jsonl, live=True)) and time.monotonic() < deadline:
+        while not (jsonl.is_file() and read_jsonl(jsonl, live=True, steps_only=True)) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.2)
         group.stop()

@@ -160,7 +160,7 @@ def test_two_trainers_on_one_folder_second_exits_at_once_first_completes(tmp_pat
     assert second.stderr.strip().splitlines() == lines, second.stderr[-3000:]
     assert seconds < 10, f"the second run took {seconds:.1f} s to refuse"
     print(f"second run refused in {seconds:.1f} s")
-    assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)] == [0, 1, 2, 3]
     assert not lock.exists()  # released at the end
 
 
@@ -181,4 +181,4 @@ def test_a_sigkilled_runs_lock_does_not_block_the_resume(tmp_path, server_url): 
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"its process {proc.pid} on this host is gone" in resumed.stdout
-    assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)] == [0, 1, 2]

@@ -36,7 +36,7 @@ def _start(run_dir: Path, url: str, **extra) -> subprocess.Popen:
 def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
     from gspo_megatron.metrics import read_jsonl
     jsonl, deadline = run_dir / "tb" / "metrics.jsonl", time.monotonic() + 600
-    while not (jsonl.is_file() and len(read_jsonl(jsonl, live=True)) >= n):
+    while not (jsonl.is_file() and len(read_jsonl(jsonl, live=True, steps_only=True)) >= n):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
 
@@ -71,7 +71,7 @@ def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: i
     assert proc.returncode == 128 + signum, err[-3000:]
     name = signal.Signals(signum).name
     from gspo_megatron.metrics import read_jsonl
-    done = len(read_jsonl(run_dir / "tb" / "metrics.jsonl"))
+    done = len(read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True))
     assert (run_dir / "ckpt" / "latest").read_text().strip() == f"step_{done:08d}"
     lines = [ln for ln in err.splitlines() if ln.startswith("gspo-megatron:")]
     assert lines == [f"gspo-megatron: {name} (rank 0): saved a checkpoint of step {done} in "
@@ -80,7 +80,7 @@ def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: i
         "train.steps": STEPS, "checkpoint.interval": 100,
         "logging.rollout_records": str(run_dir / "records.jsonl"), **extra}))
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
-    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl")] == list(range(STEPS))
+    assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)] == list(range(STEPS))
     per_step = 2  # rollout.prompts_per_step
     expected = _expected_prompts(STEPS * per_step)
     expected = [sorted(expected[k * per_step:(k + 1) * per_step]) for k in range(STEPS)]

@@ -1,0 +1,86 @@
+"""Every script in benchmarks/ runs: `--help`, and one row of each of its tables at the smallest
+size, as a user runs it (a subprocess from the checkout). A benchmark that nothing runs rots:
+benchmarks/async.py crashed on the final eval's record for a while before anyone noticed."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from fixtures_models import tiny_model_dir
+from test_trainer_e2e import ROOT, env, server_url  # noqa: F401
+
+BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+
+
+def _run(args: list[str], timeout: float = 600) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def _rows(text: str, first_cell: str) -> list[str]:
+    """Markdown table rows whose first cell starts with `first_cell`."""
+    return [ln for ln in text.splitlines() if re.match(rf"\|\s*{re.escape(first_cell)}", ln)]
+
+
+def test_every_benchmark_has_a_smoke_test_and_a_help():
+    assert set(BENCHMARKS) == set(SMOKE), "a benchmark without a smoke test here"
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda name: _run([f"benchmarks/{name}", "--help"], 120), BENCHMARKS))
+    for name, out in zip(BENCHMARKS, outs):
+        assert out.startswith("usage: "), name
+
+
+def _line(text: str, pattern: str) -> bool:
+    return any(re.match(pattern, ln) for ln in text.splitlines())
+
+
+def _tiny_moe() -> str:
+    return str(tiny_model_dir("qwen3_moe", 0))
+
+
+# name -> (arguments at the smallest size, a check of the printed table)
+SMOKE = {
+    "async.py": (lambda url: ["--staleness", "0", "--steps", "2", "--skip", "0", "--url", url,
+                              "--set", f"model.hf_path={_tiny_moe()}", "--set", "train.warm_start_steps=0",
+                              "--set", "eval.max_prompts=2"],
+                 lambda out: len(_rows(out, "0 |")) == 1),
+    "checksum.py": (lambda url: ["--hidden", "64", "--layers", "1", "--experts", "2", "--repeats", "1"],
+                    lambda out: "|" in out),
+    "data.py": (lambda url: ["--rows", "1000", "--chars", "40"], lambda out: len(_rows(out, "1,000")) == 1),
+    "gspo_vs_grpo.py": (lambda url: ["--steps", "1", "--set", f"rollout.server_urls=[{url}]",
+                                     "--set", f"model.hf_path={_tiny_moe()}", "--set", "train.warm_start_steps=0",
+                                     "--set", "eval.interval=0", "--out", "{tmp}"],
+                        lambda out: "GSPO: mean reward of the last 1 steps" in out),
+    "layouts.py": (lambda url: ["--layouts", "tp2", "--rows", "4", "--seq", "16", "--reps", "1"],
+                   lambda out: _line(out, r"tp2\s+2\s+[0-9.]+")),
+    "logprobs_memory.py": (lambda url: ["--tokens", "128", "--vocab", "1024", "--hidden", "32"],
+                           lambda out: _line(out, r"\s*1024\s+128 \|")),
+    "mfu.py": (lambda url: ["--rows", "4", "--reps", "1", "--only", "0"], lambda out: "|" in out),
+    # the session's server serves the 4-expert tiny MoE, without the engine's routes
+    "moe_stability.py": (lambda url: ["--runs", "gspo", "--steps", "1", "--warm-start-steps", "0", "--experts", "4",
+                                      "--url", url, "--set", "moe.engine_routing=false", "--set", "eval.interval=0",
+                                      "--out", "{tmp}"],
+                         lambda out: "gspo: reward first 5" in out),
+    "rewards.py": (lambda url: ["--smoke"], lambda out: len(_rows(out, "math short")) == 1
+                   and len(_rows(out, "code, 10 stdin tests")) == 1),
+    "rollout.py": (lambda url: ["--url", url, "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1"],
+                   lambda out: _line(out, r"\s+1\s+\d+\s+\d+\s+\d+")),
+    # the session's server: its weights are replaced by the sync (the module restores them)
+    "sync.py": (lambda url: ["--model", _tiny_moe(), "--url", url, "--repeats", "1", "--transports", "disk"],
+                lambda out: len(_rows(out, "sync: disk")) == 1 and len(_rows(out, "safetensors")) == 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SMOKE))
+def test_benchmark_prints_its_table_at_the_smallest_size(name, server_url, tmp_path):  # noqa: F811
+    args, check = SMOKE[name]
+    out = _run([f"benchmarks/{name}", *[a.replace("{tmp}", str(tmp_path)) for a in args(server_url)]])
+    assert check(out), out[-3000:]
