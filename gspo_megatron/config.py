@@ -25,6 +25,7 @@ from typing import Any, Literal
 from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, OptimizerSettings,
                                           RoutingSettings)
 from gspo_megatron.algorithms.registry import LossSettings, RLLossName
+from gspo_megatron.config_checks import validate
 from gspo_megatron.config_parsing import (ConfigError, apply_overrides, build, describe, field_docs,
                                           parse_override, read_yaml_mapping)
 from gspo_megatron.parallel.layout import ParallelLayout
@@ -284,102 +285,8 @@ class RunConfig:
 
     def validate(self) -> None:
         """Range and cross-field checks (types are checked while parsing, and each section's
-        own checks when it is built)."""
-        def need(cond: bool, field: str, value: Any, expected: str) -> None:
-            if not cond:
-                raise ConfigError(f"{field}={value!r}: expected {expected}")
-        m, r, t, c = self.model, self.rollout, self.train, self.checkpoint
-        need(bool(m.hf_path), "model.hf_path", m.hf_path, "a Hugging Face model directory")
-        need(bool(r.prompts), "rollout.prompts", r.prompts,
-             "a prompt set (jsonl, parquet, a folder of them or saved by datasets, or a list)")
-        need(r.max_prompt_tokens is None or r.max_prompt_tokens >= 1, "rollout.max_prompt_tokens",
-             r.max_prompt_tokens, ">= 1 or null")
-        e = self.eval
-        need(e.interval >= 0, "eval.interval", e.interval, ">= 0 (0 = never)")
-        need(not e.interval or bool(e.prompts), "eval.prompts", e.prompts,
-             "a prompt set when eval.interval > 0")
-        need(e.samples_per_prompt >= 1, "eval.samples_per_prompt", e.samples_per_prompt, ">= 1")
-        need(e.temperature >= 0, "eval.temperature", e.temperature, ">= 0 (0 = greedy)")
-        need(e.samples_per_prompt == 1 or e.temperature > 0, "eval.samples_per_prompt", e.samples_per_prompt,
-             "1 with eval.temperature=0: greedy decoding gives n identical responses (pass@k would equal "
-             "accuracy); set eval.temperature > 0 (e.g. 0.6) to sample n")
-        need(0 < e.top_p <= 1, "eval.top_p", e.top_p, "in (0, 1]")
-        need(e.max_new_tokens is None or e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens,
-             ">= 1 or null")
-        need(e.max_prompts is None or e.max_prompts >= 1, "eval.max_prompts", e.max_prompts, ">= 1 or null")
-        for name in ("tensor", "pipeline", "expert", "context"):
-            v = getattr(self.parallel, name)
-            need(v >= 1, f"parallel.{name}", v, ">= 1")
-        # Every loss here has group-relative advantages (GSPO Eq. 6, and turn credit normalised
-        # over the group): with one response per prompt every advantage is exactly 0 and the run
-        # learns nothing while looking healthy. A config whose every advantage must be 0 is an error.
-        need(r.group_size >= 2, "rollout.group_size", r.group_size,
-             f">= 2: loss.name={self.loss.name} uses group-relative advantages (reward minus the mean of "
-             f"the prompt's group, GSPO Eq. 6), so a group of one has advantage 0 everywhere and the run "
-             f"would learn nothing")
-        need(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, ">= 1")
-        need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
-        need(r.temperature > 0, "rollout.temperature", r.temperature,
-             "> 0 (log-probs are computed at this temperature; greedy has none)")
-        need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "in (0, 1]")
-        need(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "-1 (off) or >= 1")
-        need(r.num_servers >= 1, "rollout.num_servers", r.num_servers, ">= 1")
-        need(0 <= r.max_reward_error_fraction <= 1, "rollout.max_reward_error_fraction",
-             r.max_reward_error_fraction, "in [0, 1]")
-        need(r.reward_workers >= 1, "rollout.reward_workers", r.reward_workers, ">= 1")
-        need(r.reward_timeout_s > 0, "rollout.reward_timeout_s", r.reward_timeout_s, "> 0")
-        for reward in {r.reward, self.eval.reward or r.reward}:
-            if reward.startswith(("http://", "https://")):
-                worst = r.reward_service.worst_case_s()
-                need(r.reward_timeout_s > worst, "rollout.reward_timeout_s", r.reward_timeout_s,
-                     f"> {worst:g} s for the reward service's attempts to fit (rollout.reward_service: "
-                     f"timeout_s x (retries + 1) + backoffs), or fewer retries")
-        for url in r.server_urls:
-            need(url.startswith(("http://", "https://")), "rollout.server_urls", url,
-                 "URLs like http://host:port")
-        need(not r.mask_stale_tokens or r.partial_rollouts, "rollout.mask_stale_tokens",
-             r.mask_stale_tokens, "false unless rollout.partial_rollouts is true")
-        need(r.max_turns is None or r.max_turns >= 1, "rollout.max_turns", r.max_turns, ">= 1 or null")
-        need(r.turn_credit == "episode" or (r.environment and self.loss.name == "gspo_token"),
-             "rollout.turn_credit", r.turn_credit,
-             "'episode' unless rollout.environment is set and loss.name is gspo_token (per-token "
-             "advantages; gspo uses the episode return)")
-        need(0 < r.turn_discount <= 1, "rollout.turn_discount", r.turn_discount, "in (0, 1]")
-        need(t.steps >= 0, "train.steps", t.steps, ">= 0")
-        need(t.mini_batches >= 1, "train.mini_batches", t.mini_batches, ">= 1")
-        batch = r.group_size * r.prompts_per_step
-        need(batch % t.mini_batches == 0, "train.mini_batches", t.mini_batches,
-             f"a divisor of the rollout batch ({r.prompts_per_step} prompts x {r.group_size} = "
-             f"{batch} responses)")
-        need(t.micro_batch_size >= 1, "train.micro_batch_size", t.micro_batch_size, ">= 1")
-        need(t.lr >= 0, "train.lr", t.lr, ">= 0")
-        need(t.clip_grad >= 0, "train.clip_grad", t.clip_grad, ">= 0")
-        need(t.warm_start_steps >= 0, "train.warm_start_steps", t.warm_start_steps, ">= 0")
-        need(t.warm_start_batch_size >= 1, "train.warm_start_batch_size", t.warm_start_batch_size,
-             ">= 1")
-        need(c.interval >= 1, "checkpoint.interval", c.interval, ">= 1")
-        need(c.keep >= 0, "checkpoint.keep", c.keep, ">= 0")
-        need(self.sync.bucket_mb >= 1, "sync.bucket_mb", self.sync.bucket_mb, ">= 1")
-        for cap in ("tis_cap", "seq_is_cap", "mis_cap"):
-            v = getattr(self.loss, cap)
-            need(v is None or t.old_log_probs == "recompute", f"loss.{cap}", v,
-                 "null with train.old_log_probs=engine (pi_old is then the engine's: no mismatch to correct)")
-        need(not self.moe.drift or t.old_log_probs == "recompute", "moe.drift", self.moe.drift,
-             "false or null with train.old_log_probs=engine (pi_old's routing is recorded in the "
-             "recompute pass)")
-        need(t.max_staleness >= 0, "train.max_staleness", t.max_staleness, ">= 0")
-        if t.max_staleness > 0:
-            need(r.max_buffered_groups is None or r.max_buffered_groups >= r.prompts_per_step,
-                 "rollout.max_buffered_groups", r.max_buffered_groups,
-                 f">= rollout.prompts_per_step ({r.prompts_per_step}) or null")
-            need(r.max_buffered_tokens is None or r.max_buffered_tokens >= 1,
-                 "rollout.max_buffered_tokens", r.max_buffered_tokens, ">= 1 or null")
-            need(not self.moe.drift, "moe.drift", self.moe.drift,
-                 "false or null with train.max_staleness > 0 (pi_old spans several weight versions)")
-            need(not r.mask_stale_tokens, "rollout.mask_stale_tokens", r.mask_stale_tokens,
-                 "false with train.max_staleness > 0 (stale tokens train, with their own pi_old)")
-        need(not (self.moe.replay and self.moe.engine_routing is False), "moe.engine_routing",
-             self.moe.engine_routing, "true or null with moe.replay=true (replay needs the engine's routing)")
+        own checks when it is built): config_checks.py."""
+        validate(self)
 
 
 def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:

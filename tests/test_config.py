@@ -54,7 +54,7 @@ def test_typed_parse_of_overrides():
     ("train.old_log_probs=cached", "train.old_log_probs='cached'"),
     ("train.mini_batches=3", "train.mini_batches=3: expected a divisor of the rollout batch"),
     ("rollout.temperature=0", "rollout.temperature=0.0: expected > 0"),
-    ("rollout.group_size=0", "rollout.group_size=0: expected >= 1"),
+    ("rollout.group_size=0", "rollout.group_size=0: expected >= 2: loss.name=gspo uses group-relative"),
     ("parallel.tensor=0", "parallel.tensor=0: expected >= 1"),
     ("rollout.server_urls=[h:30000]", "rollout.server_urls='h:30000': expected URLs"),
     ("train.use_distributed_optimizer=maybe", "train.use_distributed_optimizer='maybe': expected bool"),
