@@ -232,6 +232,28 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class DistillConfig:
+    """On-policy distillation (docs/algorithm.md): a teacher served by SGLang scores the student's own
+    samples token by token, and the student trains toward it through GSPO-token."""
+
+    teacher: str | None = None
+    """The teacher: a Hugging Face model directory with the student's tokenizer (null = off). Its
+    servers never receive the student's weights."""
+    teacher_server_urls: list[str] = dataclasses.field(default_factory=list)
+    """SGLang servers already serving the teacher; empty = the run starts teacher_num_servers."""
+    teacher_num_servers: int = 1
+    """Local teacher servers to start when teacher_server_urls is empty."""
+    teacher_server_extra_args: list[str] = dataclasses.field(default_factory=list)
+    """More `sglang.launch_server` flags for local teacher servers."""
+    coef: float = 1.0
+    """Weight of the per-token term log pi_teacher(y_t) - log pi_old(y_t) in each token's advantage."""
+    reward_coef: float = 1.0
+    """Weight of the task reward's group advantage (GSPO Eq. 6); 0 = pure distillation."""
+    max_in_flight: int = 64
+    """Teacher requests (one prefill per sample) in flight at once."""
+
+
+@dataclasses.dataclass
 class LoggingConfig:
     tensorboard_dir: str | None = "runs/gspo"
     """TensorBoard event directory (null = off). `tensorboard --logdir` it."""
@@ -269,6 +291,8 @@ class RunConfig:
     """Weight sync into SGLang."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Evaluation on a held-out prompt set during training."""
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    """On-policy distillation from a teacher model (off unless distill.teacher is set)."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpoints and resume."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)

@@ -40,10 +40,24 @@ def validate(cfg: Any) -> None:
     # Every loss here has group-relative advantages (GSPO Eq. 6, and turn credit normalised
     # over the group): with one response per prompt every advantage is exactly 0 and the run
     # learns nothing while looking healthy. A config whose every advantage must be 0 is an error.
-    need(r.group_size >= 2, "rollout.group_size", r.group_size,
+    d = cfg.distill
+    per_token = bool(d.teacher) and d.coef > 0  # distillation's per-token term needs no group
+    need(r.group_size >= 2 or (per_token and r.group_size >= 1), "rollout.group_size", r.group_size,
          f">= 2: loss.name={cfg.loss.name} uses group-relative advantages (reward minus the mean of "
          f"the prompt's group, GSPO Eq. 6), so a group of one has advantage 0 everywhere and the run "
          f"would learn nothing")
+    if d.teacher:
+        need(cfg.loss.name == "gspo_token", "loss.name", cfg.loss.name,
+             "gspo_token with distill.teacher (each token gets its own advantage; GSPO's sequence "
+             "ratio and clipping stay)")
+        need(d.coef >= 0 and d.reward_coef >= 0 and (d.coef > 0 or d.reward_coef > 0), "distill.coef",
+             d.coef, f">= 0, with distill.reward_coef={d.reward_coef} >= 0, not both 0 (every advantage "
+             "would be 0)")
+        need(d.teacher_num_servers >= 1, "distill.teacher_num_servers", d.teacher_num_servers, ">= 1")
+        need(d.max_in_flight >= 1, "distill.max_in_flight", d.max_in_flight, ">= 1")
+        for url in d.teacher_server_urls:
+            need(url.startswith(("http://", "https://")), "distill.teacher_server_urls", url,
+                 "URLs like http://host:port")
     need(r.prompts_per_step >= 1, "rollout.prompts_per_step", r.prompts_per_step, ">= 1")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
     need(r.temperature > 0, "rollout.temperature", r.temperature,

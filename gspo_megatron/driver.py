@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import torch.distributed as dist
 
 from gspo_megatron.actor.batch import TrainBatch
-from gspo_megatron.algorithms.advantages import group_advantages
+from gspo_megatron.rollout_batch import policy_lag, samples_to_batch
+from gspo_megatron.rollout_metrics import rollout_metrics
 from gspo_megatron.config import ConfigError, RunConfig
-from gspo_megatron.episodes import RolloutRecords, demonstration, env_factory, token_advantages
+from gspo_megatron.episodes import RolloutRecords, demonstration, env_factory
 from model_specs.hf_config import load_hf_config
 from rollout.pool import ServerPool
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
@@ -31,113 +30,8 @@ from gspo_megatron.staleness import take_fresh_groups
 from rollout.async_rollouts import AsyncRollouts
 from rollout.manager import RolloutInterrupted, RolloutManager
 from rollout.rewards import RewardWorkerPool
-from rollout.sample import Sample
 from rollout.server import ServerConfig, ServerGroup
-
-
-def _version_number(label: str) -> int:
-    """The trainer labels weight versions with step counters ("0", "1", ...); anything else (the
-    server's initial "default", an environment token's "") is -1."""
-    return int(label) if label.isdigit() else -1
-
-
-def samples_to_batch(groups: list[list[Sample]], group_size: int,
-                     turn_discount: float | None = None) -> TrainBatch:
-    """Rows = prompt + response of each sample, right-padded; loss_mask / rollout log-probs /
-    weight versions at the position of the token they belong to (TrainBatch's target alignment);
-    advantages group-normalised (GSPO Eq. 6) from the rewards, or, with `turn_discount` (per-turn
-    credit of multi-turn episodes, for gspo_token), per token from the per-turn rewards
-    (episodes.token_advantages)."""
-    samples = [s for g in groups for s in g]
-    width = max(len(s.tokens) for s in samples)
-    if turn_discount is None:
-        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
-        advantages = group_advantages(rewards, group_size).float()  # [b]
-    else:
-        advantages = token_advantages(samples, group_size, width, turn_discount)  # [b, s]
-    b = len(samples)
-    tokens = torch.zeros(b, width, dtype=torch.long)
-    loss_mask = torch.zeros(b, width, dtype=torch.bool)
-    logp = torch.zeros(b, width, dtype=torch.float32)
-    versions = torch.full((b, width), -1, dtype=torch.long)
-    lengths = torch.zeros(b, dtype=torch.long)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        tokens[i, :p + r] = torch.tensor(s.tokens, dtype=torch.long)
-        loss_mask[i, p:p + r] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        logp[i, p:p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
-        versions[i, p:p + r] = torch.tensor([_version_number(v) for v in s.weight_versions],
-                                            dtype=torch.long)
-        lengths[i] = p + r
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=advantages,
-                      rollout_log_probs=logp, weight_versions=versions,
-                      routed_experts=routed_experts(samples, width))
-
-
-def routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:
-    """The engine's routing of each row ([b, width, layers, k] int16, -1 where there is none), or
-    None when no sample carries any (rollout without moe.engine_routing)."""
-    have = [s.routed_experts for s in samples if s.routed_experts is not None]
-    if not have:
-        return None
-    shape = have[0].shape[1:]
-    out = torch.full((len(samples), width, *shape), -1, dtype=torch.int16)
-    for i, s in enumerate(samples):
-        if s.routed_experts is None:
-            continue
-        if tuple(s.routed_experts.shape) != (len(s.tokens), *shape):
-            raise ValueError(f"sample {s.group_id}/{s.index}: routed experts of shape "
-                             f"{tuple(s.routed_experts.shape)}, expected ({len(s.tokens)}, {shape})")
-        out[i, :len(s.tokens)] = torch.from_numpy(s.routed_experts.astype("int16"))
-    return out
-
-
-def policy_lag(batch: TrainBatch, current_version: int) -> float:
-    """The largest number of weight updates between the policy that sampled a trained token and
-    the current one (0: fully on-policy; > 0 only with partial rollouts)."""
-    sampled = batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)]
-    return float(current_version - int(sampled.min())) if sampled.numel() else 0.0
-
-
-def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float]) -> dict[str, float]:
-    samples = [s for g in groups for s in g]
-    rewards = [float(s.reward) for s in samples]
-    lengths = [len(s.response_ids) for s in samples]
-    m = manager_metrics
-    return {
-        "rollout/reward_mean": statistics.fmean(rewards),
-        "rollout/reward_std": statistics.pstdev(rewards),
-        "rollout/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-        "rollout/response_length_mean": statistics.fmean(lengths),
-        "rollout/response_length_max": float(max(lengths)),
-        "rollout/truncated_fraction": m.get("truncated_fraction", 0.0),
-        "rollout/groups_dropped": m.get("groups_dropped_equal_reward", 0.0),
-        "rollout/partial_resumed": m.get("samples_resumed", 0.0),
-        "rollout/partial_restarted": m.get("samples_restarted_routing", 0.0),
-        "rollout/partial_buffered": m.get("groups_partial_buffered", 0.0),
-        "rollout/reward_errors": m.get("reward_errors", 0.0),
-        **reward_metrics(samples, m),
-        "perf/rollout_tokens_per_s": m.get("rollout_tokens_per_second", 0.0),
-        **{f"rollout/{k}": m[k] for k in EPISODE_METRICS if k in m},
-        **{f"async/{k}": m[k] for k in ASYNC_METRICS if k in m},
-    }
-
-
-def reward_metrics(samples: list[Sample], m: dict[str, float]) -> dict[str, float]:
-    """The reward workers' share of the step: timeouts, worker restarts, busy time, the p99 time
-    per response, and how long the rollout loop waited on scoring with nothing generating."""
-    seconds = sorted(s.metadata["reward_seconds"] for s in samples if "reward_seconds" in s.metadata)
-    p99 = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))] if seconds else 0.0
-    return {"reward/timeouts": m.get("reward_timeouts", 0.0),
-            "reward/worker_restarts": m.get("reward_worker_restarts", 0.0),
-            "reward/p99_ms": 1000.0 * p99,
-            "reward/wait_s": m.get("reward_wait_seconds", 0.0),
-            "time/reward": m.get("reward_seconds", 0.0)}
-
-
-EPISODE_METRICS = ("turns_per_episode", "tool_calls_per_episode", "env_token_fraction",
-                   "reward_per_turn", "episode_length_mean", "env_error_fraction")
-ASYNC_METRICS = ("staleness_mean", "staleness_max", "dropped_stale", "regenerated_stale", "buffer_groups")
+from rollout.teacher import TeacherScorer
 
 
 def wants_engine_routing(cfg: RunConfig) -> bool:
@@ -150,7 +44,8 @@ def wants_engine_routing(cfg: RunConfig) -> bool:
 class Driver:
     """Rank 0's half of the loop. Owns the servers it started (stop() ends them)."""
 
-    def __init__(self, cfg: RunConfig, servers: ServerGroup, records: list[dict]):
+    def __init__(self, cfg: RunConfig, servers: ServerGroup, records: list[dict],
+                 teachers: ServerGroup | None = None):
         from transformers import AutoTokenizer
         r = dataclasses.replace(cfg.rollout, return_routed_experts=wants_engine_routing(cfg))
         self.cfg, self.servers = cfg, servers
@@ -165,11 +60,15 @@ class Driver:
                                routed_experts_layout=layout)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         self.env_factory = env_factory(r) if r.environment else None
+        self.teachers, self.teacher = teachers, None
+        if teachers is not None:  # on-policy distillation: another pool, outside the weight sync
+            self.teacher = TeacherScorer(ServerPool(teachers.server_urls, timeout_s=r.request_timeout_s),
+                                         max_in_flight=cfg.distill.max_in_flight, timeout_s=r.request_timeout_s)
         self.rewards: RewardWorkerPool | None = None
         if self.env_factory is not None:  # multi-turn: the environment gives the rewards
             self.chat = ChatTemplate(self.tokenizer)
             self.manager = RolloutManager(self.pool, r, decode=decode, env_factory=self.env_factory,
-                                          chat=self.chat, max_turns=r.max_turns)
+                                          chat=self.chat, max_turns=r.max_turns, teacher=self.teacher)
         else:
             self.rewards = RewardWorkerPool.from_config(r)  # starts its workers now, while the run sets up
             print(f"[gspo] reward: {r.reward} in {r.reward_workers} worker processes, at most "
@@ -177,7 +76,7 @@ class Driver:
             self.manager = RolloutManager(
                 self.pool, r,  # the rollout config section is the manager's config (and more)
                 encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec), decode=decode,
-                scorer=self.rewards)
+                scorer=self.rewards, teacher=self.teacher)
         self.records = RolloutRecords(cfg.logging.rollout_records) if cfg.logging.rollout_records else None
         self.producer: AsyncRollouts | None = None  # train.max_staleness > 0: start_async()
         self._async_state: dict[str, Any] | None = None  # a resume's queue, until start_async()
@@ -218,10 +117,14 @@ class Driver:
             servers = ServerGroup.launch(server, num_servers=r.num_servers)
             print(f"[gspo] SGLang: ready in {time.monotonic() - t0:.0f} s at {', '.join(servers.server_urls)}",
                   flush=True)
+        teachers = None
         try:
-            return cls(cfg, servers, records)
+            teachers = start_teachers(cfg, log_dir)
+            return cls(cfg, servers, records, teachers)
         except BaseException:
             servers.stop()
+            if teachers is not None:
+                teachers.stop()
             raise
 
     def rollout_batch(self, weight_version: str, step: int, should_stop: Callable[[], bool] | None = None,
@@ -329,28 +232,33 @@ class Driver:
             self.manager.close()
             if self.rewards is not None:
                 self.rewards.close()
+            if self.teacher is not None:
+                self.teacher.close()
+                self.teacher.pool.close()
             self.pool.close()
         finally:
             self.servers.stop()
+            if self.teachers is not None:
+                self.teachers.stop()
 
 
-def sft_batch(examples: list[tuple]) -> TrainBatch:
-    """Prompt + answer rows with loss on the answer tokens (the "ce" loss of the actor). An
-    example is (prompt ids, answer ids) or (prompt ids, answer ids, answer loss mask): an episode's
-    environment tokens are in the row but not trained."""
-    width = max(len(e[0]) + len(e[1]) for e in examples)
-    b = len(examples)
-    tokens = torch.zeros(b, width, dtype=torch.long)
-    loss_mask = torch.zeros(b, width, dtype=torch.bool)
-    lengths = torch.zeros(b, dtype=torch.long)
-    for i, e in enumerate(examples):
-        p, a = e[0], e[1]
-        mask = e[2] if len(e) > 2 else [1] * len(a)
-        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
-        loss_mask[i, len(p):len(p) + len(a)] = torch.tensor(mask, dtype=torch.bool)
-        lengths[i] = len(p) + len(a)
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask,
-                      advantages=torch.zeros(b))
+def start_teachers(cfg: RunConfig, log_dir: str | None) -> ServerGroup | None:
+    """On-policy distillation's teacher servers: attached (distill.teacher_server_urls) or started
+    here, like the rollout servers; None without distill.teacher."""
+    d, r = cfg.distill, cfg.rollout
+    if not d.teacher:
+        return None
+    if d.teacher_server_urls:
+        group = ServerGroup.attach(d.teacher_server_urls, health_timeout_s=r.server_startup_timeout_s)
+        print(f"[gspo] teacher: {d.teacher} at {', '.join(group.server_urls)} (attached)", flush=True)
+        return group
+    config = ServerConfig(model_path=d.teacher, extra_args=list(d.teacher_server_extra_args),
+                          max_total_tokens=r.server_max_total_tokens,
+                          startup_timeout_s=r.server_startup_timeout_s, log_dir=log_dir)
+    print(f"[gspo] teacher: starting {d.teacher_num_servers} SGLang server(s) for {d.teacher}", flush=True)
+    group = ServerGroup.launch(config, num_servers=d.teacher_num_servers)
+    print(f"[gspo] teacher: ready at {', '.join(group.server_urls)}", flush=True)
+    return group
 
 
 class DriverError(RuntimeError):

@@ -97,6 +97,7 @@ class RolloutRecords:
                     "prompt_ids": s.prompt_ids, "response_ids": s.response_ids,
                     "loss_mask": s.loss_mask, "logprobs": s.logprobs,
                     "weight_versions": s.weight_versions, "reward": s.reward, "reward_error": s.reward_error,
+                    "teacher_logprobs": s.teacher_logprobs,
                     "finish_reason": s.finish_reason, "metadata": s.metadata,
                     "batch_tokens": batch.tokens[row, :n].tolist(),
                     "batch_loss_mask": batch.loss_mask[row, :n].int().tolist(),

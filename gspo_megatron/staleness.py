@@ -17,13 +17,14 @@ from typing import Callable
 import torch
 
 from rollout.async_rollouts import AsyncRollouts
-from rollout.manager import episode_metrics
+from rollout.step_metrics import episode_metrics
 from rollout.sample import Sample
 
 # manager metrics that add up over the rollout thread's batches between two trainer steps
 _COUNTS = ("groups_dropped_equal_reward", "samples_resumed", "samples_restarted_routing", "groups_partial_buffered",
            "reward_errors", "response_tokens", "rollout_seconds", "prompts_drawn", "batches",
-           "reward_timeouts", "reward_worker_restarts", "reward_seconds", "reward_wait_seconds")
+           "reward_timeouts", "reward_worker_restarts", "reward_seconds", "reward_wait_seconds",
+           "teacher_seconds", "teacher_tokens")
 
 
 def sample_version(sample: Sample) -> int | None:

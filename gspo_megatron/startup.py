@@ -129,6 +129,16 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     kept = None
     if r.max_prompt_tokens and int(os.environ.get("RANK", "0")) == 0:  # the driver's rows
         kept = drop_overlong_prompts(cfg, train_set, hf)
+    if cfg.distill.teacher:  # before any server starts: the teacher must read the student's tokens
+        from rollout.teacher import vocabulary_mismatch
+        teacher = Path(cfg.distill.teacher)
+        if not (teacher / "config.json").is_file():
+            raise FileNotFoundError(f"distill.teacher={str(teacher)!r}: no config.json there (expected a "
+                                    "Hugging Face model directory)")
+        why = vocabulary_mismatch(str(hf), str(teacher))
+        if why:
+            raise ConfigError(f"distill.teacher={str(teacher)!r} has {why} (model.hf_path={str(hf)!r}); "
+                              "on-policy distillation needs the student's tokenizer")
     if cfg.rollout.environment:
         from gspo_megatron.episodes import env_factory
         env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args

@@ -13,8 +13,10 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 
+from gspo_megatron.algorithms.distill import distillation_advantages
 from gspo_megatron.config import RunConfig
-from gspo_megatron.driver import on_driver, sft_batch
+from gspo_megatron.driver import on_driver
+from gspo_megatron.rollout_batch import sft_batch
 from gspo_megatron.evaluation import eval_due
 from gspo_megatron.metrics import format_progress
 from gspo_megatron.startup import Run, begin_rl, export_hf, setup, teardown
@@ -72,6 +74,11 @@ def run_loop(run: Run) -> None:
                     shard, versions=trained_versions(batch) if staleness else None, live_version=live)
                 if staleness and cfg.train.old_log_probs == "recompute":
                     actor.keep_version(live)  # for the stale tokens of the next steps
+            if cfg.distill.teacher and shard.old_log_probs is not None:  # the last pipeline stage
+                # on-policy distillation: each token's advantage gains log pi_teacher - log pi_old
+                shard.advantages = distillation_advantages(
+                    shard.advantages, shard.old_log_probs, shard.teacher_log_probs, shard.loss_mask,
+                    coef=cfg.distill.coef, reward_coef=cfg.distill.reward_coef)
             if cfg.loss.kl_coef > 0:
                 with t("ref_log_probs"):  # the KL reference: forward-only with its weights swapped in
                     shard.ref_log_probs, _ = actor.compute_ref_log_probs(shard)

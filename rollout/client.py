@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import io
 import itertools
 import json
 import threading
@@ -24,21 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 import requests
 
-
-class SGLangError(RuntimeError):
-    """A server answered, but not as expected (HTTP error status or malformed body)."""
-
-    def __init__(self, url: str, message: str, status: int | None = None, body: str | None = None):
-        self.url, self.status, self.body, self.message = url, status, body, message
-        detail = f" (HTTP {status})" if status is not None else ""
-        text = f"{url}{detail}: {message}"
-        if body is not None:
-            text += f"; body: {body[:2000]!r}"
-        super().__init__(text)
-
-
-class ServerUnavailable(SGLangError):
-    """No connection to the server (refused, reset or timed out) after all retries."""
+from rollout.client_errors import SGLangError, ServerUnavailable  # noqa: F401  (the client's API)
+from rollout.client_weights import WeightUpdates
 
 
 @dataclasses.dataclass
@@ -155,7 +141,7 @@ def _is_connect_failure(exc: BaseException) -> bool:
         "NewConnectionError" in text or "Connection refused" in text)
 
 
-class SGLangClient:
+class SGLangClient(WeightUpdates):
     """One SGLang server. Thread-safe (one requests.Session per thread).
 
     timeout_s bounds every request (generate included; pass a larger one for long generations);
@@ -275,6 +261,34 @@ class SGLangClient:
             raise SGLangError(self.url, f"/generate: expected {n} result(s)", body=repr(reply))
         return [parse_generate_item(it, self.url, layout) for it in items]
 
+    def input_log_probs(self, input_ids: Sequence[int], start: int,
+                        timeout_s: float | None = None) -> list[float]:
+        """log p(input_ids[t] | input_ids[:t]) for t = start .. len - 1, from one prefill (no token
+        generated): what an on-policy distillation teacher says of a student's sample. At
+        temperature 1 whatever the request says: SGLang 0.5.23 does not scale input log-probs by
+        the sampling temperature (measured: 0.5 and 1.0 give the same values). Equal to
+        transformers' within 5e-7 in fp32, also when the prefix comes from the radix cache
+        (tests/test_distill.py)."""
+        if not 1 <= start < len(input_ids):
+            raise ValueError(f"start={start}: expected a position in [1, {len(input_ids)})")
+        # The first entry SGLang returns is None: its token's predecessor is not recomputed (it lies
+        # in the prefix, possibly from the radix cache), so ask from one position earlier.
+        payload = {"input_ids": list(map(int, input_ids)), "return_logprob": True,
+                   "logprob_start_len": int(start) - 1,
+                   "sampling_params": {"max_new_tokens": 0}}
+        reply = self._json("POST", "/generate", payload, timeout_s=timeout_s)
+        item = reply[0] if isinstance(reply, list) and len(reply) == 1 else reply
+        try:
+            entries = item["meta_info"]["input_token_logprobs"][1:]
+            lps, ids = [float(e[0]) for e in entries], [int(e[1]) for e in entries]
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise SGLangError(self.url, f"malformed input log-probs ({type(e).__name__}: {e})",
+                              body=repr(reply)[:2000]) from None
+        if ids != list(input_ids[start:]):
+            raise SGLangError(self.url, f"input log-probs for {len(ids)} tokens from position {start}, "
+                              f"expected the {len(input_ids) - start} tokens there", body=repr(reply)[:2000])
+        return lps
+
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort one request by rid, or every request on the server. An aborted /generate returns
         what it produced so far with finish_reason "abort"."""
@@ -300,100 +314,3 @@ class SGLangClient:
 
     def resume_memory_occupation(self) -> None:
         self.request("POST", "/resume_memory_occupation", {}, timeout_s=300)
-
-    # --- weight updates --------------------------------------------------------------------
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
-                                 flush_cache: bool = True, abort_all_requests: bool = False,
-                                 load_format: str | None = None, timeout_s: float = 600.0) -> dict:
-        """Reload all weights from an HF directory (safetensors + config) readable by the server.
-
-        weight_version: the label generated tokens carry from now on (GenerateOutput.weight_versions).
-        """
-        payload = _drop_none(model_path=str(model_path), flush_cache=flush_cache,
-                             abort_all_requests=abort_all_requests, weight_version=weight_version,
-                             load_format=load_format)
-        return self._checked("/update_weights_from_disk", payload, timeout_s=timeout_s, retry="connect")
-
-    def begin_weight_update(self) -> dict:
-        """Open a weight-update session; required around update_weights_from_tensor/_distributed."""
-        return self._checked("/begin_weight_update", {}, timeout_s=120, retry="connect")
-
-    def end_weight_update(self) -> dict:
-        return self._checked("/end_weight_update", {}, timeout_s=120, retry="connect")
-
-    def update_weights_from_tensor(self, named_tensors: Sequence[tuple[str, Any]],
-                                   weight_version: str | None = None, *, flush_cache: bool = True,
-                                   tp_size: int = 1, load_format: str | None = None,
-                                   timeout_s: float = 600.0) -> dict:
-        """Send (HF name, CPU tensor) pairs by shared memory: the server must run on this machine.
-
-        Call between begin_weight_update() and end_weight_update(). Tensors go through
-        torch.multiprocessing's "file_system" sharing strategy (the default strategy crashes the
-        server, docs/cpu.md); keep them alive until this returns. `tp_size`: the server's TP size
-        (each TP rank receives the same list). A partial list updates only those parameters.
-        """
-        payload = _drop_none(serialized_named_tensors=[serialize_named_tensors(named_tensors)] * tp_size,
-                             flush_cache=flush_cache, weight_version=weight_version,
-                             load_format=load_format)
-        return self._checked("/update_weights_from_tensor", payload, timeout_s=timeout_s, retry="connect")
-
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl", timeout_s: float = 300.0) -> dict:
-        """Make the server's ranks join a process group with the trainer (trainer = rank 0).
-
-        BLOCKS until every rank has joined, so call it from a thread (ServerPool.submit) while the
-        trainer builds its side: a PrefixStore named `group_name` over a TCPStore at
-        master_address:master_port, world_size = 1 + sum of servers' TP sizes; this server's ranks
-        start at rank_offset. backend "gloo" on CPU, "nccl" on GPU.
-        """
-        payload = {"master_address": master_address, "master_port": int(master_port),
-                   "rank_offset": int(rank_offset), "world_size": int(world_size),
-                   "group_name": group_name, "backend": backend}
-        return self._checked("/init_weights_update_group", payload, timeout_s=timeout_s, retry="connect")
-
-    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                        shapes: Sequence[Sequence[int]],
-                                        group_name: str = "weight_update_group",
-                                        weight_version: str | None = None, *, flush_cache: bool = True,
-                                        timeout_s: float = 600.0) -> dict:
-        """Receive tensors by broadcast from rank 0 of the weights-update group.
-
-        BLOCKS until the trainer has broadcast every tensor, in this order, so call it from a
-        thread. dtypes are torch names without "torch." ("float32", "bfloat16"). Must be inside
-        begin/end_weight_update; check that begin succeeded BEFORE broadcasting, or the trainer
-        hangs in broadcast until the collective's timeout.
-        """
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}, {len(dtypes)}, {len(shapes)}")
-        payload = _drop_none(names=list(names), dtypes=[str(d).replace("torch.", "") for d in dtypes],
-                             shapes=[list(map(int, s)) for s in shapes], group_name=group_name,
-                             flush_cache=flush_cache, weight_version=weight_version)
-        return self._checked("/update_weights_from_distributed", payload, timeout_s=timeout_s,
-                             retry="connect")
-
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        return self._checked("/destroy_weights_update_group", {"group_name": group_name},
-                             timeout_s=60, retry="connect")
-
-
-def _drop_none(**fields: Any) -> dict[str, Any]:
-    """A request body without the optional fields left at None (SGLang then uses its defaults);
-    weight_version goes as a string (SGLang's label type)."""
-    body = {k: v for k, v in fields.items() if v is not None}
-    if "weight_version" in body:
-        body["weight_version"] = str(body["weight_version"])
-    return body
-
-
-def serialize_named_tensors(named_tensors: Sequence[tuple[str, Any]]) -> str:
-    """Pickle (name, tensor) pairs the way SGLang's MultiprocessingSerializer does (ForkingPickler,
-    so tensors travel by shared memory), base64-encoded for JSON."""
-    import torch.multiprocessing as torch_mp
-    from multiprocessing.reduction import ForkingPickler
-
-    torch_mp.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump([(str(n), t.detach().cpu().contiguous()) for n, t in named_tensors])
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-

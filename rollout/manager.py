@@ -36,6 +36,7 @@ from rollout.pool import ServerPool
 from rollout.rewards.answers import RewardFn
 from rollout.rewards.scoring import DIED, TIMEOUT, RewardErrorBudget, Score, Scorer, ThreadScorer
 from rollout.sample import ABORTED, DONE, PENDING, Sample
+from rollout.step_metrics import step_metrics
 
 
 class RolloutInterrupted(Exception):
@@ -55,13 +56,16 @@ class RolloutManager:
                  reward_fn: RewardFn | None = None, scorer: Scorer | None = None,
                  env_factory: Callable[[dict], Any] | None = None,
                  encode_text: Callable[[str], list[int]] | None = None, chat: Any = None,
-                 max_turns: int | None = None, reward_budget: RewardErrorBudget | None = None):
+                 max_turns: int | None = None, reward_budget: RewardErrorBudget | None = None,
+                 teacher: Any = None):
         """encode_prompt: prompt record -> prompt token ids (e.g. dataset.chat_prompt_ids).
         decode: token ids -> text, for reward functions and environments (never re-encoded).
         scorer: scores single-turn groups (rollout.rewards.RewardWorkerPool: processes, a hard
         time bound per call; not closed by this manager); or reward_fn: (record, response_text) ->
         float, an in-process callable scored on a thread of its own (ThreadScorer: no time bound).
         reward_budget: the run's reward error accounting, when shared (eval and training).
+        teacher: on-policy distillation (rollout.teacher.TeacherScorer): a group also waits for its
+        teacher log-probs, requested beside its rewards.
         env_factory: record -> Environment, for multi-turn episodes (rollout.multiturn), whose turns
         go through `chat` (rollout.chat.ChatTemplate: the tokenizer's template) or, without it,
         fixed ChatML markers tokenised with `encode_text` (its reset() message is the prompt, so
@@ -78,7 +82,7 @@ class RolloutManager:
         self.env_factory, self.encode_text = env_factory, encode_text
         self._own_scorer = ThreadScorer(reward_fn) if scorer is None and reward_fn is not None else None
         self.scorer = scorer or self._own_scorer
-        self.chat, self.max_turns = chat, max_turns
+        self.chat, self.max_turns, self.teacher = chat, max_turns, teacher
         self.buffer: collections.deque[list[Sample]] = collections.deque()
         self.ready: collections.deque[list[Sample]] = collections.deque()
         """Complete, scored groups a stopped step kept (generate_step(keep_on_stop=True)): the
@@ -151,6 +155,8 @@ class RolloutManager:
         open_groups: dict[int, list[Sample]] = {}
         in_flight: dict[Future, Sample] = {}
         scoring: dict[Future, tuple[list[Sample], list[Sample]]] = {}  # -> (group, its unscored samples)
+        teaching: dict[Future, list[Sample]] = {}  # teacher log-probs (distillation) -> the group
+        waits: dict[int, int] = {}  # group id -> answers (scores, teacher log-probs) still to come
         m = collections.Counter()
         max_draws = math.ceil(num_groups * cfg.max_draw_factor)
 
@@ -158,18 +164,36 @@ class RolloutManager:
             in_flight[self._executor.submit(self._run_sample, sample)] = sample
 
         def finish_group(group: list[Sample]) -> None:
-            """Every response of the group is done: score it, or close it if it is scored."""
-            if any(g is group for g, _ in scoring.values()):  # its samples finished together
+            """Every response of the group is done: score it (and ask the teacher), or close it."""
+            gid = group[0].group_id
+            if gid in waits:  # its samples finished together: asked already
                 return
             for s in group:
                 s.check_aligned()
+            waits[gid] = 0
             unscored = [s for s in group if s.reward is None]
             if unscored and self.env_factory is None:
                 future = self.scorer.submit([s.prompt for s in unscored],
                                             [self.decode(s.response_ids) for s in unscored])
                 scoring[future] = (group, unscored)
-                return
-            close_group(group)
+                waits[gid] += 1
+            if self.teacher is not None and any(s.teacher_logprobs is None for s in group):
+                teaching[self.teacher.submit(group)] = group
+                waits[gid] += 1
+            if not waits[gid]:
+                close_group(group)
+
+        def answered(group: list[Sample]) -> None:
+            waits[group[0].group_id] -= 1
+            if not waits[group[0].group_id]:
+                close_group(group)
+
+        def apply_teacher(group: list[Sample], results: list[tuple[list[float], float]]) -> None:
+            for s, (lps, seconds) in zip(group, results):
+                s.teacher_logprobs = lps
+                m["teacher_seconds"] += seconds
+                m["teacher_tokens"] += len(lps)
+            answered(group)
 
         def apply_scores(group: list[Sample], unscored: list[Sample], scores: list[Score]) -> None:
             for s, score in zip(unscored, scores):
@@ -180,10 +204,11 @@ class RolloutManager:
                 m["reward_worker_restarts"] += score.status in (TIMEOUT, DIED)
                 m["reward_seconds"] += score.seconds
                 self.reward_budget.record(score.ok, score.error)
-            close_group(group)
+            answered(group)
 
         def close_group(group: list[Sample]) -> None:
             del open_groups[group[0].group_id]
+            waits.pop(group[0].group_id, None)
             for s in group:
                 if self.env_factory is not None:  # an episode's reward came from its environment
                     error = s.metadata.get("env_error")
@@ -234,7 +259,7 @@ class RolloutManager:
                     start_group(self._new_group(record))
                 if len(kept) >= num_groups:
                     break
-                if not in_flight and not scoring:
+                if not in_flight and not scoring and not teaching:
                     raise RuntimeError(
                         f"rollout step cannot fill {num_groups} groups: {len(kept)} kept, "
                         f"{m['groups_dropped_equal_reward']} dropped (all rewards equal), "
@@ -244,7 +269,7 @@ class RolloutManager:
                     interrupted = True
                     break
                 only_scoring, waited = not in_flight, time.monotonic()
-                done, _ = wait([*in_flight, *scoring], timeout=poll, return_when=FIRST_COMPLETED)
+                done, _ = wait([*in_flight, *scoring, *teaching], timeout=poll, return_when=FIRST_COMPLETED)
                 if only_scoring:  # what scoring costs this thread: waiting with nothing generating
                     m["reward_wait_seconds"] += time.monotonic() - waited
                 if not done:
@@ -258,6 +283,9 @@ class RolloutManager:
                     if f in scoring:
                         group, unscored = scoring.pop(f)
                         apply_scores(group, unscored, f.result())  # RewardWorkerError propagates
+                        continue
+                    if f in teaching:
+                        apply_teacher(teaching.pop(f), f.result())  # a lost teacher server propagates
                         continue
                     sample = in_flight.pop(f)
                     f.result()  # a server failure propagates here
@@ -299,7 +327,7 @@ class RolloutManager:
     def _reset(sample: Sample) -> None:
         sample.response_ids, sample.logprobs, sample.loss_mask, sample.weight_versions = [], [], [], []
         sample.num_segments, sample.status, sample.finish_reason = 0, PENDING, None
-        sample.reward, sample.routed_experts = None, None
+        sample.reward, sample.routed_experts, sample.teacher_logprobs = None, None, None
 
     def _drain(self, in_flight: dict[Future, Sample]) -> None:
         """Abort what is still generating and wait for it (re-aborting requests that reached a
@@ -320,25 +348,8 @@ class RolloutManager:
                                    f"{self.config.request_timeout_s} s after the abort")
 
     def _metrics(self, kept: list[list[Sample]], m: collections.Counter, seconds: float) -> dict[str, float]:
-        samples = [s for g in kept for s in g]
-        n = max(1, len(samples))
-        resp_tokens = sum(len(s.response_ids) for s in samples)
-        out = {k: float(v) for k, v in m.items()}
-        out.update({
-            "reward_mean": sum(s.reward for s in samples) / n,
-            "response_length_mean": resp_tokens / n,
-            # cut by the token budget: a response at max_new_tokens, an episode out of budget
-            "truncated_fraction": sum(s.finish_reason in ("length", "budget") for s in samples) / n,
-            "multi_segment_fraction": sum(s.num_segments > 1 for s in samples) / n,
-            "buffer_groups": float(len(self.buffer)),
-            "reward_error_fraction_total": self.reward_budget.errors / max(1, self.reward_budget.calls),
-            "rollout_seconds": seconds,
-            "response_tokens": float(resp_tokens),
-            "rollout_tokens_per_second": resp_tokens / max(seconds, 1e-9),
-        })
-        if self.env_factory is not None:
-            out.update(episode_metrics(samples))
-        return out
+        return step_metrics(kept, m, seconds, buffer_groups=len(self.buffer), budget=self.reward_budget,
+                            episodes=self.env_factory is not None)
 
     # --- checkpointing -----------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
@@ -358,18 +369,3 @@ class RolloutManager:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._own_scorer is not None:
             self._own_scorer.close()
-
-
-def episode_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Multi-turn episodes: turns and tool calls per episode, the share of environment tokens,
-    reward per turn, episode length (prompt excluded) and how many ended on an environment error."""
-    n = max(1, len(samples))
-    turns = sum(len(s.metadata.get("turn_rewards", [])) for s in samples)
-    env_tokens = sum(len(s.loss_mask) - sum(1 for k in s.loss_mask if k) for s in samples)
-    tokens = sum(len(s.response_ids) for s in samples)
-    return {"turns_per_episode": turns / n,
-            "tool_calls_per_episode": sum(s.metadata.get("tool_calls", 0) for s in samples) / n,
-            "env_token_fraction": env_tokens / max(1, tokens),
-            "reward_per_turn": sum(sum(s.metadata.get("turn_rewards", [])) for s in samples) / max(1, turns),
-            "episode_length_mean": tokens / n,
-            "env_error_fraction": sum("env_error" in s.metadata for s in samples) / n}

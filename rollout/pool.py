@@ -81,6 +81,15 @@ class ServerPool:
             kw.update(return_routed_experts=True, routed_experts_layout=self._layout())
         elif self.router is not None:
             return self.router.generate(input_ids, sampling_params, **kw)[0]
+        return self._on_a_live_server(lambda c: c.generate(input_ids, sampling_params, **kw)[0])
+
+    def input_log_probs(self, input_ids: Sequence[int], start: int, timeout_s: float | None = None) -> list[float]:
+        """Log-probs of input_ids[start:] from one prefill on a live server (SGLangClient.input_log_probs)."""
+        return self._on_a_live_server(lambda c: c.input_log_probs(input_ids, start, timeout_s=timeout_s))
+
+    def _on_a_live_server(self, call: Callable[[SGLangClient], Any]) -> Any:
+        """call(client) on the next live server (round robin); a server whose connection fails is
+        marked dead and the call moves on; none left: ServerUnavailable naming each server once."""
         errors: dict[str, str] = {}
         while True:
             client = self._next_client()
@@ -88,9 +97,9 @@ class ServerPool:
                 what = "; ".join(f"{u}: {r}" for u, r in errors.items()) if len(errors) != 1 else \
                     next(iter(errors.values()))
                 raise ServerUnavailable(", ".join(self.server_urls),
-                                        f"no live SGLang server left ({what})")
+                                        f"no live SGLang server left ({what or 'none was reachable'})")
             try:
-                return client.generate(input_ids, sampling_params, **kw)[0]
+                return call(client)
             except ServerUnavailable as e:
                 errors[client.url] = e.message
                 self.mark_dead(client.url)

@@ -77,6 +77,9 @@ class Sample:
     num_segments: int = 0
     """Generate calls that contributed tokens (>1 after partial-rollout resumes or several turns)."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: log pi_teacher of each response token (rollout/teacher.py), aligned
+    with response_ids (environment tokens included; the trainer uses loss_mask tokens only)."""
     routed_experts: np.ndarray | None = None
     """int16 [len(tokens), num_hidden_layers, top-k]: the engine's routing of each input position
     in the last generate call, -1 where there is none (module docstring); None: not requested."""

@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -54,6 +53,11 @@ SMOKE = {
     "checksum.py": (lambda url: ["--hidden", "64", "--layers", "1", "--experts", "2", "--repeats", "1"],
                     lambda out: "|" in out),
     "data.py": (lambda url: ["--rows", "1000", "--chars", "40"], lambda out: len(_rows(out, "1,000")) == 1),
+    # student: the tiny MoE on the module's server; teacher: the tiny dense Qwen3 (same tokenizer)
+    "distill.py": (lambda url: ["--steps", "1", "--warm-start-steps", "0", "--student", _tiny_moe(),
+                                "--teacher", str(tiny_model_dir("qwen3", 0)), "--student-url", url,
+                                "--teacher-url", "{qwen3_url}", "--set", "eval.interval=0", "--out", "{tmp}"],
+                   lambda out: "distill: accuracy first 5 steps" in out and "gspo: accuracy first 5 steps" in out),
     "gspo_vs_grpo.py": (lambda url: ["--steps", "1", "--set", f"rollout.server_urls=[{url}]",
                                      "--set", f"model.hf_path={_tiny_moe()}", "--set", "train.warm_start_steps=0",
                                      "--set", "eval.interval=0", "--out", "{tmp}"],
@@ -80,7 +84,11 @@ SMOKE = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SMOKE))
-def test_benchmark_prints_its_table_at_the_smallest_size(name, server_url, tmp_path):  # noqa: F811
+def test_benchmark_prints_its_table_at_the_smallest_size(name, server_url, tmp_path, request):  # noqa: F811
     args, check = SMOKE[name]
-    out = _run([f"benchmarks/{name}", *[a.replace("{tmp}", str(tmp_path)) for a in args(server_url)]])
+    argv = args(server_url)
+    if any("{qwen3_url}" in a for a in argv):
+        qwen3_url = request.getfixturevalue("qwen3_server").server_urls[0]
+        argv = [a.replace("{qwen3_url}", qwen3_url) for a in argv]
+    out = _run([f"benchmarks/{name}", *[a.replace("{tmp}", str(tmp_path)) for a in argv]])
     assert check(out), out[-3000:]

@@ -6,11 +6,10 @@ with one line naming the cause."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from test_trainer_e2e import ROOT, base_overrides, run_train, server_url  # noqa: F401
+from test_trainer_e2e import base_overrides, run_train, server_url  # noqa: F401  (server_url: a fixture)
 
 CONFIG = "examples/tiny_moe_larger_digit.yaml"
 TIMEOUT_S = 2.0

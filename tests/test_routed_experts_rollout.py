@@ -330,7 +330,7 @@ def test_replay_routes_every_trained_token_as_sglang(routing_server, layout, wor
     from distributed import gather_row_values, run_distributed
     from fixtures_models import tiny_model_dir
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
-    from gspo_megatron.driver import samples_to_batch
+    from gspo_megatron.rollout_batch import samples_to_batch
     from rollout.pool import ServerPool
 
     pool = ServerPool(routing_server.server_urls, routing_server.router_url)

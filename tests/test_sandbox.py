@@ -3,7 +3,6 @@ one failing if the promise is broken. The namespace promises run where the machi
 namespaces (these machines do, as root and as nobody); process mode's own promises run everywhere."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

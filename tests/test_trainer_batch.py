@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gspo_megatron.driver import rollout_metrics, samples_to_batch, sft_batch
+from gspo_megatron.rollout_batch import samples_to_batch, sft_batch
+from gspo_megatron.rollout_metrics import rollout_metrics
 from gspo_megatron.trainer import train_metrics
 from rollout.sample import Sample
 

@@ -46,6 +46,7 @@ class TrainBatch:
     ref_log_probs: torch.Tensor | None = None      # [b, s] float, KL reference; LAST stage only
     global_rows: torch.Tensor | None = None        # [b] int64, row index in the global batch
     routed_experts: torch.Tensor | None = None     # [b, s, layers, k] int16, engine routing (-1: none)
+    teacher_log_probs: torch.Tensor | None = None  # [b, s] float, distillation: log pi_teacher(tokens[:, t])
     mini_batch_sizes: list[int] | None = None      # rows of each mini-batch (set by shard())
 
     def __post_init__(self) -> None:
@@ -59,7 +60,7 @@ class TrainBatch:
         if self.mini_batch_sizes is not None and sum(self.mini_batch_sizes) != b:
             raise ValueError(f"mini_batch_sizes {self.mini_batch_sizes} do not sum to {b} rows")
         for name in ("loss_mask", "rollout_log_probs", "weight_versions", "old_log_probs",
-                     "ref_log_probs"):
+                     "ref_log_probs", "teacher_log_probs"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b, s):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({b}, {s}) like tokens")

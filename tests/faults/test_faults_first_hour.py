@@ -2,7 +2,6 @@
 2 s of the command, with nothing written (no run folder, no cache, no .tmp file)."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time

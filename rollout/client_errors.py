@@ -1,0 +1,18 @@
+"""The errors of the SGLang HTTP client (rollout/client.py), apart so that its parts import them."""
+from __future__ import annotations
+
+
+class SGLangError(RuntimeError):
+    """A server answered, but not as expected (HTTP error status or malformed body)."""
+
+    def __init__(self, url: str, message: str, status: int | None = None, body: str | None = None):
+        self.url, self.status, self.body, self.message = url, status, body, message
+        detail = f" (HTTP {status})" if status is not None else ""
+        text = f"{url}{detail}: {message}"
+        if body is not None:
+            text += f"; body: {body[:2000]!r}"
+        super().__init__(text)
+
+
+class ServerUnavailable(SGLangError):
+    """No connection to the server (refused, reset or timed out) after all retries."""
