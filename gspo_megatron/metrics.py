@@ -51,6 +51,10 @@ TAGS = {
                      "scoring adds to the rollout phase)",
     "time/reward": "seconds the reward workers spent scoring this step's responses (summed over "
                    "workers; overlaps generation)",
+    "distill/reverse_kl": "on-policy distillation: mean over trained tokens of log pi_student - "
+                          "log pi_teacher on the student's samples (KL(student || teacher) per token)",
+    "distill/teacher_time": "seconds of the teacher's prefill requests this step (summed over requests)",
+    "distill/teacher_tokens_per_s": "tokens the teacher scored per second of request time",
     "rollout/turns_per_episode": "multi-turn: model turns per episode",
     "rollout/tool_calls_per_episode": "multi-turn: tool calls per episode",
     "rollout/env_token_fraction": "multi-turn: environment tokens / response tokens (not trained)",

@@ -167,6 +167,8 @@ def test_a_distillation_run_trains_and_reports(tmp_path, server_url, qwen3_serve
     assert [r["step"] for r in recs] == [0, 1]
     for r in recs:
         assert math.isfinite(r["distill/reverse_kl"]) and r["distill/teacher_tokens_per_s"] > 0
+    from gspo_megatron.metrics import documented
+    assert all(documented(k) for k in recs[0] if k != "step"), [k for k in recs[0] if not documented(k)]
     samples = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     want = hf_response_logprobs(tiny_model_dir("qwen3", 0), samples[0]["prompt_ids"], samples[0]["response_ids"])
     assert max(abs(a - b) for a, b in zip(samples[0]["teacher_logprobs"], want)) < 1e-5
