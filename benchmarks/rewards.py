@@ -19,7 +19,7 @@ Columns:
   finish evenly over a generation window as long as the inline scoring time (generation is
   represented by its timing here: a group is handed over at its finishing time). Inline the loop
   scores each group itself; with workers it only hands groups over and, after the last one, waits
-  for what is still being scored (RolloutManager's reward/wait_s);
+  for what is still being scored (RolloutManager's time/reward_wait);
 - projection: 8,192 responses per step (the paper's batch) at the measured single-worker cost,
   spread over 32 workers on the driver's node.
 """

@@ -47,7 +47,7 @@ TAGS = {
     "reward/worker_restarts": "reward workers replaced this step (a timeout, or a worker that died: "
                               "os._exit, a segfault, the OOM killer)",
     "reward/p99_ms": "99th percentile of the scoring time per response",
-    "reward/wait_s": "seconds the rollout loop waited on scoring with nothing left generating (what "
+    "time/reward_wait": "seconds the rollout loop waited on scoring with nothing left generating (what "
                      "scoring adds to the rollout phase)",
     "time/reward": "seconds the reward workers spent scoring this step's responses (summed over "
                    "workers; overlaps generation)",
@@ -175,6 +175,14 @@ LAYER_TAGS = {
     "routing_layers/drift": "routing/drift of layer i",
     "routing_layers/engine_mismatch": "routing/engine_mismatch of layer i",
 }
+
+
+def measures_time(tag: str) -> bool:
+    """A tag that measures how fast the machine was (seconds, throughput, busy fractions), not what
+    the run computed: two runs of the same seeds agree on every other tag (tests/test_resume_run.py)."""
+    return tag.startswith(("time/", "perf/")) or tag in {
+        "reward/p99_ms", "distill/teacher_time", "distill/teacher_tokens_per_s", "async/rollout_busy",
+        "async/train_busy", "async/overlap"}
 
 
 def documented(tag: str) -> bool:

@@ -56,7 +56,7 @@ def reward_metrics(samples: list[Sample], m: dict[str, float]) -> dict[str, floa
     return {"reward/timeouts": m.get("reward_timeouts", 0.0),
             "reward/worker_restarts": m.get("reward_worker_restarts", 0.0),
             "reward/p99_ms": 1000.0 * p99,
-            "reward/wait_s": m.get("reward_wait_seconds", 0.0),
+            "time/reward_wait": m.get("reward_wait_seconds", 0.0),
             "time/reward": m.get("reward_seconds", 0.0)}
 
 

@@ -32,10 +32,11 @@ def _args(run_dir: Path, url: str) -> list[str]:
 
 
 def _compare(a: list[dict], b: list[dict]) -> list[str]:
+    from gspo_megatron.metrics import measures_time
     diffs = []
     for ra, rb in zip(a, b):
         for k, va in ra.items():
-            if k.startswith(("time/", "perf/")):
+            if measures_time(k):
                 continue
             vb = rb.get(k)
             if vb is None or not math.isclose(va, vb, rel_tol=1e-5, abs_tol=1e-6):

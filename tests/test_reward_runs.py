@@ -43,7 +43,7 @@ def test_a_run_survives_hung_crashing_nan_and_raising_rewards(tmp_path, server_u
     assert any("KeyError: 'thirteen'" in e for e in errors)
     assert max(r["reward/p99_ms"] for r in recs) < (TIMEOUT_S + 2) * 1000
     print({t: total(t) for t in ("reward/timeouts", "reward/worker_restarts", "rollout/reward_errors",
-                                 "time/reward", "reward/wait_s")})
+                                 "time/reward", "time/reward_wait")})
 
 
 @pytest.mark.slow
