@@ -21,7 +21,7 @@ def test_a_run_survives_hung_crashing_nan_and_raising_rewards(tmp_path, server_u
                                                             monkeypatch):
     from gspo_megatron.metrics import read_jsonl
     monkeypatch.setenv("GSPO_TEST_REWARD_COUNTER", str(tmp_path / "calls"))
-    steps = 3
+    steps = 2
     proc = run_train([CONFIG, *base_overrides(tmp_path, server_url, **{
         "train.steps": steps, "train.max_staleness": max_staleness,
         "rollout.reward": "reward_functions:by_call_number", "rollout.reward_workers": 2,
