@@ -20,7 +20,7 @@ def _args(run_dir: Path, url: str, **extra) -> list[str]:
     held_out = verl_parquet(run_dir / "data" / "eval.parquet", 6, start=100)
     return [CONFIG, *base_overrides(run_dir, url, **{
         "train.steps": 3, "train.warm_start_steps": 0, "eval.prompts": held_out, "eval.interval": 2,
-        "eval.answer_key": "reward_model.ground_truth", "eval.samples_per_prompt": 2,
+        "eval.answer_key": "reward_model.ground_truth", "eval.samples_per_prompt": 2, "eval.temperature": 0.6,
         "eval.reward": "prompt_rewards:by_source", "eval.max_new_tokens": 6,
         "logging.eval_records": str(run_dir / "eval.jsonl"), **extra})]
 
@@ -68,9 +68,11 @@ def test_eval_at_step_0_the_interval_and_the_end_equals_a_hand_count(tmp_path, s
 
 @pytest.mark.parametrize("layout", ["tensor", "pipeline"])
 def test_eval_under_tp2_and_pp2_equals_one_process(tmp_path, server_url, layout):  # noqa: F811
-    one = run_train(_args(tmp_path / "one", server_url, **{"train.lr": 0.0}))
+    # greedy, one sample per prompt: eval requests carry no seed, so only greedy responses repeat
+    same = {"train.lr": 0.0, "eval.samples_per_prompt": 1, "eval.temperature": 0.0}
+    one = run_train(_args(tmp_path / "one", server_url, **same))
     assert one.returncode == 0, one.stderr[-5000:]
-    two = run_train(_args(tmp_path / "two", server_url, **{"train.lr": 0.0}) + ["--set", f"parallel.{layout}=2"],
+    two = run_train(_args(tmp_path / "two", server_url, **same) + ["--set", f"parallel.{layout}=2"],
                     nproc=2)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
     assert _logged(tmp_path / "one") == _logged(tmp_path / "two")
