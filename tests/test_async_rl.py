@@ -165,15 +165,23 @@ def _lockstep(run_dir: Path, url: str) -> list[str]:
                                   "train.steps": 3, "rollout.max_buffered_groups": 2})
 
 
+@pytest.fixture(scope="module")
+def lockstep_one_process(tmp_path_factory, server_url):  # noqa: F811
+    """The one-process run both layouts compare against (run once)."""
+    run_dir = tmp_path_factory.mktemp("async_one")
+    one = run_train(_lockstep(run_dir, server_url))
+    assert one.returncode == 0, one.stderr[-5000:]
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tensor", "pipeline"])
-def test_async_tp2_and_pp2_equal_one_process(tmp_path, server_url, layout):  # noqa: F811
+def test_async_tp2_and_pp2_equal_one_process(tmp_path, server_url, lockstep_one_process, layout):  # noqa: F811
     from gspo_megatron.metrics import read_jsonl
-    one = run_train(_lockstep(tmp_path / "one", server_url))
-    assert one.returncode == 0, one.stderr[-5000:]
+    one_dir = lockstep_one_process
     two = run_train(_lockstep(tmp_path / "two", server_url) + ["--set", f"parallel.{layout}=2"], nproc=2)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
-    a, b = read_jsonl(tmp_path / "one" / "tb" / "metrics.jsonl", steps_only=True), read_jsonl(tmp_path / "two" / "tb" / "metrics.jsonl", steps_only=True)
+    a, b = read_jsonl(one_dir / "tb" / "metrics.jsonl", steps_only=True), read_jsonl(tmp_path / "two" / "tb" / "metrics.jsonl", steps_only=True)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2]
     for ra, rb in zip(a, b):
         for k in ("train/loss", "train/grad_norm", "train/logprob_abs_diff", "rollout/reward_mean",
@@ -185,7 +193,7 @@ def test_async_tp2_and_pp2_equal_one_process(tmp_path, server_url, layout):  # n
             if r["index"] == 0:
                 out.setdefault(r["step"], set()).add(tuple(r["prompt_ids"]))
         return out
-    assert per_step(tmp_path / "one") == per_step(tmp_path / "two")
+    assert per_step(one_dir) == per_step(tmp_path / "two")
 
 
 @pytest.mark.slow

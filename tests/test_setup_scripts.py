@@ -68,3 +68,16 @@ def test_pip_output_goes_to_the_log_and_only_a_failure_reaches_the_terminal(tmp_
     assert "resolver noise" not in out.stderr  # an expected pip complaint stays in the log
     assert "this failed (exit 3)" in out.stderr and "it broke" in out.stderr and str(log) in out.stderr
     assert "ERROR: resolver noise" in log.read_text() and "fine" in log.read_text()
+
+
+def test_every_module_with_an_mcore019_test_is_in_the_second_venvs_list() -> None:
+    """scripts/test.sh runs `-m "not slow or mcore019"` over MCORE_TESTS only: a test marked
+    mcore019 in a module outside that list would silently never meet megatron-core 0.19."""
+    import glob
+    import re
+    script = (ROOT / "scripts" / "test.sh").read_text()
+    listed = re.search(r"MCORE_TESTS=\((.*?)\)", script, re.S).group(1).split()
+    covered = {Path(p).name for pattern in listed for p in glob.glob(str(ROOT / pattern))}
+    mark = re.compile(r"^(@pytest\.mark\.mcore019|pytestmark = .*pytest\.mark\.mcore019)", re.M)
+    marked = {p.name for p in (ROOT / "tests").rglob("test_*.py") if mark.search(p.read_text())}
+    assert marked and marked <= covered, sorted(marked - covered)

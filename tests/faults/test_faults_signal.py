@@ -101,7 +101,9 @@ def test_sigusr1_during_a_rollout_abandons_the_step_and_resumes_it(tmp_path, ser
     _wait_for_steps(tmp_path, proc, 2)
     time.sleep(0.3)  # into step 2's rollout: 8 x 1024 tokens on a CPU server
     proc.send_signal(signal.SIGUSR1)
-    out = _finish_and_check(tmp_path, server_url, proc, signal.SIGUSR1, **LONG_ROLLOUT)
+    # the resumed run samples short responses: what it proves (no prompt lost or trained twice)
+    # does not depend on their length, and three long rollouts cost a minute on a loaded machine
+    out = _finish_and_check(tmp_path, server_url, proc, signal.SIGUSR1)
     # (_finish_and_check saw the checkpoint of the last finished step before resuming)
     assert re.search(r"the rollout of step [2-4] was interrupted by the signal: the step is abandoned",
                      out), out[-3000:]
