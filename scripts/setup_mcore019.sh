@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .venv-mcore019: Python 3.12 with megatron-core 0.19.2, the newest release the declared
 # range (pyproject.toml: megatron-core>=0.16.1,<0.20) admits and what `pip install` gives a Python
-# 3.12 user. scripts/test.sh runs the fast suite and the conversion and layout tests in it, so
+# 3.12 user. scripts/test.sh runs the tests of the code that reaches megatron-core in it, so
 # both ends of the range are tested. No SGLang here (its tests run in .venv).
 #   bash scripts/setup_mcore019.sh     # idempotent; ~2 minutes and ~6 GB the first time
 set -euo pipefail
