@@ -1,8 +1,8 @@
 """launch/local.sh: servers + torchrun on one machine, then the same command again resumes.
 
 One run is the real thing (gspo-megatron train, TP2 under torchrun, a real SGLang server started by
-the script, stopped at the end); the run and rerun that resumes use the launch tests' stand-ins (see test_launch_slurm.py) to check the
-script's own bookkeeping quickly: a real torch.distributed all-reduce with atomic per-step
+the script, stopped at the end); a run and the rerun that resumes use the launch tests' stand-ins
+(see test_launch_slurm.py) to check the script's own bookkeeping quickly: a real torch.distributed all-reduce with atomic per-step
 checkpoints, and a /health server.
 """
 from __future__ import annotations
@@ -60,8 +60,8 @@ def test_local_run_then_rerun_resumes_from_latest(tmp_path):
 
 def test_local_real_trainer_and_server(tmp_path):
     """local.sh starts a real SGLang server and a TP2 trainer that trains against it, and stops the
-    server at the end. (A rerun that resumes through local.sh is test_local_run_then_rerun_resumes_from_latest's,
-    with the toy trainer; the real trainer's resume is tests/test_resume_run.py's.)"""
+    server at the end. (The rerun that resumes through local.sh is the stand-ins' test above; the
+    real trainer's resume is tests/test_resume_run.py's.)"""
     from gspo_megatron.metrics import read_jsonl
     model, run_dir = tiny_model_dir("qwen3_moe", 0), tmp_path / "run"
     sets = {"model.hf_path": model, "parallel.tensor": 2, "rollout.group_size": 4,

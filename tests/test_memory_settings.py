@@ -69,7 +69,7 @@ def test_memory_settings_train_as_the_plain_path(layout):
                 diff = float((plain["log_probs"] - other["log_probs"]).abs().max())
                 assert diff <= 1e-5, (variant, rank, diff)
     assert all(r["recompute"] == "selective" for r in runs["recompute"])
-    # ZeRO-1: with data parallelism (DP2; EP2's dense params) a rank holds part of Adam's state
+    # ZeRO-1: with data parallelism (EP2's dense params are DP2) a rank holds part of Adam's state
     plain_bytes = sum(r["state_bytes"] for r in runs["plain"])
     sharded_bytes = sum(r["state_bytes"] for r in runs["sharded"])
     if layout == "ep2":

@@ -66,7 +66,7 @@ def _expected_prompts(n_groups: int) -> list[list[int]]:
     return [chat_prompt_ids(tok, next(stream)) for _ in range(n_groups)]
 
 
-def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: int, **extra) -> str:
+def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: int) -> str:
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signum, err[-3000:]
     name = signal.Signals(signum).name
@@ -78,7 +78,7 @@ def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: i
                      f"{run_dir / 'ckpt'}; exiting with {128 + signum} (the same command resumes)"], err[-3000:]
     resumed = run_train(train_args(run_dir, url, **{
         "train.steps": STEPS, "checkpoint.interval": 100,
-        "logging.rollout_records": str(run_dir / "records.jsonl"), **extra}))
+        "logging.rollout_records": str(run_dir / "records.jsonl")}))
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)] == list(range(STEPS))
     per_step = 2  # rollout.prompts_per_step
@@ -101,8 +101,8 @@ def test_sigusr1_during_a_rollout_abandons_the_step_and_resumes_it(tmp_path, ser
     _wait_for_steps(tmp_path, proc, 2)
     time.sleep(0.3)  # into step 2's rollout: 8 x 1024 tokens on a CPU server
     proc.send_signal(signal.SIGUSR1)
-    # the resumed run samples short responses: what it proves (no prompt lost or trained twice)
-    # does not depend on their length, and three long rollouts cost a minute on a loaded machine
+    # (the resume samples short responses, as every resume here: what it proves, no prompt lost or
+    # trained twice, does not depend on their length; three long rollouts cost a minute under load)
     out = _finish_and_check(tmp_path, server_url, proc, signal.SIGUSR1)
     # (_finish_and_check saw the checkpoint of the last finished step before resuming)
     assert re.search(r"the rollout of step [2-4] was interrupted by the signal: the step is abandoned",
