@@ -7,15 +7,17 @@ A leaf package: it knows Hugging Face configs and megatron-core, nothing of the 
 caller (gspo_megatron's actor, the checkpoint converters) supplies the parallel layout and the
 machine's adaptations as TransformerConfig overrides.
 
-Names are imported on first use (PEP 562): `model_specs.hf_config` (plain JSON, no torch) can be
-read before torch and megatron-core are imported, e.g. by the command line's early checks.
+Names are imported on first use (PEP 562). `hf_config`, `traits`, `shape`, `moe_fields` and `tiny`
+are torch-free: the command line's early checks and the planner read them before (or without)
+torch and megatron-core.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-_EXPORTS = {"FAMILIES": "families", "family_for": "families", "model_dims_for": "families",
+_EXPORTS = {"FAMILIES": "families", "family_for": "families", "model_dims_for": "shape",
+            "model_shape_for": "shape", "ModelShape": "shape",
             "model_spec_for": "families", "ModelSpec": "common", "HFConfigError": "hf_config",
             "load_hf_config": "hf_config"}
 

@@ -20,41 +20,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from model_specs.hf_config import HFConfigError, require
-from model_specs.moe import moe_config_fields, use_expert_bias_router
+from model_specs.moe import use_expert_bias_router
 from model_specs.norms import HAVE_TE, replace_local_norms, te_checkpoint_keys
 from model_specs.rope import rope_mapping
-
-
-@dataclass(frozen=True)
-class FamilyTraits:
-    """What distinguishes one decoder family's HF config from another's."""
-
-    name: str
-    """The family's name (FAMILIES key)."""
-    model_types: tuple[str, ...]
-    """HF `model_type` values of the family."""
-    qk_layernorm: bool = False
-    """Always QK-norm (RMSNorm over each head's q and k before RoPE)."""
-    qk_norm_field: str | None = None
-    """A config field that turns QK-norm on (GLM-4.5: use_qk_norm)."""
-    qkv_bias: bool = False
-    """q/k/v have a bias unless the config says `qkv_bias: false` (Qwen2-MoE spells it so);
-    `attention_bias: true` also turns it on."""
-    moe: bool = False
-    """Routed experts (moe.py)."""
-    router: str = "softmax"
-    """MoE router: "softmax" (Qwen) or "sigmoid" (GLM-4.5: expert bias, groups, scaling)."""
-    shared_expert: str | None = None
-    """None, "gated" (Qwen2-MoE) or "plain" (GLM-4.5); see moe.py."""
-    partial_rotary: bool = False
-    """The HF class rotates only `partial_rotary_factor` of each head (GLM-4.5)."""
-
-
-def attention_options(traits: FamilyTraits, hf: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(QK-norm, q/k/v bias) of a config of this family; the weight map reads the same."""
-    qk_norm = traits.qk_layernorm or bool(traits.qk_norm_field and hf.get(traits.qk_norm_field))
-    qkv_bias = bool(hf.get("qkv_bias", traits.qkv_bias)) or bool(hf.get("attention_bias", False))
-    return qk_norm, qkv_bias
+from model_specs.shape import shape_fields
+from model_specs.traits import FamilyTraits, attention_options  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -110,41 +80,17 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     """
     hf = dict(hf)
     fam = traits.name
-    if hf.get("model_type") not in traits.model_types:
-        raise HFConfigError(f"model_type {hf.get('model_type')!r} is not a {fam} model "
-                            f"(expected one of {traits.model_types})")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise HFConfigError(f"{fam}: hidden_act={hf['hidden_act']!r}, expected 'silu'")
-    if hf.get("use_sliding_window"):
-        raise HFConfigError(f"{fam}: use_sliding_window=true is not supported (sliding-window "
-                            f"attention, sliding_window={hf.get('sliding_window')})")
+    kwargs: dict[str, Any] = shape_fields(traits, hf)  # refuses what cannot be mapped, by name
     use_te = HAVE_TE if transformer_engine is None else bool(transformer_engine)
     if use_te and not HAVE_TE:
         raise HFConfigError("transformer_engine=True, but Transformer Engine does not import here "
                             "(it needs CUDA and cuDNN)")
-    num_layers = int(require(hf, "num_hidden_layers", fam))
-    hidden = int(require(hf, "hidden_size", fam))
-    heads = int(require(hf, "num_attention_heads", fam))
-    kv_heads = int(hf.get("num_key_value_heads") or heads)
-    head_dim = int(hf.get("head_dim") or hidden // heads)
     vocab = int(require(hf, "vocab_size", fam))
-    qk_norm, qkv_bias = attention_options(traits, hf)
-    rope = rope_mapping(hf, fam, head_dim, traits.partial_rotary)
-
-    kwargs: dict[str, Any] = dict(
-        num_layers=num_layers,
-        hidden_size=hidden,
-        ffn_hidden_size=int(require(hf, "intermediate_size", fam)),
-        num_attention_heads=heads,
-        num_query_groups=kv_heads,
-        kv_channels=head_dim,
+    rope = rope_mapping(hf, fam, kwargs["kv_channels"], traits.partial_rotary)
+    kwargs.update(
         normalization="RMSNorm",
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        gated_linear_unit=True,
         activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
-        qk_layernorm=qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -155,8 +101,6 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
         fp16=params_dtype == torch.float16,
     )
     kwargs.update(rope.config_fields)
-    if traits.moe:
-        kwargs.update(moe_config_fields(hf, fam, num_layers, traits.router, traits.shared_expert))
     kwargs.update(overrides or {})
     config_class = rope.config_class
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(config_class)}

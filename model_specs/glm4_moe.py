@@ -13,30 +13,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from model_specs.common import FamilyTraits, ModelSpec, build_model_spec
+from model_specs.common import ModelSpec, build_model_spec
+from model_specs.tiny import glm4_moe as tiny_hf_config  # noqa: F401 (the tests' config)
+from model_specs.traits import FAMILY_TRAITS
 
-TRAITS = FamilyTraits(name="glm4_moe", model_types=("glm4_moe",), qk_norm_field="use_qk_norm",
-                      moe=True, router="sigmoid", shared_expert="plain", partial_rotary=True)
+TRAITS = FAMILY_TRAITS["glm4_moe"]
 
 
 def model_spec(hf_config: Mapping[str, Any], **kwargs: Any) -> ModelSpec:
     """See common.build_model_spec (params_dtype, overrides, transformer_engine)."""
     return build_model_spec(TRAITS, hf_config, **kwargs)
-
-
-def tiny_hf_config(**overrides: Any) -> dict[str, Any]:
-    """A tiny GLM-4.5-shaped config for tests: 4 layers (1 dense), 8 experts top-2 in 2 groups
-    (1 chosen), routed_scaling_factor 2.5, one shared expert, QK-norm, q/k/v bias, half-rotary
-    heads of 16 channels, 4/2 heads (TP2)."""
-    cfg = dict(
-        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=512,
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, hidden_act="silu", max_position_embeddings=2048,
-        rms_norm_eps=1e-5, rope_theta=1000000.0, partial_rotary_factor=0.5,
-        tie_word_embeddings=False, attention_bias=True, use_qk_norm=True, initializer_range=0.02,
-        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-        norm_topk_prob=True, num_nextn_predict_layers=0, torch_dtype="float32",
-    )
-    cfg.update(overrides)
-    return cfg

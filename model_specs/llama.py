@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from model_specs.common import FamilyTraits, ModelSpec, build_model_spec
+from model_specs.common import ModelSpec, build_model_spec
+from model_specs.traits import FAMILY_TRAITS
 from model_specs.hf_config import HFConfigError
 
-TRAITS = FamilyTraits(name="llama", model_types=("llama",))
+TRAITS = FAMILY_TRAITS["llama"]
 
 
 def model_spec(hf_config: Mapping[str, Any], **kwargs: Any) -> ModelSpec:

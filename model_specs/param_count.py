@@ -1,4 +1,5 @@
-"""Parameter counts of a ModelSpec, from its TransformerConfig alone (nothing is built).
+"""Parameter counts of a ModelSpec (or a torch-free ModelShape), from its config alone (nothing is
+built).
 
     counts = param_count(model_spec_for("/models/Qwen3-30B-A3B"))
     counts.total, counts.active          # 30.5e9, 3.3e9
@@ -14,10 +15,13 @@ active (Qwen's published "A3B" / "A22B" include them, GLM-4.5's "32B active" doe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from megatron.core.transformer import TransformerConfig
+if TYPE_CHECKING:  # torch-free: the planner counts a ModelShape (shape.py), others a ModelSpec
+    from megatron.core.transformer import TransformerConfig
 
-from model_specs.common import ModelSpec
+    from model_specs.common import ModelSpec
+    from model_specs.shape import ModelShape, ShapeConfig
 
 
 @dataclass(frozen=True)
@@ -36,7 +40,7 @@ class ParamCount:
     """All routed experts of all MoE layers."""
 
 
-def _attention(c: TransformerConfig) -> int:
+def _attention(c: TransformerConfig | ShapeConfig) -> int:
     h, d = c.hidden_size, c.kv_channels
     q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
     n = h * (q + 2 * kv) + q * h                    # linear_qkv + linear_proj
@@ -45,11 +49,11 @@ def _attention(c: TransformerConfig) -> int:
     return n + 2 * h                                # input_layernorm, pre_mlp_layernorm
 
 
-def _mlp(c: TransformerConfig, ffn: int) -> int:
+def _mlp(c: TransformerConfig | ShapeConfig, ffn: int) -> int:
     return (3 if c.gated_linear_unit else 2) * c.hidden_size * ffn
 
 
-def _moe_layers(c: TransformerConfig) -> int:
+def _moe_layers(c: TransformerConfig | ShapeConfig) -> int:
     if not c.num_moe_experts:
         return 0
     freq = c.moe_layer_freq
@@ -58,7 +62,7 @@ def _moe_layers(c: TransformerConfig) -> int:
     return sum(int(x) for x in freq)
 
 
-def param_count(spec: ModelSpec) -> ParamCount:
+def param_count(spec: ModelSpec | ModelShape) -> ParamCount:
     """The counts of `spec` (see the module docstring)."""
     c = spec.config
     h, experts = c.hidden_size, c.num_moe_experts or 0

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from model_specs.common import FamilyTraits, ModelSpec, build_model_spec
+from model_specs.common import ModelSpec, build_model_spec
+from model_specs.traits import FAMILY_TRAITS
 
-TRAITS = FamilyTraits(name="qwen2", model_types=("qwen2",), qkv_bias=True)
+TRAITS = FAMILY_TRAITS["qwen2"]
 
 
 def model_spec(hf_config: Mapping[str, Any], **kwargs: Any) -> ModelSpec:

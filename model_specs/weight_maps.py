@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from model_specs import family_for
-from model_specs.common import attention_options
+from model_specs.traits import attention_options
 from model_specs.hf_config import moe_layer_pattern, normalize_hf_config
 
 # The parameter kinds: how a megatron tensor relates to its HF tensors.

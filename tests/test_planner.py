@@ -45,7 +45,7 @@ def _measured(rank, world, layout_kwargs: dict, bf16: bool, dist_opt: bool):
                params_dtype=dtype) as actor:
         actor.train_step(actor.shard(_batch()))  # Adam's state exists after the first step
         weights, grads, opt = measured_static(actor)  # what plan --check measures
-        settings = MemorySettings(params_dtype=dtype, use_distributed_optimizer=dist_opt)
+        settings = MemorySettings(params_dtype="bfloat16" if bf16 else "float32", use_distributed_optimizer=dist_opt)
         predicted = static_bytes(actor.spec, layout, world, settings, ps.get_pipeline_model_parallel_rank())
     return dict(measured=(weights, grads, opt), predicted=predicted)
 

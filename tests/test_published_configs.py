@@ -71,3 +71,42 @@ def test_count_equals_the_built_models_parameters(arch, tmp_path):
         with single_process_megatron():
             _, params = meta_model_state(cfg, torch.float32)
         assert param_count(model_spec_for(cfg)).total == sum(p.numel() for p in params.values())
+
+
+def _family_configs() -> dict[str, dict]:
+    from model_specs import FAMILIES
+    out = {f"published {name}": config for name, (config, *_rest) in PUBLISHED.items()}
+    for arch, family in FAMILIES.items():
+        base = getattr(family, "tiny_hf_config", None)
+        out[f"tiny {arch}"] = base() if base else dict(FAMILIES["qwen3"].tiny_hf_config(), model_type=arch)
+    out["tiny qwen3 tied"] = dict(out["tiny qwen3"], tie_word_embeddings=True)
+    return out
+
+
+def test_the_torch_free_shape_is_the_built_configs():
+    """The planner reads model_specs.shape (no torch, no megatron-core) where the actor builds a
+    TransformerConfig: every shape field, the vocabulary, the tying and the counts must agree, for
+    each family and published model (a field mapped in one place and not the other fails here)."""
+    from model_specs.shape import SHAPE_FIELDS, model_dims_for, model_shape_for
+    for name, config in _family_configs().items():
+        shape, spec = model_shape_for(config), model_spec_for(config)
+        for field in SHAPE_FIELDS:
+            assert getattr(shape.config, field) == getattr(spec.config, field), (name, field)
+        assert (shape.family, shape.vocab_size, shape.share_embeddings_and_output_weights, shape.is_moe) == (
+            spec.family, spec.vocab_size, spec.share_embeddings_and_output_weights, spec.is_moe), name
+        assert param_count(shape) == param_count(spec), name
+        assert model_dims_for(config)["num_layers"] == spec.config.num_layers
+
+
+def test_the_planner_reads_models_without_torch():
+    """`gspo-megatron plan` answers in well under 2 s because it imports neither torch nor
+    megatron-core (issue 32: importing them took 10 s on a busy 2-core machine)."""
+    import subprocess
+    import sys
+    code = ("import sys; from gspo_megatron.planner import command, plan; "
+            "from model_specs.shape import model_shape_for; from model_specs.param_count import param_count; "
+            "[param_count(model_shape_for(plan.load_model(m))) for m in ('Qwen3-235B-A22B', 'tiny-qwen3-moe')]; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron', 'numpy')]; "
+            "assert not bad, bad[:5]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -71,7 +71,7 @@ def main() -> None:
     rows = 2 * max(1, s.max_tokens // length)  # two micro-batches of the budget per DP rank
     opt = OptimizerSettings(**{k: getattr(cfg.train, k) for k in (
         "optimizer", "lr", "use_distributed_optimizer", "grad_reduce_in_fp32", "sgd_momentum")})
-    with Actor(hf, layout, optimizer=opt, loss=LossSettings(name="gspo"), params_dtype=s.params_dtype,
+    with Actor(hf, layout, optimizer=opt, loss=LossSettings(name="gspo"), params_dtype=getattr(torch, s.params_dtype),
                batching=MicroBatchSettings(micro_batch_size=max(1, s.max_tokens // length),
                                            max_tokens_per_micro_batch=s.max_tokens)) as actor:
         from megatron.core import parallel_state as ps

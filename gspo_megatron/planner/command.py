@@ -15,8 +15,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from gspo_megatron.planner.memory import GiB, MemorySettings
 from gspo_megatron.planner.plan import GPUS, PlanError, load_model, parse_memory, plan, table
 
@@ -36,7 +34,7 @@ def settings_from(cfg, tokens: int | None) -> MemorySettings:
     t, c = cfg.train, cfg.compute
     modules = tuple(c.recompute_modules) if c.recompute_modules else ("core_attn",)
     return MemorySettings(
-        params_dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+        params_dtype=cfg.model.dtype,
         optimizer=t.optimizer, sgd_momentum=t.sgd_momentum,
         use_distributed_optimizer=t.use_distributed_optimizer, grad_reduce_in_fp32=t.grad_reduce_in_fp32,
         max_tokens=tokens or t.max_tokens_per_micro_batch or 16384, recompute=c.recompute,

@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING, Union
 
 from gspo_megatron.parallel.layout import ParallelLayout
-from model_specs.common import ModelSpec
+
+if TYPE_CHECKING:  # the planner reads a torch-free ModelShape; plan --check a built ModelSpec
+    from model_specs.common import ModelSpec
+    from model_specs.shape import ModelShape
+    Model = Union[ModelSpec, ModelShape]
 
 GiB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
 class MemorySettings:
     """What the memory depends on beyond the model and the layout (the run config's fields)."""
 
-    params_dtype: torch.dtype = torch.bfloat16
-    """model.dtype: weights and activations."""
+    params_dtype: str = "bfloat16"
+    """model.dtype (float32, bfloat16; float16): weights and activations."""
     optimizer: str = "adam"
     """train.optimizer."""
     sgd_momentum: float = 0.0
@@ -50,6 +54,15 @@ class MemorySettings:
     overhead_bytes: int = int(2.5 * GiB)
     """CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers and the allocator's slack; a
     calibration constant (measured per GPU by --check)."""
+
+    def __post_init__(self) -> None:
+        if self.params_dtype not in DTYPE_BYTES:
+            raise ValueError(f"MemorySettings.params_dtype={self.params_dtype!r}: expected one of "
+                             f"{sorted(DTYPE_BYTES)} (model.dtype's names)")
+
+    @property
+    def param_bytes(self) -> int:
+        return DTYPE_BYTES[self.params_dtype]
 
 
 @dataclass(frozen=True)
@@ -124,7 +137,7 @@ def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
     return dense, expert
 
 
-def stage_params(spec: ModelSpec, layout: ParallelLayout, pp_rank: int) -> tuple[int, int]:
+def stage_params(spec: Model, layout: ParallelLayout, pp_rank: int) -> tuple[int, int]:
     """(dense, expert) parameters one rank of pipeline stage `pp_rank` holds, all its virtual
     stages: its layers, the embedding on the first stage (vocab / TP x h), the output layer (unless
     tied with PP1: megatron keeps a copy on the last stage when PP > 1, gpt_model.py) and the
@@ -149,13 +162,13 @@ def _optimizer_bytes_per_param(s: MemorySettings) -> int:
     """Adam: exp_avg + exp_avg_sq in fp32, plus an fp32 main copy of 16-bit weights
     (optimizer/optimizer.py Float16OptimizerWithFloat16Params; distrib_optimizer.py
     shard_fp32_from_float16_groups). SGD: a momentum buffer when momentum > 0."""
-    main = 4 if s.params_dtype != torch.float32 else 0
+    main = 4 if s.params_dtype != "float32" else 0
     if s.optimizer == "adam":
         return 8 + main
     return (4 if s.sgd_momentum else 0) + main
 
 
-def static_bytes(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemorySettings,
+def static_bytes(spec: Model, layout: ParallelLayout, world: int, s: MemorySettings,
                  pp_rank: int) -> tuple[int, int, int]:
     """(weights, gradients, optimizer state) bytes of a rank of stage `pp_rank`.
 
@@ -165,8 +178,8 @@ def static_bytes(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemoryS
     (intra_dp_cp group), experts over the expert-data-parallel group (world / (ETP x EP x PP)).
     """
     dense, expert = stage_params(spec, layout, pp_rank)
-    p_bytes = torch.tensor([], dtype=s.params_dtype).element_size()
-    g_bytes = 4 if (s.grad_reduce_in_fp32 or s.params_dtype == torch.float32) else p_bytes
+    p_bytes = s.param_bytes
+    g_bytes = 4 if (s.grad_reduce_in_fp32 or s.params_dtype == "float32") else p_bytes
     per = _optimizer_bytes_per_param(s)
     if s.use_distributed_optimizer:
         dp_cp = world // (layout.tensor * layout.pipeline)
@@ -178,7 +191,7 @@ def static_bytes(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemoryS
 
 
 # --- activations ----------------------------------------------------------------------------------
-def layer_activation_bytes(spec: ModelSpec, layout: ParallelLayout, s: MemorySettings, i: int) -> float:
+def layer_activation_bytes(spec: Model, layout: ParallelLayout, s: MemorySettings, i: int) -> float:
     """Bytes layer i keeps for backward per token of a micro-batch, on one rank (estimate).
 
     From Korthikanti et al. 2022 ("Reducing activation recomputation", table 2) with flash
@@ -194,7 +207,7 @@ def layer_activation_bytes(spec: ModelSpec, layout: ParallelLayout, s: MemorySet
     block's input, "full" keeps only the layer's input.
     """
     c, tp = spec.config, layout.tensor
-    b = torch.tensor([], dtype=s.params_dtype).element_size()
+    b = s.param_bytes
     h, d = c.hidden_size, c.kv_channels
     q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
     sp = tp if layout.use_sequence_parallel(spec.is_moe) else 1
@@ -235,20 +248,20 @@ def in_flight(layout: ParallelLayout, pp_rank: int, num_microbatches: int) -> fl
     return chunks / vpp
 
 
-def log_prob_bytes(spec: ModelSpec, layout: ParallelLayout, s: MemorySettings) -> float:
+def log_prob_bytes(spec: Model, layout: ParallelLayout, s: MemorySettings) -> float:
     """The last stage's output layer and log-probs for one micro-batch (logprobs.py): fused, one
     chunk of [chunk, vocab / TP] fp32 logits and their exp (default_chunk_tokens keeps those in
     chunk_memory_mb) plus per-token scalars; straightforward, the [tokens, vocab / TP] logits in
     the model's dtype, their fp32 copy and the log-softmax."""
     tokens = s.max_tokens / layout.context
     v = spec.vocab_size / layout.tensor
-    b = torch.tensor([], dtype=s.params_dtype).element_size()
+    b = s.param_bytes
     if s.fused_log_probs:
         return min(s.chunk_memory_mb * 2**20, tokens * v * 8) + 16 * tokens
     return tokens * v * (b + 8)
 
 
-def stage_memory(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemorySettings, r: int) -> RankMemory:
+def stage_memory(spec: Model, layout: ParallelLayout, world: int, s: MemorySettings, r: int) -> RankMemory:
     """The memory of a rank of pipeline stage r (see the module docstring)."""
     weights, grads, opt = static_bytes(spec, layout, world, s, r)
     layers = [i for row in layout.virtual_stage_layers(spec.config.num_layers) for i in row[r]]
@@ -265,7 +278,7 @@ def stage_memory(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemoryS
                       overhead=s.overhead_bytes, activation_bytes_per_token=per_token)
 
 
-def rank_memory(spec: ModelSpec, layout: ParallelLayout, world: int, s: MemorySettings) -> RankMemory:
+def rank_memory(spec: Model, layout: ParallelLayout, world: int, s: MemorySettings) -> RankMemory:
     """The memory of the pipeline stage that needs the most."""
     return max((stage_memory(spec, layout, world, s, r) for r in range(layout.pipeline)),
                key=lambda m: m.total())

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.planner.memory import GiB, MemorySettings, RankMemory, rank_memory, with_tokens
 
@@ -60,13 +58,13 @@ def parse_memory(text: str) -> int:
 
 
 def load_model(name_or_path: str) -> dict[str, Any]:
-    from model_specs import load_hf_config
+    from model_specs.hf_config import load_hf_config
     from model_specs.published import BY_NAME
     if name_or_path in BY_NAME:
         return dict(BY_NAME[name_or_path])
     if name_or_path == "tiny-qwen3-moe":  # the tests' and the main job's model (make_tiny_model.py)
-        from model_specs.qwen3_moe import tiny_hf_config
-        return tiny_hf_config()
+        from model_specs.tiny import qwen3_moe
+        return qwen3_moe()
     if not Path(name_or_path).exists():
         raise PlanError(f"--model {name_or_path!r}: not a published model ({', '.join(BY_NAME)}, "
                         "tiny-qwen3-moe) and no such config.json or model folder")
@@ -154,7 +152,7 @@ def step_time(spec, layout: ParallelLayout, world: int, s: MemorySettings, gpu: 
     dp = layout.data_parallel(world)
     mbs = max(1, -(-step_tokens // (dp * s.max_tokens)))
     bubble = compute * (layout.pipeline - 1) / (layout.vpp * mbs)
-    b = torch.tensor([], dtype=s.params_dtype).element_size()
+    b = s.param_bytes
     tokens_mb = s.max_tokens / layout.context
     layers = c.num_layers / layout.pipeline
     link = gpu.nvlink_gbs * 1e9
@@ -177,14 +175,14 @@ def plan(hf: dict, world: int, gpu: Gpu, capacity: int, gpus_per_node: int, s: M
          step_tokens: int, mean_len: float, fixed: dict | None = None) -> tuple[list[Row], dict[str, list]]:
     """Every valid layout with its memory, largest budget, estimated step time and verdict;
     fitting ones first, by estimated tokens/s."""
-    from model_specs import model_dims_for, model_spec_for
+    from model_specs.shape import model_dims_for, model_shape_for
     dims = model_dims_for(hf)
+    # The shape (torch-free) is all the estimates read; the layout's own fields are the layout's.
+    spec = model_shape_for(hf)
     layouts, refused = candidate_layouts(dims, world, gpus_per_node, fixed or {})
     rows = []
     for layout in layouts:
         name = layout.describe(world)
-        spec = model_spec_for(hf, params_dtype=s.params_dtype, transformer_engine=False,
-                              overrides=layout.transformer_config_fields(is_moe=bool(dims.get("num_experts"))))
         dp = layout.data_parallel(world)
         settings = dataclasses.replace(s, num_microbatches=max(1, -(-step_tokens // (dp * s.max_tokens))))
         mem = rank_memory(spec, layout, world, settings)

@@ -7,8 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from faults_common import CONFIG
 from fixtures_models import tiny_model_dir
 from test_trainer_e2e import ROOT, env
@@ -84,14 +82,17 @@ def test_relative_paths_show_where_they_point(tmp_path):
     assert seconds < 2, seconds
 
 
-@pytest.mark.slow
 def test_plan_where_nothing_fits_says_why_and_fails(tmp_path):
-    """Not a refusal of input: the plan computes every layout first (~10 s for Qwen3-235B-A22B)."""
+    """Every layout is computed first; the planner imports no torch (model_specs.shape), so the
+    answer comes in about 0.3 s for Qwen3-235B-A22B."""
     for extra in (["--gpus", "3"], ["--gpus", "8", "--gpu-memory", "1GiB"]):
+        t0 = time.monotonic()
         proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "plan", "examples/qwen3_235b_a22b.yaml",
                                "--model", "Qwen3-235B-A22B", *extra], cwd=ROOT, env=env(), capture_output=True,
                               text=True, timeout=300)
+        seconds = time.monotonic() - t0
         assert proc.returncode == 1, proc.stderr[-2000:]
+        assert seconds < 2, seconds
         assert "0 fit" in proc.stdout and "cannot hold the weights, gradients and optimizer state" in proc.stdout
         last = proc.stderr.strip().splitlines()[-1]
         assert last.startswith("gspo-megatron plan: no layout fits ") and "the nearest" in last

@@ -1,0 +1,115 @@
+"""A model's shape from its HF config, torch-free: the TransformerConfig fields that count its
+parameters and size its memory, without importing torch or megatron-core.
+
+    shape = model_shape_for("/models/Qwen3-235B-A22B")
+    shape.config.num_layers, shape.config.moe_router_topk, shape.vocab_size      # 94, 8, 151936
+
+The planner (`gspo-megatron plan`) and param_count read a ModelShape where a ModelSpec would need
+megatron-core (10 s of imports on a busy 2-core machine, most of it torch and the fusions megatron
+compiles on import). `shape_fields` is the one mapping of these fields: build_model_spec
+(common.py) starts its TransformerConfig from it, and tests/test_published_configs.py checks that
+every ShapeConfig field equals the built TransformerConfig's for each family and published model.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from model_specs.hf_config import HFConfigError, load_hf_config, model_dims, require
+from model_specs.moe_fields import moe_config_fields
+from model_specs.traits import FamilyTraits, attention_options, traits_for
+
+
+@dataclass(frozen=True)
+class ShapeConfig:
+    """The shape fields of a TransformerConfig (same names, same defaults)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    gated_linear_unit: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_layer_freq: int | list[int] = 1
+    moe_router_topk: int = 2
+    moe_router_enable_expert_bias: bool = False
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_gate: bool = False
+
+
+SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ShapeConfig))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a ModelSpec says of a model's size (param_count and the planner take either)."""
+
+    family: str
+    config: ShapeConfig
+    vocab_size: int
+    share_embeddings_and_output_weights: bool
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.config.num_moe_experts)
+
+
+def shape_fields(traits: FamilyTraits, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The TransformerConfig fields of an HF config's shape (MoE fields included: moe_fields.py);
+    a config this project cannot map is refused by the field's name."""
+    fam = traits.name
+    if hf.get("model_type") not in traits.model_types:
+        raise HFConfigError(f"model_type {hf.get('model_type')!r} is not a {fam} model "
+                            f"(expected one of {traits.model_types})")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise HFConfigError(f"{fam}: hidden_act={hf['hidden_act']!r}, expected 'silu'")
+    if hf.get("use_sliding_window"):
+        raise HFConfigError(f"{fam}: use_sliding_window=true is not supported (sliding-window "
+                            f"attention, sliding_window={hf.get('sliding_window')})")
+    num_layers = int(require(hf, "num_hidden_layers", fam))
+    hidden = int(require(hf, "hidden_size", fam))
+    heads = int(require(hf, "num_attention_heads", fam))
+    qk_norm, qkv_bias = attention_options(traits, hf)
+    fields: dict[str, Any] = dict(
+        num_layers=num_layers,
+        hidden_size=hidden,
+        ffn_hidden_size=int(require(hf, "intermediate_size", fam)),
+        num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        kv_channels=int(hf.get("head_dim") or hidden // heads),
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        add_qkv_bias=qkv_bias,
+        qk_layernorm=qk_norm,
+    )
+    if traits.moe:
+        fields.update(moe_config_fields(hf, fam, num_layers, traits.router, traits.shared_expert))
+    return fields
+
+
+def model_shape_for(source: str | Path | Mapping[str, Any]) -> ModelShape:
+    """The ModelShape of an HF model (dict, config.json or model directory)."""
+    hf = load_hf_config(source)
+    traits = traits_for(hf)
+    fields = shape_fields(traits, hf)
+    return ModelShape(
+        family=traits.name,
+        config=ShapeConfig(**{k: fields[k] for k in SHAPE_FIELDS if k in fields}),
+        vocab_size=int(require(hf, "vocab_size", traits.name)),
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+    )
+
+
+def model_dims_for(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """The dimensions a parallel layout must divide (hf_config.model_dims): num_layers,
+    num_attention_heads, num_query_groups, vocab_size, num_experts (None: dense)."""
+    hf = load_hf_config(source)
+    traits = traits_for(hf)
+    return model_dims(hf, traits.name, traits.moe)

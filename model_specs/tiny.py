@@ -1,0 +1,66 @@
+"""The tests' tiny configs of each family (HF config dicts; torch-free: the planner's
+`--model tiny-qwen3-moe` reads one before torch is imported). The family modules re-export theirs
+as `tiny_hf_config`."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def qwen3(**overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen3 config for tests: 4 layers (PP2 x VPP2), 4 heads / 2 kv heads (TP2)."""
+    cfg = dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
+        intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+        initializer_range=0.02, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def qwen3_moe(**overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen3-MoE config for tests: 4 layers, 4 experts top-2 (EP2), 4/2 heads (TP2)."""
+    cfg = qwen3(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
+        output_router_logits=False,
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def qwen2_moe(**overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen2-MoE config for tests: 4 layers, 4 experts top-2 (EP2) + a gated shared expert,
+    4/2 heads (TP2), full-softmax routing weights (norm_topk_prob false, as Qwen2-57B-A14B)."""
+    cfg = dict(
+        architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", vocab_size=512,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, qkv_bias=True, initializer_range=0.02,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
+        mlp_only_layers=[], use_sliding_window=False, router_aux_loss_coef=0.0,
+        output_router_logits=False, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def glm4_moe(**overrides: Any) -> dict[str, Any]:
+    """A tiny GLM-4.5-shaped config for tests: 4 layers (1 dense), 8 experts top-2 in 2 groups
+    (1 chosen), routed_scaling_factor 2.5, one shared expert, QK-norm, q/k/v bias, half-rotary
+    heads of 16 channels, 4/2 heads (TP2)."""
+    cfg = dict(
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=512,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, hidden_act="silu", max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, partial_rotary_factor=0.5,
+        tie_word_embeddings=False, attention_bias=True, use_qk_norm=True, initializer_range=0.02,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_nextn_predict_layers=0, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
