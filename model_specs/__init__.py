@@ -16,6 +16,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from model_specs import lazy_compile
+
+lazy_compile.install()  # megatron-core's fusions compile on first use, not at import, without CUDA
+
 _EXPORTS = {"FAMILIES": "families", "family_for": "families", "model_dims_for": "shape",
             "model_shape_for": "shape", "ModelShape": "shape",
             "model_spec_for": "families", "ModelSpec": "common", "HFConfigError": "hf_config",
