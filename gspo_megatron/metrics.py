@@ -113,6 +113,8 @@ TAGS = {
     "time/checkpoint": "seconds saving a checkpoint",
     "time/step": "seconds of the whole step",
     "perf/tokens_per_s": "trained tokens (prompt + response) / step seconds",
+    "batch/dp_token_imbalance": "max over mean of the real tokens per data-parallel rank, the worst "
+                                "mini-batch of the step (1 = even; train.dp_balance shares the rows)",
     "perf/rollout_tokens_per_s": "generated tokens / rollout seconds",
     "perf/sync_gb_per_s": "weight sync throughput into SGLang (GB of HF tensors / sync seconds)",
 }

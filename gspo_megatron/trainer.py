@@ -95,6 +95,7 @@ def run_loop(run: Run) -> None:
         if staleness and run.rank == 0:
             metrics.update(overlap_metrics(t, run.driver.producer))
         metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / t["time/step"]
+        metrics["batch/dp_token_imbalance"] = shard.dp_token_imbalance
         run.writer.log(step, metrics)  # before the checkpoint: a resume never loses a step's metrics
         if run.rank == 0 and cfg.logging.progress:
             print(format_progress(step, cfg.train.steps, metrics), flush=True)

@@ -201,9 +201,18 @@ class Actor:
 
     # --- data ---------------------------------------------------------------------------------
     def shard(self, batch: TrainBatch, num_mini_batches: int = 1) -> TrainBatch:
-        """This DP rank's rows of a global batch: its block of each of `num_mini_batches`
-        consecutive mini-batches (TrainBatch.shard); iterate `shard.mini_batches()` to train."""
-        return batch.shard(self.dp_rank, self.dp_size, num_mini_batches)
+        """This DP rank's rows of a global batch: its part of each of `num_mini_batches`
+        consecutive mini-batches, balanced as batching.dp_balance says (TrainBatch.shard,
+        balance.py); iterate `shard.mini_batches()` to train."""
+        mode = self.batching.dp_balance
+        work = None
+        if mode != "rows" and self.dp_size > 1:
+            from gspo_megatron.actor.balance import row_work
+            from model_specs.param_count import param_count
+            c = self.spec.config
+            work = row_work(batch.lengths.tolist(), mode, active_params=param_count(self.spec).active,
+                            attention_width=c.num_layers * c.num_attention_heads * c.kv_channels)
+        return batch.shard(self.dp_rank, self.dp_size, num_mini_batches, work=work)
 
     # --- compute ------------------------------------------------------------------------------
     def compute_old_log_probs(self, batch: TrainBatch, versions: list[int] | None = None,

@@ -13,8 +13,9 @@ ignored (the losses mask with torch.where, so even NaN there is harmless). Under
 parallelism a micro-batch holds the rank's chunks at INPUT positions instead (context_chunks).
 
 Splitting: the rollout batch's k mini-batches are consecutive blocks of rows (sizes differ by at
-most one); `shard(dp_rank, dp_size, num_mini_batches=k)` gives each DP rank its block of EACH
-mini-batch (balanced to within one row), mini-batch 0's rows first, and `shard.mini_batches()`
+most one); `shard(dp_rank, dp_size, num_mini_batches=k, work=...)` gives each DP rank its part of
+EACH mini-batch (balanced by work, balance.py; without `work`, a block of equal row count),
+mini-batch 0's rows first, and `shard.mini_batches()`
 splits the shard again: so rank r's mini-batch j is exactly its part of the global mini-batch j,
 whatever dp_size is, and old log-probs computed on the shard travel with the rows (`select`).
 `global_rows` records each row's index in the global batch. `micro_batches()` splits a rank's rows into a
@@ -48,6 +49,8 @@ class TrainBatch:
     routed_experts: torch.Tensor | None = None     # [b, s, layers, k] int16, engine routing (-1: none)
     teacher_log_probs: torch.Tensor | None = None  # [b, s] float, distillation: log pi_teacher(tokens[:, t])
     mini_batch_sizes: list[int] | None = None      # rows of each mini-batch (set by shard())
+    dp_token_imbalance: float | None = None        # set by shard(): max / mean tokens per DP rank,
+    # the worst mini-batch
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 2:
@@ -94,7 +97,7 @@ class TrainBatch:
         fields = {}
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            if t is None or f.name == "mini_batch_sizes":
+            if t is None or f.name in ("mini_batch_sizes", "dp_token_imbalance"):
                 fields[f.name] = None
             elif t.dim() >= 2:
                 fields[f.name] = t[rows][:, :s]
@@ -112,25 +115,27 @@ class TrainBatch:
             start += n
         return out
 
-    def shard(self, dp_rank: int, dp_size: int, num_mini_batches: int = 1) -> "TrainBatch":
-        """This data-parallel rank's rows: its balanced block of each of the `num_mini_batches`
-        consecutive mini-batches (see the module docstring); `mini_batches()` splits it again."""
+    def shard(self, dp_rank: int, dp_size: int, num_mini_batches: int = 1,
+              work: list[float] | None = None) -> "TrainBatch":
+        """This data-parallel rank's rows: its part of each of the `num_mini_batches` consecutive
+        mini-batches, balanced by `work` (one estimate per row, balance.py) or, without it, by row
+        count (see the module docstring); `mini_batches()` splits it again."""
+        from gspo_megatron.actor.balance import plan_shards, token_imbalance
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
         if not 1 <= num_mini_batches <= max(self.num_rows, 1):
             raise ValueError(f"num_mini_batches must be in [1, {self.num_rows}] (rows), got "
                              f"{num_mini_batches}")
-        rows, sizes, start = [], [], 0
-        for n in balanced_sizes(self.num_rows, num_mini_batches):
-            per_rank = balanced_sizes(n, dp_size)
-            first = start + sum(per_rank[:dp_rank])
-            rows += range(first, first + per_rank[dp_rank])
-            sizes.append(per_rank[dp_rank])
-            start += n
+        if work is not None and len(work) != self.num_rows:
+            raise ValueError(f"work has {len(work)} entries for {self.num_rows} rows")
+        plan = plan_shards(self.num_rows, dp_size, num_mini_batches, work)
+        rows = [i for parts in plan for i in parts[dp_rank]]
         out = self.select(torch.tensor(rows, dtype=torch.long))
         if self.global_rows is None:
             out.global_rows = torch.tensor(rows, dtype=torch.long)
-        out.mini_batch_sizes = sizes
+        out.mini_batch_sizes = [len(parts[dp_rank]) for parts in plan]
+        lengths = self.lengths.tolist()
+        out.dp_token_imbalance = max((token_imbalance(lengths, parts) for parts in plan), default=1.0)
         return out
 
     def mini_batches(self) -> list["TrainBatch"]:

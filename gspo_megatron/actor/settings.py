@@ -86,8 +86,16 @@ class MicroBatchSettings:
     """Concatenate a micro-batch's rows into one sequence without padding (megatron's THD layout,
     cu_seqlens; RoPE positions restart per row). Needs Transformer Engine's attention (CUDA); null =
     whenever the TE spec runs on CUDA. Unpacked micro-batches are built from length-sorted rows."""
+    dp_balance: str = "flops"
+    """How each mini-batch's rows are shared among the data-parallel ranks (actor/balance.py):
+    flops (Karmarkar-Karp on each row's estimated FLOPs, attention's quadratic term included),
+    tokens (on its real tokens) or rows (consecutive blocks of equal row counts: one rank may get
+    every long response). Any choice trains the same loss and gradients."""
 
     def __post_init__(self) -> None:
+        from gspo_megatron.actor.balance import BALANCE_MODES
+        if self.dp_balance not in BALANCE_MODES:
+            raise ValueError(f"dp_balance={self.dp_balance!r}: expected one of {BALANCE_MODES}")
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size!r}: expected >= 1")
         for name in ("max_tokens_per_micro_batch", "max_tokens_per_forward_micro_batch"):
