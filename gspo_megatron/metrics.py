@@ -115,6 +115,10 @@ TAGS = {
     "perf/tokens_per_s": "trained tokens (prompt + response) / step seconds",
     "batch/dp_token_imbalance": "max over mean of the real tokens per data-parallel rank, the worst "
                                 "mini-batch of the step (1 = even; train.dp_balance shares the rows)",
+    "batch/bytes_per_rank": "bytes of the rollout batch the fullest rank received (its own rows, packed: "
+                            "actor/transfer.py)",
+    "time/batch_transfer": "seconds rank 0 spent packing the batch and sending each rank its rows "
+                           "(inside time/rollout)",
     "perf/rollout_tokens_per_s": "generated tokens / rollout seconds",
     "perf/sync_gb_per_s": "weight sync throughput into SGLang (GB of HF tensors / sync seconds)",
 }

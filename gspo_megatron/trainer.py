@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 2 $(which gspo-megatron) train CONFIG --set parallel.tensor=2
 
 Rank 0 is also the driver: it owns the SGLang servers (started here, or attached by URL), the
-prompts, rollouts and rewards, and hands every rank the rollout batch (broadcast over the default
-group); each rank takes its data-parallel share. `run_loop` below is the whole loop on one screen;
+prompts, rollouts and rewards, and sends each rank only its data-parallel share of the rollout
+batch, balanced by work and packed (actor/transfer.py). `run_loop` below is the whole loop on one screen;
 startup.py builds what it works with (and checks every input before anything is spent).
 """
 from __future__ import annotations
@@ -57,21 +57,20 @@ def run_loop(run: Run) -> None:
         held_out = on_driver(run.rank, lambda: run.driver.evaluate(step)) if eval_due(cfg, step) else {}
         with t("step"):
             with t("rollout"):  # synchronous: rank 0 generates and scores; asynchronous: it takes
-                # what the rollout thread finished; every rank receives the batch
-                got = on_driver(run.rank, lambda: run.driver.rollout_batch(
-                    str(live), step, should_stop=stop.requested,
-                    oldest_version=oldest_usable_version(run, live) if staleness else None))
+                # what the rollout thread finished; each rank receives only its rows (actor/transfer.py)
+                got = actor.receive_rows(run.rank, lambda: rollout_on_driver(run, live, step, staleness),
+                                         num_mini_batches=cfg.train.mini_batches)
             if got is None:  # a signal interrupted the rollout: the step is abandoned
                 if run.rank == 0:
                     print(f"[gspo] the rollout of step {step} was interrupted by the signal: the step "
                           "is abandoned (the resumed run draws its prompts again)", flush=True)
                 break
-            batch, metrics = got
-            shard = actor.shard(batch, num_mini_batches=cfg.train.mini_batches)  # my DP rows
+            shard, batch_facts, transfer = got  # my DP rows of each mini-batch
+            metrics = batch_facts["metrics"]
             with t("log_probs"):  # pi_old: forward-only recompute, or the engine's log-probs;
                 # asynchronous: each token's from the weights of the version that generated it
                 shard.old_log_probs, old = actor.compute_old_log_probs(
-                    shard, versions=trained_versions(batch) if staleness else None, live_version=live)
+                    shard, versions=batch_facts["versions"] if staleness else None, live_version=live)
                 if staleness and cfg.train.old_log_probs == "recompute":
                     actor.keep_version(live)  # for the stale tokens of the next steps
             if cfg.distill.teacher and shard.old_log_probs is not None:  # the last pipeline stage
@@ -94,8 +93,10 @@ def run_loop(run: Run) -> None:
         metrics.update(train_metrics(updates, old), **sync_metrics(sync), **t, **ckpt_time, **held_out)
         if staleness and run.rank == 0:
             metrics.update(overlap_metrics(t, run.driver.producer))
-        metrics["perf/tokens_per_s"] = float(batch.lengths.sum()) / t["time/step"]
-        metrics["batch/dp_token_imbalance"] = shard.dp_token_imbalance
+        metrics["perf/tokens_per_s"] = batch_facts["tokens"] / t["time/step"]
+        metrics.update({"batch/dp_token_imbalance": transfer["dp_token_imbalance"],
+                        "batch/bytes_per_rank": transfer["bytes_per_rank"],
+                        "time/batch_transfer": transfer["batch_transfer_s"]})
         run.writer.log(step, metrics)  # before the checkpoint: a resume never loses a step's metrics
         if run.rank == 0 and cfg.logging.progress:
             print(format_progress(step, cfg.train.steps, metrics), flush=True)
@@ -150,8 +151,20 @@ def train_metrics(updates: list[dict[str, float]], old: dict[str, float]) -> dic
 
 
 def trained_versions(batch) -> list[int]:
-    """The weight versions among the batch's trained tokens (every rank holds the whole batch)."""
+    """The weight versions among the batch's trained tokens."""
     return sorted(set(batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)].tolist()))
+
+
+def rollout_on_driver(run: Run, live: int, step: int, staleness: int):
+    """Rank 0: the step's rollout batch and what every rank needs of the whole batch (its metrics,
+    the weight versions it trains, its tokens), or None when a signal interrupted the rollout."""
+    got = run.driver.rollout_batch(str(live), step, should_stop=run.stop.requested,
+                                   oldest_version=oldest_usable_version(run, live) if staleness else None)
+    if got is None:
+        return None
+    batch, metrics = got
+    return batch, {"metrics": metrics, "versions": trained_versions(batch),
+                   "tokens": float(batch.lengths.sum())}
 
 
 def oldest_usable_version(run: Run, live: int) -> int:

@@ -204,15 +204,28 @@ class Actor:
         """This DP rank's rows of a global batch: its part of each of `num_mini_batches`
         consecutive mini-batches, balanced as batching.dp_balance says (TrainBatch.shard,
         balance.py); iterate `shard.mini_batches()` to train."""
+        work = self.row_work()
+        return batch.shard(self.dp_rank, self.dp_size, num_mini_batches,
+                           work=work(batch.lengths.tolist()) if work else None)
+
+    def receive_rows(self, rank: int, make, num_mini_batches: int = 1):
+        """The trainer's path: rank 0's `make()` returns (global batch, extras) or None; every
+        rank receives only its shard, packed (transfer.scatter_rows). Returns None or
+        (shard, extras, transfer stats); the shard equals shard(batch, num_mini_batches)."""
+        from gspo_megatron.actor.transfer import scatter_rows
+        return scatter_rows(rank, make, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                            num_mini_batches=num_mini_batches, work=self.row_work())
+
+    def row_work(self):
+        """The per-row work estimate batching.dp_balance asks for (balance.py), or None (rows)."""
         mode = self.batching.dp_balance
-        work = None
-        if mode != "rows" and self.dp_size > 1:
-            from gspo_megatron.actor.balance import row_work
-            from model_specs.param_count import param_count
-            c = self.spec.config
-            work = row_work(batch.lengths.tolist(), mode, active_params=param_count(self.spec).active,
-                            attention_width=c.num_layers * c.num_attention_heads * c.kv_channels)
-        return batch.shard(self.dp_rank, self.dp_size, num_mini_batches, work=work)
+        if mode == "rows" or self.dp_size == 1:
+            return None
+        from gspo_megatron.actor.balance import row_work
+        from model_specs.param_count import param_count
+        c = self.spec.config
+        active, width = param_count(self.spec).active, c.num_layers * c.num_attention_heads * c.kv_channels
+        return lambda lengths: row_work(lengths, mode, active_params=active, attention_width=width)
 
     # --- compute ------------------------------------------------------------------------------
     def compute_old_log_probs(self, batch: TrainBatch, versions: list[int] | None = None,

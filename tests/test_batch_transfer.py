@@ -1,0 +1,113 @@
+"""actor/transfer.py (issue 29): each rank receives only its own rows, packed, over real gloo
+groups; what it builds from them is exactly TrainBatch.shard of the global batch."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from distributed import run_distributed
+
+LAYERS, TOPK = 3, 2
+
+
+def make_batch(rows: int = 13, token_advantages: bool = False):
+    """Every field kind: bool mask, int64 tokens and versions (-1 padding), fp32 log-probs, per-row
+    or per-token advantages, int16 routes [b, s, layers, k] (-1 padding), teacher log-probs."""
+    from gspo_megatron.actor.batch import TrainBatch
+    g = torch.Generator().manual_seed(rows)
+    lengths = torch.randint(3, 40, (rows,), generator=g)
+    lengths[rows // 2] = 90  # a long row
+    s = int(lengths.max())
+    t = torch.arange(s)[None]
+    real = t < lengths[:, None]
+    prompt = torch.randint(1, 3, (rows,), generator=g)
+    trained = (t >= prompt[:, None]) & real
+    adv = torch.where(trained, torch.randn(rows, s, generator=g), 0.0) if token_advantages else torch.randn(rows, generator=g)
+    routes = torch.where(real[..., None, None], torch.randint(0, 8, (rows, s, LAYERS, TOPK), generator=g), -1)
+    return TrainBatch(tokens=torch.where(real, torch.randint(1, 500, (rows, s), generator=g), 0), lengths=lengths,
+                      loss_mask=trained & (torch.rand(rows, s, generator=g) > 0.1), advantages=adv,
+                      rollout_log_probs=torch.where(trained, -torch.rand(rows, s, generator=g), 0.0),
+                      weight_versions=torch.where(trained, 3, -1),
+                      routed_experts=routes.to(torch.int16),
+                      teacher_log_probs=torch.where(trained, -torch.rand(rows, s, generator=g), 0.0))
+
+
+def assert_same(a, b) -> None:
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def _work(lengths):
+    return [float(n) * (1000 + 10 * n) for n in lengths]
+
+
+@pytest.mark.parametrize("token_advantages", [False, True])
+def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
+    from gspo_megatron.actor.transfer import RowLayout, pack, unpack
+    batch = make_batch(token_advantages=token_advantages)
+    for dp in (1, 2, 3):
+        plan = RowLayout([0] * dp, dp, 2, _work).plan(batch)
+        for d in range(dp):
+            want = batch.shard(d, dp, 2, work=_work(batch.lengths.tolist()))
+            rows = [i for parts in plan for i in parts[d]]
+            manifest, buffer = pack(batch, rows)
+            got = unpack(manifest, buffer, [len(p[d]) for p in plan], want.dp_token_imbalance)
+            assert_same(got, want)
+            # Bytes: each field's own rows' real tokens (or rows) x its item size, each field
+            # starting at a multiple of 8; nothing for padding.
+            real, n = int(batch.lengths[rows].sum()), len(rows)
+            sizes = [real * 8, n * 8, real * 1, (real if token_advantages else n) * 4, real * 4, real * 8,
+                     n * 8, real * 2 * LAYERS * TOPK, real * 4]  # tokens, lengths, mask, advantages,
+            # rollout log-probs, versions, global rows, routes, teacher log-probs
+            assert buffer.numel() == sum(-(-b // 8) * 8 for b in sizes)
+
+
+def _scatter(rank, world, dp_of, case):
+    from gspo_megatron.actor.transfer import scatter_rows
+    from gspo_megatron.driver import DriverError
+    batch = make_batch(rows=17)  # every rank builds it, to compare; only rank 0's is sent
+
+    def make():
+        if case == "raises":
+            raise ValueError("the reward service is down")
+        return None if case == "none" else (batch, {"metrics": {"reward": 0.5}})
+    from gspo_megatron.parallel.comm import strict_checks
+    dp_size = max(dp_of) + 1
+    try:
+        with strict_checks():  # NCCL's rule on gloo: no host tensor reaches a collective
+            got = scatter_rows(rank, make, dp_rank=dp_of[rank], dp_size=dp_size, num_mini_batches=4, work=_work)
+    except (ValueError, DriverError) as e:
+        return f"{type(e).__name__}: {e}"
+    if got is None:
+        return None
+    shard, extras, stats = got
+    assert_same(shard, batch.shard(dp_of[rank], dp_size, 4, work=_work(batch.lengths.tolist())))
+    return dict(extras=extras, stats=stats, rows=shard.global_rows.tolist(),
+                real_tokens=int(shard.lengths.sum()))
+
+
+@pytest.mark.slow
+def test_every_rank_receives_its_shard_and_rank_0s_failures():
+    """4 gloo ranks: DP4, then DP2 whose replicas have 2 ranks each (TP2- or PP2-like peers get
+    the same rows); rank 0's None and rank 0's error reach every rank."""
+    for dp_of in ([0, 1, 2, 3], [0, 0, 1, 1]):
+        results = run_distributed(_scatter, 4, (dp_of, "ok"), timeout=240)
+        assert all(r["extras"] == {"metrics": {"reward": 0.5}} for r in results)
+        rows = {}
+        for rank, r in enumerate(results):
+            rows.setdefault(dp_of[rank], r["rows"])
+            assert r["rows"] == rows[dp_of[rank]]  # the replica's ranks hold the same rows
+        assert sorted(i for rs in rows.values() for i in rs) == list(range(17))
+        most = max(r["stats"]["bytes_per_rank"] for r in results)
+        per_token = 8 + 1 + 4 + 8 + 2 * LAYERS * TOPK + 4
+        assert most <= 1.2 * max(r["real_tokens"] for r in results) * per_token + 20 * 17
+    assert run_distributed(_scatter, 4, ([0, 1, 2, 3], "none"), timeout=240) == [None] * 4
+    said = run_distributed(_scatter, 4, ([0, 1, 2, 3], "raises"), timeout=240)
+    assert said[0] == "ValueError: the reward service is down"
+    assert said[1:] == ["DriverError: rank 0 failed: ValueError: the reward service is down"] * 3
