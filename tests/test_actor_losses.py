@@ -8,7 +8,7 @@ import torch
 
 from distributed import run_distributed
 
-pytestmark = [pytest.mark.slow, pytest.mark.mcore019]
+pytestmark = pytest.mark.slow  # 0.19.2: the same megatron-core paths run in test_actor_layouts' mcore019 layouts (suite time)
 
 
 def _batch():

@@ -39,6 +39,7 @@ def test_one_process_round_trip_is_bit_exact(tmp_path, arch, tie):
     assert (out / "tokenizer_config.json").read_text() == (src / "tokenizer_config.json").read_text()
 
 
+@pytest.mark.slow  # three converter processes (20 s)
 def test_command_lines_with_dtype_and_shards(tmp_path):
     src = tiny_model_dir("qwen3_moe", seed=0)
     run = lambda *a: subprocess.run([sys.executable, *a], cwd=ROOT, capture_output=True, text=True,

@@ -277,7 +277,6 @@ def test_glm4_moe_routing_features_are_what_the_match_rests_on(tiny, one_process
 
 
 @pytest.mark.slow
-@pytest.mark.mcore019  # also run against megatron-core 0.19.2 (scripts/test.sh)
 @pytest.mark.parametrize("layout", [dict(tensor=2), dict(expert=2)], ids=["tp2", "ep2"])
 def test_layouts_on_two_ranks_equal_one_process(tiny, ckpts, one_process, layout):
     """TP2 (sequence parallel, shared experts split over TP) and EP2 x DP2 (experts across ranks,
