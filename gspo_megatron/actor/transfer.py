@@ -65,19 +65,19 @@ def pack(batch: TrainBatch, rows: list[int]) -> tuple[list[tuple[str, str, tuple
     index = torch.tensor(rows, dtype=torch.long)
     global_rows = batch.global_rows if batch.global_rows is not None else torch.arange(batch.num_rows)
     lengths = batch.lengths[index]
-    s = int(lengths.max()) if len(rows) else 0
-    real = torch.arange(s)[None, :] < lengths[:, None]          # [n, s]
+    width = batch.tokens.shape[1]
+    # The flat positions of the rows' real tokens in a [b * s] view: no padded row is copied.
+    starts = index * width - torch.cumsum(lengths, 0) + lengths
+    flat = torch.repeat_interleave(starts, lengths) + torch.arange(int(lengths.sum()))
     manifest, parts = [], []
     for f in fields(batch):
         t = global_rows if f.name == "global_rows" else getattr(batch, f.name)
         if t is None or f.name in _NOT_TENSORS:
             continue
-        picked = t[index]
         if t.dim() >= 2 and tuple(t.shape[:2]) == tuple(batch.tokens.shape):  # per token
-            picked = picked[:, :s][real]
-            kind = "token"
+            picked, kind = t.reshape(-1, *t.shape[2:])[flat], "token"
         else:
-            kind = "row"
+            picked, kind = t[index], "row"
         picked = picked.contiguous()
         manifest.append((f.name, kind, str(picked.dtype).removeprefix("torch."), tuple(picked.shape)))
         raw = picked.reshape(-1).view(torch.uint8)
@@ -105,8 +105,9 @@ def unpack(manifest: list, buffer: torch.Tensor, mini_batch_sizes: list[int],
         if kind == "token":
             full = torch.full((lengths.numel(), s, *t.shape[1:]), PAD.get(name, 0), dtype=t.dtype)
             full[real] = t
-            t = full
-        out[name] = t.clone()  # own its memory (not a view of the receive buffer)
+            out[name] = full
+        else:
+            out[name] = t.clone()  # own its memory (not a view of the receive buffer)
     return TrainBatch(**out, mini_batch_sizes=mini_batch_sizes, dp_token_imbalance=dp_token_imbalance)
 
 

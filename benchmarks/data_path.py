@@ -1,0 +1,185 @@
+"""The rollout batch's way from rank 0 to the ranks that train it: today's path against the one
+before issue 29, on real gloo ranks (fresh processes per measurement).
+
+    python benchmarks/data_path.py                       # DP4, 1,024 rows both paths; 2,048 and 8,192 new only
+    python benchmarks/data_path.py --rows 64 --old-rows 64 --max-len 2000 --dp 2   # the smoke size
+
+before: rank 0 pickles the whole right-padded TrainBatch and broadcasts it (broadcast_object_list);
+        each rank keeps its rows, cut by row count (dp_balance=rows)
+after:  actor/transfer.py: each mini-batch's rows shared by work (Karmarkar-Karp on FLOPs at
+        Qwen3-30B-A3B's shape), each rank sent only its rows, packed (one byte buffer)
+
+Rows: a 512-token prompt plus a lognormal response (median ~1.5k tokens), capped at --max-len;
+the fields a rollout fills (tokens, loss mask, rollout log-probs, weight versions), 4 mini-batches.
+Per path and size it prints: the bytes the fullest rank received, that rank's own rows' real
+tokens in bytes, the peak RSS a rank grew by during the transfer (rank 0 aside: it builds the
+batch), the time from rank 0's first byte to the last rank holding its rows (ranks start together
+after a barrier) and the worst mini-batch's DP token imbalance. Sizes the old path does not run
+are projected from its measured rows (bytes and time grow with rows x longest row).
+Routing replay tables (issue 29's R3 part) are not in either path's table yet.
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import random
+import resource
+import socket
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GiB = 2**30
+MINI = 4
+
+
+def lengths_for(rows: int, max_len: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [min(max_len, 512 + int(r.lognormvariate(7.3, 1.0))) for _ in range(rows)]
+
+
+def build_batch(lengths: list[int]):
+    import torch
+
+    from gspo_megatron.actor.batch import TrainBatch
+    n, s = len(lengths), max(lengths)
+    lens = torch.tensor(lengths)
+    real = torch.arange(s)[None, :] < lens[:, None]
+    trained = real & (torch.arange(s)[None, :] >= 512)
+    return TrainBatch(tokens=torch.where(real, torch.randint(1, 150000, (n, s)), 0), lengths=lens,
+                      loss_mask=trained, advantages=torch.randn(n),
+                      rollout_log_probs=torch.where(trained, -torch.rand(n, s), 0.0),
+                      weight_versions=torch.where(trained, 7, -1))
+
+
+def own_real_bytes(shard) -> int:
+    """Bytes of a shard's real tokens (each per-token field) and its per-row fields."""
+    real = int(shard.lengths.sum())
+    per_token = sum(t.element_size() for t in (shard.tokens, shard.loss_mask, shard.rollout_log_probs,
+                                               shard.weight_versions))
+    return real * per_token + shard.num_rows * (8 + 8 + shard.advantages.element_size())
+
+
+def flops_work():
+    from gspo_megatron.actor.balance import row_work
+    from model_specs.param_count import param_count
+    from model_specs.published import QWEN3_30B_A3B
+    from model_specs.shape import model_shape_for
+    shape = model_shape_for(QWEN3_30B_A3B)
+    c = shape.config
+    active, width = param_count(shape).active, c.num_layers * c.num_attention_heads * c.kv_channels
+    return lambda lengths: row_work(lengths, "flops", active_params=active, attention_width=width)
+
+
+def rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    from gspo_megatron.actor.balance import plan_shards, token_imbalance
+    from gspo_megatron.driver import broadcast_object
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    batch = build_batch(lengths) if rank == 0 else None
+    work = flops_work()
+    dist.barrier()
+    rss0 = rss_bytes()
+    start = time.time()
+    if path == "before":
+        received = broadcast_object(batch)
+        shard = received.shard(rank, world, MINI)
+        sent = len(pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)) if rank == 0 else 0
+        plan = plan_shards(len(lengths), world, MINI)
+        del received
+    else:
+        from gspo_megatron.actor.transfer import scatter_rows
+        got = scatter_rows(rank, lambda: (batch, None), dp_rank=rank, dp_size=world,
+                           num_mini_batches=MINI, work=work)
+        shard, _, stats = got
+        sent = int(stats["bytes_per_rank"])
+        plan = plan_shards(len(lengths), world, MINI, work(lengths))
+    held = time.time()
+    imbalance = max(token_imbalance(lengths, parts) for parts in plan)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, dict(held=held, grew=rss_bytes() - rss0, own=own_real_bytes(shard)))
+    if rank == 0:
+        out.put(dict(seconds=max(e["held"] for e in everyone) - start, received=sent,
+                     own=max(e["own"] for e in everyone), grew=max(e["grew"] for e in everyone[1:]),
+                     imbalance=imbalance))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(path: str, lengths: list[int], world: int) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    os.environ.update(env)
+    procs = [ctx.Process(target=_rank, args=(r, world, port, path, lengths, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=1800)
+    for p in procs:
+        p.join(timeout=120)
+        if p.exitcode != 0:
+            raise SystemExit(f"data_path: a {path} rank exited with {p.exitcode}")
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", default="1024,2048,8192", help="batch sizes (comma-separated) of the new path")
+    p.add_argument("--old-rows", default="1024", help="batch sizes the old path also runs")
+    p.add_argument("--max-len", type=int, default=20000, help="longest row (prompt + response)")
+    p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (gloo processes)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    sizes = sorted({int(x) for x in args.rows.split(",")} | {int(x) for x in args.old_rows.split(",")})
+    old_sizes = {int(x) for x in args.old_rows.split(",")}
+    print(f"DP{args.dp} gloo ranks, lognormal lengths up to {args.max_len}, {MINI} mini-batches\n")
+    print("| rows | path | longest | received GiB (fullest rank) | own real GiB | received / own "
+          "| RSS growth GiB | transfer s | DP token imbalance |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    old_per_cell: tuple[float, float] | None = None   # (bytes, seconds) per padded cell
+    done: dict[tuple[int, str], dict] = {}
+    for rows in sizes:
+        lengths = lengths_for(rows, args.max_len, args.seed)
+        cells = rows * max(lengths)
+        for path in ("before", "after"):
+            if path == "before" and rows not in old_sizes:
+                if old_per_cell:
+                    b, s = old_per_cell
+                    print(f"| {rows:,} | before (projected) | {max(lengths)} | {b * cells / GiB:.2f} | - | - | - "
+                          f"| {s * cells:.1f} | - |")
+                continue
+            if path == "after" and rows not in {int(x) for x in args.rows.split(",")}:
+                continue
+            r = measure(path, lengths, args.dp)
+            if path == "before":
+                old_per_cell = (r["received"] / cells, r["seconds"] / cells)
+            done[(rows, path)] = r
+            print(f"| {rows:,} | {path} | {max(lengths)} | {r['received'] / GiB:.3f} | {r['own'] / GiB:.3f} | "
+                  f"{r['received'] / r['own']:.2f} | {r['grew'] / GiB:.2f} | {r['seconds']:.2f} | "
+                  f"{r['imbalance']:.3f} |", flush=True)
+    both = [rows for rows in sizes if (rows, "before") in done and (rows, "after") in done]
+    if both:
+        b, a = done[(both[-1], "before")], done[(both[-1], "after")]
+        print(f"\ndata path: per-rank GiB {b['received'] / GiB:.3f} -> {a['received'] / GiB:.3f}, "
+              f"transfer s {b['seconds']:.2f} -> {a['seconds']:.2f}, "
+              f"DP token imbalance {b['imbalance']:.3f} -> {a['imbalance']:.3f} (at {both[-1]:,} rows)")
+
+
+if __name__ == "__main__":
+    main()
