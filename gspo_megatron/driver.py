@@ -1,9 +1,11 @@
 """The driver side of the RL loop (trainer rank 0): SGLang servers, prompts, rollouts, rewards,
-group advantages, and the hand-off of each rollout batch to every trainer rank.
+group advantages; `on_driver` runs a call on rank 0 and gives every rank its (small) result.
 
     driver = Driver.start(cfg)                                   # rank 0: starts or attaches servers
     batch, metrics = driver.rollout_batch(weight_version="3")    # rank 0: a TrainBatch
-    batch, metrics = on_driver(rank, lambda: driver.rollout_batch("3"))  # every rank gets it
+    held_out = on_driver(rank, lambda: driver.evaluate(step))    # every rank gets the result
+
+The rollout batch itself is not broadcast: each rank receives only its rows (actor/transfer.py).
 
 rollout/ knows nothing of megatron; this module turns its Samples into the actor's TrainBatch.
 """

@@ -28,6 +28,29 @@ from model_specs.traits import FamilyTraits, attention_options  # noqa: F401 (re
 
 
 @dataclass
+class YarnTransformerConfig(TransformerConfig):
+    """TransformerConfig + the yarn_* attributes GPTModel reads with getattr when
+    position_embedding_type="yarn" (gpt_model.py:172-190; megatron-core 0.16.1 and 0.19.2 declare
+    them on no config class of the GPT path)."""
+
+    yarn_rotary_scaling_factor: float = 1.0
+    """HF rope_scaling.factor: the context extension factor (interpolation divides by it)."""
+    yarn_original_max_position_embeddings: int = 4096
+    """HF rope_scaling.original_max_position_embeddings: the pretraining context length."""
+    yarn_beta_fast: float = 32.0
+    """HF rope_scaling.beta_fast: rotations above which a dimension is extrapolated."""
+    yarn_beta_slow: float = 1.0
+    """HF rope_scaling.beta_slow: rotations below which a dimension is interpolated."""
+    yarn_mscale: float = 1.0
+    """Kept at 1 together with yarn_mscale_all_dim (megatron's concentration factor = 1); the
+    attention factor is applied through softmax_scale (module docstring)."""
+    yarn_mscale_all_dim: float = 1.0
+    """See yarn_mscale."""
+    yarn_correction_range_round_to_int: bool = True
+    """HF rope_scaling.truncate: round the ramp's bounds to integers."""
+
+
+@dataclass
 class ModelSpec:
     """Everything the actor needs to build a megatron GPTModel for one HF model."""
 
@@ -102,7 +125,7 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     )
     kwargs.update(rope.config_fields)
     kwargs.update(overrides or {})
-    config_class = rope.config_class
+    config_class = YarnTransformerConfig if rope.position_embedding_type == "yarn" else TransformerConfig
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(config_class)}
     if unknown:
         raise HFConfigError(f"unknown TransformerConfig fields in overrides: {sorted(unknown)}")

@@ -20,6 +20,7 @@ Importing this module costs nothing (no torch); torch is imported when megatron 
 from __future__ import annotations
 
 import functools
+import inspect
 import importlib.abc
 import importlib.machinery
 import sys
@@ -36,6 +37,8 @@ def deferred_compile(real: Callable) -> Callable:
     def compile_later(model: Callable | None = None, **kwargs: Any) -> Callable:
         if model is None:  # @torch.compile(...) with options
             return lambda fn: compile_later(fn, **kwargs)
+        if not inspect.isfunction(model):  # a module (OptimizedModule) or anything else: as torch does
+            return real(model, **kwargs)
         compiled: list[Callable] = []
 
         @functools.wraps(model)

@@ -5,14 +5,11 @@ from typing import Any, Mapping
 
 from model_specs.common import ModelSpec, build_model_spec
 from model_specs.traits import FAMILY_TRAITS
-from model_specs.hf_config import HFConfigError
 
 TRAITS = FAMILY_TRAITS["llama"]
 
 
 def model_spec(hf_config: Mapping[str, Any], **kwargs: Any) -> ModelSpec:
-    """See common.build_model_spec (params_dtype, overrides, transformer_engine)."""
-    if hf_config.get("mlp_bias"):
-        raise HFConfigError("llama: mlp_bias=true is not supported (megatron add_bias_linear would "
-                            "also add a bias to the attention output projection)")
+    """See common.build_model_spec (params_dtype, overrides, transformer_engine); mlp_bias=true is
+    refused there (shape.shape_fields)."""
     return build_model_spec(TRAITS, hf_config, **kwargs)

@@ -3,7 +3,7 @@ megatron GPTModel kwargs and TransformerConfig fields.
 
     rope = rope_mapping(hf, "qwen3", head_dim=128, partial_rotary=False)
     rope.gpt_model_kwargs()   # position_embedding_type, rotary_percent, rotary_base
-    rope.config_fields        # softmax_scale, yarn_* (YaRN only; rope.config_class holds them)
+    rope.config_fields        # softmax_scale, yarn_* (YaRN only; common.YarnTransformerConfig holds them)
 
 Plain RoPE and YaRN (`rope_type: "yarn"`, e.g. Qwen3 with 4x context) are mapped; every other
 rope type (llama3, linear, dynamic, longrope, ...) raises HFConfigError naming it.
@@ -23,6 +23,8 @@ q.k by a^2, i.e. softmax_scale = a^2 / sqrt(head_dim). With partial rotary that 
 (only the rotary part is scaled) and megatron's YaRN frequencies use the full kv_channels, so
 YaRN with partial_rotary_factor < 1 is refused. tests/test_yarn.py checks both versions' log-probs
 against transformers beyond the original context.
+
+Torch-free: the planner validates a model's RoPE (model_specs/shape.py) without megatron-core.
 """
 from __future__ import annotations
 
@@ -30,32 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from megatron.core.transformer import TransformerConfig
-
 from model_specs.hf_config import HFConfigError
-
-
-@dataclass
-class YarnTransformerConfig(TransformerConfig):
-    """TransformerConfig + the yarn_* attributes GPTModel reads with getattr when
-    position_embedding_type="yarn" (gpt_model.py:172-190; megatron-core 0.16.1 and 0.19.2 declare
-    them on no config class of the GPT path)."""
-
-    yarn_rotary_scaling_factor: float = 1.0
-    """HF rope_scaling.factor: the context extension factor (interpolation divides by it)."""
-    yarn_original_max_position_embeddings: int = 4096
-    """HF rope_scaling.original_max_position_embeddings: the pretraining context length."""
-    yarn_beta_fast: float = 32.0
-    """HF rope_scaling.beta_fast: rotations above which a dimension is extrapolated."""
-    yarn_beta_slow: float = 1.0
-    """HF rope_scaling.beta_slow: rotations below which a dimension is interpolated."""
-    yarn_mscale: float = 1.0
-    """Kept at 1 together with yarn_mscale_all_dim (megatron's concentration factor = 1); the
-    attention factor is applied through softmax_scale (module docstring)."""
-    yarn_mscale_all_dim: float = 1.0
-    """See yarn_mscale."""
-    yarn_correction_range_round_to_int: bool = True
-    """HF rope_scaling.truncate: round the ramp's bounds to integers."""
 
 
 @dataclass(frozen=True)
@@ -70,11 +47,7 @@ class RopeMapping:
     rotary_base: float
     """HF rope_theta."""
     config_fields: dict[str, Any] = field(default_factory=dict)
-    """TransformerConfig fields (softmax_scale, yarn_*); yarn_* need YarnTransformerConfig."""
-
-    @property
-    def config_class(self) -> type[TransformerConfig]:
-        return YarnTransformerConfig if self.position_embedding_type == "yarn" else TransformerConfig
+    """TransformerConfig fields (softmax_scale, yarn_*); yarn_* need common.YarnTransformerConfig."""
 
     def gpt_model_kwargs(self) -> dict[str, Any]:
         return dict(position_embedding_type=self.position_embedding_type,

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from model_specs.hf_config import HFConfigError, load_hf_config, model_dims, require
 from model_specs.moe_fields import moe_config_fields
+from model_specs.rope import rope_mapping
 from model_specs.traits import FamilyTraits, attention_options, traits_for
 
 
@@ -73,9 +74,14 @@ def shape_fields(traits: FamilyTraits, hf: Mapping[str, Any]) -> dict[str, Any]:
     if hf.get("use_sliding_window"):
         raise HFConfigError(f"{fam}: use_sliding_window=true is not supported (sliding-window "
                             f"attention, sliding_window={hf.get('sliding_window')})")
+    if hf.get("mlp_bias"):
+        raise HFConfigError(f"{fam}: mlp_bias=true is not supported (megatron add_bias_linear would "
+                            "also add a bias to the attention output projection)")
     num_layers = int(require(hf, "num_hidden_layers", fam))
     hidden = int(require(hf, "hidden_size", fam))
     heads = int(require(hf, "num_attention_heads", fam))
+    head_dim = int(hf.get("head_dim") or hidden // heads)
+    rope_mapping(hf, fam, head_dim, traits.partial_rotary)  # refuses what RoPE cannot map, by name
     qk_norm, qkv_bias = attention_options(traits, hf)
     fields: dict[str, Any] = dict(
         num_layers=num_layers,
@@ -83,7 +89,7 @@ def shape_fields(traits: FamilyTraits, hf: Mapping[str, Any]) -> dict[str, Any]:
         ffn_hidden_size=int(require(hf, "intermediate_size", fam)),
         num_attention_heads=heads,
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
-        kv_channels=int(hf.get("head_dim") or hidden // heads),
+        kv_channels=head_dim,
         gated_linear_unit=True,
         add_bias_linear=False,
         add_qkv_bias=qkv_bias,

@@ -110,3 +110,19 @@ def test_the_planner_reads_models_without_torch():
             "assert not bad, bad[:5]")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("change", [
+    dict(model_type="llama", mlp_bias=True), dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+    dict(partial_rotary_factor=0.5), dict(hidden_act="gelu"), dict(use_sliding_window=True)])
+def test_the_shape_refuses_what_the_model_spec_refuses(change):
+    """The planner must not plan a model that `train` would refuse: the same one-line error."""
+    from model_specs import HFConfigError
+    from model_specs.qwen3 import tiny_hf_config
+    from model_specs.shape import model_shape_for
+    config = tiny_hf_config(**change)
+    with pytest.raises(HFConfigError) as by_spec:
+        model_spec_for(config)
+    with pytest.raises(HFConfigError) as by_shape:
+        model_shape_for(config)
+    assert str(by_shape.value) == str(by_spec.value)

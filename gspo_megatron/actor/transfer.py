@@ -1,7 +1,7 @@
 """The rollout batch from rank 0 to the ranks that train it: each rank receives only its own rows,
 packed without padding, as one byte buffer over the backend (NCCL on GPU, gloo on CPU).
 
-    out = scatter_rows(rank, make, layout=RowLayout(dp_ranks, dp_size, num_mini_batches, work_fn))
+    out = scatter_rows(rank, make, dp_rank=..., dp_size=..., num_mini_batches=4, work=work_fn)
     # None (rank 0's `make` returned None: every rank gets None), or
     # (shard, extras, stats): this rank's TrainBatch (shard(...) of the global batch, exactly),
     # rank 0's small side results (metrics), and what the transfer cost
@@ -17,8 +17,9 @@ Now rank 0:
    viewed as bytes, one buffer per DP rank (any dtype: bool, int16 routes, bf16 travel alike);
 3. broadcasts a small header (pickled: the metrics and each DP rank's manifest of field names,
    dtypes and shapes: O(DP x fields), not O(tokens));
-4. sends each rank its DP rank's buffer (isend; the ranks of one replica, TP/PP/CP/EP peers, get
-   the same one). A rank allocates its buffer from the manifest, receives, and unpacks it into a
+4. sends each rank its DP rank's buffer (isend, one DP rank's buffer on the device at a time; the
+   ranks of one replica, TP/PP/CP peers, get the same one; expert-parallel ranks are carved out
+   of data parallelism and have rows of their own). A rank allocates its buffer from the manifest, receives, and unpacks it into a
    TrainBatch padded to its own longest row (the actor's layout; the padding's values are the
    rollout's: -1 for versions and routes, 0 else).
 
@@ -60,8 +61,9 @@ class RowLayout:
         return plan_shards(batch.num_rows, self.dp_size, self.num_mini_batches, work)
 
 
-def pack(batch: TrainBatch, rows: list[int]) -> tuple[list[tuple[str, str, tuple[int, ...]]], bytes | torch.Tensor]:
-    """(manifest, one uint8 buffer) of `rows` of `batch`: per-token fields without padding."""
+def pack(batch: TrainBatch, rows: list[int]) -> tuple[list[tuple[str, str, str, tuple[int, ...]]], torch.Tensor]:
+    """(manifest: (field, "row" or "token", dtype, shape) each, one uint8 buffer) of `rows` of
+    `batch`: per-token fields without padding."""
     index = torch.tensor(rows, dtype=torch.long)
     global_rows = batch.global_rows if batch.global_rows is not None else torch.arange(batch.num_rows)
     lengths = batch.lengths[index]
@@ -173,16 +175,21 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
     manifest, sizes = manifests[dp_rank]
     if rank == 0:
         device = comm_device()
-        on_device = {d: b.to(device) for d, b in buffers.items()} if distributed else {}
-        sends = [dist.isend(on_device[dp_of[r]], dst=r) for r in range(1, len(dp_of))]
-        for s in sends:
-            s.wait()
+        for d, buffer in buffers.items():  # one DP rank's buffer on the device at a time
+            receivers = [r for r in range(1, len(dp_of)) if dp_of[r] == d] if distributed else []
+            if receivers and buffer.numel():
+                on_device = buffer.to(device)
+                for s in [dist.isend(on_device, dst=r) for r in receivers]:
+                    s.wait()
+                del on_device
         mine = buffers[dp_rank]
     else:
+        t0 = time.perf_counter()
         nbytes = sum(_aligned(getattr(torch, dt).itemsize * int(torch.Size(shape).numel()))
                      for _, _, dt, shape in manifest)
         mine = torch.empty(nbytes, dtype=torch.uint8, device=comm_device())
-        dist.recv(mine, src=0)
+        if nbytes:  # rank 0 sends nothing for no rows
+            dist.recv(mine, src=0)
         mine = mine.cpu()
     shard = unpack(manifest, mine, sizes, imbalance)
     stats = {"bytes_per_rank": float(most_bytes), "batch_transfer_s": time.perf_counter() - t0,
