@@ -63,8 +63,8 @@ def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
             # starting at a multiple of 8; nothing for padding.
             real, n = int(batch.lengths[rows].sum()), len(rows)
             sizes = [real * 8, n * 8, real * 1, (real if token_advantages else n) * 4, real * 4, real * 8,
-                     n * 8, real * 2 * LAYERS * TOPK, real * 4]  # tokens, lengths, mask, advantages,
-            # rollout log-probs, versions, global rows, routes, teacher log-probs
+                     n * 8, real * LAYERS * TOPK, real * 4]  # tokens, lengths, mask, advantages,
+            # rollout log-probs, versions, global rows, routes (a byte per expert id), teacher log-probs
             assert buffer.numel() == sum(-(-b // 8) * 8 for b in sizes)
 
 
@@ -105,7 +105,7 @@ def test_every_rank_receives_its_shard_and_rank_0s_failures():
             assert r["rows"] == rows[dp_of[rank]]  # the replica's ranks hold the same rows
         assert sorted(i for rs in rows.values() for i in rs) == list(range(17))
         most = max(r["stats"]["bytes_per_rank"] for r in results)
-        per_token = 8 + 1 + 4 + 8 + 2 * LAYERS * TOPK + 4
+        per_token = 8 + 1 + 4 + 8 + LAYERS * TOPK + 4
         assert most <= 1.2 * max(r["real_tokens"] for r in results) * per_token + 20 * 17
     assert run_distributed(_scatter, 4, ([0, 1, 2, 3], "none"), timeout=240) == [None] * 4
     said = run_distributed(_scatter, 4, ([0, 1, 2, 3], "raises"), timeout=240)

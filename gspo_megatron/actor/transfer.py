@@ -14,7 +14,8 @@ Now rank 0:
 1. plans the shards (balance.plan_shards: mini-batch j's rows shared by work), once;
 2. packs each data-parallel rank's rows: a per-row field ([b], [b, ...]) as it is, a per-token
    field ([b, s, ...]) as its rows' real tokens concatenated ([sum of lengths, ...]); every field
-   viewed as bytes, one buffer per DP rank (any dtype: bool, int16 routes, bf16 travel alike);
+   viewed as bytes, one buffer per DP rank (any dtype: bool, bf16 travel alike; routing replay's
+   int16 expert ids as one byte each when the model has at most 255 experts);
 3. broadcasts a small header (pickled: the metrics and each DP rank's manifest of field names,
    dtypes and shapes: O(DP x fields), not O(tokens));
 4. sends each rank its DP rank's buffer (isend, one DP rank's buffer on the device at a time; the
@@ -44,6 +45,7 @@ from gspo_megatron.parallel.comm import comm_device
 # Per-token fields' values at padding positions (what samples_to_batch writes there).
 PAD = {"weight_versions": -1, "routed_experts": -1}
 _NOT_TENSORS = ("mini_batch_sizes", "dp_token_imbalance")
+ROUTE_NONE = 255  # routed_experts on the wire: uint8, 255 = no engine routing (-1 in the batch)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ def pack(batch: TrainBatch, rows: list[int]) -> tuple[list[tuple[str, str, str, 
             continue
         if t.dim() >= 2 and tuple(t.shape[:2]) == tuple(batch.tokens.shape):  # per token
             picked, kind = t.reshape(-1, *t.shape[2:])[flat], "token"
+            if f.name == "routed_experts" and (picked.numel() == 0 or int(picked.max()) < ROUTE_NONE):
+                # expert ids fit a byte (up to 255 experts): half the int16 bytes on the wire
+                picked, kind = torch.where(picked < 0, ROUTE_NONE, picked).to(torch.uint8), "token_u8"
         else:
             picked, kind = t[index], "row"
         picked = picked.contiguous()
@@ -104,6 +109,9 @@ def unpack(manifest: list, buffer: torch.Tensor, mini_batch_sizes: list[int],
     real = torch.arange(s)[None, :] < lengths[:, None]
     out: dict[str, Any] = {}
     for name, (kind, t) in views.items():
+        if kind == "token_u8":  # routes sent as bytes: back to int16 with -1 for none
+            t = torch.where(t == ROUTE_NONE, -1, t.to(torch.int16)).to(torch.int16)
+            kind = "token"
         if kind == "token":
             full = torch.full((lengths.numel(), s, *t.shape[1:]), PAD.get(name, 0), dtype=t.dtype)
             full[real] = t
