@@ -15,7 +15,6 @@ The layout is checked against the real world size and the model before any colle
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import os
@@ -32,7 +31,8 @@ from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, chec
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.packing import resolve_packing
 from gspo_megatron.actor.routing import Routing
-from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, swapped_in
+from gspo_megatron.actor.balance import model_work
+from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
@@ -217,15 +217,8 @@ class Actor:
                             num_mini_batches=num_mini_batches, work=self.row_work())
 
     def row_work(self):
-        """The per-row work estimate batching.dp_balance asks for (balance.py), or None (rows)."""
-        mode = self.batching.dp_balance
-        if mode == "rows" or self.dp_size == 1:
-            return None
-        from gspo_megatron.actor.balance import row_work
-        from model_specs.param_count import param_count
-        c = self.spec.config
-        active, width = param_count(self.spec).active, c.num_layers * c.num_attention_heads * c.kv_channels
-        return lambda lengths: row_work(lengths, mode, active_params=active, attention_width=width)
+        """batching.dp_balance's per-row work estimate (balance.model_work); None: by row count."""
+        return model_work(self.spec, self.batching.dp_balance) if self.dp_size > 1 else None
 
     # --- compute ------------------------------------------------------------------------------
     def compute_old_log_probs(self, batch: TrainBatch, versions: list[int] | None = None,
@@ -367,28 +360,10 @@ class Actor:
 
     def _versioned_old_log_probs(self, batch: TrainBatch, versions: list[int], live: int,
                                  ) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """pi_old per token from the weights of the version that generated it: one forward-only
-        pass per version in `versions` (the same list on every rank: every pass is collective),
-        each pass's metrics over its own tokens, combined weighted by their counts."""
-        out, parts = None, []
-        for v in versions:
-            mine = batch.loss_mask & (batch.weight_versions == v)
-            part = dataclasses.replace(batch, loss_mask=mine)
-            context = contextlib.nullcontext() if v == live else self._versions.of(v, self._local_params())
-            with context:
-                lp, m = self._forward_only(part, compare_engine=batch.routed_experts is not None)
-            parts.append(m)
-            if lp is not None:
-                out = lp if out is None else torch.where(mine, lp, out)
-        n = [p.get("tokens", 0.0) for p in parts]
-        total = max(sum(n), 1.0)
-        metrics = dict(parts[-1])
-        for key in ("log_prob_mean", "entropy_mean", "logprob_abs_diff_vs_rollout", "logprob_k3_vs_rollout"):
-            if all(key in p for p in parts):
-                metrics[key] = sum(p[key] * k for p, k in zip(parts, n)) / total
-        metrics["tokens"] = sum(n)
-        metrics["versions"] = float(len(versions))
-        return out, metrics
+        """pi_old per token from the weights of the version that generated it (snapshots.py)."""
+        return old_log_probs_per_version(
+            lambda part: self._forward_only(part, compare_engine=batch.routed_experts is not None),
+            batch, versions, live, lambda v: self._versions.of(v, self._local_params()))
 
     # --- weights and checkpoints ----------------------------------------------------------------
     def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:

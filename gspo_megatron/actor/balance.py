@@ -26,9 +26,16 @@ normalise by global counts (steps.py), so any partition gives the one-process lo
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import Callable, Sequence
 
 BALANCE_MODES = ("flops", "tokens", "rows")
+
+
+def balanced_sizes(n: int, parts: int) -> list[int]:
+    """n split into `parts` sizes differing by at most one, larger first."""
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
 def karmarkar_karp(work: Sequence[float], parts: int) -> list[list[int]]:
@@ -57,6 +64,17 @@ def karmarkar_karp(work: Sequence[float], parts: int) -> list[list[int]]:
     return [sorted(ix) for _, ix in subsets]
 
 
+def model_work(spec, mode: str) -> Callable[[list[int]], list[float]] | None:
+    """The per-row work estimate of `mode` for a model (a ModelSpec or a ModelShape), or None
+    for "rows" (cut by row count)."""
+    if mode == "rows":
+        return None
+    from model_specs.param_count import param_count
+    c = spec.config
+    active, width = param_count(spec).active, c.num_layers * c.num_attention_heads * c.kv_channels
+    return lambda lengths: row_work(lengths, mode, active_params=active, attention_width=width)
+
+
 def row_work(lengths: Sequence[int], mode: str, *, active_params: int = 0,
              attention_width: int = 0) -> list[float]:
     """Each row's work estimate (module docstring); attention_width = layers x heads x head_dim."""
@@ -82,7 +100,6 @@ def plan_shards(num_rows: int, dp_size: int, num_mini_batches: int,
     is the j-th consecutive block of rows (sizes differ by at most one) whatever dp_size is; with
     `work` its rows are partitioned by karmarkar_karp, else cut into consecutive blocks of equal
     row counts (the "rows" mode)."""
-    from gspo_megatron.actor.batch import balanced_sizes
     plan, start = [], 0
     for n in balanced_sizes(num_rows, num_mini_batches):
         if work is None:

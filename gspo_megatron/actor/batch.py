@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo_megatron.actor.balance import balanced_sizes, plan_shards, token_imbalance  # noqa: F401 (re-exported)
 from gspo_megatron.parallel import context
 
 
@@ -120,7 +121,6 @@ class TrainBatch:
         """This data-parallel rank's rows: its part of each of the `num_mini_batches` consecutive
         mini-batches, balanced by `work` (one estimate per row, balance.py) or, without it, by row
         count (see the module docstring); `mini_batches()` splits it again."""
-        from gspo_megatron.actor.balance import plan_shards, token_imbalance
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
         if not 1 <= num_mini_batches <= max(self.num_rows, 1):
@@ -147,13 +147,6 @@ class TrainBatch:
     def num_valid_sequences(self) -> int:
         """Rows with at least one trained token (the GSPO mean runs over exactly these)."""
         return int(self.loss_mask.any(dim=1).sum())
-
-
-def balanced_sizes(n: int, parts: int) -> list[int]:
-    """n split into `parts` sizes differing by at most one, larger first."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts}")
-    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
 @dataclass

@@ -66,3 +66,31 @@ class VersionedWeights:
             raise KeyError(f"no weights of version {version} kept (kept: {self.versions()})")
         with swapped_in(params, self.store[version]):
             yield
+
+
+def old_log_probs_per_version(forward_only, batch, versions: list[int], live: int, weights_of,
+                              ) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """pi_old per token from the weights of the version that generated it: one forward-only pass
+    (`forward_only(part)`) per version in `versions` (the same list on every rank: every pass is
+    collective), with the kept weights of that version swapped in (`weights_of(v)`, a context; the
+    live version runs as it is); each pass's metrics over its own tokens, combined weighted by
+    their counts."""
+    import dataclasses
+    out, parts = None, []
+    for v in versions:
+        mine = batch.loss_mask & (batch.weight_versions == v)
+        part = dataclasses.replace(batch, loss_mask=mine)
+        with contextlib.nullcontext() if v == live else weights_of(v):
+            lp, m = forward_only(part)
+        parts.append(m)
+        if lp is not None:
+            out = lp if out is None else torch.where(mine, lp, out)
+    n = [p.get("tokens", 0.0) for p in parts]
+    total = max(sum(n), 1.0)
+    metrics = dict(parts[-1])
+    for key in ("log_prob_mean", "entropy_mean", "logprob_abs_diff_vs_rollout", "logprob_k3_vs_rollout"):
+        if all(key in p for p in parts):
+            metrics[key] = sum(p[key] * k for p, k in zip(parts, n)) / total
+    metrics["tokens"] = sum(n)
+    metrics["versions"] = float(len(versions))
+    return out, metrics
