@@ -35,6 +35,11 @@ def _worker(fn, rank, world_size, port, args, results, env) -> None:
     # Several ranks share 2 cores: one thread each avoids oversubscription (and keeps results
     # independent of the core count).
     torch.set_num_threads(1)
+    # Before `fn` imports megatron-core (many do so first): without CUDA its fusions then compile
+    # on first use instead of importing TorchDynamo and Inductor, 3-5 s of CPU per rank
+    # (model_specs/lazy_compile.py).
+    from model_specs import lazy_compile
+    lazy_compile.install()
     try:
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
