@@ -180,6 +180,23 @@ def test_skewed_lengths_balanced_by_work_equal_one_process(skewed_reference, wor
     assert worst == pytest.approx(got)  # the metric is what the ranks computed
 
 
+@pytest.mark.mcore019  # also against megatron-core 0.19.2: the interleaved schedule
+def test_logprobs_pp2_vpp2(reference):
+    # Also the logits path (the others use the fused one); fixed shapes on gloo, see build.py.
+    _check_layout(reference, 2, dict(pipeline=2, virtual_pipeline=2), fused=False)
+
+
+@pytest.mark.mcore019  # also against megatron-core 0.19.2: every parallelism at once
+def test_logprobs_tp2_pp2_ep2(reference):
+    # 8 ranks: TP2 x PP2 x DP2, EP2 x expert-TP2, distributed optimizer.
+    _check_layout(reference, 8, dict(tensor=2, pipeline=2, expert=2), dist_opt=True)
+
+
+def test_logprobs_tp2_dense(dense_reference):
+    # Dense Qwen3: TP without sequence parallelism (replicated hidden states on the last stage).
+    _check_layout(dense_reference, 2, dict(tensor=2), dense=True)
+
+
 def test_wrong_scale_is_caught(reference):
     with pytest.raises(AssertionError, match="parameters after step 1"):
         _check_layout(reference, 2, dict(), wrong_scale=True)
