@@ -92,12 +92,20 @@ def _scatter(rank, world, dp_of, case):
                 real_tokens=int(shard.lengths.sum()))
 
 
+def _scatter_cases(rank, world, cases):
+    """Every case in one set of processes (a spawn of 4 ranks costs ~10 s)."""
+    return [_scatter(rank, world, dp_of, case) for dp_of, case in cases]
+
+
 @pytest.mark.slow
 def test_every_rank_receives_its_shard_and_rank_0s_failures():
     """4 gloo ranks: DP4, then DP2 whose replicas have 2 ranks each (TP2- or PP2-like peers get
     the same rows); rank 0's None and rank 0's error reach every rank."""
-    for dp_of in ([0, 1, 2, 3], [0, 0, 1, 1]):
-        results = run_distributed(_scatter, 4, (dp_of, "ok"), timeout=240)
+    layouts = ([0, 1, 2, 3], [0, 0, 1, 1])
+    cases = [(dp_of, "ok") for dp_of in layouts] + [([0, 1, 2, 3], "none"), ([0, 1, 2, 3], "raises")]
+    per_rank = run_distributed(_scatter_cases, 4, (cases,), timeout=300)
+    for k, dp_of in enumerate(layouts):
+        results = [mine[k] for mine in per_rank]
         assert all(r["extras"] == {"metrics": {"reward": 0.5}} for r in results)
         rows = {}
         for rank, r in enumerate(results):
@@ -107,7 +115,7 @@ def test_every_rank_receives_its_shard_and_rank_0s_failures():
         most = max(r["stats"]["bytes_per_rank"] for r in results)
         per_token = 8 + 1 + 4 + 8 + LAYERS * TOPK + 4
         assert most <= 1.2 * max(r["real_tokens"] for r in results) * per_token + 20 * 17
-    assert run_distributed(_scatter, 4, ([0, 1, 2, 3], "none"), timeout=240) == [None] * 4
-    said = run_distributed(_scatter, 4, ([0, 1, 2, 3], "raises"), timeout=240)
+    assert [mine[2] for mine in per_rank] == [None] * 4
+    said = [mine[3] for mine in per_rank]
     assert said[0] == "ValueError: the reward service is down"
     assert said[1:] == ["DriverError: rank 0 failed: ValueError: the reward service is down"] * 3
