@@ -84,7 +84,7 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], out) 
     import torch
     import torch.distributed as dist
 
-    from gspo_megatron.actor.balance import plan_shards, token_imbalance
+    from gspo_megatron.actor.balance import plan_shards, worst_imbalance
     from gspo_megatron.driver import broadcast_object
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -107,7 +107,7 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], out) 
         sent = int(stats["bytes_per_rank"])
         plan = plan_shards(len(lengths), world, MINI, work(lengths))
     held = time.time()
-    imbalance = max(token_imbalance(lengths, parts) for parts in plan)
+    imbalance = worst_imbalance(lengths, plan)
     everyone = [None] * world
     dist.all_gather_object(everyone, dict(held=held, grew=rss_bytes() - rss0, own=own_real_bytes(shard)))
     if rank == 0:

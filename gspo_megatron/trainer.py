@@ -94,7 +94,7 @@ def run_loop(run: Run) -> None:
         if staleness and run.rank == 0:
             metrics.update(overlap_metrics(t, run.driver.producer))
         metrics["perf/tokens_per_s"] = batch_facts["tokens"] / t["time/step"]
-        metrics.update({"batch/dp_token_imbalance": transfer["dp_token_imbalance"],
+        metrics.update({"batch/dp_token_imbalance": shard.dp_token_imbalance,
                         "batch/bytes_per_rank": transfer["bytes_per_rank"],
                         "time/batch_transfer": transfer["batch_transfer_s"]})
         run.writer.log(step, metrics)  # before the checkpoint: a resume never loses a step's metrics

@@ -49,10 +49,11 @@ def _work(lengths):
 
 @pytest.mark.parametrize("token_advantages", [False, True])
 def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
-    from gspo_megatron.actor.transfer import RowLayout, pack, unpack
+    from gspo_megatron.actor.balance import plan_shards
+    from gspo_megatron.actor.transfer import pack, unpack
     batch = make_batch(token_advantages=token_advantages)
     for dp in (1, 2, 3):
-        plan = RowLayout([0] * dp, dp, 2, _work).plan(batch)
+        plan = plan_shards(batch.num_rows, dp, 2, _work(batch.lengths.tolist()))
         for d in range(dp):
             want = batch.shard(d, dp, 2, work=_work(batch.lengths.tolist()))
             rows = [i for parts in plan for i in parts[d]]

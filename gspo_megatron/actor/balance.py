@@ -94,12 +94,21 @@ def token_imbalance(lengths: Sequence[int], parts: list[list[int]]) -> float:
     return max(tokens) / mean if mean > 0 else 1.0
 
 
+def worst_imbalance(lengths: Sequence[int], plan: list[list[list[int]]]) -> float:
+    """token_imbalance of a plan_shards plan's worst mini-batch (batch/dp_token_imbalance)."""
+    return max((token_imbalance(lengths, parts) for parts in plan), default=1.0)
+
+
 def plan_shards(num_rows: int, dp_size: int, num_mini_batches: int,
                 work: Sequence[float] | None = None) -> list[list[list[int]]]:
     """[mini-batch][dp rank] -> the global rows that rank trains in that mini-batch. Mini-batch j
     is the j-th consecutive block of rows (sizes differ by at most one) whatever dp_size is; with
     `work` its rows are partitioned by karmarkar_karp, else cut into consecutive blocks of equal
     row counts (the "rows" mode)."""
+    if not 1 <= num_mini_batches <= max(num_rows, 1):
+        raise ValueError(f"num_mini_batches must be in [1, {num_rows}] (rows), got {num_mini_batches}")
+    if work is not None and len(work) != num_rows:
+        raise ValueError(f"work has {len(work)} entries for {num_rows} rows")
     plan, start = [], 0
     for n in balanced_sizes(num_rows, num_mini_batches):
         if work is None:

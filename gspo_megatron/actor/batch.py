@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.actor.balance import balanced_sizes, plan_shards, token_imbalance  # noqa: F401 (re-exported)
+from gspo_megatron.actor.balance import balanced_sizes, plan_shards, worst_imbalance
 from gspo_megatron.parallel import context
 
 
@@ -123,19 +123,13 @@ class TrainBatch:
         count (see the module docstring); `mini_batches()` splits it again."""
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
-        if not 1 <= num_mini_batches <= max(self.num_rows, 1):
-            raise ValueError(f"num_mini_batches must be in [1, {self.num_rows}] (rows), got "
-                             f"{num_mini_batches}")
-        if work is not None and len(work) != self.num_rows:
-            raise ValueError(f"work has {len(work)} entries for {self.num_rows} rows")
         plan = plan_shards(self.num_rows, dp_size, num_mini_batches, work)
         rows = [i for parts in plan for i in parts[dp_rank]]
         out = self.select(torch.tensor(rows, dtype=torch.long))
         if self.global_rows is None:
             out.global_rows = torch.tensor(rows, dtype=torch.long)
         out.mini_batch_sizes = [len(parts[dp_rank]) for parts in plan]
-        lengths = self.lengths.tolist()
-        out.dp_token_imbalance = max((token_imbalance(lengths, parts) for parts in plan), default=1.0)
+        out.dp_token_imbalance = worst_imbalance(self.lengths.tolist(), plan)
         return out
 
     def mini_batches(self) -> list["TrainBatch"]:

@@ -32,13 +32,13 @@ replica), and a pipeline stage still receives every layer's routes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Sequence
+from dataclasses import fields
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.actor.balance import plan_shards, token_imbalance
+from gspo_megatron.actor.balance import plan_shards, worst_imbalance
 from gspo_megatron.actor.batch import TrainBatch
 from gspo_megatron.parallel.comm import comm_device
 
@@ -46,21 +46,6 @@ from gspo_megatron.parallel.comm import comm_device
 PAD = {"weight_versions": -1, "routed_experts": -1}
 _NOT_TENSORS = ("mini_batch_sizes", "dp_token_imbalance")
 ROUTE_NONE = 255  # routed_experts on the wire: uint8, 255 = no engine routing (-1 in the batch)
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """Who trains which rows: each global rank's data-parallel rank, the DP size, the mini-batch
-    count and the work estimate of rows (None: cut by row count)."""
-
-    dp_ranks: Sequence[int]
-    dp_size: int
-    num_mini_batches: int
-    work: Callable[[list[int]], list[float]] | None = None
-
-    def plan(self, batch: TrainBatch) -> list[list[list[int]]]:
-        work = self.work(batch.lengths.tolist()) if self.work is not None else None
-        return plan_shards(batch.num_rows, self.dp_size, self.num_mini_batches, work)
 
 
 def pack(batch: TrainBatch, rows: list[int]) -> tuple[list[tuple[str, str, str, tuple[int, ...]]], torch.Tensor]:
@@ -140,8 +125,8 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
                  ) -> tuple[TrainBatch, Any, dict[str, float]] | None:
     """Run `make` on rank 0 ((batch, extras) or None) and give each rank its shard of the batch
     (see the module docstring), with rank 0's `extras` and the transfer's stats:
-    `bytes_per_rank` (the most any rank received), `batch_transfer_s` (rank 0: the header and every
-    send) and `dp_token_imbalance`. If `make` raises on rank 0, every rank raises (rank 0 the
+    `bytes_per_rank` (the most any rank received) and `batch_transfer_s` (rank 0: packing, the
+    header and every send); the shard carries `dp_token_imbalance`. If `make` raises on rank 0, every rank raises (rank 0 the
     original error, the others driver.DriverError), as driver.on_driver."""
     from gspo_megatron.driver import DriverError, broadcast_object
     distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -156,12 +141,10 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
                 header = ("none",)
             else:
                 batch, extras = got
-                if not 1 <= num_mini_batches <= max(batch.num_rows, 1):
-                    raise ValueError(f"num_mini_batches must be in [1, {batch.num_rows}] (rows), got "
-                                     f"{num_mini_batches}")
-                plan = RowLayout(dp_of, dp_size, num_mini_batches, work).plan(batch)
                 lengths = batch.lengths.tolist()
-                imbalance = max((token_imbalance(lengths, parts) for parts in plan), default=1.0)
+                plan = plan_shards(batch.num_rows, dp_size, num_mini_batches,
+                                   work(lengths) if work is not None else None)
+                imbalance = worst_imbalance(lengths, plan)
                 manifests = {}
                 for d in range(dp_size):
                     rows = [i for parts in plan for i in parts[d]]
@@ -200,7 +183,6 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
             dist.recv(mine, src=0)
         mine = mine.cpu()
     shard = unpack(manifest, mine, sizes, imbalance)
-    stats = {"bytes_per_rank": float(most_bytes), "batch_transfer_s": time.perf_counter() - t0,
-             "dp_token_imbalance": imbalance}
+    stats = {"bytes_per_rank": float(most_bytes), "batch_transfer_s": time.perf_counter() - t0}
     return shard, extras, stats
 
