@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 
+import torch
+
 from gspo_megatron.algorithms.distill import distillation_advantages
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver import on_driver
@@ -151,19 +153,20 @@ def train_metrics(updates: list[dict[str, float]], old: dict[str, float]) -> dic
 
 
 def trained_versions(batch) -> list[int]:
-    """The weight versions among the batch's trained tokens."""
-    return sorted(set(batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)].tolist()))
+    """The weight versions among the batch's trained tokens, ascending."""
+    return torch.unique(batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)]).tolist()
 
 
 def rollout_on_driver(run: Run, live: int, step: int, staleness: int):
     """Rank 0: the step's rollout batch and what every rank needs of the whole batch (its metrics,
-    the weight versions it trains, its tokens), or None when a signal interrupted the rollout."""
+    its tokens and, asynchronous, the weight versions it trains), or None when a signal
+    interrupted the rollout."""
     got = run.driver.rollout_batch(str(live), step, should_stop=run.stop.requested,
                                    oldest_version=oldest_usable_version(run, live) if staleness else None)
     if got is None:
         return None
     batch, metrics = got
-    return batch, {"metrics": metrics, "versions": trained_versions(batch),
+    return batch, {"metrics": metrics, "versions": trained_versions(batch) if staleness else None,
                    "tokens": float(batch.lengths.sum())}
 
 
