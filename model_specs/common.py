@@ -1,8 +1,9 @@
 """HF config.json -> megatron-core TransformerConfig + layer spec, shared by the decoder families.
 
-A family module (qwen3, qwen3_moe, qwen2, qwen2_moe, glm4_moe, llama) declares only what differs
-(`FamilyTraits`); `build_model_spec` does the mapping, with rope.py (RoPE / YaRN) and moe.py
-(routers, shared experts). The actor builds a GPTModel from the returned `ModelSpec` without
+What differs between the decoder families (qwen3, qwen3_moe, qwen2, qwen2_moe, glm4_moe, llama)
+is their `FamilyTraits` (traits.py); `build_model_spec` does the mapping, from shape.py's fields
+(the torch-free shape, MoE fields from moe_fields.py), with rope.py (RoPE / YaRN) and moe.py (the
+expert-bias router). The actor builds a GPTModel from the returned `ModelSpec` without
 knowing which family or backend (TE or local) it came from. This package knows HF and
 megatron-core only: the parallel layout and the machine's adaptations arrive as TransformerConfig
 `overrides` from the caller.
@@ -24,7 +25,7 @@ from model_specs.moe import use_expert_bias_router
 from model_specs.norms import HAVE_TE, replace_local_norms, te_checkpoint_keys
 from model_specs.rope import rope_mapping
 from model_specs.shape import shape_fields
-from model_specs.traits import FamilyTraits, attention_options  # noqa: F401 (re-exported)
+from model_specs.traits import FamilyTraits
 
 
 @dataclass

@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from megatron.core.transformer import TransformerConfig
@@ -44,7 +44,6 @@ from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from model_specs.moe_fields import SHARED_EXPERTS, ROUTERS, moe_config_fields  # noqa: F401 (re-exported)
 
 class ExpertBiasRouter(TopKRouter):
     """megatron-core's TopKRouter, its `expert_bias` a frozen fp32 parameter instead of a buffer
