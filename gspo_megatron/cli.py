@@ -119,14 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     quiet_expected_warnings()
     errors = known_errors()
     from gspo_megatron.stop import SignalExit
+    from gspo_megatron.trainer import ServersLost, train
+    from rollout.health import EXIT_NO_SERVER
     try:
-        from gspo_megatron.trainer import train
         return train(cfg)
     except SignalExit as e:
         saved = f"saved a checkpoint of {e.saved} in {cfg.checkpoint.dir}; " if e.saved else ""
         print(f"gspo-megatron: {e.args[0].split(':')[0]} (rank {os.environ.get('RANK', '0')}): {saved}"
               f"exiting with {e.exit_code} (the same command resumes)", file=sys.stderr, flush=True)
         return e.exit_code
+    except ServersLost as e:
+        _error(e)
+        return EXIT_NO_SERVER
     except KeyboardInterrupt:
         print(f"gspo-megatron: interrupted (rank {os.environ.get('RANK', '0')})", file=sys.stderr)
         return 130

@@ -29,6 +29,7 @@ from gspo_megatron.config_checks import validate
 from gspo_megatron.config_parsing import (ConfigError, apply_overrides, build, describe, field_docs,
                                           parse_override, read_yaml_mapping)
 from gspo_megatron.parallel.layout import ParallelLayout
+from rollout.health import ServerHealthSettings
 from rollout.manager_config import ManagerConfig
 from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
 
@@ -55,7 +56,7 @@ class LossConfig(LossSettings):
 
 
 @dataclasses.dataclass
-class RolloutConfig(ManagerConfig):
+class RolloutConfig(ManagerConfig, ServerHealthSettings):
     prompts: str | list[str] = ""
     """The prompt set: a jsonl file, a parquet file, a folder of parquet shards (train-*.parquet, as
     `datasets` writes them), a folder saved by datasets' save_to_disk, or a list of these (read in

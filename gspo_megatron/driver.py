@@ -25,6 +25,8 @@ from gspo_megatron.rollout_metrics import rollout_metrics
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.episodes import RolloutRecords, demonstration, env_factory
 from model_specs.hf_config import load_hf_config
+from rollout.client_errors import NoServerLeft
+from rollout.health import GONE, LIVE, REJOINING, HealthMonitor
 from rollout.pool import ServerPool
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
 from rollout.chat import ChatTemplate
@@ -59,7 +61,7 @@ class Driver:
             hf = load_hf_config(cfg.model.hf_path)
             layout = (int(hf["num_hidden_layers"]), int(hf["num_experts_per_tok"]))
         self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s,
-                               routed_experts_layout=layout)
+                               routed_experts_layout=layout, log=_say)
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         self.env_factory = env_factory(r) if r.environment else None
         self.teachers, self.teacher = teachers, None
@@ -83,6 +85,8 @@ class Driver:
         self.producer: AsyncRollouts | None = None  # train.max_staleness > 0: start_async()
         self._async_state: dict[str, Any] | None = None  # a resume's queue, until start_async()
         self.evaluator = None  # eval: made at its first use
+        # last, once nothing can fail: probes each server, restarts those this run launched
+        self.health = HealthMonitor(self.pool, r, launched=servers.launched(), log=_say).start()
 
     @classmethod
     def start(cls, cfg: RunConfig, log_dir: str | None = None, prompt_rows=None) -> "Driver":
@@ -152,11 +156,16 @@ class Driver:
             except RolloutInterrupted:
                 self.load_state(before["stream"], before["manager"])
                 return None
+            except NoServerLeft:  # the step's prompts come again once a server is back
+                if before is not None:
+                    self.load_state(before["stream"], before["manager"])
+                raise
             groups, manager_metrics = result.groups, result.metrics
         per_token = r.environment is not None and r.turn_credit == "return_to_go"
         batch = samples_to_batch(groups, r.group_size, turn_discount=r.turn_discount if per_token else None)
         metrics = rollout_metrics(groups, manager_metrics)
         metrics["rollout/policy_lag_max"] = policy_lag(batch, int(weight_version))
+        metrics.update(self.pool.pop_health_metrics())  # servers live, failures, restarts, resubmitted
         if self.records is not None:
             self.records.write(step, [s for g in groups for s in g], batch)
         return batch, metrics
@@ -174,6 +183,32 @@ class Driver:
             if self._async_state:
                 self.producer.load_state(self._async_state)
             self.producer.start()
+
+    def wait_for_server(self, should_stop: Callable[[], bool]) -> bool:
+        """No server left in service: wait, rollout.server_wait_s at most, for one to come back
+        (restarted by the health monitor, or an attached one answering again). True when one is
+        back (rejoining: the caller syncs the weights into it); False when the wait ran out, every
+        server is past its restart bound, or `should_stop` (a signal) says so."""
+        deadline = time.monotonic() + self.cfg.rollout.server_wait_s
+        _say(f"no SGLang server in service: waiting up to {self.cfg.rollout.server_wait_s:g} s "
+             f"(rollout.server_wait_s) for one to come back ({self.pool.summary()})")
+        while time.monotonic() < deadline and not should_stop():
+            if any(self.pool.status(u) in (LIVE, REJOINING) for u in self.pool.server_urls):
+                return True
+            if all(self.pool.status(u) == GONE for u in self.pool.server_urls):
+                return False
+            time.sleep(0.5)
+        return False
+
+    def restart_rollouts(self) -> None:
+        """Asynchronous: after the servers came back, a new rollout thread in place of the one that
+        stopped for want of a server, with its queue (nothing it finished is lost)."""
+        old = self.producer
+        if old is None or old.error is None:
+            return
+        old.close()
+        self._async_state, self.producer = old.to_state(), None
+        self.start_async(old.version)
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out evaluation of the servers' current weights (evaluation.py)."""
@@ -226,6 +261,7 @@ class Driver:
             self.manager.load_state(buffer)
 
     def stop(self) -> None:
+        self.health.close()  # first: no restart may race the servers' stop below
         if self.producer is not None:
             self.producer.close()
         if self.evaluator is not None:
@@ -263,8 +299,17 @@ def start_teachers(cfg: RunConfig, log_dir: str | None) -> ServerGroup | None:
     return group
 
 
+def _say(line: str) -> None:
+    print(f"[gspo] {line}", flush=True)
+
+
 class DriverError(RuntimeError):
-    """Raised on every rank when rank 0 (the driver) failed; the message is rank 0's error."""
+    """Raised on every rank when rank 0 (the driver) failed; the message is rank 0's error, `kind`
+    the name of its type."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def on_driver(rank: int, fn: Callable[[], Any]) -> Any:
@@ -276,12 +321,12 @@ def on_driver(rank: int, fn: Callable[[], Any]) -> Any:
             result = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below after telling the other ranks
             error = e
-    payload = broadcast_object(("error", f"{type(error).__name__}: {error}") if error
-                               else ("ok", result))
+    payload = broadcast_object(("error", f"{type(error).__name__}: {error}", type(error).__name__)
+                               if error else ("ok", result))
     if error is not None:
         raise error
     if payload[0] == "error":
-        raise DriverError(f"rank 0 failed: {payload[1]}")
+        raise DriverError(f"rank 0 failed: {payload[1]}", payload[2])
     return payload[1]
 
 

@@ -79,6 +79,13 @@ TAGS = {
     "async/overlap": "fraction of the step's wall time both were busy at once",
     "rollout/policy_lag_max": "most weight updates between the policy that sampled a trained token "
                               "and the current one (0 = on-policy; > 0 with partial rollouts)",
+    "rollout/servers_live": "SGLang servers in service at the end of the rollout (rollout/health.py: "
+                            "out, rejoining and given-up ones do not count)",
+    "rollout/server_failures": "servers taken out of service since the last step (a failed health "
+                               "probe, a lost connection, a restart that failed)",
+    "rollout/server_restarts": "restarts of servers the run launched, since the last step",
+    "rollout/requests_resubmitted": "generation requests moved to another server because theirs was "
+                                    "taken out while they ran, since the last step",
     "train/loss": "policy loss (mean over mini-batches)",
     "train/clip_fraction": "fraction of sequences clipped (gspo) / tokens (grpo, gspo_token)",
     "train/seq_ratio_mean": "mean sequence importance ratio s_i",

@@ -48,7 +48,11 @@ def take_fresh_groups(producer: AsyncRollouts, n: int, live: int, oldest: int | 
     taken: list[list[Sample]] = []
     dropped = regenerated = 0
     while len(taken) < n:
-        got = producer.take(n - len(taken), should_stop)
+        try:
+            got = producer.take(n - len(taken), should_stop)
+        except BaseException:  # the rollout thread failed (no server left): nothing taken is lost
+            producer.put_back(taken)
+            raise
         if got is None:
             producer.put_back(taken)
             return None

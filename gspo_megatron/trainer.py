@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 
 from gspo_megatron.algorithms.distill import distillation_advantages
 from gspo_megatron.config import RunConfig
-from gspo_megatron.driver import on_driver
+from gspo_megatron.driver import DriverError, on_driver
 from gspo_megatron.rollout_batch import sft_batch
 from gspo_megatron.evaluation import eval_due
 from gspo_megatron.metrics import format_progress
 from gspo_megatron.startup import Run, begin_rl, export_hf, setup, teardown
 from gspo_megatron.stop import GracefulStop, SignalExit
+from gspo_megatron.sync.weight_sync import WeightSyncError
+from rollout.client_errors import NoServerLeft
+from rollout.health import EXIT_NO_SERVER
 
 
 class PhaseTimer(dict):
@@ -60,8 +64,7 @@ def run_loop(run: Run) -> None:
         with t("step"):
             with t("rollout"):  # synchronous: rank 0 generates and scores; asynchronous: it takes
                 # what the rollout thread finished; each rank receives only its rows (actor/transfer.py)
-                got = actor.receive_rows(run.rank, lambda: rollout_on_driver(run, live, step, staleness),
-                                         num_mini_batches=cfg.train.mini_batches)
+                got, saved = receive_rows(run, live, step, staleness, saved)
             if got is None:  # a signal interrupted the rollout: the step is abandoned
                 if run.rank == 0:
                     print(f"[gspo] the rollout of step {step} was interrupted by the signal: the step "
@@ -90,7 +93,7 @@ def run_loop(run: Run) -> None:
                     old.update(actor.measure_routing_drift(shard))
             with t("sync"), run.driver.paused() if run.rank == 0 else nullcontext():
                 loop.weight_version += 1  # new weights into SGLang (the rollout thread waits)
-                sync = run.sync.sync(loop.weight_version)
+                sync = sync_weights(run, saved)
             loop.step = step + 1
         metrics.update(train_metrics(updates, old), **sync_metrics(sync), **t, **ckpt_time, **held_out)
         if staleness and run.rank == 0:
@@ -150,6 +153,79 @@ def train_metrics(updates: list[dict[str, float]], old: dict[str, float]) -> dic
             out[f"routing/{name}" if "_layer/" not in name else
                 f"routing_layers/{name.replace('_layer/', '_layer_')}"] = value
     return {k: v for k, v in out.items() if v is not None}
+
+
+class ServersLost(RuntimeError):
+    """No SGLang server came back within rollout.server_wait_s: the run ends with EXIT_NO_SERVER
+    (a Slurm requeue retries it, launch/slurm/job.sh) after a checkpoint of its last step."""
+
+
+def receive_rows(run: Run, live: int, step: int, staleness: int, saved: int | None):
+    """actor.receive_rows of the step's rollout, surviving the loss of every server
+    (rollout/health.py): every rank saves the last finished step (unless saved already), rank 0
+    waits up to rollout.server_wait_s for a server to come back, the weights are synced into it,
+    and the step's rollout starts again (its prompts were put back: none is lost or repeated).
+    Past the wait: ServersLost on every rank; a signal meanwhile: SignalExit. Returns (what
+    receive_rows returned, the step of the newest checkpoint)."""
+    for _ in range(run.cfg.rollout.server_max_restarts_per_run + 2):  # bounded, whatever happens
+        try:
+            return run.actor.receive_rows(run.rank, lambda: rollout_on_driver(run, live, step, staleness),
+                                          num_mini_batches=run.cfg.train.mini_batches), saved
+        except (NoServerLeft, DriverError) as e:
+            if not isinstance(e, NoServerLeft) and e.kind != NoServerLeft.__name__:
+                raise
+        if run.ckpt and saved != run.loop.step:
+            save_checkpoint(run)
+            saved = run.loop.step
+        await_a_server(run, saved)
+        with run.driver.paused() if run.rank == 0 else nullcontext():
+            sync_weights(run, saved, again=True)  # the servers back get the policy
+        on_driver(run.rank, run.driver.restart_rollouts)
+    raise ServersLost(f"no rollout completed after {run.cfg.rollout.server_max_restarts_per_run + 2} "
+                      f"servers came back ({on_driver(run.rank, lambda: run.driver.pool.summary())})")
+
+
+def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, float]:
+    """run.sync.sync of the trainer's version; when no server is left to take it (one lost while
+    the trainer trained, and not back yet), wait for one (await_a_server), then sync again. Not
+    saved first: the step is half done (trained, not synced), a resume redoes it from `saved`."""
+    for _ in range(run.cfg.rollout.server_max_restarts_per_run + 2):  # bounded, whatever happens
+        try:
+            return run.sync.sync(run.loop.weight_version, again=again)
+        except WeightSyncError as e:
+            if not e.no_server:
+                raise
+        await_a_server(run, saved)
+    raise ServersLost(f"no weight sync took hold after {run.cfg.rollout.server_max_restarts_per_run + 2} "
+                      f"servers came back ({on_driver(run.rank, lambda: run.driver.pool.summary())})")
+
+
+def await_a_server(run: Run, saved: int | None) -> None:
+    """Every rank: rank 0 waits up to rollout.server_wait_s for a server to come back; a signal
+    meanwhile is SignalExit, none back is ServersLost (exit 75, after the one line)."""
+    back = on_driver(run.rank, lambda: run.driver.wait_for_server(run.stop.requested))
+    signum = run.stop.agreed()
+    if signum:
+        raise SignalExit(signum, saved=f"step {saved}" if saved is not None else None)
+    if not back:
+        what = on_driver(run.rank, lambda: no_server_marker(run))
+        kept = f"; the checkpoint of step {saved} resumes it" if saved is not None else ""
+        raise ServersLost(f"no SGLang server in service after waiting rollout.server_wait_s="
+                          f"{run.cfg.rollout.server_wait_s:g} s ({what}){kept}; exiting with "
+                          f"{EXIT_NO_SERVER} (retryable: launch/slurm/job.sh requeues on it)")
+
+
+NO_SERVER_MARKER = "NO_SERVER_LEFT"
+
+
+def no_server_marker(run: Run) -> str:
+    """Rank 0, before any rank exits 75: writes checkpoint.dir/NO_SERVER_LEFT, which tells
+    launch/slurm/job.sh to requeue whatever exit code srun reports (srun --kill-on-bad-exit may
+    SIGKILL rank 0 once the others have exited); returns what happened to each server."""
+    what = run.driver.pool.summary()
+    if run.cfg.checkpoint.dir:
+        (Path(run.cfg.checkpoint.dir) / NO_SERVER_MARKER).write_text(what + "\n")
+    return what
 
 
 def trained_versions(batch) -> list[int]:

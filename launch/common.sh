@@ -33,7 +33,8 @@
 #                          NCCL_* settings of your cluster); sbatch steps inherit what it exports
 #   GSPO_MASTER_PORT       torch.distributed rendezvous port      derived from the job id and attempt
 #   GSPO_STOP_GRACE        seconds the trainer gets after SIGTERM before SIGKILL           60
-#   GSPO_MAX_REQUEUES      the job requeues itself (on USR1) at most this many times       20
+#   GSPO_MAX_REQUEUES      the job requeues itself (on USR1, or a trainer exit 75: no SGLang
+#                          server left) at most this many times                          20
 #   GSPO_TRAIN_SRUN_ARGS / GSPO_SERVER_SRUN_ARGS  extra srun flags per role (--container-image, --mpi)
 #   NCCL_* / GLOO_* / TORCH_NCCL_*  passed through to every rank as set; NCCL_DEBUG defaults to WARN,
 #                          TORCH_NCCL_ASYNC_ERROR_HANDLING to 1; GSPO_NET_IFNAME, when set, fills

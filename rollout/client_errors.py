@@ -16,3 +16,8 @@ class SGLangError(RuntimeError):
 
 class ServerUnavailable(SGLangError):
     """No connection to the server (refused, reset or timed out) after all retries."""
+
+
+class NoServerLeft(ServerUnavailable):
+    """No server of a pool is in service (rollout/pool.py): every one is out, rejoining or gone.
+    The message names each server and what happened to it."""

@@ -31,6 +31,7 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
+from rollout.client_errors import NoServerLeft
 from rollout.manager_config import ManagerConfig
 from rollout.pool import ServerPool
 from rollout.rewards.answers import RewardFn
@@ -143,7 +144,8 @@ class RolloutManager:
         from `prompts` (consumed lazily; over-sampling draws more). current_weight_version: the
         policy's version for mask_stale_tokens (default: the newest version seen in each sample).
         should_stop: polled every 0.2 s; when it says True the in-flight requests are aborted and
-        RolloutInterrupted is raised. keep_on_stop: nothing of the step is lost then: its complete
+        RolloutInterrupted is raised. No server left in service (rollout/health.py): the same stop,
+        then NoServerLeft. keep_on_stop: nothing of the step is lost then: its complete
         groups go to `ready`, its unfinished ones (partial responses, their tokens' versions kept)
         to the front of the buffer, in group order; without it the caller restores a saved state."""
         cfg = self.config
@@ -244,9 +246,9 @@ class RolloutManager:
             if all(s.status == DONE for s in group):
                 finish_group(group)
 
-        interrupted = False
+        interrupted, lost = False, None
         try:
-            while len(kept) < num_groups:
+            while len(kept) < num_groups and lost is None:
                 while len(kept) + len(open_groups) < num_groups + cfg.oversample_groups:
                     if self.buffer:
                         start_group(self.buffer.popleft())
@@ -288,7 +290,13 @@ class RolloutManager:
                         apply_teacher(teaching.pop(f), f.result())  # a lost teacher server propagates
                         continue
                     sample = in_flight.pop(f)
-                    f.result()  # a server failure propagates here
+                    try:
+                        f.result()  # a server failure propagates here
+                    except NoServerLeft as e:  # the step stops as at a signal (keep_on_stop: nothing lost)
+                        lost = e
+                        if self.env_factory is not None:
+                            sample.status = ABORTED  # an episode restarts from its prompt
+                        break
                     if sample.status != DONE:  # aborted by someone else before we were full: resume
                         if sample.status == ABORTED:
                             self._reset(sample)
@@ -300,11 +308,13 @@ class RolloutManager:
                         finish_group(group)
         finally:
             self._drain(in_flight)
-        if interrupted:
+        if interrupted or lost is not None:
             message = f"rollout interrupted with {len(kept)} of {num_groups} groups complete"
             if keep_on_stop:
                 self.ready.extendleft(reversed(kept))
                 self.buffer.extendleft(sorted(open_groups.values(), key=lambda g: -g[0].group_id))
+            if lost is not None:
+                raise lost
             raise RolloutInterrupted(message)
         for group in sorted(open_groups.values(), key=lambda g: g[0].group_id):
             if all(s.status == DONE for s in group):

@@ -174,6 +174,14 @@ class ManagedProcess:
             break
         self.proc.wait(timeout=10)
 
+    def restart(self) -> None:
+        """Kill what is left of the process (a stalled or dead server: SIGKILL reaches a stopped
+        process too), start the same command line on the same port, wait until healthy (raises
+        ServerStartError otherwise). The health monitor calls it (rollout/health.py)."""
+        self.kill()
+        self.start()
+        self.wait_healthy()
+
     def kill(self) -> None:
         """SIGKILL the group at once (fault-injection in tests; prefer stop())."""
         if self.proc is not None:
@@ -308,6 +316,11 @@ class ServerGroup:
             raise
         return cls([p.url for p in procs], router_proc.url if router_proc else None, procs, router_proc,
                    temp_log_dir)
+
+    def launched(self) -> dict[str, ManagedProcess]:
+        """url -> the process of each server this group launched (none for attached ones): what
+        rollout.health.HealthMonitor restarts."""
+        return {p.url: p for p in self.servers}
 
     def stop(self, keep_logs: bool = False) -> None:
         """Stop what this group launched (router first); attached servers are left running. Then

@@ -19,6 +19,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from rollout.client_errors import NoServerLeft, SGLangError
 from rollout.pool import ServerPool
 from rollout.sample import Sample
 
@@ -30,7 +31,10 @@ class TeacherScorer:
 
     def _one(self, sample: Sample) -> tuple[list[float], float]:
         t0 = time.perf_counter()
-        lps = self.pool.input_log_probs(sample.tokens, len(sample.prompt_ids), timeout_s=self.timeout_s)
+        try:
+            lps = self.pool.input_log_probs(sample.tokens, len(sample.prompt_ids), timeout_s=self.timeout_s)
+        except NoServerLeft as e:  # not the policy's servers: the run cannot wait for them to come back
+            raise SGLangError(e.url, f"every teacher server is lost: {e.message}") from None
         return lps, time.perf_counter() - t0
 
     def submit(self, samples: list[Sample]) -> "Future[list[tuple[list[float], float]]]":

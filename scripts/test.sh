@@ -13,6 +13,12 @@ cd "$ROOT"
 if [[ $# -gt 0 ]]; then
   exec "$ROOT/.venv/bin/python" -m pytest "$@"
 fi
+# The second venv builds (first use: about 4 minutes, mostly unpacking wheels) while the first
+# suite runs; its output goes to a log shown if the build fails.
+SETUP019_LOG="$(mktemp)"
+bash "$ROOT/scripts/setup_mcore019.sh" >"$SETUP019_LOG" 2>&1 &
+SETUP019=$!
+trap 'kill $SETUP019 2>/dev/null; wait $SETUP019 2>/dev/null; rm -f "$SETUP019_LOG"' EXIT
 "$ROOT/.venv/bin/python" -m pytest
 # The second end of the range: the modules whose code builds or loads megatron-core objects (model
 # specs, the actor, conversion, checkpoints, layouts, the CPU adaptations), their fast tests and
@@ -27,5 +33,10 @@ MCORE_TESTS=(tests/test_actor_*.py tests/test_model_*.py tests/test_convert_*.py
              tests/test_resume_checkpoint.py tests/test_logprobs_tp2.py tests/test_routing_replay.py
              tests/test_comm_devices.py tests/test_host_syncs.py tests/test_lazy_compile.py)
 echo "[test] megatron-core 0.19.2 (Python 3.12): ${#MCORE_TESTS[@]} modules that reach megatron-core" >&2
-bash "$ROOT/scripts/setup_mcore019.sh"
+if ! wait "$SETUP019"; then
+  cat "$SETUP019_LOG" >&2
+  echo "[test] building .venv-mcore019 failed (its output above)" >&2
+  exit 1
+fi
+grep -v '^$' "$SETUP019_LOG" >&2 || true
 "$ROOT/.venv-mcore019/bin/python" -m pytest -p no:cacheprovider -m "not slow or mcore019" "${MCORE_TESTS[@]}"

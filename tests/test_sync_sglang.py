@@ -89,7 +89,7 @@ def _body(rank, world, ckpt, url, disk_root, port):
         if rank == 0:
             gen = pool.generate(PROMPT, {"max_new_tokens": 16, "temperature": 1.0,
                                          "ignore_eos": True})
-            out = [(gen.output_ids, torch.tensor(gen.logprobs), pool.weight_versions(), report)]
+            out = [(gen.output_ids, torch.tensor(gen.logprobs), list(pool.weight_versions().values()), report)]
         torch.distributed.broadcast_object_list(out, src=0)
         return out[0]
 
@@ -113,12 +113,12 @@ def _body(rank, world, ckpt, url, disk_root, port):
     with pytest.raises(WeightSyncError, match="No space left on device.*left paused"):
         sync.sync(version="step4-broken")
     assert sync.stale
-    after_failure = pool.weight_versions() if rank == 0 else None
+    after_failure = list(pool.weight_versions().values()) if rank == 0 else None
     sync.transport = transports.get("tensor")
     sync.sync(version="step4-retry")
     assert not sync.stale
     if rank == 0:
-        results["failure"] = (after_failure, pool.weight_versions())
+        results["failure"] = (after_failure, list(pool.weight_versions().values()))
         transports["distributed"].close()
     return results
 

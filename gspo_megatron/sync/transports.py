@@ -30,6 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from gspo_megatron.checkpoint.hf_files import INDEX_NAME, copy_metadata_files
+from rollout.health import LIVE, REJOINING
 
 if TYPE_CHECKING:  # duck-typed: anything with ServerPool's methods
     from rollout.pool import ServerPool
@@ -140,7 +141,10 @@ def join_weight_update_group(store, world_size: int, group_name: str, backend: s
 
 class DistributedTransport:
     """Broadcast over a weights-update group. `server_tp_sizes`: each server's TP size (its ranks
-    in the group); the group is created at the first begin() and kept until close()."""
+    in the group). The group is made of the sync's servers (the pool's live and rejoining ones) at
+    the first begin() and kept until close(), or until they change (a server taken out of service,
+    or back: rollout/health.py): then the next begin() destroys it and makes a new one of the
+    servers there are, on a new port."""
 
     name = "distributed"
 
@@ -150,28 +154,51 @@ class DistributedTransport:
         self.pool, self.address, self.port = pool, master_address, int(master_port)
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.group_name, self.timeout_s = group_name, timeout_s
-        self.tp_sizes = list(server_tp_sizes or [1] * len(pool.clients))
+        tp_sizes = list(server_tp_sizes or [1] * len(pool.clients))
+        self.tp_size_of = {c.url: n for c, n in zip(pool.clients, tp_sizes)}
         self._pg = self._store = None
+        self._members: list = []  # the clients in the group
+        self._made = 0  # groups made so far (each new one gets its own name)
         self._broken: str | None = None
 
     def _ensure_group(self) -> None:
-        if self._broken:
+        members = self.pool.sync_clients()
+        changed = [c.url for c in members] != [c.url for c in self._members]
+        if self._broken and not changed:
             raise RuntimeError(f"the weights-update group is out of step after a failed update "
                                f"({self._broken}); create a new DistributedTransport on another "
                                "port/group name")
-        if self._pg is not None:
+        if self._pg is not None and not changed:
             return
-        world = 1 + sum(self.tp_sizes)
-        offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.tp_sizes))]
+        if self._pg is not None:
+            self._drop_group()
+            from gspo_megatron.parallel.process_groups import free_port
+            self.port = free_port(self.address)  # the old store's port may still be held
+        sizes = [self.tp_size_of[c.url] for c in members]
+        world = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        self._made += 1
+        name = self.group_name if self._made == 1 else f"{self.group_name}_{self._made}"
         self._store = host_weight_update_store(self.address, self.port, world, self.timeout_s)
         # Each server blocks in this call until every rank has joined: post them in threads.
         joins = [self.pool.submit(c.init_weights_update_group, self.address, self.port, off, world,
-                                  self.group_name, self.backend, self.timeout_s)
-                 for c, off in zip(self.pool.clients, offsets)]
-        self._pg = join_weight_update_group(self._store, world, self.group_name, self.backend,
-                                            self.timeout_s)
+                                  name, self.backend, self.timeout_s)
+                 for c, off in zip(members, offsets)]
+        self._pg = join_weight_update_group(self._store, world, name, self.backend, self.timeout_s)
         for f in joins:
             f.result(timeout=self.timeout_s)
+        self._members, self._name, self._broken = members, name, None
+
+    def _drop_group(self) -> None:
+        """Destroy the group on its servers still there (a lost one has nothing to destroy) and here."""
+        for c in self._members:
+            if self.pool.status(c.url) in (LIVE, REJOINING):
+                try:
+                    c.destroy_weights_update_group(self._name)
+                except Exception:  # noqa: BLE001 - it may have lost the group with a failed update
+                    pass
+        dist.destroy_process_group(self._pg)
+        self._pg = self._store = None
 
     def begin(self, version: str) -> None:
         self._ensure_group()
@@ -187,8 +214,8 @@ class DistributedTransport:
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
         replies = [self.pool.submit(c.update_weights_from_distributed, names, dtypes, shapes,
-                                    self.group_name, version if final else None,
-                                    flush_cache=final) for c in self.pool.clients]
+                                    self._name, version if final else None,
+                                    flush_cache=final) for c in self._members]
         for _, t in bucket:
             work = dist.broadcast(t.to(device).contiguous(), group_src=0, group=self._pg,
                                   async_op=True)
@@ -208,6 +235,4 @@ class DistributedTransport:
 
     def close(self) -> None:
         if self._pg is not None:
-            self.pool.for_each(lambda c: c.destroy_weights_update_group(self.group_name))
-            dist.destroy_process_group(self._pg)
-            self._pg = self._store = None
+            self._drop_group()

@@ -6,6 +6,12 @@
 One sync, on trainer rank 0: pause generation on every server (running requests are retracted and
 re-run with the new weights), stream the weights (stream.py) through the transport, set the new
 weight version with the last piece, check that every server reports it, continue generation.
+The servers are the pool's live and rejoining ones (rollout/health.py): a server that came back
+after a failure gets the weights here and serves only after its version checked out; a server that
+cannot be reached during the sync is taken out of service and the sync goes on with the others
+(the distributed transport's broadcast fails instead, as below, and its next sync makes a new group
+of the servers there are). No server left to take the weights: WeightSyncError(no_server=True),
+and the trainer waits for one (trainer.sync_weights).
 The other ranks only take part in the stream. If anything fails part-way, the servers are LEFT
 PAUSED (they may hold a mix of old and new weights, so they must not generate), `stale` is set,
 and every rank raises WeightSyncError; a later successful sync (all weights are sent each time)
@@ -24,19 +30,28 @@ from gspo_megatron.sync.transports import Transport
 from model_specs.weight_maps import weight_map_for
 
 
-def _unreachable(error: BaseException | None) -> bool:
-    """A lost connection anywhere in the error's chain (rollout.client.ServerUnavailable, or the
-    transport's own ConnectionError)."""
-    from rollout.client import ServerUnavailable
+def _in_chain(error: BaseException | None, types: tuple[type[BaseException], ...]) -> bool:
     while error is not None:
-        if isinstance(error, (ServerUnavailable, ConnectionError)):
+        if isinstance(error, types):
             return True
         error = error.__cause__ or error.__context__
     return False
 
 
+def _unreachable(error: BaseException | None) -> bool:
+    """A lost connection anywhere in the error's chain (rollout.client.ServerUnavailable, or the
+    transport's own ConnectionError)."""
+    from rollout.client import ServerUnavailable
+    return _in_chain(error, (ServerUnavailable, ConnectionError))
+
+
 class WeightSyncError(RuntimeError):
-    """A sync that did not complete; the servers are paused and marked stale."""
+    """A sync that did not complete; the servers are paused and marked stale. no_server: because
+    no server was left to take it (rollout/health.py; the trainer waits for one, trainer.py)."""
+
+    def __init__(self, message: str, no_server: bool = False) -> None:
+        super().__init__(message)
+        self.no_server = no_server
 
 
 class WeightSync:
@@ -57,10 +72,11 @@ class WeightSync:
         self.version: str | None = None  # the version the servers serve, as far as we know
         self.stale = False               # True after a failed sync: servers paused, weights mixed
 
-    def sync(self, version: str | int) -> dict[str, float]:
-        """Collective. Returns {seconds, bytes, gb_per_s, buckets} (rank 0's view on rank 0)."""
+    def sync(self, version: str | int, again: bool = False) -> dict[str, float]:
+        """Collective. Returns {seconds, bytes, gb_per_s, buckets} (rank 0's view on rank 0).
+        again: the version the servers already serve, for servers that came back (rollout/health.py)."""
         version = str(version)
-        if version == self.version:
+        if version == self.version and not again:
             raise ValueError(f"weight version {version!r} is what the servers already serve; "
                              "every sync needs a new version")
         if self._plan is None:
@@ -78,8 +94,9 @@ class WeightSync:
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
         if self.rank == 0 and error is None:
             error = self._try(lambda: self._finish(version))
+        from rollout.client_errors import NoServerLeft
         message = [f"{type(error).__name__}: {error}" if error is not None else None,
-                   _unreachable(error)]
+                   _unreachable(error), _in_chain(error, (NoServerLeft,))]
         dist.broadcast_object_list(message, src=0)
         if message[0] is not None:
             self.stale = True
@@ -88,7 +105,8 @@ class WeightSync:
                      "The servers are left paused") + " and may hold a mix of old and new weights; " \
                 "sync again before generating."
             raise WeightSyncError(f"weight sync to version {version} via "
-                                  f"{getattr(self.transport, 'name', '?')} failed: {message[0]}. {after}")
+                                  f"{getattr(self.transport, 'name', '?')} failed: {message[0]}. {after}",
+                                  no_server=message[2])
         self.stale, self.version = False, version
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "bytes": float(sent), "buckets": float(n_buckets),
@@ -96,11 +114,15 @@ class WeightSync:
 
     def _finish(self, version: str) -> None:
         self.transport.finish(version)
-        served = self.pool.weight_versions()
-        wrong = {c.url: v for c, v in zip(self.pool.live_clients(), served) if v != version}
+        served = self.pool.weight_versions()  # of the servers still in the sync
+        wrong = {url: v for url, v in served.items() if v != version}
         if wrong:
             raise WeightSyncError(f"servers report weight versions {wrong} after the update, "
                                   f"expected {version!r}")
+        if not served:
+            raise WeightSyncError(f"no server is left to take version {version!r} "
+                                  f"({self.pool.summary()})")
+        self.pool.synced(version)  # servers that came back hold the policy now: they serve again
         self.pool.continue_generation()
 
     @staticmethod

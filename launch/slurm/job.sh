@@ -133,6 +133,7 @@ if gspo_launches_servers; then
   gspo_log "servers healthy"
 fi
 
+rm -f "$GSPO_CHECKPOINT_DIR/NO_SERVER_LEFT"  # (left by an earlier attempt: see the end)
 read -ra train_cmd <<<"$GSPO_TRAIN_CMD"
 read -ra train_srun <<<"$GSPO_TRAIN_SRUN_ARGS"
 sets=(--set "checkpoint.dir=$GSPO_CHECKPOINT_DIR")
@@ -148,4 +149,16 @@ gspo_wait "$TRAIN_PID"; rc=$?
 TRAIN_PID=
 if (( rc == 0 )); then gspo_log "trainer finished"; else gspo_log "trainer exited $rc (see $GSPO_LOG_DIR/trainer-*.log)"; fi
 stop_steps
+# 75 (rollout.health.EXIT_NO_SERVER): no SGLang server came back within rollout.server_wait_s,
+# after a checkpoint. Retryable: a new allocation gets new nodes and servers. Rank 0 leaves
+# NO_SERVER_LEFT in the checkpoint folder first: srun --kill-on-bad-exit may have reported another
+# code (rank 0 SIGKILLed once the other ranks had exited 75).
+if (( rc != 0 )) && [[ -f $GSPO_CHECKPOINT_DIR/NO_SERVER_LEFT ]] && (( ATTEMPT < GSPO_MAX_REQUEUES )); then
+  rm -f "$GSPO_CHECKPOINT_DIR/NO_SERVER_LEFT"
+  trap '' TERM  # the requeue sends TERM to this script
+  if scontrol requeue "$SLURM_JOB_ID"; then
+    gspo_log "no SGLang server left: requeued; the next attempt resumes from $GSPO_CHECKPOINT_DIR/latest"
+    exit 0
+  fi
+fi
 exit "$rc"
