@@ -2,7 +2,7 @@
 it back (restart, or wait for it), and never let it generate before it holds the current weights.
 
     monitor = HealthMonitor(pool, ServerHealthSettings(), launched=group.launched())
-    monitor.start()          # one prober thread per server; pool.health_metrics() counts
+    monitor.start()          # one prober thread per server; pool.pop_health_metrics() counts
     ...
     monitor.close()
 
@@ -17,8 +17,8 @@ answers once the scheduler has produced anything, sglang/srt/entrypoints/http_se
 the servers generate, and /model_info while the pool is paused for a weight sync, and to see
 whether an attached server is back: a paused server cannot generate, and in SGLang 0.5.23 /health
 is the same handler as /health_generate (http_server.py:721-722, with
-SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default), so both would fail there after 20 s. No answer within server_health_timeout_s,
-or a non-200 answer, takes the server out: its in-flight requests move to the other servers
+SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default), so both would fail there after 20 s.
+No answer within server_health_timeout_s, or a non-200 answer, takes the server out: its in-flight requests move to the other servers
 (ServerPool._on_a_live_server), the weight sync skips it, and a server the run launched is
 restarted with the same command line and port.
 """

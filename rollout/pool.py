@@ -55,7 +55,7 @@ class ServerPool:
         self._status = {c.url: LIVE for c in self.clients}
         self._reason: dict[str, str] = {}
         self._counts: collections.Counter = collections.Counter()
-        self.paused, self.pause_epoch = False, 0  # read by the health probes
+        self.pause_epoch = 0  # counts pauses and continues: a probe across one is not judged
         self._targets: set[str] | None = None  # while paused for a sync: the servers it updates
         self._rr = itertools.count()
         self._lock = threading.Lock()
@@ -67,6 +67,12 @@ class ServerPool:
         return [c.url for c in self.clients]
 
     # --- status ------------------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        """Paused for a weight sync (from pause_generation to continue_generation, or after a
+        failed sync): the health probes do not ask these servers to generate."""
+        return self._targets is not None
+
     def status(self, url: str) -> str:
         return self._status[url]
 
@@ -114,9 +120,6 @@ class ServerPool:
             live = len(self.live_clients())
             self.log(f"SGLang server {url} taken out of service: {reason} ({live} of "
                      f"{len(self.clients)} live)")
-
-    def mark_dead(self, url: str) -> None:
-        self.take_out(url, "unreachable")
 
     def rejoin(self, url: str, reason: str) -> None:
         """Answers again: it gets the current weights at the next sync, then generates."""
@@ -273,7 +276,7 @@ class ServerPool:
     def pause_generation(self, mode: str = "abort") -> None:
         """Pause every live or rejoining server: the start of a weight sync, whose targets they are."""
         with self._lock:
-            self.paused, self.pause_epoch = True, self.pause_epoch + 1
+            self.pause_epoch += 1
             self._targets = {u for u, s in self._status.items() if s in _SYNCED}
         if not self._targets:
             raise NoServerLeft(", ".join(self.server_urls), f"no server to pause ({self.summary()})")
@@ -282,7 +285,7 @@ class ServerPool:
     def continue_generation(self) -> None:
         self.for_each(lambda c: c.continue_generation())
         with self._lock:
-            self.paused, self.pause_epoch, self._targets = False, self.pause_epoch + 1, None
+            self.pause_epoch, self._targets = self.pause_epoch + 1, None
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
                                  **kw: Any) -> list[dict]:
