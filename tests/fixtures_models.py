@@ -72,3 +72,64 @@ def transformers_log_probs(hf_dir: Path, tokens, lengths, edit_model=None, **con
             logp = torch.log_softmax(model(ids).logits.float()[0], dim=-1)     # [n, v]
             out[i, 1:n] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
     return out
+
+
+WARM_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "data" / "larger_digit.jsonl"
+
+
+def warm_tiny_moe_dir() -> Path:
+    """The seed-0 tiny MoE after the main job's supervised warm start (40 cross-entropy steps of 32
+    answers, Adam at 2e-3, on examples/data/larger_digit.jsonl's solutions), done once per test
+    process with transformers in a few seconds. The trainer tests start from it with
+    `train.warm_start_steps=0`: the same kind of policy (rewards ~0.1 at step 0, so groups have
+    non-zero advantages and steps move the weights) without paying the warm start in every run
+    (8 s per one-process run, 26 s under TP2 on 2 cores). The trainer's own warm start is tested
+    where it is the subject (test_resume_run)."""
+    key = ("qwen3_moe-warm", 0, False)
+    if key in _CACHE:
+        return _CACHE[key]
+    import json
+
+    import torch
+    import transformers
+
+    from rollout.dataset import chat_prompt_ids
+
+    src = tiny_model_dir("qwen3_moe", 0)
+    out = src.parent / "qwen3_moe-seed0-warm"
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    records = [json.loads(line) for line in WARM_PROMPTS.read_text().splitlines() if line.strip()]
+    rows = []
+    for rec in records:
+        prompt = chat_prompt_ids(tok, rec)
+        rows.append((prompt, tok.encode(rec["solution"], add_special_tokens=False) + [eos]))
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(1234)
+        model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+        n = 32
+        for k in range(40):
+            batch = [rows[(k * n + i) % len(rows)] for i in range(n)]
+            width = max(len(p) + len(a) for p, a in batch)
+            ids = torch.full((n, width), int(tok.pad_token_id or 0))
+            labels = torch.full((n, width), -100)
+            mask = torch.zeros(n, width, dtype=torch.long)
+            for i, (p, a) in enumerate(batch):
+                ids[i, :len(p) + len(a)] = torch.tensor(p + a)
+                labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
+                mask[i, :len(p) + len(a)] = 1
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    finally:
+        torch.random.set_rng_state(rng_state)
+    model.eval()
+    shutil.copytree(src, out, dirs_exist_ok=True)  # tokenizer, configs
+    model.save_pretrained(str(out), safe_serialization=True)
+    _CACHE[key] = out
+    return out

@@ -80,3 +80,17 @@ def _live_members(pgid: int) -> list[int]:
             if int(fields[2]) == pgid and fields[0] != "Z":
                 live.append(int(entry))
     return live
+
+
+def test_a_picked_port_is_free_and_below_the_ephemeral_range():
+    """A server's port must not be one an outgoing connection can take while the server starts
+    (its own health poll included: a connect to a refused port from that same port connects to
+    itself and the server then fails with "address already in use")."""
+    import socket
+
+    from rollout.server import _ephemeral_range
+    lo, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1 and all(p < lo for p in ports), (lo, ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

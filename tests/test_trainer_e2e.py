@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures_models import tiny_model_dir
+from fixtures_models import tiny_model_dir, warm_tiny_moe_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "examples" / "data" / "larger_digit.jsonl"
@@ -23,7 +23,8 @@ PROMPTS = ROOT / "examples" / "data" / "larger_digit.jsonl"
 
 def base_overrides(run_dir: Path, server_url: str, **extra) -> list[str]:
     sets = {
-        "model.hf_path": str(tiny_model_dir("qwen3_moe", 0)),
+        # the example's warm start done once (fixtures_models.warm_tiny_moe_dir), not in every run
+        "model.hf_path": str(warm_tiny_moe_dir()), "train.warm_start_steps": 0,
         "rollout.prompts": str(PROMPTS), "rollout.reward": "exact_match",
         "rollout.server_urls": f"[{server_url}]", "rollout.group_size": 4,
         "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 6,
