@@ -160,7 +160,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    from gspo_megatron.parallel.process_groups import free_port
+    from rollout.ports import free_port
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.actor.settings import ComputeSettings, LogProbSettings, MicroBatchSettings

@@ -15,17 +15,12 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rollout.ports import free_port  # noqa: F401  (the tests' rendezvous and server ports)
 
 
 def _worker(fn, rank, world_size, port, args, results, env) -> None:

@@ -88,7 +88,7 @@ def test_a_picked_port_is_free_and_below_the_ephemeral_range():
     itself and the server then fails with "address already in use")."""
     import socket
 
-    from rollout.server import _ephemeral_range
+    from rollout.ports import _ephemeral_range
     lo, _ = _ephemeral_range()
     ports = {free_port() for _ in range(20)}
     assert len(ports) > 1 and all(p < lo for p in ports), (lo, ports)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -19,11 +18,6 @@ from gspo_megatron.parallel import cpu_compat
 from gspo_megatron.parallel.layout import ParallelLayout
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (rendezvous, weight-update groups)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def default_backend() -> str:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gspo_megatron.planner.memory import GiB, MemorySettings
 from gspo_megatron.planner.plan import GPUS, PlanError, load_model, parse_memory, plan, table
+from rollout.ports import free_port
 
 
 def _layout_fields(text: str | None) -> dict:
@@ -98,7 +99,7 @@ def _config_layout(cfg) -> dict:
 def check(args: argparse.Namespace, layout: dict) -> int:
     """Runs gspo_megatron/planner/check.py on --gpus ranks (torchrun; gloo on CPU)."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    cmd = [torchrun, f"--nproc-per-node={args.gpus}", "--master-port", str(_free_port()),
+    cmd = [torchrun, f"--nproc-per-node={args.gpus}", "--master-port", str(free_port()),
            "-m", "gspo_megatron.planner.check", args.config, "--layout",
            ",".join(f"{k}={v}" for k, v in layout.items()), "--gpu", args.gpu]
     for option in ("model", "tokens", "gpu_memory"):
@@ -107,10 +108,3 @@ def check(args: argparse.Namespace, layout: dict) -> int:
     for o in args.overrides:
         cmd += ["--set", o]
     return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}).returncode
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

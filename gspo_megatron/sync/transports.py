@@ -172,7 +172,7 @@ class DistributedTransport:
             return
         if self._pg is not None:
             self._drop_group()
-            from gspo_megatron.parallel.process_groups import free_port
+            from rollout.ports import free_port
             self.port = free_port(self.address)  # the old store's port may still be held
         sizes = [self.tp_size_of[c.url] for c in members]
         world = 1 + sum(sizes)

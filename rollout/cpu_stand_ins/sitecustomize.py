@@ -2,7 +2,7 @@
 
 Python imports `sitecustomize` at start-up from the PYTHONPATH that rollout.server gives CPU server
 children (this directory); it patches a module when SGLang imports it. GPU servers never see this
-directory. The two patches:
+directory. The three patches:
 - Qwen2-MoE's shared-expert gate runs `fused_gate_sigmoid_mul(_add)` from
   sglang.kernels.ops.elementwise.elementwise, a Triton kernel; Triton has no CPU backend, so the
   first /generate crashes. Replaced by the same math in torch: sigmoid(x @ gate_weight) * shared
@@ -11,9 +11,18 @@ directory. The two patches:
   buffer with pin_memory=True, and sglang/srt/mem_cache/pool_host/common.py:147
   (_cuda_host_register) then calls torch.cuda.cudart(): the server dies at start without a GPU.
   Pinning (cudaHostRegister) only speeds up device copies; without CUDA it is skipped.
+- SGLang starts its scheduler and detokenizer processes with the "spawn" start method
+  (sglang/srt/entrypoints/engine.py:1995, `mp.set_start_method("spawn", force=True)`), which CUDA
+  needs; each child then imports torch and SGLang again, and on 2 CPU cores the three processes'
+  imports made a server start take 45 s (82 s next to a busy test suite). A CPU server has no CUDA
+  context to protect, so here the children are forked from the server process, which has imported
+  everything already: 39 s next to the same busy suite (a start measured alone: see
+  tests/test_rollout_server.py's note). The fork happens before the server starts its own threads
+  (the HTTP server and the tokenizer manager come after the children in engine.py).
 """
 import importlib.abc
 import importlib.machinery
+import multiprocessing
 import sys
 
 
@@ -63,3 +72,14 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _PatchOnImport())
+
+
+_set_start_method = multiprocessing.set_start_method
+
+
+def _fork_on_cpu(method, force=False):
+    """multiprocessing.set_start_method with "spawn" turned into "fork" (the docstring's third patch)."""
+    return _set_start_method("fork" if method == "spawn" else method, force=force)
+
+
+multiprocessing.set_start_method = _fork_on_cpu
