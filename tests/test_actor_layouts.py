@@ -155,12 +155,8 @@ def test_logprobs_tp2(reference):
     _check_layout(reference, 2, dict(tensor=2))  # MoE with TP2 runs sequence parallel
 
 
-def test_logprobs_pp2(reference):
-    _check_layout(reference, 2, dict(pipeline=2))
-
-
-def test_logprobs_ep2(reference):
-    _check_layout(reference, 2, dict(expert=2), dist_opt=True)  # EP2 x DP2, distributed optimizer
+# PP2 and EP2 x DP2 (with the distributed optimizer) on their own: test_token_budget_micro_batches
+# below; with the padded micro-batches: test_logprobs_pp2_vpp2 and test_logprobs_tp2_pp2_ep2.
 
 
 # DP2 and DP4 on the skewed batch with 4 mini-batches (4 optimizer steps), shared by work
@@ -211,10 +207,12 @@ BUDGET = 48
 
 # PP2 (micro-batches of different shapes through the pipeline schedule) and EP2 x DP2 (two DP ranks
 # that agree on a count, experts across them); TP2 and plain DP2 add no path of their own.
-# EP2 x DP2 also keeps the rows cut by row count (train.dp_balance=rows, the layout before issue 29).
-@pytest.mark.parametrize("layout", [dict(pipeline=2), dict(expert=2)], ids=["pp2", "ep2"])
-def test_token_budget_micro_batches(reference, layout):
-    results = _check_layout(reference, 2, layout, micro_batch_size=8, max_tokens=BUDGET, dp_balance="rows")
+# EP2 x DP2 also keeps the rows cut by row count (train.dp_balance=rows, the layout before issue 29),
+# with the distributed optimizer.
+@pytest.mark.parametrize("layout,dist_opt", [(dict(pipeline=2), False), (dict(expert=2), True)], ids=["pp2", "ep2"])
+def test_token_budget_micro_batches(reference, layout, dist_opt):
+    results = _check_layout(reference, 2, layout, micro_batch_size=8, max_tokens=BUDGET, dp_balance="rows",
+                            dist_opt=dist_opt)
     for step in results[0]["metrics"]:
         assert step["max_micro_batch_tokens"] <= BUDGET
         assert 0.0 <= step["padding_fraction"] < 0.5

@@ -44,6 +44,11 @@ def _tiny_moe() -> str:
     return str(tiny_model_dir("qwen3_moe", 0))
 
 
+# The runs' step at its smallest (the examples' is 16 prompts x 8 samples): what a smoke test shows,
+# the scripts' flow and table, does not depend on it.
+SMALL_STEP = ["--set", "rollout.prompts_per_step=2", "--set", "rollout.group_size=4",
+              "--set", "train.mini_batches=1", "--set", "train.micro_batch_size=8"]
+
 # name -> (arguments at the smallest size, a check of the printed table)
 SMOKE = {
     "async.py": (lambda url: ["--staleness", "0", "--steps", "2", "--skip", "0", "--url", url,
@@ -59,11 +64,11 @@ SMOKE = {
     # student: the tiny MoE on the module's server; teacher: the tiny dense Qwen3 (same tokenizer)
     "distill.py": (lambda url: ["--steps", "1", "--warm-start-steps", "0", "--student", _tiny_moe(),
                                 "--teacher", str(tiny_model_dir("qwen3", 0)), "--student-url", url,
-                                "--teacher-url", "{qwen3_url}", "--set", "eval.interval=0", "--out", "{tmp}"],
+                                "--teacher-url", "{qwen3_url}", "--set", "eval.interval=0", *SMALL_STEP, "--out", "{tmp}"],
                    lambda out: "distill: accuracy first 5 steps" in out and "gspo: accuracy first 5 steps" in out),
     "gspo_vs_grpo.py": (lambda url: ["--steps", "1", "--set", f"rollout.server_urls=[{url}]",
                                      "--set", f"model.hf_path={_tiny_moe()}", "--set", "train.warm_start_steps=0",
-                                     "--set", "eval.interval=0", "--out", "{tmp}"],
+                                     "--set", "eval.interval=0", *SMALL_STEP, "--out", "{tmp}"],
                         lambda out: "GSPO: mean reward of the last 1 steps" in out),
     "layouts.py": (lambda url: ["--layouts", "tp2", "--rows", "4", "--seq", "16", "--reps", "1"],
                    lambda out: _line(out, r"tp2\s+2\s+[0-9.]+")),
