@@ -33,7 +33,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     lo, _ = _ephemeral_range()
     start = 10000 if lo > 20000 else 1024
     # the system's RNG: a run seeds `random`, and two runs seeded alike must not pick alike
-    for port in random.SystemRandom().sample(range(start, lo), min(200, lo - start)):
+    for port in random.SystemRandom().sample(range(start, lo), max(0, min(200, lo - start))):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
