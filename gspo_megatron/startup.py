@@ -27,10 +27,10 @@ from gspo_megatron.checkpoint.manager import CheckpointManager
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.driver import Driver, on_driver, scratch_dir
 from gspo_megatron.metrics import MetricsWriter
-from rollout.ports import free_port
 from gspo_megatron.run_folders import lock_run_folders, release
 from gspo_megatron.staleness import share_cpu_with_servers
 from gspo_megatron.stop import GracefulStop
+from rollout.ports import free_port
 
 INITIAL_DIR = "initial_megatron"
 REFERENCE_DIR = "reference"

@@ -93,6 +93,7 @@ def warm_tiny_moe_dir() -> Path:
     import torch
     import transformers
 
+    from gspo_megatron.rollout_batch import sft_batch
     from rollout.dataset import chat_prompt_ids
 
     src = tiny_model_dir("qwen3_moe", 0)
@@ -100,10 +101,9 @@ def warm_tiny_moe_dir() -> Path:
     tok = transformers.AutoTokenizer.from_pretrained(src)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     records = [json.loads(line) for line in WARM_PROMPTS.read_text().splitlines() if line.strip()]
-    rows = []
-    for rec in records:
-        prompt = chat_prompt_ids(tok, rec)
-        rows.append((prompt, tok.encode(rec["solution"], add_special_tokens=False) + [eos]))
+    # the examples of gspo_megatron/driver.py's warm_start_examples: the solution, else the answer, + EOS
+    rows = [(chat_prompt_ids(tok, rec), tok.encode(str(rec.get("solution", rec["answer"])),
+                                                   add_special_tokens=False) + [eos]) for rec in records]
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(1234)
@@ -112,16 +112,10 @@ def warm_tiny_moe_dir() -> Path:
         opt = torch.optim.Adam(model.parameters(), lr=2e-3)
         n = 32
         for k in range(40):
-            batch = [rows[(k * n + i) % len(rows)] for i in range(n)]
-            width = max(len(p) + len(a) for p, a in batch)
-            ids = torch.full((n, width), int(tok.pad_token_id or 0))
-            labels = torch.full((n, width), -100)
-            mask = torch.zeros(n, width, dtype=torch.long)
-            for i, (p, a) in enumerate(batch):
-                ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-                labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
-                mask[i, :len(p) + len(a)] = 1
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            batch = sft_batch([rows[(k * n + i) % len(rows)] for i in range(n)])  # the trainer's rows
+            mask = torch.arange(batch.tokens.shape[1])[None] < batch.lengths[:, None]
+            labels = batch.tokens.masked_fill(~batch.loss_mask, -100)  # transformers shifts them
+            loss = model(input_ids=batch.tokens, attention_mask=mask.long(), labels=labels).loss
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

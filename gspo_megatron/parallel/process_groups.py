@@ -18,8 +18,6 @@ from gspo_megatron.parallel import cpu_compat
 from gspo_megatron.parallel.layout import ParallelLayout
 
 
-
-
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
