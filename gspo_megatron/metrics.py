@@ -112,6 +112,8 @@ TAGS = {
     "time/routing_drift": "seconds of the forward-only routing drift pass (moe.drift)",
     "sync/gb": "GB of HF-named tensors sent per sync",
     "sync/buckets": "transfer buckets per sync (sync.bucket_mb each at most)",
+    "sync/attempts": "passes of the weight sync: above 1 when a server was lost part-way and the "
+                     "sync ran again on the others (distributed transport)",
     "time/rollout": "seconds generating + scoring",
     "time/log_probs": "seconds computing old log-probs",
     "time/ref_log_probs": "seconds computing the KL reference log-probs (when loss.kl_coef > 0)",

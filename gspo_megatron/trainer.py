@@ -269,7 +269,7 @@ def overlap_metrics(t: PhaseTimer, producer) -> dict[str, float]:
 def sync_metrics(report: dict[str, float]) -> dict[str, float]:
     """The weight sync's report (rank 0's view) -> TensorBoard scalars."""
     return {"perf/sync_gb_per_s": report["gb_per_s"], "sync/gb": report["bytes"] / 1e9,
-            "sync/buckets": report["buckets"]}
+            "sync/buckets": report["buckets"], "sync/attempts": report["attempts"]}
 
 
 def save_checkpoint(run: Run) -> None:

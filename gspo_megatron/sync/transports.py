@@ -4,6 +4,7 @@
     transport.send(bucket, final=False)   # [(hf_name, tensor), ...], in stream order
     transport.send(last_bucket, final=True)
     transport.finish(version)             # the servers now serve `version`
+    transport.abort(version)              # after a failure: the next begin() can start
 
 - DiskTransport: each bucket becomes a safetensors shard of a complete HF model directory (config
   and tokenizer included) on a filesystem the servers can read; finish() makes every server load
@@ -19,11 +20,13 @@ The servers are reached through rollout.client (ServerPool / SGLangClient).
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import shutil
 import time
+import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,6 +49,9 @@ class Transport(Protocol):
     def send(self, bucket: Bucket, final: bool, version: str) -> None: ...
 
     def finish(self, version: str) -> None: ...
+
+    def abort(self, version: str) -> None:
+        """After a failed sync: undo what would stop the next one (best effort)."""
 
     def close(self) -> None: ...
 
@@ -89,6 +95,11 @@ class DiskTransport:
             shutil.rmtree(self._current, ignore_errors=True)
         self._current = self._dir
 
+    def abort(self, version: str) -> None:
+        """The half-written directory goes (a server that loaded it was paused, and stays so)."""
+        if self._dir is not None and self._dir != self._current:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
     def close(self) -> None:
         pass
 
@@ -112,8 +123,29 @@ class TensorTransport:
     def finish(self, version: str) -> None:
         self.pool.for_each(lambda c: c.end_weight_update())
 
+    def abort(self, version: str) -> None:
+        _end_sessions(self.pool)
+
     def close(self) -> None:
         pass
+
+
+def _end_sessions(pool: "ServerPool") -> None:
+    """end_weight_update on every server still in the sync that has a session open: SGLang refuses
+    begin_weight_update while one is (scheduler_components/weight_updater.py:309-315), so a sync
+    that failed between begin and end would block every later one. A server with none open
+    answers 400 "no weight-update session is open": nothing to do there. Through the pool, so that
+    a server taken out meanwhile (stalled) does not hold this up."""
+    from rollout.client import ServerUnavailable, SGLangError
+
+    def end(client) -> None:
+        try:
+            client.end_weight_update()
+        except ServerUnavailable:
+            raise
+        except SGLangError:
+            pass
+    pool.for_each(end)
 
 
 def host_weight_update_store(master_address: str, master_port: int, world_size: int,
@@ -144,7 +176,10 @@ class DistributedTransport:
     in the group). The group is made of the sync's servers (the pool's live and rejoining ones) at
     the first begin() and kept until close(), or until they change (a server taken out of service,
     or back: rollout/health.py): then the next begin() destroys it and makes a new one of the
-    servers there are, on a new port."""
+    servers there are, on a new port. A member lost during a broadcast is taken out and the send
+    raises ServerUnavailable naming it; abort() then breaks the group here (the others' receives
+    fail) and WeightSync syncs again on a new group. On GPU, destroying the NCCL group aborts its
+    communicator (torch's destroy_process_group); this path is proven with gloo only."""
 
     name = "distributed"
 
@@ -159,19 +194,15 @@ class DistributedTransport:
         self._pg = self._store = None
         self._members: list = []  # the clients in the group
         self._made = 0  # groups made so far (each new one gets its own name)
-        self._broken: str | None = None
 
     def _ensure_group(self) -> None:
         members = self.pool.sync_clients()
         changed = [c.url for c in members] != [c.url for c in self._members]
-        if self._broken and not changed:
-            raise RuntimeError(f"the weights-update group is out of step after a failed update "
-                               f"({self._broken}); create a new DistributedTransport on another "
-                               "port/group name")
         if self._pg is not None and not changed:
             return
         if self._pg is not None:
             self._drop_group()
+        if self._made:
             from rollout.ports import free_port
             self.port = free_port(self.address)  # the old store's port may still be held
         sizes = [self.tp_size_of[c.url] for c in members]
@@ -187,7 +218,7 @@ class DistributedTransport:
         self._pg = join_weight_update_group(self._store, world, name, self.backend, self.timeout_s)
         for f in joins:
             f.result(timeout=self.timeout_s)
-        self._members, self._name, self._broken = members, name, None
+        self._members, self._name = members, name
 
     def _drop_group(self) -> None:
         """Destroy the group on its servers still there (a lost one has nothing to destroy) and here."""
@@ -213,22 +244,91 @@ class DistributedTransport:
         names = [n for n, _ in bucket]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
-        replies = [self.pool.submit(c.update_weights_from_distributed, names, dtypes, shapes,
-                                    self._name, version if final else None,
-                                    flush_cache=final) for c in self._members]
+        replies = {c.url: self.pool.submit(c.update_weights_from_distributed, names, dtypes, shapes,
+                                           self._name, version if final else None,
+                                           flush_cache=final) for c in self._members}
+        error = self._broadcast(bucket, device, replies)
+        if error is None:
+            try:
+                for f in replies.values():
+                    f.result(timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - raised below, a lost server named
+                error = e
+        if error is not None:
+            lost = self._lost_members(replies)
+            if lost:  # WeightSync runs the sync again on the servers there are
+                from rollout.client import ServerUnavailable
+                raise ServerUnavailable(lost[0], f"lost during the weights broadcast "
+                                        f"({type(error).__name__}: {error})") from error
+            raise error
+
+    def _broadcast(self, bucket: Bucket, device, replies: dict[str, Any]) -> Exception | None:
+        """Broadcast the bucket's tensors in order; the first failure, returned with its frames'
+        locals cleared: nothing may keep the collective's Work, and with it the group, alive once
+        abort() destroys the group, for a server still waiting in the broadcast fails its receive
+        only when this side's sockets close (tried with gloo: at once then, else at the timeout)."""
+        error: Exception | None = None
         for _, t in bucket:
-            work = dist.broadcast(t.to(device).contiguous(), group_src=0, group=self._pg,
-                                  async_op=True)
-            # A server that refused the request never joins this broadcast: stop waiting then.
-            while not work.is_completed():
-                failed = [f for f in replies if f.done() and f.exception() is not None]
+            work = dist.broadcast(t.to(device).contiguous(), group_src=0, group=self._pg, async_op=True)
+            # A server that refused the request, or was lost, never joins this broadcast: stop
+            # waiting then.
+            while error is None and not work.is_completed():
+                failed = [f for f in replies.values() if f.done() and f.exception() is not None]
+                out = [u for u in replies if self.pool.status(u) not in (LIVE, REJOINING)]
                 if failed:
-                    self._broken = f"{type(failed[0].exception()).__name__}: {failed[0].exception()}"
-                    raise failed[0].exception()
-                time.sleep(0.001)
-            work.wait()
-        for f in replies:
-            f.result(timeout=self.timeout_s)
+                    error = failed[0].exception()
+                elif out:
+                    error = ConnectionError(f"{out[0]} was taken out of service during the broadcast "
+                                            f"({self.pool.reason(out[0])})")
+                else:
+                    time.sleep(0.001)
+            if error is None:
+                try:
+                    work.wait()
+                except Exception as e:  # noqa: BLE001 - returned
+                    error = e
+            work = None
+            if error is not None:
+                traceback.clear_frames(error.__traceback__)
+                return error
+        return None
+
+    def _lost_members(self, replies: dict[str, Any]) -> list[str]:
+        """After a failed broadcast: the members that are gone (taken out already, their request's
+        connection failed, or /model_info unanswered within 5 s), taken out of service now."""
+        from rollout.client import ServerUnavailable
+        from rollout.health import probe
+        lost = []
+        for url, reply in replies.items():
+            if self.pool.status(url) not in (LIVE, REJOINING):
+                lost.append(url)
+                continue
+            failure = reply.exception() if reply.done() else None
+            why = (failure.message if isinstance(failure, ServerUnavailable) else
+                   probe(url, 5.0, generate=False))
+            if why is not None:
+                self.pool.take_out(url, f"lost during a weight sync: {why}")
+                lost.append(url)
+        return lost
+
+    def abort(self, version: str) -> None:
+        """Destroy this side of the group first: a server still waiting in the broadcast then fails
+        its receive (its socket closes) and answers; then its side of the group and its session
+        go. The next begin() makes a new group, on a new port, of the servers there are."""
+        if self._pg is None:
+            return
+        dist.destroy_process_group(self._pg)
+        self._pg = self._store = None
+        gc.collect()  # the group freed now: its sockets close, the servers' receives fail
+        from rollout.client import SGLangError
+        for c in self._members:
+            if self.pool.status(c.url) in (LIVE, REJOINING):
+                try:
+                    c.destroy_weights_update_group(self._name)
+                except SGLangError:  # it may have lost the group with the failed receive
+                    pass
+        self._members = []
+        _end_sessions(self.pool)
 
     def finish(self, version: str) -> None:
         self.pool.for_each(lambda c: c.end_weight_update())

@@ -8,14 +8,15 @@ re-run with the new weights), stream the weights (stream.py) through the transpo
 weight version with the last piece, check that every server reports it, continue generation.
 The servers are the pool's live and rejoining ones (rollout/health.py): a server that came back
 after a failure gets the weights here and serves only after its version checked out; a server that
-cannot be reached during the sync is taken out of service and the sync goes on with the others
-(the distributed transport's broadcast fails instead, as below, and its next sync makes a new group
-of the servers there are). No server left to take the weights: WeightSyncError(no_server=True),
-and the trainer waits for one (trainer.sync_weights).
-The other ranks only take part in the stream. If anything fails part-way, the servers are LEFT
-PAUSED (they may hold a mix of old and new weights, so they must not generate), `stale` is set,
-and every rank raises WeightSyncError; a later successful sync (all weights are sent each time)
-un-pauses them.
+cannot be reached during the sync is taken out of service and the sync goes on with the others.
+The distributed transport's broadcast fails instead: its servers still there may hold part of the
+new weights, so the whole sync runs again (every rank streams again) on a new group of the servers
+there are, at most once per server. No server left to take the weights:
+WeightSyncError(no_server=True), and the trainer waits for one (trainer.sync_weights).
+The other ranks only take part in the stream. If anything else fails part-way, the transport's
+session is closed (Transport.abort: a server can open the next one), the servers are LEFT PAUSED
+(they may hold a mix of old and new weights, so they must not generate), `stale` is set, and every
+rank raises WeightSyncError; a later successful sync (all weights are sent each time) un-pauses them.
 """
 from __future__ import annotations
 
@@ -73,8 +74,9 @@ class WeightSync:
         self.stale = False               # True after a failed sync: servers paused, weights mixed
 
     def sync(self, version: str | int, again: bool = False) -> dict[str, float]:
-        """Collective. Returns {seconds, bytes, gb_per_s, buckets} (rank 0's view on rank 0).
-        again: the version the servers already serve, for servers that came back (rollout/health.py)."""
+        """Collective. Returns {seconds, bytes, gb_per_s, buckets, attempts} (rank 0's view on
+        rank 0). again: the version the servers already serve, for servers that came back
+        (rollout/health.py)."""
         version = str(version)
         if version == self.version and not again:
             raise ValueError(f"weight version {version!r} is what the servers already serve; "
@@ -82,22 +84,25 @@ class WeightSync:
         if self._plan is None:
             self._plan = build_plan(self.chunks, self.wmap)
         n_buckets = len(buckets(self._plan, self.bucket_bytes))
-        start, sent, error = time.perf_counter(), 0, None
-        if self.rank == 0:
-            error = self._try(lambda: (self.pool.pause_generation(self.pause_mode),
-                                       self.transport.begin(version)))
-        for i, bucket in enumerate(stream_hf_weights(self.chunks, self.wmap, self._plan,
-                                                     self.bucket_bytes)):
-            # Failed on rank 0: keep walking the stream so the other ranks' collectives finish.
-            if self.rank == 0 and error is None:
-                error = self._try(lambda: self.transport.send(bucket, i == n_buckets - 1, version))
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        if self.rank == 0 and error is None:
-            error = self._try(lambda: self._finish(version))
+        start = time.perf_counter()
+        # A server lost part-way leaves the others with part of the weights: the sync runs again
+        # on the servers there are, at most once per server (each retry has one server fewer).
+        # Rank 0 decides (its pool), the others follow its broadcast.
         from rollout.client_errors import NoServerLeft
-        message = [f"{type(error).__name__}: {error}" if error is not None else None,
-                   _unreachable(error), _in_chain(error, (NoServerLeft,))]
-        dist.broadcast_object_list(message, src=0)
+        attempt = 0
+        while True:
+            attempt += 1
+            sent, error = self._attempt(version, n_buckets)
+            retry = (self.rank == 0 and error is not None and attempt <= len(self.pool.clients)
+                     and _unreachable(error) and not _in_chain(error, (NoServerLeft,))
+                     and bool(self.pool.sync_clients()))
+            if self.rank == 0 and error is not None:
+                self._abort(version)
+            message = [f"{type(error).__name__}: {error}" if error is not None else None,
+                       _unreachable(error), _in_chain(error, (NoServerLeft,)), retry]
+            dist.broadcast_object_list(message, src=0)
+            if not message[3]:
+                break
         if message[0] is not None:
             self.stale = True
             after = ("A server could not be reached (did it die?): restart it, then sync again; "
@@ -110,7 +115,32 @@ class WeightSync:
         self.stale, self.version = False, version
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "bytes": float(sent), "buckets": float(n_buckets),
-                "gb_per_s": sent / seconds / 1e9 if seconds > 0 else 0.0}
+                "gb_per_s": sent / seconds / 1e9 if seconds > 0 else 0.0, "attempts": float(attempt)}
+
+    def _attempt(self, version: str, n_buckets: int) -> tuple[int, BaseException | None]:
+        """One pass: pause and begin (rank 0), stream every bucket (every rank), finish (rank 0).
+        Returns rank 0's bytes sent and its first error (None elsewhere)."""
+        sent, error = 0, None
+        if self.rank == 0:
+            error = self._try(lambda: (self.pool.pause_generation(self.pause_mode),
+                                       self.transport.begin(version)))
+        for i, bucket in enumerate(stream_hf_weights(self.chunks, self.wmap, self._plan,
+                                                     self.bucket_bytes)):
+            # Failed on rank 0: keep walking the stream so the other ranks' collectives finish.
+            if self.rank == 0 and error is None:
+                error = self._try(lambda: self.transport.send(bucket, i == n_buckets - 1, version))
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        if self.rank == 0 and error is None:
+            error = self._try(lambda: self._finish(version))
+        return sent, error
+
+    def _abort(self, version: str) -> None:
+        """After a failed pass: close the transport's session on the servers still there, so that
+        the next sync can begin (an SGLang server refuses a second begin_weight_update while one
+        is open); they stay paused. Best effort: the sync's own error is what gets reported."""
+        abort = getattr(self.transport, "abort", None)
+        if abort is not None:
+            self._try(lambda: abort(version))
 
     def _finish(self, version: str) -> None:
         self.transport.finish(version)
