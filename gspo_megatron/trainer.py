@@ -195,16 +195,26 @@ def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, 
         except WeightSyncError as e:
             if not e.no_server:
                 raise
-        await_a_server(run, saved)
+        if not await_a_server(run, saved, finish_on_signal=not again):
+            # a signal, and no server to take the trained weights: the step ends here, saved as
+            # trained; the resumed run loads them into its servers at start (startup.py)
+            if run.rank == 0:
+                print(f"[gspo] a stop signal while no SGLang server could take weight version "
+                      f"{run.loop.weight_version}: the step ends without the sync; the resumed run "
+                      "syncs its servers at start", flush=True)
+            return {"seconds": 0.0, "bytes": 0.0, "buckets": 0.0, "gb_per_s": 0.0, "attempts": 0.0}
     raise ServersLost(f"no weight sync took hold after {run.cfg.rollout.server_max_restarts_per_run + 2} "
                       f"servers came back ({on_driver(run.rank, lambda: run.driver.pool.summary())})")
 
 
-def await_a_server(run: Run, saved: int | None) -> None:
-    """Every rank: rank 0 waits up to rollout.server_wait_s for a server to come back; a signal
-    meanwhile is SignalExit, none back is ServersLost (exit 75, after the one line)."""
+def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) -> bool:
+    """Every rank: rank 0 waits up to rollout.server_wait_s for a server to come back (True); a
+    signal meanwhile is SignalExit, or False with finish_on_signal (the caller ends its step); none
+    back is ServersLost (exit 75, after the one line)."""
     back = on_driver(run.rank, lambda: run.driver.wait_for_server(run.stop.requested))
     signum = run.stop.agreed()
+    if signum and finish_on_signal:
+        return False
     if signum:
         raise SignalExit(signum, saved=f"step {saved}" if saved is not None else None)
     if not back:

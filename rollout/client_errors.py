@@ -21,3 +21,9 @@ class ServerUnavailable(SGLangError):
 class NoServerLeft(ServerUnavailable):
     """No server of a pool is in service (rollout/pool.py): every one is out, rejoining or gone.
     The message names each server and what happened to it."""
+
+
+class RequestAbandoned(SGLangError):
+    """The caller stopped waiting for this request (rollout.abort_timeout_s after an abort, a
+    stalled server): its answer, if one ever comes, is dropped. Not the server's fault: it stays
+    in service (the health probes judge it)."""

@@ -86,6 +86,7 @@ class HealthMonitor:
         self.restarts: dict[str, int] = {url: 0 for url in pool.server_urls}
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._restarting: set[str] = set()  # servers in launched[url].restart() now
         self._threads = [threading.Thread(target=self._watch, args=(url,), daemon=True,
                                           name=f"sglang-health-{i}")
                          for i, url in enumerate(pool.server_urls)]
@@ -97,11 +98,17 @@ class HealthMonitor:
 
     def close(self) -> None:
         """Stop probing; a restart under way is cut short (its process killed: wait_healthy then
-        fails at once) so that no server starts after the caller stops the servers."""
+        fails at once) so that no server starts after the caller stops the servers. A probe under
+        way is not waited for (a stalled server holds it up to server_health_timeout_s, and a
+        signal's stop must not wait that long): its daemon thread ends with the probe, and judges
+        nothing once stopped."""
         self._stop.set()
+        deadline = time.monotonic() + 2.0
         for url, t in zip(self.pool.server_urls, self._threads):
-            t.join(timeout=self.settings.server_health_timeout_s + 1)
-            if t.is_alive() and url in self.launched:  # in restart(): its wait_healthy
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                restarting = url in self._restarting
+            if t.is_alive() and restarting:  # in restart(): its wait_healthy
                 self.launched[url].kill()
                 t.join(timeout=30)
 
@@ -126,9 +133,9 @@ class HealthMonitor:
             if probe(url, s.server_health_timeout_s, generate=False) is None:
                 self.pool.rejoin(url, "answers again")
             return
-        if self._stop.is_set():
-            return
         with self._lock:
+            if self._stop.is_set():  # (checked under the lock close() reads _restarting with)
+                return
             total = sum(self.restarts.values())
             if self.restarts[url] >= s.server_max_restarts or total >= s.server_max_restarts_per_run:
                 bound = (f"rollout.server_max_restarts={s.server_max_restarts}"
@@ -137,6 +144,7 @@ class HealthMonitor:
                 self.pool.give_up(url, f"not restarted again: {bound} reached")
                 return
             self.restarts[url] += 1
+            self._restarting.add(url)
         self.pool.count_restart()
         self.log(f"SGLang server {url} is out ({self.pool.reason(url)}): restarting it "
                  f"({self.restarts[url]} of {s.server_max_restarts})")
@@ -148,4 +156,7 @@ class HealthMonitor:
             self.pool.take_out(url, f"restart failed: {type(e).__name__}: {first}")
             self.log(f"SGLang server {url}: the restart failed ({type(e).__name__}: {first})")
             return
+        finally:
+            with self._lock:
+                self._restarting.discard(url)
         self.pool.rejoin(url, f"restarted in {time.monotonic() - t0:.0f} s")

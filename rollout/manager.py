@@ -26,12 +26,14 @@ import collections
 import dataclasses
 import itertools
 import math
+import threading
 import time
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator
 
 from rollout.client_errors import NoServerLeft
+from rollout.drain import drain
 from rollout.manager_config import ManagerConfig
 from rollout.pool import ServerPool
 from rollout.rewards.answers import RewardFn
@@ -92,6 +94,7 @@ class RolloutManager:
         self.reward_budget = reward_budget or RewardErrorBudget(config.max_reward_error_fraction)
         self._run_tag = uuid.uuid4().hex[:8]
         self._rid_counter = itertools.count()
+        self._abandon = threading.Event()  # set: the drain stops waiting for what is in flight
         self._executor = ThreadPoolExecutor(max_workers=config.max_in_flight_requests,
                                             thread_name_prefix="rollout")
 
@@ -106,7 +109,8 @@ class RolloutManager:
                 sample.finish_reason, sample.metadata["env_error"] = "env_error", f"{type(e).__name__}: {e}"
                 return sample
             return run_episode(sample, env, self.pool, self.config, self.decode, self.encode_text,
-                               self._new_rid, chat=self.chat, max_turns=self.max_turns)
+                               self._new_rid, chat=self.chat, max_turns=self.max_turns,
+                               abandon=self._abandon)
         return self._generate_segment(sample)
 
     def _new_rid(self, sample: Sample) -> str:
@@ -117,7 +121,7 @@ class RolloutManager:
         if sample.remaining_tokens > 0:
             out = self.pool.generate(sample.tokens, self.config.sampling_params(sample.remaining_tokens, sample),
                                      rid=self._new_rid(sample), timeout_s=self.config.request_timeout_s,
-                                     **self.config.generate_kwargs())
+                                     abandon=self._abandon, **self.config.generate_kwargs())
             sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions,
                                        out.routed_experts)
             sample.num_segments += 1 if out.output_ids else 0
@@ -307,7 +311,8 @@ class RolloutManager:
                     if group is not None and all(s.status == DONE for s in group):
                         finish_group(group)
         finally:
-            self._drain(in_flight)
+            drain(self.pool, in_flight, min(self.config.abort_timeout_s, self.config.request_timeout_s),
+                  self._abandon)
         if interrupted or lost is not None:
             message = f"rollout interrupted with {len(kept)} of {num_groups} groups complete"
             if keep_on_stop:
@@ -338,24 +343,6 @@ class RolloutManager:
         sample.response_ids, sample.logprobs, sample.loss_mask, sample.weight_versions = [], [], [], []
         sample.num_segments, sample.status, sample.finish_reason = 0, PENDING, None
         sample.reward, sample.routed_experts, sample.teacher_logprobs = None, None, None
-
-    def _drain(self, in_flight: dict[Future, Sample]) -> None:
-        """Abort what is still generating and wait for it (re-aborting requests that reached a
-        server after the previous abort), bounded by request_timeout_s."""
-        deadline = time.monotonic() + self.config.request_timeout_s
-        while in_flight:
-            try:
-                self.pool.abort_all()
-            except Exception:  # noqa: BLE001 - a dead server has nothing left to abort
-                pass
-            done, _ = wait(list(in_flight), timeout=2.0)
-            for f in done:
-                sample = in_flight.pop(f)
-                if f.exception() is not None:
-                    sample.status = ABORTED
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(in_flight)} rollout requests still running "
-                                   f"{self.config.request_timeout_s} s after the abort")
 
     def _metrics(self, kept: list[list[Sample]], m: collections.Counter, seconds: float) -> dict[str, float]:
         return step_metrics(kept, m, seconds, buffer_groups=len(self.buffer), budget=self.reward_budget,

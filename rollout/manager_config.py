@@ -55,6 +55,10 @@ class ManagerConfig:
     """Generation requests in flight at once (SGLang batches them)."""
     request_timeout_s: float = 600.0
     """Bound on any single wait for generation results (nothing waits forever)."""
+    abort_timeout_s: float = 10.0
+    """After an abort (a signal's stop, a pause for a weight sync, a step's surplus requests),
+    requests that have not returned within this are abandoned (a stalled server): their samples go
+    back unfinished and are generated again."""
     max_reward_error_fraction: float = 0.0
     """The run fails once more than this fraction of reward calls raised."""
     return_routed_experts: bool = False

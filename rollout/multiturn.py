@@ -104,7 +104,8 @@ def _checked_step(result: Any) -> EnvStep:
 
 def run_episode(sample: Sample, env: Environment, pool: Any, config: Any,
                 decode: Callable[[list[int]], str], encode_text: Callable[[str], list[int]] | None,
-                new_rid: Callable[[Sample], str], chat: Any = None, max_turns: int | None = None) -> Sample:
+                new_rid: Callable[[Sample], str], chat: Any = None, max_turns: int | None = None,
+                abandon: Any = None) -> Sample:
     """Play one episode into `sample` (status DONE, or ABORTED if the server aborted a turn).
 
     chat: rollout.chat.ChatTemplate (the tokenizer's template), or None for ChatFormat's markers
@@ -152,7 +153,8 @@ def run_episode(sample: Sample, env: Environment, pool: Any, config: Any,
         if budget <= 0:
             return finish("budget")
         out = pool.generate(sample.tokens, config.sampling_params(min(budget, max_turn), sample),
-                            rid=new_rid(sample), timeout_s=config.request_timeout_s, **extra)
+                            rid=new_rid(sample), timeout_s=config.request_timeout_s, abandon=abandon,
+                            **extra)
         if out.finish_reason == "abort":
             sample.status = ABORTED
             return sample

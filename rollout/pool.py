@@ -18,11 +18,12 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence
 
 from rollout.client import GenerateOutput, SGLangClient, ServerUnavailable
-from rollout.client_errors import NoServerLeft
+from rollout.client_errors import NoServerLeft, RequestAbandoned
 from rollout.health import GONE, LIVE, OUT, REJOINING
 
 _SERVING = (LIVE,)
@@ -61,6 +62,10 @@ class ServerPool:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)),
                                             thread_name_prefix="sglang-pool")
+        # A stop (a signal; the trainer sets these): a call that has not returned abort_timeout_s
+        # after it was asked takes its server out (stalled) instead of waiting for the health probe.
+        self.stop_requested: Callable[[], bool] = lambda: False
+        self.abort_timeout_s = 10.0
 
     @property
     def server_urls(self) -> list[str]:
@@ -160,11 +165,12 @@ class ServerPool:
 
     # --- calls -------------------------------------------------------------------------------
     def _watched(self, client: SGLangClient, call: Callable[[SGLangClient], Any],
-                 statuses: tuple[str, ...]) -> Any:
+                 statuses: tuple[str, ...], abandon: threading.Event | None = None) -> Any:
         """call(client) on a thread of its own; its result, or ServerUnavailable as soon as the
-        client leaves `statuses` (taken out by a probe) while the call runs. The abandoned thread
-        ends with its HTTP request: at once for a killed server, by the request's timeout for a
-        stalled one, or when a restart kills the stalled one."""
+        client leaves `statuses` (taken out by a probe) while the call runs, or RequestAbandoned
+        once `abandon` is set. The abandoned thread ends with its HTTP request: at once for a
+        killed server, by the request's timeout for a stalled one, or when a restart kills the
+        stalled one; its answer goes nowhere."""
         box: Future = Future()
 
         def run() -> None:
@@ -173,11 +179,20 @@ class ServerPool:
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 box.set_exception(e)
         threading.Thread(target=run, daemon=True, name="sglang-call").start()
+        stop_seen: float | None = None
         while True:
             try:
                 return box.result(timeout=0.5)
             except FutureTimeout:
-                if self._status[client.url] not in statuses:
+                if self.stop_requested():
+                    stop_seen = stop_seen or time.monotonic()
+                    if time.monotonic() - stop_seen > self.abort_timeout_s:
+                        raise ServerUnavailable(client.url, f"no answer within rollout.abort_timeout_s="
+                                                f"{self.abort_timeout_s:g} s of the stop signal") from None
+                if abandon is not None and abandon.is_set():
+                    raise RequestAbandoned(client.url, "abandoned: no answer within "
+                                           "rollout.abort_timeout_s of the abort") from None
+                if self._status.get(client.url, LIVE) not in statuses:  # (the router has none)
                     raise ServerUnavailable(client.url, f"taken out of service while the request "
                                             f"ran ({self.reason(client.url)})") from None
 
@@ -197,23 +212,27 @@ class ServerPool:
         return self.routed_experts_layout
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: str | None = None,
-                 timeout_s: float | None = None, return_routed_experts: bool = False) -> GenerateOutput:
+                 timeout_s: float | None = None, return_routed_experts: bool = False,
+                 abandon: threading.Event | None = None) -> GenerateOutput:
         """One prompt -> one GenerateOutput (see SGLangClient.generate); return_routed_experts:
-        with GenerateOutput.routed_experts (directly from a server, never through the router)."""
+        with GenerateOutput.routed_experts (directly from a server, never through the router).
+        abandon: once set, the wait ends with RequestAbandoned (the rollout's bounded drain)."""
         kw: dict[str, Any] = {"rid": rid, "timeout_s": timeout_s}
         if return_routed_experts:
             kw.update(return_routed_experts=True, routed_experts_layout=self._layout())
         elif self.router is not None and len(self.live_clients()) == len(self.clients):
             # the router knows nothing of the statuses: while a server is out or rejoining (it may
             # hold other weights), requests go round robin over the live ones instead
-            return self.router.generate(input_ids, sampling_params, **kw)[0]
-        return self._on_a_live_server(lambda c: c.generate(input_ids, sampling_params, **kw)[0])
+            return self._watched(self.router, lambda c: c.generate(input_ids, sampling_params, **kw)[0],
+                                 _SERVING, abandon)
+        return self._on_a_live_server(lambda c: c.generate(input_ids, sampling_params, **kw)[0], abandon)
 
     def input_log_probs(self, input_ids: Sequence[int], start: int, timeout_s: float | None = None) -> list[float]:
         """Log-probs of input_ids[start:] from one prefill on a live server (SGLangClient.input_log_probs)."""
         return self._on_a_live_server(lambda c: c.input_log_probs(input_ids, start, timeout_s=timeout_s))
 
-    def _on_a_live_server(self, call: Callable[[SGLangClient], Any]) -> Any:
+    def _on_a_live_server(self, call: Callable[[SGLangClient], Any],
+                          abandon: threading.Event | None = None) -> Any:
         """call(client) on the next live server (round robin); a server that cannot be reached, or
         is taken out meanwhile, is out of service and the call moves on (counted in
         rollout/requests_resubmitted); none left: ServerUnavailable naming each server once."""
@@ -228,7 +247,7 @@ class ServerPool:
             if errors:
                 self._count("requests_resubmitted")
             try:
-                return self._watched(client, call, _SERVING)
+                return self._watched(client, call, _SERVING, abandon)
             except ServerUnavailable as e:
                 errors[client.url] = e.message
                 self.take_out(client.url, e.message)

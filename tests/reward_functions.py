@@ -80,3 +80,14 @@ def lengths(records: list[dict], texts: list[str]) -> list[float]:
 @batched
 def wrong_length(records: list[dict], texts: list[str]) -> list[float]:
     return [1.0]
+
+
+def hangs_when_flagged(record: dict, response_text: str) -> float:
+    """Scores by the response's length until the file $GSPO_TEST_HANG_FLAG exists; from then on
+    every call writes "<flag>.hanging" and hangs (a reward stuck for good, for the signal tests)."""
+    flag = os.environ["GSPO_TEST_HANG_FLAG"]
+    if os.path.exists(flag):
+        with open(flag + ".hanging", "a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(10 ** 6)
+    return float(len(response_text) % 3)
