@@ -119,9 +119,14 @@ class HealthMonitor:
         while not self._stop.wait(s.server_health_interval_s):
             status = self.pool.status(url)
             if status in (LIVE, REJOINING):
-                epoch = self.pool.pause_epoch
+                epoch, t0 = self.pool.pause_epoch, time.monotonic()
                 why = probe(url, s.server_health_timeout_s, generate=not self.pool.paused)
-                # a pause that began during the probe can fail /health_generate: not the server's fault
+                if why is not None and self.pool.pause_epoch != epoch and self.pool.paused:
+                    # a pause that began during the probe can fail /health_generate (not the
+                    # server's fault): ask /model_info for the rest of the timeout instead, so that
+                    # a server stalled just before a sync is still out within the timeout
+                    epoch, left = self.pool.pause_epoch, s.server_health_timeout_s - (time.monotonic() - t0)
+                    why = probe(url, max(left, 1.0), generate=False)
                 if why is not None and not self._stop.is_set() and self.pool.pause_epoch == epoch:
                     self.pool.take_out(url, f"health probe: {why}")
             elif status == OUT:

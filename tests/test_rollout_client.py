@@ -1,9 +1,9 @@
 """The SGLang client: bad replies and dead servers give clear errors fast (a local garbage HTTP
 server, no SGLang needed); on real servers: weight updates, pause/continue, router, and a server
-killed mid-rollout."""
+killed mid-rollout. The health monitor's restarts, the rejoin after a sync and a server stopped
+mid-request are in tests/test_sync_server_lost.py."""
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import threading
@@ -195,93 +195,3 @@ def test_server_killed_mid_rollout_work_moves_on(qwen3_server, victim_server):
         ServerPool([victim.url], retries=1, backoff_s=0.1).generate([1, 2], {"max_new_tokens": 4})
     assert time.monotonic() - t0 < 5
 
-
-def _wait_for(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout} s"
-        time.sleep(0.1)
-    return time.monotonic() - t0
-
-
-@pytest.mark.slow
-def test_health_monitor_restarts_a_dead_or_stalled_server_which_serves_only_after_a_sync(
-        qwen3_server, victim_server, tmp_path):
-    """rollout/health.py with real servers: the victim (killed by the test above, or here) is
-    restarted with the same command line and port; back, it takes no request until a weight sync
-    has given it the current version; then stopped with SIGSTOP (a hung server), it is taken out
-    within the health timeout + 5 s while the other server goes on generating, and restarted again."""
-    import os
-    import signal
-    from rollout.health import LIVE, REJOINING, HealthMonitor, ServerHealthSettings
-    victim = victim_server.servers[0]
-    if victim.alive():
-        victim.kill()
-    lines: list[str] = []
-    said: dict[str, float] = {}  # line -> when
-
-    def log(line: str) -> None:
-        lines.append(line)
-        said.setdefault(line, time.monotonic())
-    pool = ServerPool([victim.url] + qwen3_server.server_urls, retries=1, backoff_s=0.1, log=log)
-    settings = ServerHealthSettings(server_health_interval_s=0.5, server_health_timeout_s=10.0,
-                                    server_max_restarts=2)
-    monitor = HealthMonitor(pool, settings, launched=victim_server.launched(), log=log).start()
-    model = str(tiny_model_dir("qwen3", 0))
-    generates = lambda: victim.log_path.read_text().count("POST /generate")  # noqa: E731
-    try:
-        _wait_for(lambda: pool.status(victim.url) == REJOINING, 180, "the killed server restarted")
-        assert victim.alive() and any("restarting it (1 of 2)" in ln for ln in lines), lines
-        before = generates()
-        for _ in range(4):  # rejoining: every request goes to the live server
-            pool.generate([1, 2, 3], {"max_new_tokens": 2, "ignore_eos": True})
-        assert generates() == before and pool.status(victim.url) == REJOINING
-        # the weight sync's steps (gspo_megatron/sync/weight_sync.py), by disk: its targets are
-        # the live and the rejoining servers; the version check lets the victim serve again
-        pool.pause_generation("retract")
-        pool.update_weights_from_disk(model, weight_version="resync-1")
-        assert pool.weight_versions() == {victim.url: "resync-1", qwen3_server.server_urls[0]: "resync-1"}
-        pool.synced("resync-1")
-        pool.continue_generation()
-        assert pool.status(victim.url) == LIVE
-        assert any(f"{victim.url} back in service at weight version resync-1" in ln for ln in lines)
-        for _ in range(4):  # round robin: the victim serves again
-            pool.generate([1, 2, 3], {"max_new_tokens": 2, "ignore_eos": True})
-        assert generates() >= before + 2
-
-        # a hung server: SIGSTOP to its whole process group, while requests run
-        mgr = RolloutManager(pool, ManagerConfig(group_size=4, max_new_tokens=60, ignore_eos=True,
-                                                 request_timeout_s=300),
-                             encode_prompt=lambda rec: [1, 2, 3, int(rec["answer"])],
-                             decode=lambda ids: "", reward_fn=lambda r, t: 0.0)
-        stopped: list[float] = []
-
-        prefills = lambda: victim.log_path.read_text().count("Prefill batch")  # noqa: E731
-
-        def stop_victim_when_it_generates():  # mid-request for sure: right after a prefill
-            n = prefills()
-            _wait_for(lambda: prefills() > n, 60, "the victim gets a request")
-            os.killpg(victim.proc.pid, signal.SIGSTOP)
-            stopped.append(time.monotonic())
-        stopper = threading.Thread(target=stop_victim_when_it_generates)
-        stopper.start()
-        result = mgr.generate_step(iter([{"prompt": "p", "answer": str(i + 5)} for i in range(4)]),
-                                   num_groups=4)
-        stopper.join()
-        assert all(len(s.response_ids) == 60 for g in result.groups for s in g)
-        probed_out = lambda: [ln for ln in lines if f"{victim.url} taken out of service: health probe" in ln]  # noqa: E731
-        _wait_for(lambda: len(probed_out()) == 2, 30, "the stopped server taken out")
-        taken_out = probed_out()
-        assert "no answer to /health_generate within 10 s" in taken_out[-1], lines
-        after_stop = said[taken_out[-1]] - stopped[0]
-        assert after_stop <= settings.server_health_timeout_s + 5, after_stop
-        _wait_for(lambda: pool.status(victim.url) == REJOINING, 180, "the stopped server restarted")
-        metrics = pool.pop_health_metrics()
-        assert metrics["rollout/server_failures"] == 2 and metrics["rollout/server_restarts"] == 2, metrics
-        assert metrics["rollout/requests_resubmitted"] >= 1 and metrics["rollout/servers_live"] == 1, metrics
-        print(f"stalled server taken out {after_stop:.1f} s after SIGSTOP (probe every 0.5 s, timeout 10 s)")
-    finally:
-        monitor.close()  # the restarted victim dies with the monitor's thread (PR_SET_PDEATHSIG)
-        pool.close()
-        with contextlib.suppress(Exception):
-            SGLangClient(qwen3_server.server_urls[0]).update_weights_from_disk(model, weight_version="default")

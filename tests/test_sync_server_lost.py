@@ -9,14 +9,21 @@ distributed in turn:
 - the victim is taken out, restarted by the health monitor, and takes no request from its kill
   until a complete sync has given it the current version; requests sent during the syncs all
   return (resubmitted to the live server when the victim dies under them).
-At the end the restarted victim rejoins through a distributed sync of both servers and generates
-the trainer's log-probs.
+Then the restarted victim is stopped with SIGSTOP just before a (distributed) sync: the sync's pause
+waits for the health probe to take it out (within its 10 s timeout + 5 s) and goes on with the
+live server; the monitor replaces it. The restarted victim rejoins through a distributed sync of
+both servers and generates the trainer's log-probs. Last, stopped with SIGSTOP right after it
+admitted a request of a rollout step (between syncs), the step still returns every response in
+full (its requests resubmitted to the live server) and the probe takes it out within the health
+timeout + 5 s.
 
 Before: a failed tensor or distributed sync left the servers' weight-update session open, so every
 later begin_weight_update was refused; a server lost during the distributed broadcast ended the run.
 """
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -69,6 +76,37 @@ def _wait_for(cond, timeout: float, what: str, lines: list[str]) -> None:
         time.sleep(0.2)
 
 
+def _stop_mid_request(pool, victim, lines: list[str]) -> dict:
+    """SIGSTOP the (live) victim's process group right after it admitted a request of a rollout
+    step (a hung server between syncs): the step still returns every response in full, its
+    requests moved to the other server, and the probe takes the victim out within the health
+    timeout + 5 s. (Its restart bound is spent: it stays out, and the caller kills it.)"""
+    from rollout.manager import ManagerConfig, RolloutManager
+    mgr = RolloutManager(pool, ManagerConfig(group_size=4, max_new_tokens=60, ignore_eos=True,
+                                             request_timeout_s=300),
+                         encode_prompt=lambda rec: [1, 2, 3, int(rec["answer"])],
+                         decode=lambda ids: "", reward_fn=lambda r, t: 0.0)
+    prefills = lambda: victim.log_path.read_text().count("Prefill batch")  # noqa: E731
+    stopped: list[float] = []
+
+    def stop_victim_when_it_generates():
+        n = prefills()
+        _wait_for(lambda: prefills() > n, 60, "the victim gets a request", lines)
+        os.killpg(victim.proc.pid, signal.SIGSTOP)
+        stopped.append(time.monotonic())
+    stopper = threading.Thread(target=stop_victim_when_it_generates)
+    stopper.start()
+    result = mgr.generate_step(iter([{"prompt": "p", "answer": str(i + 5)} for i in range(4)]), num_groups=4)
+    stopper.join()
+    probed = lambda: [ln for ln in lines[:] if f"{victim.url} taken out of service: health probe: no answer" in ln]  # noqa: E731
+    _wait_for(lambda: probed(), 30, "the stalled server taken out", lines)
+    out_at = time.monotonic()
+    victim.kill()  # SIGKILL reaches a stopped process
+    mgr.close()
+    return {"lengths": sorted({len(s.response_ids) for g in result.groups for s in g}),
+            "after_stop_s": out_at - stopped[0], "metrics": pool.pop_health_metrics()}
+
+
 def _body(rank, world, ckpt, live_url, disk_root, port):
     import torch
 
@@ -99,7 +137,8 @@ def _body(rank, world, ckpt, live_url, disk_root, port):
         victim, victim_url = group.servers[0], group.server_urls[0]
         pool = ServerPool([live_url, victim_url], retries=1, backoff_s=0.1, log=lines.append)
         monitor = HealthMonitor(pool, ServerHealthSettings(server_health_interval_s=0.5,
-                                                           server_health_timeout_s=10.0),
+                                                           server_health_timeout_s=10.0,
+                                                           server_max_restarts=4),
                                 launched=group.launched(), log=lines.append).start()
         transports = {"disk": DiskTransport(pool, disk_root, f"{ckpt}/hf"), "tensor": TensorTransport(pool),
                       "distributed": DistributedTransport(pool, "127.0.0.1", port)}
@@ -134,17 +173,34 @@ def _body(rank, world, ckpt, live_url, disk_root, port):
                                  "error": trainer_error(gen), "labels": sorted(set(gen.weight_versions)),
                                  "attempts": report["attempts"], "failures": failures,
                                  "served": len(served), "victim_generates": _generates(victim) - killed_generates}
-            # back: the next sync (distributed, a new group of both servers) makes it live
+            # stalled just before a sync (SIGSTOP): the sync's pause waits for the probe to take it
+            # out, then goes on with the live server; the monitor replaces it (SIGKILL + restart)
             _wait_for(lambda: pool.status(victim_url) == REJOINING, 180, "victim restarted", lines)
             _gspo_step(actor, seed=4)
+            os.killpg(victim.proc.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
             report = WeightSync(actor.chunks, hf, transports["distributed"], pool,
-                                bucket_bytes=100_000).sync(version="v4-back")
+                                bucket_bytes=100_000).sync(version="v4-stalled")
+            gen = pool.generate(PROMPT, sampling)
+            results["stalled"] = {"victim": pool.status(victim_url), "versions": pool.weight_versions(),
+                                  "error": trainer_error(gen), "labels": sorted(set(gen.weight_versions)),
+                                  "attempts": report["attempts"], "sync_s": time.monotonic() - stopped}
+            # back: the next sync (distributed, a new group of both servers) makes it live
+            _wait_for(lambda: pool.status(victim_url) == REJOINING, 180, "victim restarted", lines)
+            _gspo_step(actor, seed=5)
+            report = WeightSync(actor.chunks, hf, transports["distributed"], pool,
+                                bucket_bytes=100_000).sync(version="v5-back")
             before = _generates(victim) - killed_generates
             gen = SGLangClient(victim_url).generate(PROMPT, sampling)[0]
+            served = _generates(victim)
+            for _ in range(4):  # round robin: it serves the pool's requests again
+                pool.generate([1, 2, 3], {**sampling, "max_new_tokens": 2})
             results["back"] = {"victim": pool.status(victim_url), "versions": pool.weight_versions(),
                                "error": trainer_error(gen), "labels": sorted(set(gen.weight_versions)),
                                "attempts": report["attempts"], "victim_generates": before,
+                               "round_robin": _generates(victim) - served,
                                "metrics": pool.pop_health_metrics()}
+            results["mid_request"] = _stop_mid_request(pool, victim, lines)
         finally:
             monitor.close()
             transports["distributed"].close()
@@ -178,10 +234,22 @@ def test_a_server_killed_during_each_transports_sync_never_serves_mixed_or_old_w
         assert r["victim_generates"] == 0, (name, r)  # nothing served from its kill on
         print(f"{name}: victim out, live server at {version}, |sglang - trainer| {r['error']:.2g}, "
               f"{r['served']} requests served during the sync, {r['attempts']:.0f} attempt(s)")
+    stalled = results["stalled"]
+    assert stalled["victim"] == OUT and stalled["versions"] == {live: "v4-stalled"}, (stalled, log)
+    assert stalled["labels"] == ["v4-stalled"] and stalled["error"] < 1e-4, stalled
+    assert stalled["sync_s"] <= 10.0 + 5, stalled  # taken out within the health timeout + 5 s
+    assert "taken out of service: health probe: no answer to /model_info within" in log, log
+    print(f"stalled before a sync: taken out and the sync done {stalled['sync_s']:.1f} s after SIGSTOP")
     back = results["back"]
-    assert back["victim"] == LIVE and set(back["versions"].values()) == {"v4-back"}, (back, log)
-    assert back["labels"] == ["v4-back"] and back["error"] < 1e-4 and back["attempts"] == 1, back
+    assert back["victim"] == LIVE and set(back["versions"].values()) == {"v5-back"}, (back, log)
+    assert back["labels"] == ["v5-back"] and back["error"] < 1e-4 and back["attempts"] == 1, back
     assert back["victim_generates"] == 0, back  # it rejoined without a request before the sync
-    assert back["metrics"]["rollout/server_restarts"] == 3 and back["metrics"]["rollout/servers_live"] == 2
-    assert log.count("taken out of service") == 3, log
-    assert "back in service at weight version v4-back" in log, log
+    assert back["metrics"]["rollout/server_restarts"] == 4 and back["metrics"]["rollout/servers_live"] == 2
+    assert back["round_robin"] >= 2, back
+    assert "back in service at weight version v5-back" in log, log
+    mid = results["mid_request"]
+    assert mid["lengths"] == [60], mid  # every response in full: the stopped server's moved on
+    assert mid["metrics"]["rollout/requests_resubmitted"] >= 1 and mid["metrics"]["rollout/servers_live"] == 1, mid
+    assert mid["after_stop_s"] <= 10.0 + 5, mid  # out within the health timeout + 5 s
+    print(f"stalled mid-request: taken out {mid['after_stop_s']:.1f} s after SIGSTOP, "
+          f"{mid['metrics']['rollout/requests_resubmitted']:.0f} request(s) resubmitted")

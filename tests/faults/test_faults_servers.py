@@ -2,6 +2,8 @@
 and serves again only with the current weights; with none left the run saves, waits its bound
 and exits 75 (retryable) with one line, and a resume trains every prompt once.
 
+The kill is tested in the synchronous and the asynchronous loop.
+
 Before: one server killed out of two went unnoticed and never came back; the only server killed
 ended the run with exit 2, after no save (docs/faults.md)."""
 from __future__ import annotations
@@ -46,8 +48,10 @@ def _steps(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)
 
 
-def test_a_killed_server_the_run_launched_is_restarted_resynced_and_serves_again(tmp_path):
-    proc = _popen(tmp_path, None, **{"rollout.num_servers": 2, "train.steps": 1000})
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+def test_a_killed_server_the_run_launched_is_restarted_resynced_and_serves_again(tmp_path, max_staleness):
+    proc = _popen(tmp_path, None, **{"rollout.num_servers": 2, "train.steps": 1000,
+                                     "train.max_staleness": max_staleness})
     out: list[str] = []
     errs: list[str] = []
     readers = [threading.Thread(target=lambda f=f, into=into: into.extend(f), daemon=True)
