@@ -21,7 +21,7 @@ def validate(cfg: Any) -> None:
          "a prompt set (jsonl, parquet, a folder of them or saved by datasets, or a list)")
     need(r.max_prompt_tokens is None or r.max_prompt_tokens >= 1, "rollout.max_prompt_tokens",
          r.max_prompt_tokens, ">= 1 or null")
-    for name in ("server_health_interval_s", "server_health_timeout_s", "server_wait_s"):
+    for name in ("server_health_interval_s", "server_health_timeout_s", "server_wait_s", "abort_timeout_s"):
         need(getattr(r, name) > 0, f"rollout.{name}", getattr(r, name), "> 0 (seconds)")
     for name in ("server_max_restarts", "server_max_restarts_per_run"):
         need(getattr(r, name) >= 0, f"rollout.{name}", getattr(r, name), ">= 0")

@@ -188,7 +188,10 @@ def receive_rows(run: Run, live: int, step: int, staleness: int, saved: int | No
 def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, float]:
     """run.sync.sync of the trainer's version; when no server is left to take it (one lost while
     the trainer trained, and not back yet), wait for one (await_a_server), then sync again. Not
-    saved first: the step is half done (trained, not synced), a resume redoes it from `saved`."""
+    saved first: the step is half done (trained, not synced), a resume redoes it from `saved`.
+    A signal during that wait ends the step without the sync ({"deferred": 1.0}; the loop saves
+    it as trained and the resumed run syncs its servers at start, startup.begin_rl), except for a
+    resync of servers that came back (again=True): SignalExit."""
     for _ in range(run.cfg.rollout.server_max_restarts_per_run + 2):  # bounded, whatever happens
         try:
             return run.sync.sync(run.loop.weight_version, again=again)
@@ -202,7 +205,7 @@ def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, 
                 print(f"[gspo] a stop signal while no SGLang server could take weight version "
                       f"{run.loop.weight_version}: the step ends without the sync; the resumed run "
                       "syncs its servers at start", flush=True)
-            return {"seconds": 0.0, "bytes": 0.0, "buckets": 0.0, "gb_per_s": 0.0, "attempts": 0.0}
+            return {"deferred": 1.0}
     raise ServersLost(f"no weight sync took hold after {run.cfg.rollout.server_max_restarts_per_run + 2} "
                       f"servers came back ({on_driver(run.rank, lambda: run.driver.pool.summary())})")
 
@@ -277,7 +280,9 @@ def overlap_metrics(t: PhaseTimer, producer) -> dict[str, float]:
 
 
 def sync_metrics(report: dict[str, float]) -> dict[str, float]:
-    """The weight sync's report (rank 0's view) -> TensorBoard scalars."""
+    """The weight sync's report (rank 0's view) -> TensorBoard scalars (none for a deferred one)."""
+    if report.get("deferred"):
+        return {}
     return {"perf/sync_gb_per_s": report["gb_per_s"], "sync/gb": report["bytes"] / 1e9,
             "sync/buckets": report["buckets"], "sync/attempts": report["attempts"]}
 

@@ -39,6 +39,8 @@ def drain(pool: Any, in_flight: dict[Future, Sample], timeout_s: float, abandon:
                 abandon.set()
     finally:
         abandon.clear()
+        if aborting is not None:  # an abort that outlived the drain would abort the next step's
+            aborting.join(timeout=2.0)  # requests (a healthy server answers in ms; a stalled one is out)
 
 
 def _abort_all(pool: Any) -> None:

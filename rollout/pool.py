@@ -62,8 +62,9 @@ class ServerPool:
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)),
                                             thread_name_prefix="sglang-pool")
-        # A stop (a signal; the trainer sets these): a call that has not returned abort_timeout_s
-        # after it was asked takes its server out (stalled) instead of waiting for the health probe.
+        # A stop (a signal; the trainer sets these): a call still waiting abort_timeout_s after it
+        # takes its server out if that one does not answer /model_info within 5 s (stalled),
+        # instead of waiting for the health probe's longer timeout.
         self.stop_requested: Callable[[], bool] = lambda: False
         self.abort_timeout_s = 10.0
 
@@ -184,14 +185,19 @@ class ServerPool:
             try:
                 return box.result(timeout=0.5)
             except FutureTimeout:
-                if self.stop_requested():
-                    stop_seen = stop_seen or time.monotonic()
-                    if time.monotonic() - stop_seen > self.abort_timeout_s:
-                        raise ServerUnavailable(client.url, f"no answer within rollout.abort_timeout_s="
-                                                f"{self.abort_timeout_s:g} s of the stop signal") from None
                 if abandon is not None and abandon.is_set():
                     raise RequestAbandoned(client.url, "abandoned: no answer within "
                                            "rollout.abort_timeout_s of the abort") from None
+                if self.stop_requested() and client.url in self._status:
+                    # after a signal, a call still waiting after abort_timeout_s asks whether its
+                    # server is stalled (a busy one, e.g. loading weights, answers /model_info)
+                    stop_seen = stop_seen or time.monotonic()
+                    if time.monotonic() - stop_seen > self.abort_timeout_s:
+                        from rollout.health import probe
+                        why = probe(client.url, 5.0, generate=False)
+                        if why is not None:
+                            raise ServerUnavailable(client.url, f"stalled after the stop signal: {why}") from None
+                        stop_seen = time.monotonic()  # answers: ask again after another bound
                 if self._status.get(client.url, LIVE) not in statuses:  # (the router has none)
                     raise ServerUnavailable(client.url, f"taken out of service while the request "
                                             f"ran ({self.reason(client.url)})") from None

@@ -175,9 +175,9 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-# Two real runs: a folder of verl parquet shards and an Arrow save_to_disk folder with its own keys.
-# The single verl parquet file trains in the resume test below, JSONL (slime's keys included) in
-# every other run; all four loaders are proven row by row above, without a run.
+# Two real runs: a folder of verl parquet shards and an Arrow save_to_disk folder with its own keys
+# (prompt_key, answer_key). The single verl parquet file trains in the resume test below, JSONL in
+# every other run; all four loaders (slime's JSONL keys too) are proven row by row above.
 @pytest.mark.parametrize("kind", ["shards", "saved"])
 def test_each_format_trains_a_step_and_the_reward_sees_data_source(tmp_path, server_url, kind):  # noqa: F811
     sets = {"shards": lambda: {"rollout.prompts": sharded(tmp_path / "d"),

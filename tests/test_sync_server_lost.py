@@ -76,7 +76,7 @@ def _wait_for(cond, timeout: float, what: str, lines: list[str]) -> None:
         time.sleep(0.2)
 
 
-def _stop_mid_request(pool, victim, lines: list[str]) -> dict:
+def _stop_mid_request(pool, victim, lines: list[str], stamps: list[float]) -> dict:
     """SIGSTOP the (live) victim's process group right after it admitted a request of a rollout
     step (a hung server between syncs): the step still returns every response in full, its
     requests moved to the other server, and the probe takes the victim out within the health
@@ -96,11 +96,13 @@ def _stop_mid_request(pool, victim, lines: list[str]) -> dict:
         stopped.append(time.monotonic())
     stopper = threading.Thread(target=stop_victim_when_it_generates)
     stopper.start()
+    first = len(lines)  # what is said from here on
     result = mgr.generate_step(iter([{"prompt": "p", "answer": str(i + 5)} for i in range(4)]), num_groups=4)
     stopper.join()
-    probed = lambda: [ln for ln in lines[:] if f"{victim.url} taken out of service: health probe: no answer" in ln]  # noqa: E731
+    probed = lambda: [i for i in range(first, len(lines))  # noqa: E731
+                      if f"{victim.url} taken out of service: health probe: no answer" in lines[i]]
     _wait_for(lambda: probed(), 30, "the stalled server taken out", lines)
-    out_at = time.monotonic()
+    out_at = stamps[probed()[0]]  # when the pool said it
     victim.kill()  # SIGKILL reaches a stopped process
     mgr.close()
     return {"lengths": sorted({len(s.response_ids) for g in result.groups for s in g}),
@@ -133,13 +135,18 @@ def _body(rank, world, ckpt, live_url, disk_root, port):
         return (torch.tensor(gen.logprobs) - mine).abs().max().item()
 
     lines: list[str] = []
+    stamps: list[float] = []  # when each line was said
+
+    def say(line: str) -> None:
+        stamps.append(time.monotonic())
+        lines.append(line)
     with launch_tiny_server("qwen3") as group:
         victim, victim_url = group.servers[0], group.server_urls[0]
-        pool = ServerPool([live_url, victim_url], retries=1, backoff_s=0.1, log=lines.append)
+        pool = ServerPool([live_url, victim_url], retries=1, backoff_s=0.1, log=say)
         monitor = HealthMonitor(pool, ServerHealthSettings(server_health_interval_s=0.5,
                                                            server_health_timeout_s=10.0,
                                                            server_max_restarts=4),
-                                launched=group.launched(), log=lines.append).start()
+                                launched=group.launched(), log=say).start()
         transports = {"disk": DiskTransport(pool, disk_root, f"{ckpt}/hf"), "tensor": TensorTransport(pool),
                       "distributed": DistributedTransport(pool, "127.0.0.1", port)}
         results, killed_generates = {}, None
@@ -200,7 +207,7 @@ def _body(rank, world, ckpt, live_url, disk_root, port):
                                "attempts": report["attempts"], "victim_generates": before,
                                "round_robin": _generates(victim) - served,
                                "metrics": pool.pop_health_metrics()}
-            results["mid_request"] = _stop_mid_request(pool, victim, lines)
+            results["mid_request"] = _stop_mid_request(pool, victim, lines, stamps)
         finally:
             monitor.close()
             transports["distributed"].close()

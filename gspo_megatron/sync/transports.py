@@ -113,7 +113,7 @@ class TensorTransport:
         self.pool = pool
 
     def begin(self, version: str) -> None:
-        self.pool.for_each(lambda c: c.begin_weight_update())
+        self.pool.for_each(_begin_session)
 
     def send(self, bucket: Bucket, final: bool, version: str) -> None:
         # The version is set with the last bucket only: a failure before it leaves the old label.
@@ -128,6 +128,19 @@ class TensorTransport:
 
     def close(self) -> None:
         pass
+
+
+def _begin_session(client) -> None:
+    """begin_weight_update; a session left open (a server that was out during the abort of a failed
+    sync, and back) is ended first: SGLang refuses a second one (weight_updater.py:309-315)."""
+    from rollout.client import SGLangError
+    try:
+        client.begin_weight_update()
+    except SGLangError as e:
+        if "already open" not in str(e):
+            raise
+        client.end_weight_update()
+        client.begin_weight_update()
 
 
 def _end_sessions(pool: "ServerPool") -> None:
@@ -235,7 +248,7 @@ class DistributedTransport:
         self._ensure_group()
         # Must succeed before any broadcast: a server outside begin/end answers 400 to the update
         # and never joins the broadcast (docs/cpu.md).
-        self.pool.for_each(lambda c: c.begin_weight_update())
+        self.pool.for_each(_begin_session)
 
     def send(self, bucket: Bucket, final: bool, version: str) -> None:
         # The weights-update group is not one of torch's registered groups (comm_device cannot
