@@ -4,7 +4,7 @@
     transport.send(bucket, final=False)   # [(hf_name, tensor), ...], in stream order
     transport.send(last_bucket, final=True)
     transport.finish(version)             # the servers now serve `version`
-    transport.abort(version)              # after a failure: the next begin() can start
+    transport.abort(version)              # after a failure: undo what the next sync cannot
 
 - DiskTransport: each bucket becomes a safetensors shard of a complete HF model directory (config
   and tokenizer included) on a filesystem the servers can read; finish() makes every server load
@@ -123,16 +123,14 @@ class TensorTransport:
     def finish(self, version: str) -> None:
         self.pool.for_each(lambda c: c.end_weight_update())
 
-    def abort(self, version: str) -> None:
-        _end_sessions(self.pool)
-
     def close(self) -> None:
         pass
 
 
 def _begin_session(client) -> None:
-    """begin_weight_update; a session left open (a server that was out during the abort of a failed
-    sync, and back) is ended first: SGLang refuses a second one (weight_updater.py:309-315)."""
+    """begin_weight_update; a session left open by a sync that failed between begin and end is
+    ended first: SGLang refuses a second one (scheduler_components/weight_updater.py:309-315), so
+    without this a failed tensor or distributed sync would block every later one."""
     from rollout.client import SGLangError
     try:
         client.begin_weight_update()
@@ -141,24 +139,6 @@ def _begin_session(client) -> None:
             raise
         client.end_weight_update()
         client.begin_weight_update()
-
-
-def _end_sessions(pool: "ServerPool") -> None:
-    """end_weight_update on every server still in the sync that has a session open: SGLang refuses
-    begin_weight_update while one is (scheduler_components/weight_updater.py:309-315), so a sync
-    that failed between begin and end would block every later one. A server with none open
-    answers 400 "no weight-update session is open": nothing to do there. Through the pool, so that
-    a server taken out meanwhile (stalled) does not hold this up."""
-    from rollout.client import ServerUnavailable, SGLangError
-
-    def end(client) -> None:
-        try:
-            client.end_weight_update()
-        except ServerUnavailable:
-            raise
-        except SGLangError:
-            pass
-    pool.for_each(end)
 
 
 def host_weight_update_store(master_address: str, master_port: int, world_size: int,
@@ -234,15 +214,18 @@ class DistributedTransport:
         self._members, self._name = members, name
 
     def _drop_group(self) -> None:
-        """Destroy the group on its servers still there (a lost one has nothing to destroy) and here."""
+        """Destroy the group here, then on its servers still there (a lost one has nothing to
+        destroy). Here first: a server still waiting in a broadcast (after a failed send) fails its
+        receive only once this side's sockets close, and answers nothing before."""
+        dist.destroy_process_group(self._pg)
+        self._pg = self._store = None
+        gc.collect()  # the group freed now: its sockets close, the servers' receives fail
         for c in self._members:
             if self.pool.status(c.url) in (LIVE, REJOINING):
                 try:
                     c.destroy_weights_update_group(self._name)
                 except Exception:  # noqa: BLE001 - it may have lost the group with a failed update
                     pass
-        dist.destroy_process_group(self._pg)
-        self._pg = self._store = None
 
     def begin(self, version: str) -> None:
         self._ensure_group()
@@ -325,23 +308,11 @@ class DistributedTransport:
         return lost
 
     def abort(self, version: str) -> None:
-        """Destroy this side of the group first: a server still waiting in the broadcast then fails
-        its receive (its socket closes) and answers; then its side of the group and its session
-        go. The next begin() makes a new group, on a new port, of the servers there are."""
-        if self._pg is None:
-            return
-        dist.destroy_process_group(self._pg)
-        self._pg = self._store = None
-        gc.collect()  # the group freed now: its sockets close, the servers' receives fail
-        from rollout.client import SGLangError
-        for c in self._members:
-            if self.pool.status(c.url) in (LIVE, REJOINING):
-                try:
-                    c.destroy_weights_update_group(self._name)
-                except SGLangError:  # it may have lost the group with the failed receive
-                    pass
-        self._members = []
-        _end_sessions(self.pool)
+        """After a failed send: the group goes (_drop_group); the next begin() makes a new one, on
+        a new port, of the servers there are, and ends their weight-update sessions first."""
+        if self._pg is not None:
+            self._drop_group()
+            self._members = []
 
     def finish(self, version: str) -> None:
         self.pool.for_each(lambda c: c.end_weight_update())

@@ -13,10 +13,10 @@ The distributed transport's broadcast fails instead: its servers still there may
 new weights, so the whole sync runs again (every rank streams again) on a new group of the servers
 there are, at most once per server. No server left to take the weights:
 WeightSyncError(no_server=True), and the trainer waits for one (trainer.sync_weights).
-The other ranks only take part in the stream. If anything else fails part-way, the transport's
-session is closed (Transport.abort: a server can open the next one), the servers are LEFT PAUSED
-(they may hold a mix of old and new weights, so they must not generate), `stale` is set, and every
-rank raises WeightSyncError; a later successful sync (all weights are sent each time) un-pauses them.
+The other ranks only take part in the stream. If anything else fails part-way, the transport
+undoes what would stop the next sync (Transport.abort), the servers are LEFT PAUSED (they may
+hold a mix of old and new weights, so they must not generate), `stale` is set, and every rank
+raises WeightSyncError; a later successful sync (all weights are sent each time) un-pauses them.
 """
 from __future__ import annotations
 
@@ -93,13 +93,13 @@ class WeightSync:
         while True:
             attempt += 1
             sent, error = self._attempt(version, n_buckets)
-            retry = (self.rank == 0 and error is not None and attempt <= len(self.pool.clients)
-                     and _unreachable(error) and not _in_chain(error, (NoServerLeft,))
-                     and bool(self.pool.sync_clients()))
+            unreachable, no_server = _unreachable(error), _in_chain(error, (NoServerLeft,))
+            retry = (self.rank == 0 and unreachable and not no_server
+                     and attempt <= len(self.pool.clients) and bool(self.pool.sync_clients()))
             if self.rank == 0 and error is not None:
                 self._abort(version)
             message = [f"{type(error).__name__}: {error}" if error is not None else None,
-                       _unreachable(error), _in_chain(error, (NoServerLeft,)), retry]
+                       unreachable, no_server, retry]
             dist.broadcast_object_list(message, src=0)
             if not message[3]:
                 break
@@ -135,9 +135,9 @@ class WeightSync:
         return sent, error
 
     def _abort(self, version: str) -> None:
-        """After a failed pass: close the transport's session on the servers still there, so that
-        the next sync can begin (an SGLang server refuses a second begin_weight_update while one
-        is open); they stay paused. Best effort: the sync's own error is what gets reported."""
+        """After a failed pass: the transport undoes what the next pass cannot (the distributed
+        group broken here, a half-written directory); the servers stay paused. Best effort: the
+        sync's own error is what gets reported."""
         abort = getattr(self.transport, "abort", None)
         if abort is not None:
             self._try(lambda: abort(version))
