@@ -43,8 +43,9 @@ class _RecordingPool:
     def __init__(self, pool):
         self.pool, self.outputs, self.lock = pool, {}, threading.Lock()
 
-    def generate(self, input_ids, sampling_params, *, rid=None, timeout_s=None):
-        out = self.pool.generate(input_ids, sampling_params, rid=rid, timeout_s=timeout_s)
+    def generate(self, input_ids, sampling_params, *, rid=None, timeout_s=None, abandon=None):
+        out = self.pool.generate(input_ids, sampling_params, rid=rid, timeout_s=timeout_s,
+                                 abandon=abandon)
         with self.lock:
             self.outputs.setdefault(rid.rsplit("-", 1)[0], []).append(
                 (list(input_ids), out))
