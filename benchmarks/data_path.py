@@ -2,12 +2,14 @@
 before issue 29, on real gloo ranks (fresh processes per measurement).
 
     python benchmarks/data_path.py                       # DP4, 1,024 rows both paths; 2,048 and 8,192 new only
-    python benchmarks/data_path.py --rows 64 --old-rows 64 --max-len 2000 --dp 2   # the smoke size
+    python benchmarks/data_path.py --rows 64 --old-rows 64 --r3-rows 32 --max-len 2000 --dp 2 --layers 4
+                                                         # the smoke size
 
 before: rank 0 pickles the whole right-padded TrainBatch and broadcasts it (broadcast_object_list);
         each rank keeps its rows, cut by row count (dp_balance=rows)
 after:  actor/transfer.py: each mini-batch's rows shared by work (Karmarkar-Karp on FLOPs at
-        Qwen3-30B-A3B's shape), each rank sent only its rows, packed (one byte buffer)
+        Qwen3-30B-A3B's shape), each rank sent only its rows, packed (one byte buffer), kept packed
+        (the driver builds the batch packed too: rollout_batch.samples_to_batch)
 
 Rows: a 512-token prompt plus a lognormal response (median ~1.5k tokens), capped at --max-len;
 the fields a rollout fills (tokens, loss mask, rollout log-probs, weight versions), 4 mini-batches.
@@ -16,7 +18,14 @@ tokens in bytes, the peak RSS a rank grew by during the transfer (rank 0 aside: 
 batch), the time from rank 0's first byte to the last rank holding its rows (ranks start together
 after a barrier) and the worst mini-batch's DP token imbalance. Sizes the old path does not run
 are projected from its measured rows (bytes and time grow with rows x longest row).
-Routing replay tables (issue 29's R3 part) are not in either path's table yet.
+
+Routing replay (R3), --r3-rows (2,048): the new path on DP2 x PP2 (4 ranks: 2 replicas of 2
+pipeline stages) with the engine's routes at Qwen3-30B-A3B's shape (--layers 48 x top-8): each
+stage receives its own half of the layers. Per rank it prints what the received batch holds
+(TrainBatch.nbytes: every tensor it keeps) against its own rows' real tokens x (the fields + its
+own layers' routes, one byte per expert id); and what the driver holds of the step's routes (once,
+compact: one byte per expert id and real token). The old path cannot run it (int16 [rows, longest,
+layers, k] on every rank): projected. Both are projected to 8,192 rows (they grow with real tokens).
 """
 from __future__ import annotations
 
@@ -42,6 +51,22 @@ def lengths_for(rows: int, max_len: int, seed: int) -> list[int]:
     return [min(max_len, 512 + int(r.lognormvariate(7.3, 1.0))) for _ in range(rows)]
 
 
+def build_packed(lengths: list[int], layers: int = 0, topk: int = 8):
+    """The driver's batch as rollout_batch.samples_to_batch builds it: packed, routes compact."""
+    import torch
+
+    from gspo_megatron.actor.batch import TrainBatch
+    lens = torch.tensor(lengths)
+    total = int(lens.sum())
+    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+    trained = (torch.arange(total) - starts) >= 512
+    routes = torch.randint(0, 128, (total, layers, topk), dtype=torch.uint8) if layers else None
+    return TrainBatch(tokens=torch.randint(1, 150000, (total,)), lengths=lens, loss_mask=trained,
+                      advantages=torch.randn(len(lengths)),
+                      rollout_log_probs=torch.where(trained, -torch.rand(total), 0.0),
+                      weight_versions=torch.where(trained, 7, -1), routed_experts=routes)
+
+
 def build_batch(lengths: list[int]):
     import torch
 
@@ -57,10 +82,13 @@ def build_batch(lengths: list[int]):
 
 
 def own_real_bytes(shard) -> int:
-    """Bytes of a shard's real tokens (each per-token field) and its per-row fields."""
+    """Bytes of a shard's real tokens (each per-token field, routes at one byte per expert id of
+    the layers it holds) and its per-row fields."""
     real = int(shard.lengths.sum())
     per_token = sum(t.element_size() for t in (shard.tokens, shard.loss_mask, shard.rollout_log_probs,
                                                shard.weight_versions))
+    if shard.routed_experts is not None:
+        per_token += shard.routed_experts.shape[-2] * shard.routed_experts.shape[-1]
     return real * per_token + shard.num_rows * (8 + 8 + shard.advantages.element_size())
 
 
@@ -79,7 +107,7 @@ def rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], out) -> None:
+def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layers: int, out) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -88,7 +116,15 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], out) 
     from gspo_megatron.driver import broadcast_object
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    batch = build_batch(lengths) if rank == 0 else None
+    # R3 (layers > 0): DP2 x PP2, ranks 2d and 2d + 1 the two stages of replica d
+    dp_rank, dp_size = (rank // 2, world // 2) if layers else (rank, world)
+    own_layers = (list(range(layers // 2)) if rank % 2 == 0 else list(range(layers // 2, layers))) \
+        if layers else None
+    if rank == 0:
+        batch = build_batch(lengths) if path == "before" else build_packed(lengths, layers)
+    else:
+        batch = None
+    driver_routes = batch.routed_experts.nbytes if rank == 0 and layers else 0
     work = flops_work()
     dist.barrier()
     rss0 = rss_bytes()
@@ -101,24 +137,28 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], out) 
         del received
     else:
         from gspo_megatron.actor.transfer import scatter_rows
-        got = scatter_rows(rank, lambda: (batch, None), dp_rank=rank, dp_size=world,
-                           num_mini_batches=MINI, work=work)
+        got = scatter_rows(rank, lambda: (batch, None), dp_rank=dp_rank, dp_size=dp_size,
+                           num_mini_batches=MINI, work=work, route_layers=own_layers)
         shard, _, stats = got
         sent = int(stats["bytes_per_rank"])
-        plan = plan_shards(len(lengths), world, MINI, work(lengths))
+        plan = plan_shards(len(lengths), dp_size, MINI, work(lengths))
     held = time.time()
     imbalance = worst_imbalance(lengths, plan)
     everyone = [None] * world
-    dist.all_gather_object(everyone, dict(held=held, grew=rss_bytes() - rss0, own=own_real_bytes(shard)))
+    dist.all_gather_object(everyone, dict(held=held, grew=rss_bytes() - rss0, own=own_real_bytes(shard),
+                                          keeps=shard.nbytes()))
     if rank == 0:
+        others = everyone[1:]
         out.put(dict(seconds=max(e["held"] for e in everyone) - start, received=sent,
-                     own=max(e["own"] for e in everyone), grew=max(e["grew"] for e in everyone[1:]),
-                     imbalance=imbalance))
+                     own=max(e["own"] for e in everyone), grew=max(e["grew"] for e in others),
+                     keeps_over_own=max(e["keeps"] / e["own"] for e in others),
+                     keeps=max(e["keeps"] for e in others), imbalance=imbalance,
+                     driver_routes=driver_routes, driver_grew=everyone[0]["grew"]))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure(path: str, lengths: list[int], world: int) -> dict:
+def measure(path: str, lengths: list[int], world: int, layers: int = 0) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as sock:
@@ -126,7 +166,7 @@ def measure(path: str, lengths: list[int], world: int) -> dict:
         port = sock.getsockname()[1]
     env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     os.environ.update(env)
-    procs = [ctx.Process(target=_rank, args=(r, world, port, path, lengths, out)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, path, lengths, layers, out)) for r in range(world)]
     for p in procs:
         p.start()
     result = out.get(timeout=1800)
@@ -144,6 +184,9 @@ def main() -> None:
     p.add_argument("--old-rows", default="1024", help="batch sizes the old path also runs")
     p.add_argument("--max-len", type=int, default=20000, help="longest row (prompt + response)")
     p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (gloo processes)")
+    p.add_argument("--r3-rows", type=int, default=2048, help="rows of the R3 run (DP2 x PP2); 0: none")
+    p.add_argument("--layers", type=int, default=48, help="MoE layers of the R3 routes (top-8 each)")
+    p.add_argument("--project", type=int, default=8192, help="rows the R3 figures are projected to")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     sizes = sorted({int(x) for x in args.rows.split(",")} | {int(x) for x in args.old_rows.split(",")})
@@ -173,12 +216,41 @@ def main() -> None:
             print(f"| {rows:,} | {path} | {max(lengths)} | {r['received'] / GiB:.3f} | {r['own'] / GiB:.3f} | "
                   f"{r['received'] / r['own']:.2f} | {r['grew'] / GiB:.2f} | {r['seconds']:.2f} | "
                   f"{r['imbalance']:.3f} |", flush=True)
+    if args.r3_rows:
+        routing_replay(args)
     both = [rows for rows in sizes if (rows, "before") in done and (rows, "after") in done]
     if both:
         b, a = done[(both[-1], "before")], done[(both[-1], "after")]
         print(f"\ndata path: per-rank GiB {b['received'] / GiB:.3f} -> {a['received'] / GiB:.3f}, "
               f"transfer s {b['seconds']:.2f} -> {a['seconds']:.2f}, "
               f"DP token imbalance {b['imbalance']:.3f} -> {a['imbalance']:.3f} (at {both[-1]:,} rows)")
+
+
+def routing_replay(args) -> None:
+    rows, layers, topk = args.r3_rows, args.layers, 8
+    lengths = lengths_for(rows, args.max_len, args.seed)
+    print(f"\nRouting replay: DP2 x PP2 (4 gloo ranks), routes {layers} layers x top-{topk}, "
+          f"each stage its {layers // 2} layers\n")
+    print("| rows | longest | batch held GiB (fullest rank, driver aside) | own real GiB | held / own "
+          "| RSS growth GiB | transfer s | driver's routes GiB (compact) | old path per rank GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    r = measure("after", lengths, 4, layers)
+    real = sum(lengths)
+    compact = real * layers * topk
+    assert r["driver_routes"] == compact, (r["driver_routes"], compact)  # once, a byte per id
+    old = rows * max(lengths) * (layers * topk * 2 + 21)  # int16 routes + the fields, padded, per rank
+    print(f"| {rows:,} | {max(lengths)} | {r['keeps'] / GiB:.3f} | {r['own'] / GiB:.3f} | "
+          f"{r['keeps_over_own']:.2f} | {r['grew'] / GiB:.2f} | {r['seconds']:.2f} | "
+          f"{r['driver_routes'] / GiB:.3f} | {old / GiB:.1f} (projected) |")
+    big = lengths_for(args.project, args.max_len, args.seed)
+    k = sum(big) / real  # the figures grow with real tokens
+    old_big = args.project * max(big) * (layers * topk * 2 + 21)
+    print(f"| {args.project:,} (projected) | {max(big)} | {r['keeps'] * k / GiB:.3f} | {r['own'] * k / GiB:.3f} | "
+          f"{r['keeps_over_own']:.2f} | {r['grew'] * k / GiB:.2f} | {r['seconds'] * k:.1f} | "
+          f"{sum(big) * layers * topk / GiB:.3f} | {old_big / GiB:.1f} |", flush=True)
+    print(f"\nrouting replay: per-rank batch GiB {r['keeps'] / GiB:.3f} = {r['keeps_over_own']:.2f} x own "
+          f"(old path {old / GiB:.1f} projected), driver's routes {r['driver_routes'] / GiB:.3f} GiB once "
+          f"(at {rows:,} rows)")
 
 
 if __name__ == "__main__":

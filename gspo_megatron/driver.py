@@ -168,6 +168,9 @@ class Driver:
         metrics.update(self.pool.pop_health_metrics())  # servers live, failures, restarts, resubmitted
         if self.records is not None:
             self.records.write(step, [s for g in groups for s in g], batch)
+        for g in groups:  # the routes live on in the batch only, compact (issue 29: held once)
+            for s in g:
+                s.routed_experts = None
         return batch, metrics
 
     # --- asynchronous rollouts (train.max_staleness > 0) -------------------------------------

@@ -38,18 +38,23 @@ def env_factory(rollout_cfg: Any) -> Callable[[dict], Any]:
     return lambda record: cls(**args)
 
 
-def token_advantages(samples: list[Sample], group_size: int, width: int, discount: float) -> torch.Tensor:
-    """[b, width] per-token advantages from per-turn rewards (algorithms/advantages.turn_advantages):
-    every token of model turn k of episode i gets A_{i,k}; prompt and environment tokens 0 (their
-    loss mask is 0 anyway). Aligned like TrainBatch: column t is token t of prompt + response."""
+def token_advantages(samples: list[Sample], group_size: int, width: int | None, discount: float) -> torch.Tensor:
+    """Per-token advantages from per-turn rewards (algorithms/advantages.turn_advantages): every
+    token of model turn k of episode i gets A_{i,k}; prompt and environment tokens 0 (their loss
+    mask is 0 anyway). Aligned like TrainBatch: [b, width] padded, column t is token t of prompt +
+    response; width=None: packed, [sum of the rows' lengths], row after row."""
     per_turn = turn_advantages([s.metadata.get("turn_rewards") or [float(s.reward)] for s in samples],
                                group_size, discount)
-    out = torch.zeros(len(samples), width, dtype=torch.float32)
+    total = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    out = torch.zeros(total if width is None else (len(samples), width), dtype=torch.float32)
+    start = 0
     for i, (s, adv) in enumerate(zip(samples, per_turn)):
         p = len(s.prompt_ids)
+        row = out[start:start + p + len(s.response_ids)] if width is None else out[i]
+        start += p + len(s.response_ids)
         model_spans = [(a, b) for kind, a, b in s.metadata.get("spans", []) if kind == "model"]
         for (a, b), value in zip(model_spans, adv):
-            out[i, p + a:p + b] = value
+            row[p + a:p + b] = value
     return out
 
 
@@ -89,8 +94,8 @@ class RolloutRecords:
     def write(self, step: int, samples: list[Sample], batch: TrainBatch) -> None:
         with self.path.open("a") as f:
             for row, s in enumerate(samples):
-                n = int(batch.lengths[row])
-                adv = batch.advantages[row]
+                adv = batch.row_values("advantages", row) if batch.is_token_field("advantages") \
+                    else batch.advantages[row]
                 f.write(json.dumps({
                     "step": step, "row": row, "group_id": s.group_id, "index": s.index,
                     "data_source": s.prompt.get("data_source"),
@@ -99,8 +104,8 @@ class RolloutRecords:
                     "weight_versions": s.weight_versions, "reward": s.reward, "reward_error": s.reward_error,
                     "teacher_logprobs": s.teacher_logprobs,
                     "finish_reason": s.finish_reason, "metadata": s.metadata,
-                    "batch_tokens": batch.tokens[row, :n].tolist(),
-                    "batch_loss_mask": batch.loss_mask[row, :n].int().tolist(),
-                    "batch_rollout_log_probs": batch.rollout_log_probs[row, :n].tolist(),
-                    "batch_advantages": adv[:n].tolist() if adv.dim() else float(adv),
+                    "batch_tokens": batch.row_values("tokens", row).tolist(),
+                    "batch_loss_mask": batch.row_values("loss_mask", row).int().tolist(),
+                    "batch_rollout_log_probs": batch.row_values("rollout_log_probs", row).tolist(),
+                    "batch_advantages": adv.tolist() if adv.dim() else float(adv),
                 }) + "\n")

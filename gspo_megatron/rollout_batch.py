@@ -1,12 +1,12 @@
-"""Samples -> the actor's rows: a rollout batch's TrainBatch (driver, rank 0), and the supervised
-warm start's. Rows are prompt + response, right-padded; per-token fields sit at the position of the
-token they belong to (TrainBatch's target alignment).
+"""Samples -> the actor's rows: a rollout batch's TrainBatch (driver, rank 0; packed), and the
+supervised warm start's (padded). Rows are prompt + response; per-token fields sit at the position
+of the token they belong to (TrainBatch's target alignment).
 """
 from __future__ import annotations
 
 import torch
 
-from gspo_megatron.actor.batch import TrainBatch
+from gspo_megatron.actor.batch import ROUTE_NONE_U8, TrainBatch, compact_routes
 from gspo_megatron.algorithms.advantages import group_advantages
 from gspo_megatron.episodes import token_advantages
 from rollout.sample import Sample
@@ -20,58 +20,64 @@ def _version_number(label: str) -> int:
 
 def samples_to_batch(groups: list[list[Sample]], group_size: int,
                      turn_discount: float | None = None) -> TrainBatch:
-    """Rows = prompt + response of each sample, right-padded; loss_mask / rollout log-probs /
-    weight versions at the position of the token they belong to (TrainBatch's target alignment);
-    advantages group-normalised (GSPO Eq. 6) from the rewards, or, with `turn_discount` (per-turn
-    credit of multi-turn episodes, for gspo_token), per token from the per-turn rewards
-    (episodes.token_advantages)."""
+    """The rows of the samples (prompt + response each), packed (TrainBatch's packed form: only
+    real tokens, no padded batch on the driver); loss_mask / rollout log-probs / weight versions at
+    the position of the token they belong to (TrainBatch's target alignment); advantages
+    group-normalised (GSPO Eq. 6) from the rewards, or, with `turn_discount` (per-turn credit of
+    multi-turn episodes, for gspo_token), per token from the per-turn rewards
+    (episodes.token_advantages); the engine's routes compact (uint8 up to 255 experts)."""
     samples = [s for g in groups for s in g]
-    width = max(len(s.tokens) for s in samples)
     if turn_discount is None:
         rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
         advantages = group_advantages(rewards, group_size).float()  # [b]
     else:
-        advantages = token_advantages(samples, group_size, width, turn_discount)  # [b, s]
-    b = len(samples)
-    tokens = torch.zeros(b, width, dtype=torch.long)
-    loss_mask = torch.zeros(b, width, dtype=torch.bool)
-    logp = torch.zeros(b, width, dtype=torch.float32)
-    versions = torch.full((b, width), -1, dtype=torch.long)
-    lengths = torch.zeros(b, dtype=torch.long)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        tokens[i, :p + r] = torch.tensor(s.tokens, dtype=torch.long)
-        loss_mask[i, p:p + r] = torch.tensor(s.loss_mask, dtype=torch.bool)
-        logp[i, p:p + r] = torch.tensor(s.logprobs, dtype=torch.float32)
-        versions[i, p:p + r] = torch.tensor([_version_number(v) for v in s.weight_versions],
-                                            dtype=torch.long)
-        lengths[i] = p + r
+        advantages = token_advantages(samples, group_size, None, turn_discount)  # [T]
+    lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
+    total = int(lengths.sum())
+    tokens = torch.zeros(total, dtype=torch.long)
+    loss_mask = torch.zeros(total, dtype=torch.bool)
+    logp = torch.zeros(total, dtype=torch.float32)
+    versions = torch.full((total,), -1, dtype=torch.long)
     teacher = None
     if any(s.teacher_logprobs is not None for s in samples):  # on-policy distillation
-        teacher = torch.zeros(b, width, dtype=torch.float32)
-        for i, s in enumerate(samples):
-            p = len(s.prompt_ids)
-            teacher[i, p:p + len(s.response_ids)] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+        teacher = torch.zeros(total, dtype=torch.float32)
+    start = 0
+    for s in samples:
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        tokens[start:start + p + r] = torch.tensor(s.tokens, dtype=torch.long)
+        response = slice(start + p, start + p + r)
+        loss_mask[response] = torch.tensor(s.loss_mask, dtype=torch.bool)
+        logp[response] = torch.tensor(s.logprobs, dtype=torch.float32)
+        versions[response] = torch.tensor([_version_number(v) for v in s.weight_versions], dtype=torch.long)
+        if teacher is not None and s.teacher_logprobs is not None:
+            teacher[response] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
+        start += p + r
     return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=advantages,
                       rollout_log_probs=logp, weight_versions=versions,
-                      routed_experts=routed_experts(samples, width), teacher_log_probs=teacher)
+                      routed_experts=routed_experts(samples, total), teacher_log_probs=teacher)
 
 
-def routed_experts(samples: list[Sample], width: int) -> torch.Tensor | None:
-    """The engine's routing of each row ([b, width, layers, k] int16, -1 where there is none), or
-    None when no sample carries any (rollout without moe.engine_routing)."""
+def routed_experts(samples: list[Sample], total: int) -> torch.Tensor | None:
+    """The engine's routing of the packed rows ([T, layers, k]: uint8 with 255 where there is
+    none while expert ids fit a byte, else int16 with -1), or None when no sample carries any
+    (rollout without moe.engine_routing)."""
     have = [s.routed_experts for s in samples if s.routed_experts is not None]
     if not have:
         return None
     shape = have[0].shape[1:]
-    out = torch.full((len(samples), width, *shape), -1, dtype=torch.int16)
-    for i, s in enumerate(samples):
-        if s.routed_experts is None:
-            continue
-        if tuple(s.routed_experts.shape) != (len(s.tokens), *shape):
-            raise ValueError(f"sample {s.group_id}/{s.index}: routed experts of shape "
-                             f"{tuple(s.routed_experts.shape)}, expected ({len(s.tokens)}, {shape})")
-        out[i, :len(s.tokens)] = torch.from_numpy(s.routed_experts.astype("int16"))
+    wide = any(a.size and int(a.max()) >= ROUTE_NONE_U8 for a in have)
+    out = torch.full((total, *shape), -1 if wide else ROUTE_NONE_U8,
+                     dtype=torch.int16 if wide else torch.uint8)
+    start = 0
+    for s in samples:
+        n = len(s.tokens)
+        if s.routed_experts is not None:
+            if tuple(s.routed_experts.shape) != (n, *shape):
+                raise ValueError(f"sample {s.group_id}/{s.index}: routed experts of shape "
+                                 f"{tuple(s.routed_experts.shape)}, expected ({n}, {shape})")
+            out[start:start + n] = compact_routes(torch.from_numpy(s.routed_experts.astype("int16"))) \
+                if not wide else torch.from_numpy(s.routed_experts.astype("int16"))
+        start += n
     return out
 
 

@@ -81,7 +81,7 @@ def run_loop(run: Run) -> None:
             if cfg.distill.teacher and shard.old_log_probs is not None:  # the last pipeline stage
                 # on-policy distillation: each token's advantage gains log pi_teacher - log pi_old
                 shard.advantages = distillation_advantages(
-                    shard.advantages, shard.old_log_probs, shard.teacher_log_probs, shard.loss_mask,
+                    shard.token_advantages(), shard.old_log_probs, shard.teacher_log_probs, shard.loss_mask,
                     coef=cfg.distill.coef, reward_coef=cfg.distill.reward_coef)
             if cfg.loss.kl_coef > 0:
                 with t("ref_log_probs"):  # the KL reference: forward-only with its weights swapped in

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.actor.batch import TrainBatch, balanced_sizes, micro_batches
+from gspo_megatron.actor.batch import TrainBatch, balanced_sizes
+from gspo_megatron.actor.micro_batch import micro_batches
 
 
 def _batch(b=11, s=12, seed=0) -> TrainBatch:

@@ -90,11 +90,15 @@ def _run(rank, world, layout_kwargs, options, init_state):
         made_init = _np(actor.full_state_dict())
     else:
         actor.load_full_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()})
-    shard = actor.shard(make_batch(options.get("skewed", False)), num_mini_batches=shape(options)[1])
+    batch = make_batch(options.get("skewed", False))
+    if options.get("packed_rows"):  # the trainer's form (rollout_batch, transfer): real tokens only
+        batch = batch.packed()
+    shard = actor.shard(batch, num_mini_batches=shape(options)[1])
+    assert shard.is_packed == bool(options.get("packed_rows"))
     shard.old_log_probs, old_metrics = actor.compute_old_log_probs(shard)
     metrics = [old_metrics]
     keeps_old = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
-    old = (shard.global_rows.numpy(), shard.old_log_probs.numpy()) if keeps_old else None
+    old = (shard.global_rows.numpy(), shard.padded().old_log_probs.numpy()) if keeps_old else None
     if actor.is_last_stage:
         assert shard.old_log_probs is not None
     else:
@@ -164,7 +168,9 @@ def test_logprobs_tp2(reference):
 # parameters, loss and gradient norm; and the work is even where row counts would not be.
 @pytest.mark.parametrize("world", [2, 4], ids=["dp2", "dp4"])
 def test_skewed_lengths_balanced_by_work_equal_one_process(skewed_reference, world):
-    results = _check_layout(skewed_reference, world, dict(), skewed=True, micro_batch_size=4, max_tokens=48)
+    # The shards packed (the trainer's form) against the padded one-process reference.
+    results = _check_layout(skewed_reference, world, dict(), skewed=True, micro_batch_size=4, max_tokens=48,
+                            packed_rows=True)
     from gspo_megatron.actor.balance import plan_shards, token_imbalance
     lengths = SKEWED["lengths"]
     by_rows = max(token_imbalance(lengths, parts) for parts in plan_shards(len(lengths), world, SKEWED["mini"]))

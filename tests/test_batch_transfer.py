@@ -38,9 +38,19 @@ def assert_same(a, b) -> None:
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+            assert x.dtype == y.dtype and torch.equal(x, y), (f.name, x.dtype, y.dtype, tuple(x.shape), tuple(y.shape), (x != y).sum() if x.shape == y.shape else None)
         else:
             assert x == y, f.name
+
+
+def as_received(shard, layers=None):
+    """What a rank keeps of its shard: packed, its stage's routing layers, one byte per expert id."""
+    from gspo_megatron.actor.batch import compact_routes
+    out = shard.packed()
+    routes = compact_routes(out.routed_experts)
+    if layers is not None:
+        routes = routes[:, torch.tensor(layers, dtype=torch.long)]
+    return dataclasses.replace(out, routed_experts=routes, route_layers=layers)
 
 
 def _work(lengths):
@@ -59,7 +69,8 @@ def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
             rows = [i for parts in plan for i in parts[d]]
             manifest, buffer = pack(batch, rows)
             got = unpack(manifest, buffer, [len(p[d]) for p in plan], want.dp_token_imbalance)
-            assert_same(got, want)
+            assert_same(got, as_received(want))
+            assert_same(got.padded(), want)  # the padded form gives back the shard exactly
             # Bytes: each field's own rows' real tokens (or rows) x its item size, each field
             # starting at a multiple of 8; nothing for padding.
             real, n = int(batch.lengths[rows].sum()), len(rows)
@@ -69,7 +80,7 @@ def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
             assert buffer.numel() == sum(-(-b // 8) * 8 for b in sizes)
 
 
-def _scatter(rank, world, dp_of, case):
+def _scatter(rank, world, dp_of, case, layers_of=None):
     from gspo_megatron.actor.transfer import scatter_rows
     from gspo_megatron.driver import DriverError
     batch = make_batch(rows=17)  # every rank builds it, to compare; only rank 0's is sent
@@ -82,28 +93,34 @@ def _scatter(rank, world, dp_of, case):
     dp_size = max(dp_of) + 1
     try:
         with strict_checks():  # NCCL's rule on gloo: no host tensor reaches a collective
-            got = scatter_rows(rank, make, dp_rank=dp_of[rank], dp_size=dp_size, num_mini_batches=4, work=_work)
+            got = scatter_rows(rank, make, dp_rank=dp_of[rank], dp_size=dp_size, num_mini_batches=4, work=_work,
+                               route_layers=layers_of[rank] if layers_of else None)
     except (ValueError, DriverError) as e:
         return f"{type(e).__name__}: {e}"
     if got is None:
         return None
     shard, extras, stats = got
-    assert_same(shard, batch.shard(dp_of[rank], dp_size, 4, work=_work(batch.lengths.tolist())))
+    want = batch.shard(dp_of[rank], dp_size, 4, work=_work(batch.lengths.tolist()))
+    assert_same(shard, as_received(want, layers_of[rank] if layers_of else None))
     return dict(extras=extras, stats=stats, rows=shard.global_rows.tolist(),
-                real_tokens=int(shard.lengths.sum()))
+                real_tokens=int(shard.lengths.sum()), held=shard.nbytes(),
+                layers=shard.routed_experts.shape[1])
 
 
 def _scatter_cases(rank, world, cases):
     """Every case in one set of processes (a spawn of 4 ranks costs ~10 s)."""
-    return [_scatter(rank, world, dp_of, case) for dp_of, case in cases]
+    return [_scatter(rank, world, *case) for case in cases]
 
 
 @pytest.mark.slow
 def test_every_rank_receives_its_shard_and_rank_0s_failures():
-    """4 gloo ranks: DP4, then DP2 whose replicas have 2 ranks each (TP2- or PP2-like peers get
-    the same rows); rank 0's None and rank 0's error reach every rank."""
+    """4 gloo ranks: DP4, then DP2 whose replicas have 2 ranks each, as two pipeline stages (the
+    same rows, each stage only its own routing layers: 2 and 1 of 3); rank 0's None and rank 0's
+    error reach every rank. What each rank holds is its rows' real tokens and its layers' routes."""
     layouts = ([0, 1, 2, 3], [0, 0, 1, 1])
-    cases = [(dp_of, "ok") for dp_of in layouts] + [([0, 1, 2, 3], "none"), ([0, 1, 2, 3], "raises")]
+    stages = [[0, 1], [2], [0, 1], [2]]
+    cases = [(layouts[0], "ok"), (layouts[1], "ok", stages), ([0, 1, 2, 3], "none"),
+             ([0, 1, 2, 3], "raises")]
     per_rank = run_distributed(_scatter_cases, 4, (cases,), timeout=300)
     for k, dp_of in enumerate(layouts):
         results = [mine[k] for mine in per_rank]
@@ -114,8 +131,15 @@ def test_every_rank_receives_its_shard_and_rank_0s_failures():
             assert r["rows"] == rows[dp_of[rank]]  # the replica's ranks hold the same rows
         assert sorted(i for rs in rows.values() for i in rs) == list(range(17))
         most = max(r["stats"]["bytes_per_rank"] for r in results)
+        for rank, r in enumerate(results):
+            layers = LAYERS if k == 0 else len(stages[rank])
+            assert r["layers"] == layers
+            # tokens, mask, advantages-free per-token fields, versions, routes (a byte per id of
+            # its own layers), teacher; plus per-row fields (lengths, advantages, global rows)
+            per_token = 8 + 1 + 4 + 8 + layers * TOPK + 4
+            assert r["held"] <= r["real_tokens"] * per_token + 24 * 17
         per_token = 8 + 1 + 4 + 8 + LAYERS * TOPK + 4
-        assert most <= 1.2 * max(r["real_tokens"] for r in results) * per_token + 20 * 17
+        assert most <= 1.2 * max(r["real_tokens"] for r in results) * per_token + 24 * 17
     assert [mine[2] for mine in per_rank] == [None] * 4
     said = [mine[3] for mine in per_rank]
     assert said[0] == "ValueError: the reward service is down"

@@ -57,9 +57,11 @@ SMOKE = {
                  lambda out: len(_rows(out, "0 |")) == 1),
     "checksum.py": (lambda url: ["--hidden", "64", "--layers", "1", "--experts", "2", "--repeats", "1"],
                     lambda out: "|" in out),
-    "data_path.py": (lambda url: ["--rows", "64", "--old-rows", "64", "--max-len", "2000", "--dp", "2"],
+    "data_path.py": (lambda url: ["--rows", "64", "--old-rows", "64", "--max-len", "2000", "--dp", "2",
+                                  "--r3-rows", "32", "--layers", "4", "--project", "64"],
                      lambda out: len(_rows(out, "64 | before")) == 1 and len(_rows(out, "64 | after")) == 1
-                     and _line(out, r"data path: per-rank GiB [0-9.]+ -> [0-9.]+, transfer s")),
+                     and _line(out, r"routing replay: per-rank batch GiB [0-9.]+ = [0-9.]+ x own")
+                     and out.strip().splitlines()[-1].startswith("data path: per-rank GiB")),
     "data.py": (lambda url: ["--rows", "1000", "--chars", "40"], lambda out: len(_rows(out, "1,000")) == 1),
     # student: the tiny MoE on the module's server; teacher: the tiny dense Qwen3 (same tokenizer)
     "distill.py": (lambda url: ["--steps", "1", "--warm-start-steps", "0", "--student", _tiny_moe(),

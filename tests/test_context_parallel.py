@@ -47,7 +47,7 @@ def _train_batch(b: int = 3, s: int = 8):
 
 
 def test_micro_batch_chunks_take_targets_before_splitting():
-    from gspo_megatron.actor.batch import context_chunks, from_input_positions, micro_batch
+    from gspo_megatron.actor.micro_batch import context_chunks, from_input_positions, micro_batch
     mb = micro_batch(_train_batch(), 0, [0, 1, 2], seq_multiple=4)
     s = mb.tokens.shape[1]
     parts = [context_chunks(mb, r, 2) for r in range(2)]

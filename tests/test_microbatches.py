@@ -71,7 +71,8 @@ def test_a_packed_micro_batch_counts_its_pack_not_its_rows():
     the pack's length: the real tokens rounded up to the multiple, not rows x longest row."""
     import torch
 
-    from gspo_megatron.actor.batch import TrainBatch, micro_batch
+    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.micro_batch import micro_batch
     from gspo_megatron.actor.microbatches import model_tokens, padding_stats
     from gspo_megatron.actor.packing import pack
     lengths = torch.tensor([9, 3, 6])

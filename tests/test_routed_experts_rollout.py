@@ -1,145 +1,22 @@
 """Routing replay data from the rollout side: SGLang's routed experts per token, parsed by the client
 and kept per Sample (rollout/sample.py documents the layout and what SGLang returns).
 
-Hand-made /generate replies check the parsing and its errors; a real SGLang server on CPU
-(tiny Qwen3-MoE, --enable-return-routed-experts, behind sglang-router) checks the shape, the prefix
-cache, partial-rollout resumes through the manager and its checkpoint, and multi-turn episodes,
-against the router top-k of a transformers forward."""
+A real SGLang server on CPU (tiny Qwen3-MoE, --enable-return-routed-experts, behind
+sglang-router) checks the shape, the prefix cache, partial-rollout resumes through the manager and
+its checkpoint, and multi-turn episodes, against the router top-k of a transformers forward; and
+the actor replaying its routes (one process, EP2, DP2 x PP2). The parsing of hand-made replies and
+the Sample record: test_routed_experts_parsing.py."""
 from __future__ import annotations
 
-import base64
 import json
 import threading
 
 import numpy as np
 import pytest
 
-from rollout.client import SGLangError, parse_generate_item, routed_experts_layout_of
+from rollout.client import parse_generate_item
 from rollout.manager import ManagerConfig, RolloutManager
 from rollout.sample import Sample
-
-URL = "http://test"
-
-
-def _item(prompt_tokens, output_ids, routing=None, finish="length"):
-    meta = {"prompt_tokens": prompt_tokens, "finish_reason": {"type": finish},
-            "weight_version": "default",
-            "output_token_logprobs": [[-1.0, t, None] for t in output_ids]}
-    if routing is not None:
-        meta["routed_experts"] = base64.b64encode(np.asarray(routing, "<i4").tobytes()).decode()
-    return {"text": "", "output_ids": list(output_ids), "meta_info": meta}
-
-
-def _routing(rows, layers=3, k=2, seed=0):
-    return np.random.default_rng(seed).integers(0, 8, (rows, layers, k)).astype(np.int32)
-
-
-# --- parsing -------------------------------------------------------------------------------------
-def test_parse_good_reply():
-    r = _routing(5 + 4 - 1)
-    out = parse_generate_item(_item(5, [1, 2, 3, 4], r), URL, (3, 2))
-    assert out.routed_experts.dtype == np.int16 and out.routed_experts.shape == (8, 3, 2)
-    np.testing.assert_array_equal(out.routed_experts, r)
-    # not requested: not decoded even when present
-    assert parse_generate_item(_item(5, [1, 2, 3, 4], r), URL).routed_experts is None
-
-
-def test_parse_missing_routing_is_a_clear_error_unless_aborted():
-    with pytest.raises(SGLangError, match="no meta_info.routed_experts.*--enable-return-routed-experts"):
-        parse_generate_item(_item(5, [1, 2]), URL, (3, 2))
-    # a request aborted before it ran comes back without it (the sample is generated again)
-    assert parse_generate_item(_item(5, [], finish="abort"), URL, (3, 2)).routed_experts is None
-
-
-@pytest.mark.parametrize("rows", [5 + 2, 5 + 2 - 2])
-def test_parse_wrong_size_names_the_expected_size(rows):
-    with pytest.raises(SGLangError, match=r"has \d+ bytes, expected 144 = 6 rows .* 3 layers x top-2"):
-        parse_generate_item(_item(5, [1, 2], _routing(rows)), URL, (3, 2))
-    with pytest.raises(SGLangError, match="not base64"):
-        item = _item(5, [1, 2], _routing(6))
-        item["meta_info"]["routed_experts"] = "@@not base64@@"
-        parse_generate_item(item, URL, (3, 2))
-
-
-def test_layout_from_hf_config():
-    assert routed_experts_layout_of({"num_hidden_layers": 48, "num_experts_per_tok": 8}) == (48, 8)
-    assert routed_experts_layout_of({"text_config": {"num_hidden_layers": 4,
-                                                     "num_experts_per_tok": 2}}) == (4, 2)
-    with pytest.raises(ValueError, match="MoE"):
-        routed_experts_layout_of({"num_hidden_layers": 4})
-
-
-def test_server_flag():
-    from rollout.server import ServerConfig, server_process
-    import pathlib
-    cmd = server_process(ServerConfig("/m", device="cpu", return_routed_experts=True), pathlib.Path("/tmp")).cmd
-    assert cmd.count("--enable-return-routed-experts") == 1
-    assert "--enable-return-routed-experts" not in server_process(ServerConfig("/m", device="cpu"),
-                                                                  pathlib.Path("/tmp")).cmd
-
-
-# --- the Sample record ---------------------------------------------------------------------------
-def test_sample_keeps_routing_aligned_with_tokens():
-    s = Sample(0, 0, {}, [7, 8, 9], max_new_tokens=20)
-    s.append_model_tokens([1, 2], [-1.0, -1.0], ["v", "v"], _routing(4))
-    assert s.routed_experts.shape == (5, 3, 2) and (s.routed_experts[-1] == -1).all()
-    s.append_env_tokens([3, 4, 5])  # environment tokens: not routed (yet)
-    assert s.routed_experts.shape == (8, 3, 2) and (s.routed_experts[4:] == -1).all()
-    s.check_aligned()
-    with pytest.raises(ValueError, match=r"expected \[9, layers, top-k\]"):
-        s.append_model_tokens([6, 7], [-1.0, -1.0], ["v", "v"], _routing(8))
-    # the next call had the whole sequence as input: it fills the rows no earlier call covered
-    # (the environment tokens and the last sampled token), the earlier call's rows stay: a route
-    # belongs to the call (the weight version) that generated the token it predicts
-    before = s.routed_experts.copy()
-    new = _routing(9, seed=1)
-    s.append_model_tokens([6, 7], [-1.0, -1.0], ["v", "v"], new)
-    assert s.routed_experts.shape == (10, 3, 2)
-    np.testing.assert_array_equal(s.routed_experts[:4], before[:4])
-    np.testing.assert_array_equal(s.routed_experts[4:9], new[4:9])
-    # a call that came back without routing (aborted early) pads; the older rows stay
-    s.append_model_tokens([], [], [], None)
-    s.append_model_tokens([9], [-1.0], ["v"], None)
-    assert s.routed_experts.shape == (11, 3, 2) and (s.routed_experts[9:] == -1).all()
-    s.check_aligned()
-    s.routed_experts = s.routed_experts[:-1]
-    with pytest.raises(AssertionError, match="routed-experts rows"):
-        s.check_aligned()
-    # never requested: stays None
-    t = Sample(0, 1, {}, [7], max_new_tokens=4)
-    t.append_model_tokens([1], [-1.0], ["v"])
-    t.append_env_tokens([2])
-    assert t.routed_experts is None
-
-
-def test_sample_and_buffer_json_round_trip():
-    s = Sample(3, 1, {"prompt": "p"}, [7, 8, 9], max_new_tokens=20)
-    s.append_model_tokens([1, 2], [-0.5, -0.25], ["v", "v"], _routing(4))
-    back = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
-    assert back == s and back.routed_experts.dtype == np.int16
-    np.testing.assert_array_equal(back.routed_experts, s.routed_experts)
-    other = Sample.from_dict(json.loads(json.dumps(s.to_dict())))
-    other.routed_experts[0, 0, 0] += 1
-    assert other != s
-    # checkpoints written before routing replay have no such key
-    old = s.to_dict()
-    del old["routed_experts"]
-    assert Sample.from_dict(old).routed_experts is None
-    # the manager's rollout buffer (driver.json) keeps it
-    mgr = RolloutManager(None, ManagerConfig(), encode_prompt=lambda r: [1], decode=str,
-                         reward_fn=lambda r, t: 0.0)
-    mgr.buffer.append([s, Sample(3, 0, {"prompt": "p"}, [7, 8, 9], 20)])
-    mgr2 = RolloutManager(None, ManagerConfig(), encode_prompt=lambda r: [1], decode=str,
-                          reward_fn=lambda r, t: 0.0)
-    mgr2.load_state(json.loads(json.dumps(mgr.to_state())))
-    assert list(mgr2.buffer) == list(mgr.buffer)
-    for m in (mgr, mgr2):
-        m.close()
-
-
-def test_manager_requests_routing_only_when_configured():
-    assert ManagerConfig().generate_kwargs() == {}
-    assert ManagerConfig(return_routed_experts=True).generate_kwargs() == {"return_routed_experts": True}
 
 
 # --- a real SGLang server on CPU -----------------------------------------------------------------
@@ -306,56 +183,120 @@ def test_aborted_request_keeps_what_it_processed(routing_server):
     assert out.routed_experts.shape == (len(prompt) + len(out.output_ids) - 1, 2, 2)
 
 
-# --- acceptance (issue 12): with replay on, megatron routes every trained token as SGLang did -----
-def _actor_on_batch(rank, world, layout, batch, hf_dir, weights):
+# --- acceptance (issues 12, 29): with replay on, megatron routes every trained token as SGLang did,
+# and DP2 x PP2 (each stage receiving only its own layer's routes) trains as one process -----------
+STEPS = 3
+
+
+def _actor_on_batch(rank, world, layout, batch, hf_dir, weights, steps):
+    """The trainer's path: rank 0 sends each rank its rows (transfer.scatter_rows, packed, its
+    stage's routing layers); pi_old with replay, then `steps` x (pi_old, 2 mini-batch updates)."""
+    import torch
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.actor.actor import Actor
-    from gspo_megatron.actor.settings import MicroBatchSettings, RoutingSettings
+    from gspo_megatron.actor.settings import MicroBatchSettings, OptimizerSettings, RoutingSettings
     from gspo_megatron.parallel.layout import ParallelLayout
 
     actor = Actor(hf_dir, ParallelLayout(**layout), batching=MicroBatchSettings(micro_batch_size=3),
-                  routing=RoutingSettings(replay=True, drift=False))
+                  optimizer=OptimizerSettings(optimizer="adam", lr=0.1, adam_eps=10.0, clip_grad=0.0),
+                  routing=RoutingSettings(replay=True, drift=False), seed=5)
     actor.load_weights(weights)
-    shard = actor.shard(batch)
-    log_probs, metrics = actor.compute_old_log_probs(shard)
     keeps = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
-    return dict(metrics=metrics, old=(shard.global_rows.numpy(), log_probs.numpy()) if keeps else None)
+    out = dict(held=[], layers=None, updates=[], old=[], metrics=None)
+    for step in range(steps + 1):
+        shard, _, _ = actor.receive_rows(rank, lambda: (batch, None), num_mini_batches=2)
+        assert shard.is_packed and shard.routed_experts.dtype == torch.uint8
+        out["held"].append((shard.nbytes(), int(shard.lengths.sum())))
+        out["layers"] = shard.route_layers
+        shard.old_log_probs, metrics = actor.compute_old_log_probs(shard)
+        out["metrics"] = out["metrics"] or metrics
+        if keeps:
+            out["old"].append((shard.global_rows.numpy(), shard.padded().old_log_probs.numpy()))
+        if step < steps:
+            out["updates"].append([actor.train_step(mini) for mini in shard.mini_batches()])
+    return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout,world", [({}, 1), ({"tensor": 2}, 2), ({"expert": 2}, 2)],
-                         ids=["one_process", "tp2", "ep2"])
-def test_replay_routes_every_trained_token_as_sglang(routing_server, layout, world, tmp_path):
-    from distributed import gather_row_values, run_distributed
-    from fixtures_models import tiny_model_dir
-    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+def _sampled_batch(routing_server):
     from gspo_megatron.rollout_batch import samples_to_batch
     from rollout.pool import ServerPool
 
     pool = ServerPool(routing_server.server_urls, routing_server.router_url)
     groups = []
-    for g in range(3):  # 3 prompts x 2 samples, 12-20 new tokens, temperature 1
+    for g in range(4):  # 4 prompts x 2 samples, 12-24 new tokens, temperature 1, skewed prompts
         group = []
         for i in range(2):
-            s = Sample(g, i, {}, list(range(30 + 7 * g, 45 + 9 * g)), 12 + 4 * g)
+            s = Sample(g, i, {}, list(range(30 + 7 * g, 45 + 9 * g * g)), 12 + 4 * g)
             out = pool.generate(s.tokens, {"max_new_tokens": s.max_new_tokens, "temperature": 1.0,
                                            "ignore_eos": True}, return_routed_experts=True)
             s.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions, out.routed_experts)
-            s.reward = float(i)
+            s.reward = float(i + g % 2)
             group.append(s)
         groups.append(group)
     pool.close()
-    batch = samples_to_batch(groups, group_size=2)
-    trained = int(batch.loss_mask.sum())
-    weights = convert_hf_to_megatron(tiny_model_dir("qwen3_moe", 0), tmp_path / "mcore")
-    results = run_distributed(_actor_on_batch, world, (layout, batch, str(tiny_model_dir("qwen3_moe", 0)), str(weights)),
-                              timeout=300)
+    return samples_to_batch(groups, group_size=2)
+
+
+def _replayed_as_sglang(results, batch):
+    from distributed import gather_row_values
     m = results[0]["metrics"]
+    trained = int(batch.loss_mask.sum())
     # every trained token at both MoE layers, replayed to exactly SGLang's experts
     assert m["routing_replay_mismatch_sets"] == 2 * trained and m["routing_replay_mismatch"] == 0.0
     # megatron's own choice agrees with SGLang's (same fp32 weights) but for near-ties
     assert m["routing_engine_mismatch"] < 0.02
-    got = gather_row_values([r["old"] for r in results], batch.num_rows, batch.tokens.shape[1])
-    diff = (got - batch.rollout_log_probs)[batch.loss_mask].abs().max()
+    padded = batch.padded()
+    got = gather_row_values([r["old"][0] if r["old"] else None for r in results], batch.num_rows,
+                            padded.tokens.shape[1])
+    diff = (got - padded.rollout_log_probs)[padded.loss_mask].abs().max()
     assert float(diff) < 1e-3, "replayed megatron log-probs should match SGLang's"
+    return got
+
+
+@pytest.mark.slow
+def test_replay_routes_every_trained_token_as_sglang_ep2(routing_server, tmp_path):
+    from distributed import run_distributed
+    from fixtures_models import tiny_model_dir
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+
+    batch = _sampled_batch(routing_server)
+    weights = convert_hf_to_megatron(tiny_model_dir("qwen3_moe", 0), tmp_path / "mcore")
+    results = run_distributed(_actor_on_batch, 2, ({"expert": 2}, batch, str(tiny_model_dir("qwen3_moe", 0)),
+                                                    str(weights), 0), timeout=300)
+    _replayed_as_sglang(results, batch)
+
+
+@pytest.mark.slow
+def test_replay_dp2_pp2_trains_as_one_process(routing_server, tmp_path):
+    """DP2 x PP2 with routing replay on SGLang's routes: each stage receives its own layer's routes
+    only (one byte per expert id and real token) and the rows of its replica; pi_old matches
+    SGLang's log-probs, and after 3 steps of 2 updates the losses, gradient norms and log-probs
+    equal one process within 1e-5."""
+    from distributed import gather_row_values, run_distributed
+    from fixtures_models import tiny_model_dir
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+
+    batch = _sampled_batch(routing_server)
+    hf = str(tiny_model_dir("qwen3_moe", 0))
+    weights = str(convert_hf_to_megatron(tiny_model_dir("qwen3_moe", 0), tmp_path / "mcore"))
+    one = run_distributed(_actor_on_batch, 1, ({}, batch, hf, weights, STEPS), timeout=300)
+    four = run_distributed(_actor_on_batch, 4, ({"pipeline": 2}, batch, hf, weights, STEPS), timeout=420)
+    _replayed_as_sglang(one, batch)
+    _replayed_as_sglang(four, batch)
+    assert one[0]["layers"] is None or one[0]["layers"] == [0, 1]
+    assert sorted(r["layers"] == [0] for r in four) == [False, False, True, True]  # 2 stages x DP2
+    for r in four:  # what a rank holds: its rows' real tokens x (fields + its one layer's routes)
+        for nbytes, real in r["held"]:
+            per_token = 8 + 1 + 4 + 8 + 1 * 2  # tokens, mask, rollout log-probs, versions, 1 layer x top-2
+            assert nbytes <= real * per_token + 8 * 3 * 4, (nbytes, real)
+    width = batch.padded().tokens.shape[1]
+    mask = batch.padded().loss_mask
+    for step in range(STEPS + 1):
+        a = gather_row_values([one[0]["old"][step]], batch.num_rows, width)
+        b = gather_row_values([r["old"][step] if r["old"] else None for r in four], batch.num_rows, width)
+        assert float((a - b)[mask].abs().max()) <= 1e-5, f"log-probs after {step} steps"
+    for step in range(STEPS):
+        for mine, ref in zip(four[0]["updates"][step], one[0]["updates"][step]):
+            for key in ("loss", "grad_norm"):
+                assert mine[key] == pytest.approx(ref[key], abs=1e-5), (step, key)

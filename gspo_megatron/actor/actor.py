@@ -30,7 +30,7 @@ from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, chec
                                        spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.packing import resolve_packing
-from gspo_megatron.actor.routing import Routing
+from gspo_megatron.actor.routing import Routing, check_routed_experts
 from gspo_megatron.actor.balance import model_work
 from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
@@ -210,11 +210,13 @@ class Actor:
 
     def receive_rows(self, rank: int, make, num_mini_batches: int = 1):
         """The trainer's path: rank 0's `make()` returns (global batch, extras) or None; every
-        rank receives only its shard, packed (transfer.scatter_rows). Returns None or
-        (shard, extras, transfer stats); the shard equals shard(batch, num_mini_batches)."""
+        rank receives only its shard, packed (transfer.scatter_rows), with the routing layers of its
+        own pipeline stage. Returns None or (shard, extras, transfer stats); the shard equals
+        shard(batch, num_mini_batches), packed."""
         from gspo_megatron.actor.transfer import scatter_rows
         return scatter_rows(rank, make, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                            num_mini_batches=num_mini_batches, work=self.row_work())
+                            num_mini_batches=num_mini_batches, work=self.row_work(),
+                            route_layers=self.routing.layers)
 
     def row_work(self):
         """batching.dp_balance's per-row work estimate (balance.model_work); None: by row count."""
@@ -263,22 +265,13 @@ class Actor:
             raise ValueError("batch.routed_experts: the MoE routing tools are not supported with "
                              f"parallel.context={self.layout.context}")
         if batch.routed_experts is not None:
-            self._check_routed_experts(batch.routed_experts)
+            check_routed_experts(batch, self.spec.config)
         elif replay:
             raise ValueError("routing replay needs batch.routed_experts (the rollout must ask SGLang "
                              "for them: moe.engine_routing)")
         self.routing.begin(replay=replay, record=record, compare_old=compare_old,
-                           compare_engine=compare_engine, batch_shape=tuple(batch.tokens.shape))
-
-    def _check_routed_experts(self, routed: torch.Tensor) -> None:
-        c = self.spec.config
-        want = (c.num_layers, c.moe_router_topk)
-        if tuple(routed.shape[2:]) != want:
-            raise ValueError(f"routed_experts have {tuple(routed.shape[2:])} (layers, top-k) per token, "
-                             f"the model {want}")
-        if routed.numel() and int(routed.max()) >= (c.num_moe_experts or 0):
-            raise ValueError(f"routed_experts name expert {int(routed.max())}, the model has "
-                             f"{c.num_moe_experts}")
+                           compare_engine=compare_engine, batch_shape=batch.padded_shape,
+                           route_layers=batch.route_layers)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch; the same metrics on every rank:

@@ -1,4 +1,5 @@
-"""The actor's batch (batch-first `[b, s]`) and its split into data-parallel shards and micro-batches.
+"""The actor's batch (batch-first `[b, s]` padded, or packed: TrainBatch) and its split into
+data-parallel shards and mini-batches (micro-batches: micro_batch.py).
 
 Alignment (one convention everywhere in the actor): every per-token tensor is indexed by the
 position `t` of the TARGET token. `loss_mask[i, t] = True` means token `tokens[i, t]` is trained,
@@ -18,10 +19,7 @@ EACH mini-batch (balanced by work, balance.py; without `work`, a block of equal 
 mini-batch 0's rows first, and `shard.mini_batches()`
 splits the shard again: so rank r's mini-batch j is exactly its part of the global mini-batch j,
 whatever dp_size is, and old log-probs computed on the shard travel with the rows (`select`).
-`global_rows` records each row's index in the global batch. `micro_batches()` splits a rank's rows into a
-given number of micro-batches; the number must be equal on all ranks (MoE's all-to-all and the
-pipeline need it), so a rank with fewer rows gets smaller micro-batches, and a micro-batch left
-without rows gets one filler row with an all-False loss mask, which contributes nothing.
+`global_rows` records each row's index in the global batch.
 """
 from __future__ import annotations
 
@@ -30,18 +28,48 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo_megatron.actor.balance import balanced_sizes, plan_shards, worst_imbalance
-from gspo_megatron.parallel import context
+from gspo_megatron.actor.balance import balanced_sizes, plan_shards, worst_imbalance  # noqa: F401
+
+
+# Fields with one value per token ([b, s, ...] padded, [T, ...] packed) and their padding values.
+TOKEN_FIELDS = ("tokens", "loss_mask", "rollout_log_probs", "weight_versions", "old_log_probs",
+                "ref_log_probs", "routed_experts", "teacher_log_probs")
+PAD = {"weight_versions": -1, "routed_experts": -1}
+NOT_TENSORS = ("mini_batch_sizes", "dp_token_imbalance", "route_layers")
+ROUTE_NONE_U8 = 255  # routed_experts stored compact as uint8 (up to 255 experts): 255 = no routing
+
+
+def compact_routes(routes: torch.Tensor) -> torch.Tensor:
+    """int16 expert ids (-1: none) as uint8 (255: none) when they fit a byte, else as they are."""
+    if routes.dtype == torch.uint8 or (routes.numel() and int(routes.max()) >= ROUTE_NONE_U8):
+        return routes
+    return torch.where(routes < 0, ROUTE_NONE_U8, routes).to(torch.uint8)
+
+
+def wide_routes(routes: torch.Tensor) -> torch.Tensor:
+    """uint8 routes (255: none) back to the actor's int16 (-1: none); int16 as they are."""
+    if routes.dtype != torch.uint8:
+        return routes
+    return torch.where(routes == ROUTE_NONE_U8, -1, routes.to(torch.int16)).to(torch.int16)
 
 
 @dataclass
 class TrainBatch:
-    """Rows of token sequences with what the losses need (see the module docstring)."""
+    """Rows of token sequences with what the losses need (see the module docstring).
 
-    tokens: torch.Tensor                     # [b, s] int64, right-padded
+    Two forms. Padded: per-token fields `[b, s, ...]`, right-padded to the longest row (a
+    micro-batch's form, and small batches'). Packed (`tokens.dim() == 1`): per-token fields as the
+    rows' real tokens concatenated, `[T, ...]` with T = lengths.sum(), row i at
+    `offsets[i]:offsets[i + 1]`: the form a rollout batch has from the samples to the micro-batches
+    (issue 29: what a rank holds grows with its rows' real tokens, not with its longest row).
+    routed_experts may be stored compact there (uint8, 255 = none; compact_routes). `select`,
+    `split`, `shard` and `mini_batches` keep the form; `padded()` gives the padded one.
+    """
+
+    tokens: torch.Tensor                     # [b, s] int64, right-padded (packed: [T])
     lengths: torch.Tensor                    # [b] int64, real tokens per row (prompt + response)
     loss_mask: torch.Tensor                  # [b, s] bool, trained target tokens
-    advantages: torch.Tensor                 # [b] float (gspo, grpo) or [b, s] (gspo_token)
+    advantages: torch.Tensor                 # [b] float (gspo, grpo) or [b, s] (gspo_token; packed [T])
     rollout_log_probs: torch.Tensor | None = None  # [b, s] float, the engine's log p(tokens[:, t])
     weight_versions: torch.Tensor | None = None    # [b, s] int64, policy version that sampled token t
     old_log_probs: torch.Tensor | None = None      # [b, s] float; set on the LAST pipeline stage
@@ -52,17 +80,18 @@ class TrainBatch:
     mini_batch_sizes: list[int] | None = None      # rows of each mini-batch (set by shard())
     dp_token_imbalance: float | None = None        # set by shard(): max / mean tokens per DP rank,
     # the worst mini-batch
+    route_layers: list[int] | None = None          # the global MoE layers of routed_experts' layer
+    # axis (a pipeline stage receives only its own); None: every layer, 0..layers-1
 
     def __post_init__(self) -> None:
+        if self.tokens.dim() == 1:
+            self._check_packed()
+            return
         if self.tokens.dim() != 2:
-            raise ValueError(f"tokens must be [b, s], got shape {tuple(self.tokens.shape)}")
+            raise ValueError(f"tokens must be [b, s] (padded) or [T] (packed), got shape "
+                             f"{tuple(self.tokens.shape)}")
         b, s = self.tokens.shape
-        for name in ("lengths", "global_rows"):
-            t = getattr(self, name)
-            if t is not None and tuple(t.shape) != (b,):
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({b},)")
-        if self.mini_batch_sizes is not None and sum(self.mini_batch_sizes) != b:
-            raise ValueError(f"mini_batch_sizes {self.mini_batch_sizes} do not sum to {b} rows")
+        self._check_rows(b)
         for name in ("loss_mask", "rollout_log_probs", "weight_versions", "old_log_probs",
                      "ref_log_probs", "teacher_log_probs"):
             t = getattr(self, name)
@@ -85,26 +114,173 @@ class TrainBatch:
         if bool((self.loss_mask & beyond).any()):
             raise ValueError("loss_mask is True at a padding position (t >= lengths[i])")
 
+    def _check_rows(self, b: int) -> None:
+        for name in ("lengths", "global_rows"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (b,):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({b},)")
+        if self.mini_batch_sizes is not None and sum(self.mini_batch_sizes) != b:
+            raise ValueError(f"mini_batch_sizes {self.mini_batch_sizes} do not sum to {b} rows")
+        if (self.routed_experts is not None and self.route_layers is not None
+                and len(self.route_layers) != self.routed_experts.shape[-2]):
+            raise ValueError(f"route_layers {self.route_layers} name {len(self.route_layers)} layers, "
+                             f"routed_experts hold {self.routed_experts.shape[-2]}")
+
+    def _check_packed(self) -> None:
+        if self.lengths.dim() != 1:
+            raise ValueError(f"lengths has shape {tuple(self.lengths.shape)}, expected (b,)")
+        b, total = self.lengths.numel(), int(self.lengths.sum())
+        self._check_rows(b)
+        if self.tokens.numel() != total:
+            raise ValueError(f"packed tokens hold {self.tokens.numel()} tokens, lengths sum to {total}")
+        if b and int(self.lengths.min()) < 1:
+            raise ValueError(f"lengths must be >= 1, got min {int(self.lengths.min())}")
+        for name in TOKEN_FIELDS:
+            t = getattr(self, name)
+            if t is not None and (t.dim() < 1 or t.shape[0] != total):
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({total}, ...) like the "
+                                 "packed tokens")
+        if self.routed_experts is not None and self.routed_experts.dim() != 3:
+            raise ValueError(f"routed_experts has shape {tuple(self.routed_experts.shape)}, expected "
+                             f"({total}, layers, top-k)")
+        if tuple(self.advantages.shape) not in ((b,), (total,)):
+            raise ValueError(f"advantages have shape {tuple(self.advantages.shape)}, expected ({b},) "
+                             f"or ({total},)")
+        self.loss_mask = self.loss_mask.bool()
+        if b and bool(self.loss_mask[self.offsets[:-1]].any()):
+            raise ValueError("loss_mask is True at a row's first token: no position predicts it")
+
+    # --- form -----------------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
-        return self.tokens.shape[0]
+        return self.lengths.numel() if self.is_packed else self.tokens.shape[0]
+
+    @property
+    def is_packed(self) -> bool:
+        return self.tokens.dim() == 1
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """Packed: [b + 1], row i at offsets[i]:offsets[i + 1] of every per-token field."""
+        return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(self.lengths, 0)])
+
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        """(rows, longest row): the padded form's [b, s]."""
+        if not self.is_packed:
+            return tuple(self.tokens.shape)
+        return self.num_rows, (int(self.lengths.max()) if self.num_rows else 1)
+
+    @property
+    def route_shape(self) -> tuple[int, int] | None:
+        """(layers, top-k) of routed_experts, in either form; None without them."""
+        return None if self.routed_experts is None else tuple(self.routed_experts.shape[-2:])
+
+    def is_token_field(self, name: str) -> bool:
+        t = getattr(self, name)
+        if name != "advantages":
+            return name in TOKEN_FIELDS
+        if not self.is_packed:
+            return t.dim() == 2
+        return t.shape[0] == self.tokens.numel() and t.shape[0] != self.num_rows  # (all 1-token
+        # rows: nothing is trained, per row and per token are the same)
+
+    def _row_positions(self, index: torch.Tensor) -> torch.Tensor:
+        """Packed: the positions of rows `index`'s real tokens, row after row."""
+        lengths = self.lengths[index]
+        starts = self.offsets[:-1][index]
+        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+            torch.cumsum(lengths, 0) - lengths, lengths)
+        return torch.repeat_interleave(starts, lengths) + within
+
+    def _others(self) -> dict:
+        return {"route_layers": self.route_layers}
 
     def select(self, rows: torch.Tensor | list[int] | slice) -> "TrainBatch":
-        """A batch of the given rows (index tensor, list or slice), trimmed to its longest row."""
+        """A batch of the given rows (index tensor, list or slice) in this batch's form; padded:
+        trimmed to its longest row."""
         if isinstance(rows, list):
             rows = torch.tensor(rows, dtype=torch.long)
+        if isinstance(rows, slice) and self.is_packed:
+            rows = torch.arange(self.num_rows)[rows]
         lengths = self.lengths[rows]
+        out = self._others()
+        if self.is_packed:
+            flat = self._row_positions(rows)
+            for f in dataclasses.fields(self):
+                t = getattr(self, f.name)
+                if t is None or f.name in NOT_TENSORS:
+                    continue
+                out[f.name] = t[flat] if self.is_token_field(f.name) else t[rows]
+            return TrainBatch(**out)
         s = int(lengths.max()) if lengths.numel() else 1
-        fields = {}
         for f in dataclasses.fields(self):
             t = getattr(self, f.name)
-            if t is None or f.name in ("mini_batch_sizes", "dp_token_imbalance"):
-                fields[f.name] = None
-            elif t.dim() >= 2:
-                fields[f.name] = t[rows][:, :s]
-            else:
-                fields[f.name] = t[rows]
-        return TrainBatch(**fields)
+            if t is None or f.name in NOT_TENSORS:
+                continue
+            out[f.name] = t[rows][:, :s] if t.dim() >= 2 else t[rows]
+        return TrainBatch(**out)
+
+    def padded(self) -> "TrainBatch":
+        """The padded form (self if it is one): each row's tokens at positions 0..length-1, the
+        padding's values 0 (-1 for weight versions and routes); compact routes as int16."""
+        if not self.is_packed:
+            return self
+        b, s = self.padded_shape
+        real = torch.arange(s)[None, :] < self.lengths[:, None]
+        out = self._others()
+        out.update(mini_batch_sizes=self.mini_batch_sizes, dp_token_imbalance=self.dp_token_imbalance)
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is None or f.name in NOT_TENSORS:
+                continue
+            if self.is_token_field(f.name):
+                if f.name == "routed_experts":
+                    t = wide_routes(t)
+                full = t.new_full((b, s, *t.shape[1:]), PAD.get(f.name, 0))
+                full[real] = t
+                t = full
+            out[f.name] = t
+        return TrainBatch(**out)
+
+    def packed(self) -> "TrainBatch":
+        """The packed form (self if it is one)."""
+        if self.is_packed:
+            return self
+        b, s = self.tokens.shape
+        real = torch.arange(s)[None, :] < self.lengths[:, None]
+        out = self._others()
+        out.update(mini_batch_sizes=self.mini_batch_sizes, dp_token_imbalance=self.dp_token_imbalance)
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is None or f.name in NOT_TENSORS:
+                continue
+            out[f.name] = t[real] if self.is_token_field(f.name) else t
+        return TrainBatch(**out)
+
+    def row_values(self, name: str, row: int) -> torch.Tensor:
+        """The real tokens' values of one row of a per-token field (either form)."""
+        t, n = getattr(self, name), int(self.lengths[row])
+        if self.is_packed:
+            start = int(self.offsets[row])
+            return t[start:start + n]
+        return t[row, :n]
+
+    def row_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """[b] sums over each row's tokens of a per-token tensor of this batch's form."""
+        if not self.is_packed:
+            return values.sum(dim=1)
+        c = torch.cat([values.new_zeros(1), torch.cumsum(values, 0)])
+        o = self.offsets
+        return c[o[1:]] - c[o[:-1]]
+
+    def token_advantages(self) -> torch.Tensor:
+        """The advantages per token ([b, s] or [T]), a per-row advantage on each of its tokens."""
+        if self.is_token_field("advantages"):
+            return self.advantages
+        if self.is_packed:
+            return torch.repeat_interleave(self.advantages, self.lengths)
+        return self.advantages[:, None].expand(self.tokens.shape)
 
     def split(self, sizes: list[int]) -> list["TrainBatch"]:
         """Consecutive blocks of rows of the given sizes (summing to num_rows)."""
@@ -140,153 +316,9 @@ class TrainBatch:
 
     def num_valid_sequences(self) -> int:
         """Rows with at least one trained token (the GSPO mean runs over exactly these)."""
-        return int(self.loss_mask.any(dim=1).sum())
+        return int((self.row_sums(self.loss_mask.long()) > 0).sum())
 
-
-@dataclass
-class MicroBatch:
-    """One micro-batch as the model consumes it (still batch-first; the model transposes)."""
-
-    index: int                               # position in the rank's micro-batch sequence
-    rows: torch.Tensor                       # [m] row indices into the rank's TrainBatch (-1 = filler)
-    tokens: torch.Tensor                     # [m, s_m]
-    position_ids: torch.Tensor               # [m, s_m]
-    loss_mask: torch.Tensor                  # [m, s_m] bool
-    advantages: torch.Tensor                 # [m] or [m, s_m]
-    old_log_probs: torch.Tensor | None       # [m, s_m]
-    rollout_log_probs: torch.Tensor | None   # [m, s_m]
-    ref_log_probs: torch.Tensor | None = None  # [m, s_m]
-    lengths: torch.Tensor | None = None        # [m] real tokens per row (0 for a filler row)
-    routed_experts: torch.Tensor | None = None  # [m, s_m, layers, k] engine routing, -1 = none
-    packed: "PackedInputs | None" = None       # the model's input as one packed sequence (packing.py)
-    targets: torch.Tensor | None = None        # [m, s_m / cp] context parallelism only: see context_chunks
-
-    def to(self, device: torch.device | str) -> "MicroBatch":
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor) or f.name == "packed"
-            and getattr(self, f.name) is not None})
-
-
-def _pad_to(t: torch.Tensor | None, s: int, value=0) -> torch.Tensor | None:
-    if t is None or t.dim() < 2 or t.shape[1] == s:
-        return t
-    if t.shape[1] > s:
-        return t[:, :s]
-    pad = t.new_full((t.shape[0], s - t.shape[1], *t.shape[2:]), value)
-    return torch.cat([t, pad], dim=1)
-
-
-def micro_batches(batch: TrainBatch, num_microbatches: int, *, seq_multiple: int = 1,
-                  ) -> list[MicroBatch]:
-    """Split a rank's rows into exactly `num_microbatches` micro-batches (see module docstring).
-
-    Each micro-batch is padded to its own longest row, rounded up to `seq_multiple` (the TP size
-    under sequence parallelism, which splits the sequence between TP ranks).
-    """
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    out, start = [], 0
-    for index, n in enumerate(balanced_sizes(batch.num_rows, num_microbatches)):
-        out.append(micro_batch(batch, index, list(range(start, start + n)), seq_multiple=seq_multiple))
-        start += n
-    return out
-
-
-def micro_batch(batch: TrainBatch, index: int, rows: list[int], *, seq_multiple: int = 1) -> MicroBatch:
-    """The micro-batch of the given rows of `batch` (any order), padded to its longest row rounded
-    up to `seq_multiple`; no rows: one filler row that trains nothing."""
-    if rows:
-        part = batch.select(torch.tensor(rows, dtype=torch.long))
-        row_index, lengths = torch.tensor(rows, dtype=torch.long), part.lengths
-    else:
-        part, row_index = _filler_like(batch), torch.tensor([-1])
-        lengths = torch.zeros(1, dtype=torch.long)
-    s = -(-part.tokens.shape[1] // seq_multiple) * seq_multiple
-    m = part.num_rows
-    return MicroBatch(
-        index=index, rows=row_index, tokens=_pad_to(part.tokens, s),
-        position_ids=torch.arange(s).unsqueeze(0).expand(m, s).contiguous(),
-        loss_mask=_pad_to(part.loss_mask, s, False),
-        advantages=_pad_to(part.advantages, s),
-        old_log_probs=_pad_to(part.old_log_probs, s),
-        rollout_log_probs=_pad_to(part.rollout_log_probs, s),
-        ref_log_probs=_pad_to(part.ref_log_probs, s), lengths=lengths,
-        routed_experts=_pad_to(part.routed_experts, s, -1))
-
-
-def context_chunks(mb: MicroBatch, rank: int, size: int) -> MicroBatch:
-    """Context-parallel rank `rank`'s part of a micro-batch (size ranks; s_m a multiple of 2 x size):
-    the zig-zag chunks of parallel/context.py of every per-position tensor.
-
-    The model runs on the rank's chunks of tokens and position ids. A target (the next token) can
-    lie in another rank's chunk, so the targets are taken BEFORE splitting (`targets[:, p]` =
-    tokens[:, p + 1], 0 after the end) and every target-aligned tensor (loss_mask, log-probs,
-    token advantages) is moved to the input position that predicts it (column p <- column p + 1;
-    column 0, which nothing predicts, drops out) and split alike. So with `targets` set every
-    per-position tensor of the micro-batch, and the log-probs of forward.last_stage_log_probs, is
-    aligned to INPUT positions; the losses sum over positions and do not care. routed_experts are
-    at input positions already. rows and lengths stay whole.
-    """
-    if mb.packed is not None:
-        raise ValueError("packed micro-batches cannot be split for context parallelism")
-
-    def to_inputs(t: torch.Tensor | None, fill=0) -> torch.Tensor | None:
-        if t is None or t.dim() < 2:
-            return t
-        return torch.cat([t[:, 1:], t.new_full((t.shape[0], 1, *t.shape[2:]), fill)], dim=1)
-
-    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t if t is None or t.dim() < 2 else context.split(t, rank, size)
-
-    return dataclasses.replace(
-        mb, tokens=cut(mb.tokens), position_ids=cut(mb.position_ids), targets=cut(to_inputs(mb.tokens)),
-        loss_mask=cut(to_inputs(mb.loss_mask, False)), advantages=cut(to_inputs(mb.advantages)),
-        old_log_probs=cut(to_inputs(mb.old_log_probs)),
-        rollout_log_probs=cut(to_inputs(mb.rollout_log_probs)),
-        ref_log_probs=cut(to_inputs(mb.ref_log_probs)), routed_experts=cut(mb.routed_experts))
-
-
-def from_input_positions(t: torch.Tensor) -> torch.Tensor:
-    """`[m, s]` values at input positions (context_chunks, joined again) back to target
-    positions: column t <- column t - 1, column 0 = 0."""
-    return torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1)
-
-
-def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
-    """Pad every micro-batch to the largest rows x seq (filler rows: row index -1, nothing trained),
-    for pipelines that run with fixed tensor shapes (variable_seq_lengths=False)."""
-    m = max(mb.tokens.shape[0] for mb in mbs)
-    s = max(mb.tokens.shape[1] for mb in mbs)
-
-    def grow(t: torch.Tensor | None, value=0) -> torch.Tensor | None:
-        if t is None:
-            return None
-        if t.dim() >= 2:
-            t = _pad_to(t, s, value)
-        extra = m - t.shape[0]
-        return t if extra == 0 else torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
-
-    return [MicroBatch(index=mb.index, rows=grow(mb.rows, -1), tokens=grow(mb.tokens),
-                       position_ids=torch.arange(s).unsqueeze(0).expand(m, s).contiguous(),
-                       loss_mask=grow(mb.loss_mask, False), advantages=grow(mb.advantages),
-                       old_log_probs=grow(mb.old_log_probs),
-                       rollout_log_probs=grow(mb.rollout_log_probs),
-                       ref_log_probs=grow(mb.ref_log_probs), lengths=grow(mb.lengths),
-                       routed_experts=grow(mb.routed_experts, -1)) for mb in mbs]
-
-
-def _filler_like(batch: TrainBatch) -> TrainBatch:
-    """One row, one token, nothing trained: a placeholder for a micro-batch without rows."""
-    def like(t, dtype=None):
-        if t is None:
-            return None
-        return torch.zeros((1,) + (1,) * (t.dim() - 1), dtype=dtype or t.dtype)
-    return TrainBatch(tokens=torch.zeros(1, 1, dtype=torch.long), lengths=torch.ones(1, dtype=torch.long),
-                      loss_mask=torch.zeros(1, 1, dtype=torch.bool), advantages=like(batch.advantages),
-                      rollout_log_probs=like(batch.rollout_log_probs),
-                      weight_versions=like(batch.weight_versions),
-                      old_log_probs=like(batch.old_log_probs),
-                      ref_log_probs=like(batch.ref_log_probs),
-                      routed_experts=None if batch.routed_experts is None else torch.full(
-                          (1, 1, *batch.routed_experts.shape[2:]), -1, dtype=batch.routed_experts.dtype))
+    def nbytes(self) -> int:
+        """Bytes of the batch's tensors (what it holds in memory)."""
+        return sum(t.numel() * t.element_size() for f in dataclasses.fields(self)
+                   if isinstance(t := getattr(self, f.name), torch.Tensor))

@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.batch import MicroBatch, TrainBatch, balanced_sizes, micro_batch
+from gspo_megatron.actor.balance import balanced_sizes
+from gspo_megatron.actor.batch import TrainBatch
+from gspo_megatron.actor.micro_batch import MicroBatch, micro_batch
 from gspo_megatron.actor.packing import pack
 from gspo_megatron.parallel.comm import comm_device
 

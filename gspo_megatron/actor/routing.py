@@ -40,7 +40,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router import TopKRouter
 
-from gspo_megatron.actor.batch import MicroBatch
+from gspo_megatron.actor.batch import TrainBatch, wide_routes
+from gspo_megatron.actor.micro_batch import MicroBatch
 from gspo_megatron.algorithms.routing import drift_counts
 from gspo_megatron.parallel.comm import comm_device
 from gspo_megatron.parallel.model_chunks import unwrap
@@ -100,6 +101,22 @@ def _token_coords(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return rows.reshape(-1), pos.reshape(-1)
 
 
+def check_routed_experts(batch: TrainBatch, config) -> None:
+    """ValueError unless the batch's routes fit the model: (layers, top-k) per token, the layers it
+    names inside the model, expert ids below its expert count."""
+    layers = config.num_layers if batch.route_layers is None else len(batch.route_layers)
+    want = (layers, config.moe_router_topk)
+    if batch.route_shape != want:
+        raise ValueError(f"routed_experts have {batch.route_shape} (layers, top-k) per token, "
+                         f"expected {want}")
+    if batch.route_layers is not None and any(not 0 <= x < config.num_layers for x in batch.route_layers):
+        raise ValueError(f"route_layers {batch.route_layers}: the model has {config.num_layers} layers")
+    routed = wide_routes(batch.routed_experts)
+    if routed.numel() and int(routed.max()) >= (config.num_moe_experts or 0):
+        raise ValueError(f"routed_experts name expert {int(routed.max())}, the model has "
+                         f"{config.num_moe_experts}")
+
+
 class Routing:
     """The controls of one Actor's routers, and what one pass over a batch does with them."""
 
@@ -122,6 +139,11 @@ class Routing:
     def has_routers(self) -> bool:
         return any(self.controls.values())
 
+    @property
+    def layers(self) -> list[int]:
+        """The global MoE layers this rank's chunks route (its pipeline stage's)."""
+        return sorted(c.layer for found in self.controls.values() for c in found)
+
     def check_supported(self, config, *, replay: bool) -> None:
         """ValueError if the model cannot run the routing tools. Recomputation matters to replay
         only: drift and the engine comparison record in forward-only passes, which recompute
@@ -137,8 +159,16 @@ class Routing:
 
     # --- one pass ---------------------------------------------------------------------------------
     def begin(self, *, replay: bool, record: bool, compare_old: bool, compare_engine: bool,
-              batch_shape: tuple[int, int]) -> None:
-        """Start a pass over a rank's batch of `batch_shape` (rows, positions)."""
+              batch_shape: tuple[int, int], route_layers: list[int] | None = None) -> None:
+        """Start a pass over a rank's batch of `batch_shape` (rows, longest row). route_layers:
+        the global layers of the batch's routed_experts axis (a pipeline stage receives its own
+        only); None: all of them."""
+        axis = {layer: layer for layer in range(self.num_layers)} if route_layers is None else \
+            {layer: i for i, layer in enumerate(route_layers)}
+        own = self.layers
+        if (replay or compare_engine) and any(layer not in axis for layer in own):
+            raise ValueError(f"routed_experts hold layers {sorted(axis)}, this rank's routers are "
+                             f"layers {own}")
         if record:
             self.table, self.recorded_shape = {}, batch_shape
         elif compare_old and self.recorded_shape != batch_shape:
@@ -146,7 +176,8 @@ class Routing:
                                f"{self.recorded_shape}, batch {batch_shape}); run the old-log-prob "
                                "pass with routing drift on first")
         self._pass = dict(replay=replay, record=record, compare_old=compare_old,
-                          compare_engine=compare_engine, shape=batch_shape, mb=None, counts={})
+                          compare_engine=compare_engine, shape=batch_shape, mb=None, counts={},
+                          axis=axis)
 
     def before_forward(self, model: torch.nn.Module, mb: MicroBatch) -> None:
         """Called in forward_step with the micro-batch (on its device) the chunk is about to run."""
@@ -166,7 +197,7 @@ class Routing:
         for control in controls:
             control.target = None
             if p["replay"] and mb.routed_experts is not None:
-                target = mb.routed_experts[r, q, control.layer].long()
+                target = mb.routed_experts[r, q, p["axis"][control.layer]].long()
                 control.target = torch.where(real[:, None], target, -1)
 
     def observe(self, control: RouterControl, natural: torch.Tensor, used: bool = False) -> None:
@@ -178,7 +209,7 @@ class Routing:
         natural = natural.detach()
         if used:  # a self-check: every replayed set is the engine's (routing_replay_mismatch = 0)
             if p["compare_engine"]:
-                engine = t["routed"][t["rows"], t["pos"], layer].long().to(natural.device)
+                engine = t["routed"][t["rows"], t["pos"], p["axis"][layer]].long().to(natural.device)
                 self._count("replay", layer, engine, natural, t["mask"])
             return
         if p["record"]:
@@ -197,7 +228,7 @@ class Routing:
             rows, pos = t["batch_rows"].clamp(min=0), t["pos"].clamp(max=p["shape"][1] - 1)
             self._count("drift", layer, old[rows, pos].long(), natural, t["mask"] & inside)
         if p["compare_engine"] and t["routed"] is not None:
-            engine = t["routed"][t["rows"], t["pos"], layer].long().to(natural.device)
+            engine = t["routed"][t["rows"], t["pos"], p["axis"][layer]].long().to(natural.device)
             self._count("engine", layer, engine, natural, t["mask"])
 
     def _count(self, kind: str, layer: int, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> None:

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from gspo_megatron.actor import microbatches
-from gspo_megatron.actor.batch import MicroBatch, TrainBatch, from_input_positions
+from gspo_megatron.actor.batch import TrainBatch
+from gspo_megatron.actor.micro_batch import MicroBatch, from_input_positions
 from gspo_megatron.actor.forward import BeforeForward, is_last_stage_rank, run_schedule, seq_multiple
 from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings
 from gspo_megatron.algorithms.loss_metrics import finalize_metrics
@@ -214,30 +215,41 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
                       batching: MicroBatchSettings, logprob: LogProbSettings,
                       before_forward: BeforeForward | None = None,
                       ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Forward-only pass over this DP rank's shard: `(log_probs [b, s], metrics)`.
+    """Forward-only pass over this DP rank's shard: `(log_probs, metrics)`, the log-probs in the
+    batch's form ([b, s] padded, [T] packed: TrainBatch).
 
     The log-probs exist on the last pipeline stage only (None elsewhere); the caller keeps them as
     the batch's old_log_probs or ref_log_probs. The metrics (mean log-prob, entropy and, with
     rollout log-probs, the |train - rollout| mismatch) are the same on every rank.
     """
     mbs = plan(batch, batching, forward_only=True)
-    b, s = batch.tokens.shape
-    kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # (rows, log-probs [m, s]) on the device
+    # Where each micro-batch's real tokens go in the output (host, planned before the schedule):
+    # its rows' positions 0..length-1, in the batch's form.
+    starts = batch.offsets[:-1] if batch.is_packed else torch.arange(batch.num_rows) * batch.padded_shape[1]
+    kept: list[torch.Tensor] = []  # each micro-batch's real tokens' log-probs, on the device
+    dests: list[torch.Tensor] = []
 
     def keep(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
         report, zero = _token_totals(mb, log_probs, entropy), log_probs.sum() * 0.0
         if mb.targets is not None:  # context parallel: this rank's chunks, at input positions
             log_probs = from_input_positions(context.all_gather(log_probs, _cp_group()))
-        width = min(s, log_probs.shape[1])
-        kept.append((mb.rows, torch.nn.functional.pad(log_probs[:, :width].float(), (0, s - width))))
+        rows, lengths = mbs[mb.index].rows, mbs[mb.index].lengths  # host copies
+        real = rows >= 0  # filler rows: -1
+        rows, lengths = rows[real], lengths[real]
+        first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        within = torch.arange(int(lengths.sum())) - first
+        local = torch.arange(len(real))[real]
+        source = torch.repeat_interleave(local * log_probs.shape[1], lengths) + within
+        kept.append(log_probs.reshape(-1)[source.to(log_probs.device)].float())
+        dests.append(torch.repeat_interleave(starts[rows], lengths) + within)
         return zero, report
 
     reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True, before_forward=before_forward)
-    out = torch.zeros(b, s, dtype=torch.float32)
-    if kept:  # one copy to the host after the schedule, not one per micro-batch (filler rows: -1)
-        rows = torch.cat([r for r, _ in kept]).cpu()
-        values = torch.cat([v for _, v in kept]).cpu()
-        out[rows[rows >= 0]] = values[rows >= 0]
+    out = torch.zeros(batch.tokens.numel() if batch.is_packed else batch.padded_shape[0] * batch.padded_shape[1],
+                      dtype=torch.float32)
+    if kept:  # one copy to the host after the schedule, not one per micro-batch
+        out[torch.cat(dests)] = torch.cat(kept).cpu()
+    out = out if batch.is_packed else out.reshape(batch.padded_shape)
     keys = {k: "sum" for k in ("num_tokens", "entropy_sum", "log_prob_sum")}
     if batch.rollout_log_probs is not None:
         keys.update(rollout_abs_diff_sum="sum", rollout_k3_sum="sum", rollout_tokens="sum")
@@ -271,9 +283,10 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     num_mb = len(mbs)
     local = int(batch.loss_mask.sum()) if loss.name == "ce" else batch.num_valid_sequences()
     if correct and is_last_stage_rank():  # MIS may leave rows without trained tokens: not counted
-        mask = mismatch_correction(batch.old_log_probs, batch.rollout_log_probs, batch.loss_mask,
-                                   **loss.mismatch_kwargs()).loss_mask
-        local = int(mask.any(dim=1).sum())
+        # (per micro-batch: padded to its own rows only; filler rows train nothing)
+        local = sum(int(mismatch_correction(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
+                                            **loss.mismatch_kwargs()).loss_mask.any(dim=1).sum())
+                    for mb in mbs)
     global_count = _global_count(local)
     # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
     scale = num_mb * ps.get_data_parallel_world_size() / max(global_count, 1)

@@ -16,12 +16,13 @@ import torch
 def distillation_advantages(advantages: torch.Tensor, old_log_probs: torch.Tensor,
                             teacher_log_probs: torch.Tensor, loss_mask: torch.Tensor, *,
                             coef: float, reward_coef: float) -> torch.Tensor:
-    """[b, s] per-token advantages. advantages: [b] (sequence) or [b, s] (per-token, e.g. turn
-    credit); old_log_probs, teacher_log_probs: [b, s] at target positions; loss_mask: [b, s]."""
+    """Per-token advantages, shaped as old_log_probs: [b, s] (a padded batch) or [T] (packed).
+    advantages: per token like old_log_probs (e.g. turn credit; TrainBatch.token_advantages()) or,
+    padded, [b] (sequence); old_log_probs, teacher_log_probs, loss_mask: at target positions."""
     if old_log_probs.shape != teacher_log_probs.shape or old_log_probs.shape != loss_mask.shape:
         raise ValueError(f"old {tuple(old_log_probs.shape)}, teacher {tuple(teacher_log_probs.shape)} and "
                          f"loss_mask {tuple(loss_mask.shape)} log-probs must have one shape")
-    task = advantages[:, None].expand_as(old_log_probs) if advantages.dim() == 1 else advantages
+    task = advantages if advantages.shape == old_log_probs.shape else advantages[:, None].expand_as(old_log_probs)
     term = (teacher_log_probs - old_log_probs).detach()
     out = reward_coef * task.to(old_log_probs.dtype) + coef * term
     return torch.where(loss_mask.bool(), out, torch.zeros_like(out))
