@@ -216,7 +216,9 @@ class Actor:
         from gspo_megatron.actor.transfer import scatter_rows
         return scatter_rows(rank, make, dp_rank=self.dp_rank, dp_size=self.dp_size,
                             num_mini_batches=num_mini_batches, work=self.row_work(),
-                            route_layers=self.routing.layers)
+                            route_layers=self.routing.layers,
+                            replica_group=ps.get_model_parallel_group(),
+                            stage_group=ps.get_tensor_model_parallel_group())
 
     def row_work(self):
         """batching.dp_balance's per-row work estimate (balance.model_work); None: by row count."""
