@@ -77,3 +77,67 @@ def test_micro_batches_fill_empty_ones_and_pad_to_multiple():
         assert mb.position_ids[0].tolist() == list(range(mb.tokens.shape[1]))
     empty = batch.select(slice(0, 0))
     assert [mb.rows.tolist() for mb in micro_batches(empty, 2)] == [[-1], [-1]]
+
+
+# --- the packed form (issue 29): real tokens only, from the driver to the micro-batches -----------
+def _equal(a: TrainBatch, b: TrainBatch) -> None:
+    import dataclasses
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f.name
+
+
+def _with_routes(batch: TrainBatch, token_advantages: bool = False) -> TrainBatch:
+    import dataclasses
+    b, s = batch.tokens.shape
+    real = torch.arange(s)[None] < batch.lengths[:, None]
+    routes = torch.where(real[..., None, None], torch.randint(0, 9, (b, s, 3, 2)), -1).to(torch.int16)
+    adv = torch.where(batch.loss_mask, torch.randn(b, s), 0.0) if token_advantages else batch.advantages
+    return dataclasses.replace(batch, routed_experts=routes, advantages=adv,  # padding as the rollout's
+                               weight_versions=torch.where(real, 4, -1), tokens=torch.where(real, batch.tokens, 0),
+                               rollout_log_probs=torch.where(real, batch.rollout_log_probs, 0.0))
+
+
+@pytest.mark.parametrize("token_advantages", [False, True])
+def test_packed_form_round_trips_and_splits_as_the_padded_one(token_advantages):
+    padded = _with_routes(_batch(), token_advantages)
+    packed = padded.packed()
+    assert packed.is_packed and packed.tokens.numel() == int(padded.lengths.sum())
+    assert packed.is_token_field("advantages") == token_advantages
+    _equal(packed.padded(), padded)  # the padding comes back with its values (-1 for routes, versions)
+    # uint8 routes (a byte per expert id, 255 = none) widen back to the same int16
+    from gspo_megatron.actor.batch import compact_routes
+    import dataclasses
+    _equal(dataclasses.replace(packed, routed_experts=compact_routes(packed.routed_experts)).padded(), padded)
+    for rows in ([3, 0, 7], [5]):
+        _equal(packed.select(rows).padded(), padded.select(rows))
+    empty = packed.select([])  # a DP rank without rows (fewer rows than ranks)
+    assert empty.num_rows == 0 and empty.tokens.numel() == 0 and micro_batches(empty, 1)[0].rows.tolist() == [-1]
+    for a, b in zip(packed.shard(1, 3, 2).mini_batches(), padded.shard(1, 3, 2).mini_batches()):
+        _equal(a.padded(), b)
+        assert a.num_valid_sequences() == b.num_valid_sequences()
+        assert torch.equal(a.row_sums(a.loss_mask.long()), b.loss_mask.sum(1))
+        real = torch.arange(b.padded_shape[1])[None] < b.lengths[:, None]
+        assert torch.equal(a.token_advantages(), b.token_advantages()[real])
+    for i in range(padded.num_rows):
+        assert torch.equal(packed.row_values("tokens", i), padded.tokens[i, :int(padded.lengths[i])])
+    # a micro-batch of packed rows is the padded rows' micro-batch
+    for a, b in zip(micro_batches(packed, 3), micro_batches(padded, 3)):
+        for f in dataclasses.fields(a):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f.name
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(tokens=torch.zeros(5, dtype=torch.long)), r"packed tokens hold 5 tokens, lengths sum to 6"),
+    (dict(loss_mask=torch.ones(6, dtype=torch.bool)), r"loss_mask is True at a row's first token"),
+    (dict(rollout_log_probs=torch.zeros(4)), r"rollout_log_probs has shape \(4,\), expected \(6, ...\)"),
+    (dict(advantages=torch.zeros(3)), r"advantages have shape \(3,\), expected \(2,\) or \(6,\)"),
+    (dict(routed_experts=torch.zeros(6, 2, 2, 1)), r"routed_experts has shape \(6, 2, 2, 1\), expected \(6, layers, top-k\)"),
+    (dict(routed_experts=torch.zeros(6, 2, 2), route_layers=[0]), r"route_layers \[0\] name 1 layers, routed_experts hold 2"),
+])
+def test_bad_packed_batches_name_the_problem(change, message):
+    fields = dict(tokens=torch.zeros(6, dtype=torch.long), lengths=torch.tensor([4, 2]),
+                  loss_mask=torch.tensor([0, 1, 1, 1, 0, 1], dtype=torch.bool), advantages=torch.zeros(2))
+    with pytest.raises(ValueError, match=message):
+        TrainBatch(**{**fields, **change})
