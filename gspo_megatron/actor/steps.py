@@ -210,6 +210,25 @@ def _padding_metrics(mbs: list[MicroBatch]) -> dict[str, float]:
             "max_micro_batch_tokens": float(largest.item())}
 
 
+def _token_places(batch: TrainBatch, mbs: list[MicroBatch]):
+    """Where each micro-batch's real tokens are: per micro-batch, each token's row in it and its
+    position in the row (host tensors), and for all of them in micro-batch order, the token's place
+    in the batch's log-probs (its form: [T] packed, [b * s] padded). Planned on the host, before the
+    schedule, in a constant number of conversions (no per-micro-batch one: test_host_syncs)."""
+    starts = batch.offsets[:-1] if batch.is_packed else torch.arange(batch.num_rows) * batch.padded_shape[1]
+    rows = torch.cat([mb.rows for mb in mbs])
+    lengths = torch.cat([mb.lengths for mb in mbs])
+    local = torch.cat([torch.arange(mb.rows.numel()) for mb in mbs])
+    mb_of = torch.cat([torch.full((mb.rows.numel(),), i) for i, mb in enumerate(mbs)])
+    real = rows >= 0  # filler rows: -1
+    rows, lengths, local, mb_of = rows[real], lengths[real], local[real], mb_of[real]
+    total = int(lengths.sum())
+    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    dest = torch.repeat_interleave(starts[rows], lengths) + within
+    per_mb = torch.zeros(len(mbs), dtype=torch.long).index_add_(0, mb_of, lengths).tolist()
+    return (torch.repeat_interleave(local, lengths).split(per_mb), within.split(per_mb), dest)
+
+
 @torch.no_grad()
 def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
                       batching: MicroBatchSettings, logprob: LogProbSettings,
@@ -223,32 +242,22 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
     rollout log-probs, the |train - rollout| mismatch) are the same on every rank.
     """
     mbs = plan(batch, batching, forward_only=True)
-    # Where each micro-batch's real tokens go in the output (host, planned before the schedule):
-    # its rows' positions 0..length-1, in the batch's form.
-    starts = batch.offsets[:-1] if batch.is_packed else torch.arange(batch.num_rows) * batch.padded_shape[1]
-    kept: list[torch.Tensor] = []  # each micro-batch's real tokens' log-probs, on the device
-    dests: list[torch.Tensor] = []
+    local, within, dest = _token_places(batch, mbs)
+    kept: dict[int, torch.Tensor] = {}  # each micro-batch's real tokens' log-probs, on the device
 
     def keep(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor):
         report, zero = _token_totals(mb, log_probs, entropy), log_probs.sum() * 0.0
         if mb.targets is not None:  # context parallel: this rank's chunks, at input positions
             log_probs = from_input_positions(context.all_gather(log_probs, _cp_group()))
-        rows, lengths = mbs[mb.index].rows, mbs[mb.index].lengths  # host copies
-        real = rows >= 0  # filler rows: -1
-        rows, lengths = rows[real], lengths[real]
-        first = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-        within = torch.arange(int(lengths.sum())) - first
-        local = torch.arange(len(real))[real]
-        source = torch.repeat_interleave(local * log_probs.shape[1], lengths) + within
-        kept.append(log_probs.reshape(-1)[source.to(log_probs.device)].float())
-        dests.append(torch.repeat_interleave(starts[rows], lengths) + within)
+        source = local[mb.index] * log_probs.shape[1] + within[mb.index]
+        kept[mb.index] = log_probs.reshape(-1)[source.to(log_probs.device)].float()
         return zero, report
 
     reports = run_schedule(chunks, mbs, logprob, keep, forward_only=True, before_forward=before_forward)
     out = torch.zeros(batch.tokens.numel() if batch.is_packed else batch.padded_shape[0] * batch.padded_shape[1],
                       dtype=torch.float32)
     if kept:  # one copy to the host after the schedule, not one per micro-batch
-        out[torch.cat(dests)] = torch.cat(kept).cpu()
+        out[dest] = torch.cat([kept[i] for i in range(len(mbs))]).cpu()  # in micro-batch order
     out = out if batch.is_packed else out.reshape(batch.padded_shape)
     keys = {k: "sum" for k in ("num_tokens", "entropy_sum", "log_prob_sum")}
     if batch.rollout_log_probs is not None:
