@@ -2,7 +2,8 @@
 packed without padding, over the backend (NCCL on GPU, gloo on CPU).
 
     out = scatter_rows(rank, make, dp_rank=..., dp_size=..., num_mini_batches=4, work=work_fn,
-                       route_layers=actor.routing.layers)
+                       route_layers=actor.routing.layers, replica_group=ps.get_model_parallel_group(),
+                       stage_group=ps.get_tensor_model_parallel_group())
     # None (rank 0's `make` returned None: every rank gets None), or
     # (shard, extras, stats): this rank's TrainBatch, packed (equal to shard(...) of the global
     # batch, packed, with only this pipeline stage's routing layers), rank 0's small side results
@@ -17,17 +18,17 @@ Now rank 0 (which holds the step's batch packed, rollout_batch.samples_to_batch)
 2. broadcasts a small header (pickled: the metrics and each DP rank's manifest of field names,
    dtypes and shapes: O(DP x fields), not O(tokens));
 3. for one DP rank at a time, packs its rows (a per-row field as it is, a per-token field as its
-   rows' real tokens concatenated; every field viewed as bytes, one buffer) and sends it to the
-   ranks of that replica (TP/PP/CP peers get the same one; expert-parallel ranks are carved out
-   of data parallelism and have rows of their own); then, per pipeline stage of the replica, a
-   second buffer with the routing replay layers that stage owns (uint8 expert ids, 255 = none, up
-   to 255 experts);
+   rows' real tokens concatenated; every field viewed as bytes, one buffer) and sends it once to
+   each replica unit of that DP rank, whose leader broadcasts it over the unit's group (_Relay:
+   TP/PP peers hold the same rows; CP peers and a layout without usable groups get their own
+   copies; expert-parallel ranks are carved out of data parallelism and have rows of their own);
+   then, per pipeline stage of the replica, a second buffer with the routing replay layers that
+   stage owns (uint8 expert ids, 255 = none, up to 255 experts), relayed over the stage's
+   tensor-parallel group alike;
 4. frees each buffer once sent: besides the batch, rank 0 holds one DP rank's rows at a time.
 A rank allocates its buffers from the manifest, receives, and keeps them as its packed TrainBatch:
 what it holds is its own rows' real tokens and its own stage's layers, not the step's batch, its
-longest row or every layer. The actor pads per micro-batch only (microbatches.micro_batch).
-
-Not done: a relay inside a replica (rank 0 sends each of a replica's ranks its buffer itself).
+longest row or every layer. The actor pads per micro-batch only (micro_batch.micro_batch).
 """
 from __future__ import annotations
 
