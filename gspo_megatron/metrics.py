@@ -126,8 +126,8 @@ TAGS = {
                                 "mini-batch of the step (1 = even; train.dp_balance shares the rows)",
     "batch/bytes_per_rank": "bytes of the rollout batch the fullest rank received (its own rows, packed: "
                             "actor/transfer.py)",
-    "time/batch_transfer": "seconds rank 0 spent packing the batch and sending each rank its rows "
-                           "(inside time/rollout)",
+    "time/batch_transfer": "seconds rank 0 spent packing the batch and sending the ranks their rows, "
+                           "once per replica (its leader relays them; inside time/rollout)",
     "perf/rollout_tokens_per_s": "generated tokens / rollout seconds",
     "perf/sync_gb_per_s": "weight sync throughput into SGLang (GB of HF tensors / sync seconds)",
 }
