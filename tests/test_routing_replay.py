@@ -79,13 +79,16 @@ def _run(rank, world, layout_kwargs, options, init_state):
         init = {k: v.numpy() for k, v in actor.full_state_dict().items()}
     else:
         actor.load_full_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()})
-    shard = actor.shard(make_batch())
+    batch = make_batch()
+    if options.get("packed_rows"):  # the trainer's form: real tokens only (issue 29)
+        batch = batch.packed()
+    shard = actor.shard(batch)
     if mode == "megatron":
         _megatron_replay(actor, shard)
         shard.routed_experts = None
     shard.old_log_probs, old_metrics = actor.compute_old_log_probs(shard)
     keeps = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
-    old = (shard.global_rows.numpy(), shard.old_log_probs.numpy()) if keeps else None
+    old = (shard.global_rows.numpy(), shard.padded().old_log_probs.numpy()) if keeps else None
     out = dict(old=old, old_metrics=old_metrics, init=init)
     if mode != "megatron":
         out["train"] = actor.train_step(shard)
@@ -138,7 +141,10 @@ def test_replay_equals_megatron_forced_forward(megatron_forced, one_process):
 @pytest.mark.parametrize("layout", [dict(tensor=2), dict(expert=2), dict(pipeline=2)],
                          ids=["tp2", "ep2", "pp2"])
 def test_replay_under_layouts(megatron_forced, one_process, layout):
-    results = run_distributed(_run, 2, (layout, {"mode": "replay"}, megatron_forced["init"]), timeout=420)
+    # The layouts run on packed rows (replay, the recorded drift table, the mismatch corrections'
+    # row counts), the one-process reference on padded ones.
+    results = run_distributed(_run, 2, (layout, {"mode": "replay", "packed_rows": True}, megatron_forced["init"]),
+                              timeout=420)
     want, valid = _log_probs([megatron_forced])
     got, _ = _log_probs(results)
     assert float((got - want)[valid].abs().max()) <= TOL

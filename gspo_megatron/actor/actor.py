@@ -273,7 +273,7 @@ class Actor:
                              "for them: moe.engine_routing)")
         self.routing.begin(replay=replay, record=record, compare_old=compare_old,
                            compare_engine=compare_engine, batch_shape=batch.padded_shape,
-                           route_layers=batch.route_layers)
+                           route_layers=batch.route_layers, offsets=batch.offsets)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's shard of a mini-batch; the same metrics on every rank:

@@ -131,7 +131,8 @@ class Routing:
                     found.append(module.router_replay)
             self.controls[id(chunk)] = found
         self._pass: dict | None = None
-        self.table: dict[int, torch.Tensor] = {}  # layer -> [b + 1, s, k] int16: the old pass's choice (row b: a sink)
+        self.table: dict[int, torch.Tensor] = {}  # layer -> [T + 1, k] int16: the old pass's choice per
+        # real token of the rank's batch, row after row (packed; entry T: a sink)
         self.recorded_shape: tuple[int, int] | None = None  # the same on every rank (no table
         # on a stage without MoE layers), so every rank takes the same collectives
 
@@ -159,25 +160,30 @@ class Routing:
 
     # --- one pass ---------------------------------------------------------------------------------
     def begin(self, *, replay: bool, record: bool, compare_old: bool, compare_engine: bool,
-              batch_shape: tuple[int, int], route_layers: list[int] | None = None) -> None:
+              batch_shape: tuple[int, int], route_layers: list[int] | None = None,
+              offsets: torch.Tensor | None = None) -> None:
         """Start a pass over a rank's batch of `batch_shape` (rows, longest row). route_layers:
         the global layers of the batch's routed_experts axis (a pipeline stage receives its own
-        only); None: all of them."""
+        only); None: all of them. offsets: [rows + 1], where each row's real tokens start in the
+        batch's packed order (TrainBatch.offsets), for the recorded choices of routing drift."""
         axis = {layer: layer for layer in range(self.num_layers)} if route_layers is None else \
             {layer: i for i, layer in enumerate(route_layers)}
         own = self.layers
         if (replay or compare_engine) and any(layer not in axis for layer in own):
             raise ValueError(f"routed_experts hold layers {sorted(axis)}, this rank's routers are "
                              f"layers {own}")
+        if offsets is None:
+            offsets = torch.arange(batch_shape[0] + 1) * batch_shape[1]
+        total = int(offsets[-1])
         if record:
-            self.table, self.recorded_shape = {}, batch_shape
-        elif compare_old and self.recorded_shape != batch_shape:
+            self.table, self.recorded_shape = {}, (*batch_shape, total)
+        elif compare_old and self.recorded_shape != (*batch_shape, total):
             raise RuntimeError(f"routing drift: no recorded pass over this batch (recorded "
                                f"{self.recorded_shape}, batch {batch_shape}); run the old-log-prob "
                                "pass with routing drift on first")
         self._pass = dict(replay=replay, record=record, compare_old=compare_old,
                           compare_engine=compare_engine, shape=batch_shape, mb=None, counts={},
-                          axis=axis)
+                          axis=axis, offsets=offsets, total=total)
 
     def before_forward(self, model: torch.nn.Module, mb: MicroBatch) -> None:
         """Called in forward_step with the micro-batch (on its device) the chunk is about to run."""
@@ -194,6 +200,13 @@ class Routing:
         predicts[:, :-1] = mb.loss_mask[:, 1:]
         p["mb"] = dict(rows=r, pos=q, real=real, mask=predicts[r, q] & real,
                        batch_rows=mb.rows[r], routed=mb.routed_experts)
+        if p["record"] or p["compare_old"]:  # each token's place in the recorded table
+            if not isinstance(p["offsets"], torch.Tensor) or p["offsets"].device != r.device:
+                p["offsets"] = torch.as_tensor(p["offsets"]).to(r.device)
+            batch_rows = mb.rows[r]
+            inside = real & (batch_rows >= 0) & (q < mb.lengths[r])  # a real token of a real row
+            p["mb"].update(inside=inside, place=torch.where(
+                inside, p["offsets"][batch_rows.clamp(min=0)] + q, p["total"]))
         for control in controls:
             control.target = None
             if p["replay"] and mb.routed_experts is not None:
@@ -213,20 +226,15 @@ class Routing:
                 self._count("replay", layer, engine, natural, t["mask"])
             return
         if p["record"]:
-            b, s = p["shape"]
-            if layer not in self.table:  # row b: a sink for tokens not kept (see below)
-                self.table[layer] = torch.full((b + 1, s, natural.shape[1]), -1, dtype=torch.int16,
+            if layer not in self.table:  # entry T: a sink for tokens not kept (see below)
+                self.table[layer] = torch.full((p["total"] + 1, natural.shape[1]), -1, dtype=torch.int16,
                                                device=natural.device)
-            keep = t["real"] & (t["batch_rows"] >= 0) & (t["pos"] < s)
-            # Writes of tokens not kept go to the sink row: boolean indexing (table[rows[keep]])
+            # Writes of tokens not kept go to the sink: boolean indexing (table[place[inside]])
             # would wait for the device to learn how many tokens are kept, per layer.
-            rows, pos = torch.where(keep, t["batch_rows"], b), torch.where(keep, t["pos"], 0)
-            self.table[layer][rows, pos] = natural.to(torch.int16)
+            self.table[layer][t["place"]] = natural.to(torch.int16)
         if p["compare_old"] and layer in self.table:
             old = self.table[layer].to(natural.device)
-            inside = t["real"] & (t["batch_rows"] >= 0) & (t["pos"] < p["shape"][1])
-            rows, pos = t["batch_rows"].clamp(min=0), t["pos"].clamp(max=p["shape"][1] - 1)
-            self._count("drift", layer, old[rows, pos].long(), natural, t["mask"] & inside)
+            self._count("drift", layer, old[t["place"]].long(), natural, t["mask"] & t["inside"])
         if p["compare_engine"] and t["routed"] is not None:
             engine = t["routed"][t["rows"], t["pos"], p["axis"][layer]].long().to(natural.device)
             self._count("engine", layer, engine, natural, t["mask"])
