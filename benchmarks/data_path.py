@@ -55,11 +55,10 @@ def build_packed(lengths: list[int], layers: int = 0, topk: int = 8):
     """The driver's batch as rollout_batch.samples_to_batch builds it: packed, routes compact."""
     import torch
 
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batch import TrainBatch, positions_in_rows
     lens = torch.tensor(lengths)
     total = int(lens.sum())
-    starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-    trained = (torch.arange(total) - starts) >= 512
+    trained = positions_in_rows(lens) >= 512
     routes = torch.randint(0, 128, (total, layers, topk), dtype=torch.uint8) if layers else None
     return TrainBatch(tokens=torch.randint(1, 150000, (total,)), lengths=lens, loss_mask=trained,
                       advantages=torch.randn(len(lengths)),
@@ -153,7 +152,7 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layer
                      own=max(e["own"] for e in everyone), grew=max(e["grew"] for e in others),
                      keeps_over_own=max(e["keeps"] / e["own"] for e in others),
                      keeps=max(e["keeps"] for e in others), imbalance=imbalance,
-                     driver_routes=driver_routes, driver_grew=everyone[0]["grew"]))
+                     driver_routes=driver_routes))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -238,13 +237,15 @@ def routing_replay(args) -> None:
     real = sum(lengths)
     compact = real * layers * topk
     assert r["driver_routes"] == compact, (r["driver_routes"], compact)  # once, a byte per id
-    old = rows * max(lengths) * (layers * topk * 2 + 21)  # int16 routes + the fields, padded, per rank
+    def old_path(lengths):  # every rank: int16 routes and the 21 bytes of fields, padded
+        return len(lengths) * max(lengths) * (layers * topk * 2 + 21)
+    old = old_path(lengths)
     print(f"| {rows:,} | {max(lengths)} | {r['keeps'] / GiB:.3f} | {r['own'] / GiB:.3f} | "
           f"{r['keeps_over_own']:.2f} | {r['grew'] / GiB:.2f} | {r['seconds']:.2f} | "
           f"{r['driver_routes'] / GiB:.3f} | {old / GiB:.1f} (projected) |")
     big = lengths_for(args.project, args.max_len, args.seed)
     k = sum(big) / real  # the figures grow with real tokens
-    old_big = args.project * max(big) * (layers * topk * 2 + 21)
+    old_big = old_path(big)
     print(f"| {args.project:,} (projected) | {max(big)} | {r['keeps'] * k / GiB:.3f} | {r['own'] * k / GiB:.3f} | "
           f"{r['keeps_over_own']:.2f} | {r['grew'] * k / GiB:.2f} | {r['seconds'] * k:.1f} | "
           f"{sum(big) * layers * topk / GiB:.3f} | {old_big / GiB:.1f} |", flush=True)

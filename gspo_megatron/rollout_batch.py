@@ -75,8 +75,8 @@ def routed_experts(samples: list[Sample], total: int) -> torch.Tensor | None:
             if tuple(s.routed_experts.shape) != (n, *shape):
                 raise ValueError(f"sample {s.group_id}/{s.index}: routed experts of shape "
                                  f"{tuple(s.routed_experts.shape)}, expected ({n}, {shape})")
-            out[start:start + n] = compact_routes(torch.from_numpy(s.routed_experts.astype("int16"))) \
-                if not wide else torch.from_numpy(s.routed_experts.astype("int16"))
+            routes = torch.from_numpy(s.routed_experts.astype("int16"))
+            out[start:start + n] = routes if wide else compact_routes(routes)
         start += n
     return out
 

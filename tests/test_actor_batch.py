@@ -141,3 +141,15 @@ def test_bad_packed_batches_name_the_problem(change, message):
                   loss_mask=torch.tensor([0, 1, 1, 1, 0, 1], dtype=torch.bool), advantages=torch.zeros(2))
     with pytest.raises(ValueError, match=message):
         TrainBatch(**{**fields, **change})
+
+
+def test_largest_expert_id_reads_compact_routes_without_widening_them():
+    """check_routed_experts' bound: the largest id, the 255 / -1 of tokens without routing aside,
+    across the 16M-entry chunks of uint8 routes."""
+    from gspo_megatron.actor.batch import compact_routes, largest_expert_id
+    routes = torch.full(((1 << 24) + 40, 2), -1, dtype=torch.int16)
+    routes[5] = 3
+    routes[-1, 1] = 201  # in the second chunk
+    assert largest_expert_id(routes) == 201 and largest_expert_id(compact_routes(routes)) == 201
+    none = torch.full((4, 2), -1, dtype=torch.int16)
+    assert largest_expert_id(none) == 0 == largest_expert_id(compact_routes(none))

@@ -46,6 +46,24 @@ def compact_routes(routes: torch.Tensor) -> torch.Tensor:
     return torch.where(routes < 0, ROUTE_NONE_U8, routes).to(torch.uint8)
 
 
+def largest_expert_id(routes: torch.Tensor) -> int:
+    """The largest expert id the routes name (0 when they name none), in either storage, without a
+    widened copy of them (a rank's routes are GiBs at the paper's batch): uint8 in 16M-entry chunks."""
+    if routes.dtype != torch.uint8:
+        return max(int(routes.max()), 0) if routes.numel() else 0
+    flat, hi = routes.reshape(-1), 0
+    for start in range(0, flat.numel(), 1 << 24):
+        chunk = flat[start:start + (1 << 24)]
+        hi = max(hi, int(chunk.masked_fill(chunk == ROUTE_NONE_U8, 0).max()))
+    return hi
+
+
+def positions_in_rows(lengths: torch.Tensor) -> torch.Tensor:
+    """Each real token's position in its row, for rows of these lengths laid out one after another
+    (the packed form): [0..l0-1, 0..l1-1, ...]."""
+    return torch.arange(int(lengths.sum())) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+
+
 def wide_routes(routes: torch.Tensor) -> torch.Tensor:
     """uint8 routes (255: none) back to the actor's int16 (-1: none); int16 as they are."""
     if routes.dtype != torch.uint8:
@@ -188,38 +206,34 @@ class TrainBatch:
     def _row_positions(self, index: torch.Tensor) -> torch.Tensor:
         """Packed: the positions of rows `index`'s real tokens, row after row."""
         lengths = self.lengths[index]
-        starts = self.offsets[:-1][index]
-        within = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
-            torch.cumsum(lengths, 0) - lengths, lengths)
-        return torch.repeat_interleave(starts, lengths) + within
+        return torch.repeat_interleave(self.offsets[:-1][index], lengths) + positions_in_rows(lengths)
 
-    def _others(self) -> dict:
-        return {"route_layers": self.route_layers}
+    def _remade(self, convert, *, keep_split: bool) -> "TrainBatch":
+        """A batch of this one's tensor fields as `convert(name, tensor)` gives them; route_layers
+        kept, and with keep_split the mini-batch sizes and the DP token imbalance too."""
+        out = {"route_layers": self.route_layers}
+        if keep_split:
+            out.update(mini_batch_sizes=self.mini_batch_sizes, dp_token_imbalance=self.dp_token_imbalance)
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is not None and f.name not in NOT_TENSORS:
+                out[f.name] = convert(f.name, t)
+        return TrainBatch(**out)
 
     def select(self, rows: torch.Tensor | list[int] | slice) -> "TrainBatch":
         """A batch of the given rows (index tensor, list or slice) in this batch's form; padded:
         trimmed to its longest row."""
         if isinstance(rows, list):
             rows = torch.tensor(rows, dtype=torch.long)
-        if isinstance(rows, slice) and self.is_packed:
-            rows = torch.arange(self.num_rows)[rows]
-        lengths = self.lengths[rows]
-        out = self._others()
         if self.is_packed:
+            if isinstance(rows, slice):
+                rows = torch.arange(self.num_rows)[rows]
             flat = self._row_positions(rows)
-            for f in dataclasses.fields(self):
-                t = getattr(self, f.name)
-                if t is None or f.name in NOT_TENSORS:
-                    continue
-                out[f.name] = t[flat] if self.is_token_field(f.name) else t[rows]
-            return TrainBatch(**out)
+            return self._remade(lambda name, t: t[flat] if self.is_token_field(name) else t[rows],
+                                keep_split=False)
+        lengths = self.lengths[rows]
         s = int(lengths.max()) if lengths.numel() else 1
-        for f in dataclasses.fields(self):
-            t = getattr(self, f.name)
-            if t is None or f.name in NOT_TENSORS:
-                continue
-            out[f.name] = t[rows][:, :s] if t.dim() >= 2 else t[rows]
-        return TrainBatch(**out)
+        return self._remade(lambda name, t: t[rows][:, :s] if t.dim() >= 2 else t[rows], keep_split=False)
 
     def padded(self) -> "TrainBatch":
         """The padded form (self if it is one): each row's tokens at positions 0..length-1, the
@@ -228,35 +242,23 @@ class TrainBatch:
             return self
         b, s = self.padded_shape
         real = torch.arange(s)[None, :] < self.lengths[:, None]
-        out = self._others()
-        out.update(mini_batch_sizes=self.mini_batch_sizes, dp_token_imbalance=self.dp_token_imbalance)
-        for f in dataclasses.fields(self):
-            t = getattr(self, f.name)
-            if t is None or f.name in NOT_TENSORS:
-                continue
-            if self.is_token_field(f.name):
-                if f.name == "routed_experts":
-                    t = wide_routes(t)
-                full = t.new_full((b, s, *t.shape[1:]), PAD.get(f.name, 0))
-                full[real] = t
-                t = full
-            out[f.name] = t
-        return TrainBatch(**out)
+
+        def pad(name: str, t: torch.Tensor) -> torch.Tensor:
+            if not self.is_token_field(name):
+                return t
+            if name == "routed_experts":
+                t = wide_routes(t)
+            full = t.new_full((b, s, *t.shape[1:]), PAD.get(name, 0))
+            full[real] = t
+            return full
+        return self._remade(pad, keep_split=True)
 
     def packed(self) -> "TrainBatch":
         """The packed form (self if it is one)."""
         if self.is_packed:
             return self
-        b, s = self.tokens.shape
-        real = torch.arange(s)[None, :] < self.lengths[:, None]
-        out = self._others()
-        out.update(mini_batch_sizes=self.mini_batch_sizes, dp_token_imbalance=self.dp_token_imbalance)
-        for f in dataclasses.fields(self):
-            t = getattr(self, f.name)
-            if t is None or f.name in NOT_TENSORS:
-                continue
-            out[f.name] = t[real] if self.is_token_field(f.name) else t
-        return TrainBatch(**out)
+        real = torch.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
+        return self._remade(lambda name, t: t[real] if self.is_token_field(name) else t, keep_split=True)
 
     def row_values(self, name: str, row: int) -> torch.Tensor:
         """The real tokens' values of one row of a per-token field (either form)."""

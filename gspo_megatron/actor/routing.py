@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router import TopKRouter
 
-from gspo_megatron.actor.batch import TrainBatch, wide_routes
+from gspo_megatron.actor.batch import TrainBatch, largest_expert_id
 from gspo_megatron.actor.micro_batch import MicroBatch
 from gspo_megatron.algorithms.routing import drift_counts
 from gspo_megatron.parallel.comm import comm_device
@@ -111,10 +111,9 @@ def check_routed_experts(batch: TrainBatch, config) -> None:
                          f"expected {want}")
     if batch.route_layers is not None and any(not 0 <= x < config.num_layers for x in batch.route_layers):
         raise ValueError(f"route_layers {batch.route_layers}: the model has {config.num_layers} layers")
-    routed = wide_routes(batch.routed_experts)
-    if routed.numel() and int(routed.max()) >= (config.num_moe_experts or 0):
-        raise ValueError(f"routed_experts name expert {int(routed.max())}, the model has "
-                         f"{config.num_moe_experts}")
+    hi = largest_expert_id(batch.routed_experts)
+    if batch.routed_experts.numel() and hi >= (config.num_moe_experts or 0):
+        raise ValueError(f"routed_experts name expert {hi}, the model has {config.num_moe_experts}")
 
 
 class Routing:
@@ -201,9 +200,8 @@ class Routing:
         p["mb"] = dict(rows=r, pos=q, real=real, mask=predicts[r, q] & real,
                        batch_rows=mb.rows[r], routed=mb.routed_experts)
         if p["record"] or p["compare_old"]:  # each token's place in the recorded table
-            if not isinstance(p["offsets"], torch.Tensor) or p["offsets"].device != r.device:
-                p["offsets"] = torch.as_tensor(p["offsets"]).to(r.device)
-            batch_rows = mb.rows[r]
+            p["offsets"] = p["offsets"].to(r.device)  # (once: a no-op after the first micro-batch)
+            batch_rows = p["mb"]["batch_rows"]
             inside = real & (batch_rows >= 0) & (q < mb.lengths[r])  # a real token of a real row
             p["mb"].update(inside=inside, place=torch.where(
                 inside, p["offsets"][batch_rows.clamp(min=0)] + q, p["total"]))

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from gspo_megatron.actor import microbatches
-from gspo_megatron.actor.batch import TrainBatch
+from gspo_megatron.actor.batch import TrainBatch, positions_in_rows
 from gspo_megatron.actor.micro_batch import MicroBatch, from_input_positions
 from gspo_megatron.actor.forward import BeforeForward, is_last_stage_rank, run_schedule, seq_multiple
 from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings
@@ -222,8 +222,7 @@ def _token_places(batch: TrainBatch, mbs: list[MicroBatch]):
     mb_of = torch.cat([torch.full((mb.rows.numel(),), i) for i, mb in enumerate(mbs)])
     real = rows >= 0  # filler rows: -1
     rows, lengths, local, mb_of = rows[real], lengths[real], local[real], mb_of[real]
-    total = int(lengths.sum())
-    within = torch.arange(total) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    within = positions_in_rows(lengths)
     dest = torch.repeat_interleave(starts[rows], lengths) + within
     per_mb = torch.zeros(len(mbs), dtype=torch.long).index_add_(0, mb_of, lengths).tolist()
     return (torch.repeat_interleave(local, lengths).split(per_mb), within.split(per_mb), dest)

@@ -45,14 +45,13 @@ from gspo_megatron.actor.batch import NOT_TENSORS, TrainBatch, compact_routes
 from gspo_megatron.parallel.comm import comm_device
 
 
-
 def _fields(batch: TrainBatch, rows: torch.Tensor):
     """(name, kind, dtype, shape) of each tensor field of `rows` of a packed batch, routes aside."""
     real = int(batch.lengths[rows].sum())
     out = []
     for f in fields(batch):
-        t = batch.global_rows if f.name == "global_rows" else getattr(batch, f.name)
-        if f.name == "global_rows" and t is None:
+        t = getattr(batch, f.name)
+        if f.name == "global_rows" and t is None:  # sent as the rows' indices (pack)
             t = torch.empty(batch.num_rows, dtype=torch.long)
         if t is None or f.name in NOT_TENSORS or f.name == "routed_experts":
             continue
@@ -63,6 +62,7 @@ def _fields(batch: TrainBatch, rows: torch.Tensor):
 
 
 def _route_manifest(batch: TrainBatch, rows: torch.Tensor, layers: list[int] | None):
+    """pack_routes' manifest, for a batch whose routes are compact already (scatter_rows)."""
     if batch.routed_experts is None:
         return []
     t = batch.routed_experts
@@ -188,6 +188,10 @@ class _Relay:
     def stage_unit(self, r: int) -> tuple[int, ...]:
         return self.who[r][3] if self.stages_ok else (r,)
 
+    def keys_of(self, d: int) -> list:
+        """The routing layers (as tuples; None: all) the ranks of DP rank d hold."""
+        return sorted({w[1] for w in self.who if w[0] == d}, key=repr)
+
     def units_of(self, d: int, key=..., stage: bool = False) -> list[tuple[int, ...]]:
         ranks = [r for r, w in enumerate(self.who) if w[0] == d and (key is ... or w[1] == key)]
         return sorted({(self.stage_unit if stage else self.replica_unit)(r) for r in ranks})
@@ -236,7 +240,7 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
                     index = torch.tensor([i for parts in plan for i in parts[d]], dtype=torch.long)
                     common = _fields(batch, index)
                     routes = {k: _route_manifest(batch, index, None if k is None else list(k))
-                              for k in {w[1] for w in who if w[0] == d}}
+                              for k in relay.keys_of(d)}
                     manifests[d] = (common, routes, [len(parts[d]) for parts in plan])
                     most = max([most] + [_nbytes(common) + _nbytes(r) for r in routes.values()])
                 header = ("ok", extras, manifests, imbalance, most)
@@ -298,7 +302,7 @@ def _send_all(batch: TrainBatch, plan, relay: _Relay, dp_size: int, my_key, repl
         _, common = pack(batch, rows, routes=False)
         sent[0] += _relay_from_0(common, relay.units_of(d), replica_group)
         own = {}
-        for key in sorted({w[1] for w in relay.who if w[0] == d}, key=repr):
+        for key in relay.keys_of(d):
             _, buf = pack_routes(batch, rows, None if key is None else list(key))
             sent[0] += _relay_from_0(buf, relay.units_of(d, key, stage=True), stage_group)
             own[key] = buf
