@@ -7,6 +7,8 @@
     state = manager.to_state()      # the buffer of unfinished groups, for the trainer's checkpoint
 
 One HTTP request per sample (segment), up to `max_in_flight_requests` at once; SGLang batches them.
+The manager holds what lasts between steps (the buffer, the ready groups, the group ids, the reward
+error budget, the request threads); one step's own state is a StepGeneration (step_generation.py).
 Partial rollouts (paper-independent, as in slime/Kimi): once `num_groups` groups are complete the
 rest are aborted, and their partial responses wait in the buffer; next step they resume from
 prompt + partial response asking only for the REMAINING budget. Every token keeps the weight version
@@ -23,34 +25,19 @@ Multi-turn environments give their rewards during the episode (their own path).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
-import math
 import threading
-import time
 import uuid
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-from rollout.client_errors import NoServerLeft
-from rollout.drain import drain
 from rollout.manager_config import ManagerConfig
 from rollout.pool import ServerPool
 from rollout.rewards.answers import RewardFn
-from rollout.rewards.scoring import DIED, TIMEOUT, RewardErrorBudget, Score, Scorer, ThreadScorer
-from rollout.sample import ABORTED, DONE, PENDING, Sample
+from rollout.rewards.scoring import RewardErrorBudget, Scorer, ThreadScorer
+from rollout.sample import DONE, PENDING, Sample
+from rollout.step_generation import RolloutInterrupted, StepGeneration, StepResult  # noqa: F401 (re-exported)
 from rollout.step_metrics import step_metrics
-
-
-class RolloutInterrupted(Exception):
-    """generate_step stopped because `should_stop` said so (a graceful stop of the run)."""
-
-
-@dataclasses.dataclass
-class StepResult:
-    groups: list[list[Sample]]
-    """num_groups complete groups of group_size samples each, rewards set."""
-    metrics: dict[str, float]
 
 
 class RolloutManager:
@@ -152,185 +139,8 @@ class RolloutManager:
         then NoServerLeft. keep_on_stop: nothing of the step is lost then: its complete
         groups go to `ready`, its unfinished ones (partial responses, their tokens' versions kept)
         to the front of the buffer, in group order; without it the caller restores a saved state."""
-        cfg = self.config
-        t0 = last_done = time.monotonic()
-        poll = cfg.request_timeout_s if should_stop is None else min(0.2, cfg.request_timeout_s)
-        kept: list[list[Sample]] = []
-        while self.ready and len(kept) < num_groups:
-            kept.append(self.ready.popleft())
-        open_groups: dict[int, list[Sample]] = {}
-        in_flight: dict[Future, Sample] = {}
-        scoring: dict[Future, tuple[list[Sample], list[Sample]]] = {}  # -> (group, its unscored samples)
-        teaching: dict[Future, list[Sample]] = {}  # teacher log-probs (distillation) -> the group
-        waits: dict[int, int] = {}  # group id -> answers (scores, teacher log-probs) still to come
-        m = collections.Counter()
-        max_draws = math.ceil(num_groups * cfg.max_draw_factor)
-
-        def submit(sample: Sample) -> None:
-            in_flight[self._executor.submit(self._run_sample, sample)] = sample
-
-        def finish_group(group: list[Sample]) -> None:
-            """Every response of the group is done: score it (and ask the teacher), or close it."""
-            gid = group[0].group_id
-            if gid in waits:  # its samples finished together: asked already
-                return
-            for s in group:
-                s.check_aligned()
-            waits[gid] = 0
-            unscored = [s for s in group if s.reward is None]
-            if unscored and self.env_factory is None:
-                future = self.scorer.submit([s.prompt for s in unscored],
-                                            [self.decode(s.response_ids) for s in unscored])
-                scoring[future] = (group, unscored)
-                waits[gid] += 1
-            if self.teacher is not None and any(s.teacher_logprobs is None for s in group):
-                teaching[self.teacher.submit(group)] = group
-                waits[gid] += 1
-            if not waits[gid]:
-                close_group(group)
-
-        def answered(group: list[Sample]) -> None:
-            waits[group[0].group_id] -= 1
-            if not waits[group[0].group_id]:
-                close_group(group)
-
-        def apply_teacher(group: list[Sample], results: list[tuple[list[float], float]]) -> None:
-            for s, (lps, seconds) in zip(group, results):
-                s.teacher_logprobs = lps
-                m["teacher_seconds"] += seconds
-                m["teacher_tokens"] += len(lps)
-            answered(group)
-
-        def apply_scores(group: list[Sample], unscored: list[Sample], scores: list[Score]) -> None:
-            for s, score in zip(unscored, scores):
-                s.reward, s.reward_error = score.reward, score.error
-                s.metadata["reward_seconds"] = score.seconds
-                m["reward_errors"] += not score.ok
-                m["reward_timeouts"] += score.status == TIMEOUT
-                m["reward_worker_restarts"] += score.status in (TIMEOUT, DIED)
-                m["reward_seconds"] += score.seconds
-                self.reward_budget.record(score.ok, score.error)
-            answered(group)
-
-        def close_group(group: list[Sample]) -> None:
-            del open_groups[group[0].group_id]
-            waits.pop(group[0].group_id, None)
-            for s in group:
-                if self.env_factory is not None:  # an episode's reward came from its environment
-                    error = s.metadata.get("env_error")
-                    m["env_errors"] += error is not None
-                    self.reward_budget.record(error is None, error)
-                if cfg.mask_stale_tokens:
-                    versions = [v for v in s.weight_versions if v]
-                    newest = current_weight_version or (versions[-1] if versions else "")
-                    m["stale_tokens_masked"] += s.mask_stale_tokens(newest)
-            if cfg.dynamic_sampling and len({s.reward for s in group}) == 1:
-                m["groups_dropped_equal_reward"] += 1
-            elif len(kept) < num_groups:
-                kept.append(group)
-            else:  # finished in the same instant as the last needed group: keep for next step
-                self.buffer.appendleft(group)
-                m["groups_completed_buffered"] += 1
-
-        def start_group(group: list[Sample]) -> None:
-            open_groups[group[0].group_id] = group
-            for s in group:
-                if s.status == ABORTED:  # an episode cut by a stop: it restarts
-                    self._reset(s)
-                elif s.status != DONE and self._routes_of_another_version(s, current_weight_version):
-                    # Routing replay: a response resumed under new weights would have its prefix
-                    # routed by them (SGLang recomputes it), while its earlier tokens' pi_old needs
-                    # the old routes of the same positions; one routing per token cannot hold
-                    # both, so the partial restarts from its prompt (tests/test_async_rl.py).
-                    self._reset(s)
-                    m["samples_restarted_routing"] += 1
-                if s.status != DONE:
-                    m["samples_resumed"] += bool(s.response_ids)
-                    submit(s)
-            if all(s.status == DONE for s in group):
-                finish_group(group)
-
-        interrupted, lost = False, None
-        try:
-            while len(kept) < num_groups and lost is None:
-                while len(kept) + len(open_groups) < num_groups + cfg.oversample_groups:
-                    if self.buffer:
-                        start_group(self.buffer.popleft())
-                        m["groups_from_buffer"] += 1
-                        continue
-                    record = next(prompts, None) if m["prompts_drawn"] < max_draws else None
-                    if record is None:
-                        break
-                    m["prompts_drawn"] += 1
-                    start_group(self._new_group(record))
-                if len(kept) >= num_groups:
-                    break
-                if not in_flight and not scoring and not teaching:
-                    raise RuntimeError(
-                        f"rollout step cannot fill {num_groups} groups: {len(kept)} kept, "
-                        f"{m['groups_dropped_equal_reward']} dropped (all rewards equal), "
-                        f"{m['prompts_drawn']} prompts drawn (limit {max_draws} = max_draw_factor "
-                        f"{cfg.max_draw_factor} x {num_groups}), or the prompt iterator ran out")
-                if should_stop is not None and should_stop():
-                    interrupted = True
-                    break
-                only_scoring, waited = not in_flight, time.monotonic()
-                done, _ = wait([*in_flight, *scoring, *teaching], timeout=poll, return_when=FIRST_COMPLETED)
-                if only_scoring:  # what scoring costs this thread: waiting with nothing generating
-                    m["reward_wait_seconds"] += time.monotonic() - waited
-                if not done:
-                    # scoring is bounded by the scorer (reward_timeout_s per call); this bounds generation
-                    if time.monotonic() - last_done < cfg.request_timeout_s or not in_flight:
-                        continue
-                    raise TimeoutError(f"no rollout request finished within {cfg.request_timeout_s} s "
-                                       f"({len(in_flight)} in flight)")
-                last_done = time.monotonic()
-                for f in done:
-                    if f in scoring:
-                        group, unscored = scoring.pop(f)
-                        apply_scores(group, unscored, f.result())  # RewardWorkerError propagates
-                        continue
-                    if f in teaching:
-                        apply_teacher(teaching.pop(f), f.result())  # a lost teacher server propagates
-                        continue
-                    sample = in_flight.pop(f)
-                    try:
-                        f.result()  # a server failure propagates here
-                    except NoServerLeft as e:  # the step stops as at a signal (keep_on_stop: nothing lost)
-                        lost = e
-                        if self.env_factory is not None:
-                            sample.status = ABORTED  # an episode restarts from its prompt
-                        break
-                    if sample.status != DONE:  # aborted by someone else before we were full: resume
-                        if sample.status == ABORTED:
-                            self._reset(sample)
-                        submit(sample)
-                        continue
-                    # several samples of a group can finish together: the first one closes it
-                    group = open_groups.get(sample.group_id)
-                    if group is not None and all(s.status == DONE for s in group):
-                        finish_group(group)
-        finally:
-            drain(self.pool, in_flight, min(self.config.abort_timeout_s, self.config.request_timeout_s),
-                  self._abandon)
-        if interrupted or lost is not None:
-            message = f"rollout interrupted with {len(kept)} of {num_groups} groups complete"
-            if keep_on_stop:
-                self.ready.extendleft(reversed(kept))
-                self.buffer.extendleft(sorted(open_groups.values(), key=lambda g: -g[0].group_id))
-            if lost is not None:
-                raise lost
-            raise RolloutInterrupted(message)
-        for group in sorted(open_groups.values(), key=lambda g: g[0].group_id):
-            if all(s.status == DONE for s in group):
-                self.buffer.append(group)
-                m["groups_completed_buffered"] += 1
-            elif cfg.partial_rollouts and self.env_factory is None:
-                self.buffer.append(group)
-                m["groups_partial_buffered"] += 1
-            else:
-                m["groups_discarded"] += 1
-        return StepResult(kept, self._metrics(kept, m, time.monotonic() - t0))
+        return StepGeneration(self, prompts, num_groups, current_weight_version, should_stop,
+                              keep_on_stop).run()
 
     def _routes_of_another_version(self, sample: Sample, current: str | None) -> bool:
         """A partial response with engine routes generated by weights other than `current`."""
