@@ -1,6 +1,6 @@
 """The tests' tiny configs of each family (HF config dicts; torch-free: the planner's
-`--model tiny-qwen3-moe` reads one before torch is imported). The family modules re-export theirs
-as `tiny_hf_config`."""
+`--model tiny-qwen3-moe` reads one before torch is imported). families.FAMILIES pairs each with
+its family: `FAMILIES["qwen3_moe"].tiny_hf_config()` is `qwen3_moe()`."""
 from __future__ import annotations
 
 from typing import Any

@@ -1,8 +1,9 @@
 """The decoder families' traits: what distinguishes one family's HF config from another's.
 
 Torch-free (plain data), so that the planner and the command line's early checks can tell a
-model's family and shape without importing torch or megatron-core (shape.py). The family modules
-(qwen3.py, ...) take their TRAITS from `FAMILY_TRAITS`; families.py maps a config to its module.
+model's family and shape without importing torch or megatron-core (shape.py). `FAMILY_TRAITS` is
+the table of families, one row each with the architecture it describes in a comment above it;
+families.py pairs each row with its tiny test config (tiny.py) and maps a config to its family.
 """
 from __future__ import annotations
 
@@ -37,14 +38,33 @@ class FamilyTraits:
     """The HF class rotates only `partial_rotary_factor` of each head (GLM-4.5)."""
 
 
-FAMILY_TRAITS = {t.name: t for t in (
+FAMILY_TRAITS: dict[str, FamilyTraits] = {t.name: t for t in (
+    # Qwen3 (dense): GQA, QK-norm (RMSNorm on each head's q and k), no qkv bias, RoPE.
     FamilyTraits(name="qwen3", model_types=("qwen3",), qk_layernorm=True),
+    # Qwen3-MoE: Qwen3 attention (GQA, QK-norm) + routed experts (softmax router, top-k,
+    # norm_topk_prob), no shared expert; `mlp_only_layers` / `decoder_sparse_step` pick dense layers.
     FamilyTraits(name="qwen3_moe", model_types=("qwen3_moe",), qk_layernorm=True, moe=True),
+    # Qwen2 (dense): GQA with a bias on q/k/v (no other biases), no QK-norm, RoPE.
     FamilyTraits(name="qwen2", model_types=("qwen2",), qkv_bias=True),
+    # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2 attention (GQA, q/k/v bias, no QK-norm) +
+    # routed experts (softmax router, top-k, norm_topk_prob) + one shared expert scaled by
+    # sigmoid(shared_expert_gate(x)); `mlp_only_layers` / `decoder_sparse_step` pick dense layers.
     FamilyTraits(name="qwen2_moe", model_types=("qwen2_moe",), qkv_bias=True, moe=True,
                  router="softmax", shared_expert="gated"),
+    # GLM-4.5 / GLM-4.6 / GLM-4.5-Air (Glm4MoeForCausalLM): GQA with q/k/v bias, optional QK-norm
+    # (`use_qk_norm`), partial RoPE (`partial_rotary_factor`, the first half of each head rotated),
+    # the first `first_k_dense_replace` layers dense, then MoE layers with a sigmoid router whose
+    # expert bias (`e_score_correction_bias`) enters only the choice of experts, group-limited
+    # top-k (`n_group` / `topk_group`), `routed_scaling_factor`, and `n_shared_experts` ungated
+    # shared experts.
+    # The multi-token-prediction layers of the published checkpoints (`num_nextn_predict_layers`,
+    # `model.layers.{num_hidden_layers}.*`) are not part of the model: transformers ignores them
+    # when loading (modeling_glm4_moe.py, _keys_to_ignore_on_load_unexpected), so does this
+    # mapping (weight_maps.WeightMap.ignores_hf).
     FamilyTraits(name="glm4_moe", model_types=("glm4_moe",), qk_norm_field="use_qk_norm",
                  moe=True, router="sigmoid", shared_expert="plain", partial_rotary=True),
+    # Llama (dense): GQA, no biases (attention_bias / mlp_bias must be false; mlp_bias=true is
+    # refused by shape.shape_fields), RoPE without scaling.
     FamilyTraits(name="llama", model_types=("llama",)),
 )}
 _BY_MODEL_TYPE = {m: t for t in FAMILY_TRAITS.values() for m in t.model_types}

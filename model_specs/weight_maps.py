@@ -254,7 +254,7 @@ def _check_rows(name: str, t: torch.Tensor, rows: int) -> None:
 def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
     """The weight map of an HF model (config dict); raises HFConfigError for unknown families."""
     hf = normalize_hf_config(hf_config)
-    traits = family_for(hf).TRAITS
+    traits = family_for(hf).traits
     layers = int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     flags = set()

@@ -6,21 +6,21 @@ import pytest
 import torch.distributed as dist
 
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
-from model_specs import qwen3, qwen3_moe
+from model_specs.tiny import qwen3, qwen3_moe
 
 
 @pytest.mark.parametrize("hf, layout, world, message", [
-    (qwen3_moe.tiny_hf_config(), ParallelLayout(tensor=2), 3,
+    (qwen3_moe(), ParallelLayout(tensor=2), 3,
      r"world size 3 is not divisible by tensor x pipeline = 2 x 1 = 2"),
-    (qwen3_moe.tiny_hf_config(), ParallelLayout(expert=3), 3,
+    (qwen3_moe(), ParallelLayout(expert=3), 3,
      r"num_experts 4 is not divisible by expert 3"),
-    (qwen3.tiny_hf_config(), ParallelLayout(tensor=8), 8,
+    (qwen3(), ParallelLayout(tensor=8), 8,
      r"num_attention_heads 4 is not divisible by tensor 8"),
-    (qwen3.tiny_hf_config(num_attention_heads=6, num_key_value_heads=6), ParallelLayout(tensor=4), 4,
+    (qwen3(num_attention_heads=6, num_key_value_heads=6), ParallelLayout(tensor=4), 4,
      r"num_attention_heads 6 is not divisible by tensor 4"),
-    (qwen3_moe.tiny_hf_config(), ParallelLayout(pipeline=2, virtual_pipeline=4), 2,
+    (qwen3_moe(), ParallelLayout(pipeline=2, virtual_pipeline=4), 2,
      r"num_layers 4 is not divisible by pipeline x virtual_pipeline = 2 x 4 = 8"),
-    (qwen3.tiny_hf_config(num_hidden_layers=3), ParallelLayout(pipeline=2), 2,
+    (qwen3(num_hidden_layers=3), ParallelLayout(pipeline=2), 2,
      r"num_layers 3 is not divisible by pipeline x virtual_pipeline = 2 x 1 = 2"),
 ])
 def test_actor_rejects_impossible_layout_before_any_collective(monkeypatch, hf, layout, world, message):
@@ -38,7 +38,7 @@ def test_actor_rejects_spec_built_for_another_layout():
     from gspo_megatron.actor.build import build_model_chunks
     from gspo_megatron.actor.build import spec_for_layout
 
-    spec = spec_for_layout(qwen3.tiny_hf_config(), ParallelLayout())
+    spec = spec_for_layout(qwen3(), ParallelLayout())
     with pytest.raises(ValueError, match="ModelSpec was built for another layout"):
         build_model_chunks(spec, ParallelLayout(tensor=2))
 

@@ -70,13 +70,13 @@ def _run(rank, world, layout_kwargs, options, init_state):
     from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings, OptimizerSettings
     from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs import qwen3, qwen3_moe
+    from model_specs.tiny import qwen3, qwen3_moe
 
     if options.get("wrong_scale"):  # the classic bug: forget the DP factor of the loss scale
         actor_steps.ps = type("PS", (), {"__getattr__": lambda self, n: getattr(ps, n),
                                          "get_data_parallel_world_size": staticmethod(lambda: 1)})()
-    family = qwen3 if options.get("dense") else qwen3_moe
-    actor = Actor(family.tiny_hf_config(), ParallelLayout(**layout_kwargs),
+    tiny_hf_config = qwen3 if options.get("dense") else qwen3_moe
+    actor = Actor(tiny_hf_config(), ParallelLayout(**layout_kwargs),
                   optimizer=OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0,
                                               use_distributed_optimizer=options.get("dist_opt", False)),
                   loss=LossSettings(name="gspo", eps_low=0.02, eps_high=0.002),

@@ -18,8 +18,8 @@ def test_the_tree_follows_the_rules():
 
 
 @pytest.mark.parametrize("where,line,needle", [
-    ("model_specs/qwen3.py", "from gspo_megatron.parallel.layout import ParallelLayout",
-     "model_specs.qwen3 imports gspo_megatron.parallel.layout (model_specs is a leaf)"),
+    ("model_specs/families.py", "from gspo_megatron.parallel.layout import ParallelLayout",
+     "model_specs.families imports gspo_megatron.parallel.layout (model_specs is a leaf)"),
     ("rollout/sample.py", "import megatron.core", "rollout.sample imports megatron"),
     ("gspo_megatron/algorithms/rows.py", "from megatron.core import parallel_state",
      "gspo_megatron.algorithms.rows imports megatron"),

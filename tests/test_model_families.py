@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
 from fixtures_models import transformers_log_probs
-from model_specs import HFConfigError, glm4_moe, model_spec_for, qwen2_moe
+from model_specs import HFConfigError, model_spec_for
+from model_specs.tiny import glm4_moe, qwen2_moe
 from model_specs.weight_maps import weight_map_for
 from tools.make_tiny_model import make_tiny_model
 
@@ -55,17 +56,17 @@ def ckpts(tiny, tmp_path_factory) -> dict[str, Path]:
 
 # ---------------------------------------------------------------- config mapping (fast)
 def test_qwen2_moe_maps_shared_expert_gate_and_bias():
-    c = model_spec_for(qwen2_moe.tiny_hf_config(mlp_only_layers=[2])).config
+    c = model_spec_for(qwen2_moe(mlp_only_layers=[2])).config
     assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size) == (4, 2, 32)
     assert c.moe_shared_expert_intermediate_size == 64 and c.moe_shared_expert_gate
     assert c.moe_layer_freq == [1, 1, 0, 1] and c.ffn_hidden_size == 128
     assert c.moe_router_score_function == "softmax" and c.moe_router_pre_softmax  # norm_topk false
     assert c.add_qkv_bias and not c.qk_layernorm and not c.moe_router_enable_expert_bias
-    assert not model_spec_for(qwen2_moe.tiny_hf_config(qkv_bias=False)).config.add_qkv_bias
+    assert not model_spec_for(qwen2_moe(qkv_bias=False)).config.add_qkv_bias
 
 
 def test_glm4_moe_maps_router_groups_dense_layers_and_partial_rope():
-    spec = model_spec_for(glm4_moe.tiny_hf_config())
+    spec = model_spec_for(glm4_moe())
     c = spec.config
     assert c.moe_layer_freq == [0, 1, 1, 1] and c.num_moe_experts == 8
     assert c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias
@@ -75,9 +76,9 @@ def test_glm4_moe_maps_router_groups_dense_layers_and_partial_rope():
     assert c.moe_shared_expert_intermediate_size == 32 and not c.moe_shared_expert_gate
     assert c.qk_layernorm and c.add_qkv_bias and c.kv_channels == 16
     assert spec.rotary_percent == 0.5 and spec.gpt_model_kwargs()["rotary_percent"] == 0.5
-    plain = model_spec_for(glm4_moe.tiny_hf_config(n_group=1, use_qk_norm=False)).config
+    plain = model_spec_for(glm4_moe(n_group=1, use_qk_norm=False)).config
     assert plain.moe_router_num_groups is None and not plain.qk_layernorm
-    two = model_spec_for(glm4_moe.tiny_hf_config(n_shared_experts=2)).config
+    two = model_spec_for(glm4_moe(n_shared_experts=2)).config
     assert two.moe_shared_expert_intermediate_size == 64
 
 
@@ -92,20 +93,20 @@ def test_glm4_moe_maps_router_groups_dense_layers_and_partial_rope():
 ])
 def test_glm4_moe_what_megatron_cannot_express_is_named(field, value, match):
     with pytest.raises(HFConfigError, match=match):
-        model_spec_for(glm4_moe.tiny_hf_config(**{field: value}))
+        model_spec_for(glm4_moe(**{field: value}))
 
 
 def test_other_unsupported_configs_are_named():
     with pytest.raises(HFConfigError, match="use_sliding_window=true"):
-        model_spec_for(qwen2_moe.tiny_hf_config(use_sliding_window=True, sliding_window=4096))
+        model_spec_for(qwen2_moe(use_sliding_window=True, sliding_window=4096))
     with pytest.raises(HFConfigError, match="lacks required field 'shared_expert_intermediate_size'"):
-        cfg = qwen2_moe.tiny_hf_config()
+        cfg = qwen2_moe()
         del cfg["shared_expert_intermediate_size"]
         model_spec_for(cfg)
     with pytest.raises(HFConfigError, match="partial_rotary_factor=0.5, but the qwen2_moe model"):
-        model_spec_for(qwen2_moe.tiny_hf_config(partial_rotary_factor=0.5))
+        model_spec_for(qwen2_moe(partial_rotary_factor=0.5))
     with pytest.raises(HFConfigError, match="num_experts_per_tok=9, expected 1..8"):
-        model_spec_for(glm4_moe.tiny_hf_config(num_experts_per_tok=9))
+        model_spec_for(glm4_moe(num_experts_per_tok=9))
 
 
 def test_expert_bias_is_a_frozen_fp32_parameter_that_survives_a_bf16_cast():
@@ -115,7 +116,7 @@ def test_expert_bias_is_a_frozen_fp32_parameter_that_survives_a_bf16_cast():
     from model_specs.moe import ExpertBiasRouter
 
     apply()
-    spec = model_spec_for(glm4_moe.tiny_hf_config(num_hidden_layers=2), params_dtype=torch.bfloat16,
+    spec = model_spec_for(glm4_moe(num_hidden_layers=2), params_dtype=torch.bfloat16,
                           overrides=dict(use_cpu_initialization=True,
                                          moe_token_dispatcher_type="allgather"),
                           transformer_engine=False)
@@ -152,7 +153,7 @@ def test_weight_map_covers_every_hf_tensor_with_its_shape(tiny, arch):
 
 
 def test_glm4_moe_mtp_layers_of_published_checkpoints_are_ignored():
-    wmap = weight_map_for(glm4_moe.tiny_hf_config(num_nextn_predict_layers=1))
+    wmap = weight_map_for(glm4_moe(num_nextn_predict_layers=1))
     assert wmap.ignores_hf("model.layers.4.eh_proj.weight")
     assert wmap.ignores_hf("model.layers.4.mlp.experts.0.up_proj.weight")
     assert not wmap.ignores_hf("model.layers.3.mlp.gate.weight")

@@ -7,12 +7,12 @@ import torch.nn.functional as F
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.actor.build import spec_for_layout
 from model_specs import HFConfigError as ConfigError
-from model_specs import qwen3, qwen3_moe
+from model_specs.tiny import qwen3, qwen3_moe
 from model_specs.norms import HAVE_TE, SequenceParallelTorchNorm
 
 
 def test_qwen3_moe_maps_every_field():
-    hf = qwen3_moe.tiny_hf_config(mlp_only_layers=[1], rope_theta=12345.0, tie_word_embeddings=True)
+    hf = qwen3_moe(mlp_only_layers=[1], rope_theta=12345.0, tie_word_embeddings=True)
     spec = spec_for_layout(hf, ParallelLayout(tensor=2, expert=2))
     c = spec.config
     assert (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.kv_channels) == (4, 64, 4, 2, 16)
@@ -30,53 +30,53 @@ def test_qwen3_moe_maps_every_field():
 
 
 def test_norm_topk_prob_false_keeps_full_softmax_probabilities():
-    spec = spec_for_layout(qwen3_moe.tiny_hf_config(norm_topk_prob=False), ParallelLayout())
+    spec = spec_for_layout(qwen3_moe(norm_topk_prob=False), ParallelLayout())
     assert spec.config.moe_router_pre_softmax is True
 
 
 def test_qwen3_dense_and_untied():
-    spec = spec_for_layout(qwen3.tiny_hf_config(), ParallelLayout(tensor=2))
+    spec = spec_for_layout(qwen3(), ParallelLayout(tensor=2))
     assert spec.config.num_moe_experts is None and not spec.is_moe
     assert not spec.config.sequence_parallel and not spec.share_embeddings_and_output_weights
 
 
 def test_vpp_on_cpu_turns_batch_p2p_comm_off():
-    spec = spec_for_layout(qwen3.tiny_hf_config(), ParallelLayout(pipeline=2, virtual_pipeline=2))
+    spec = spec_for_layout(qwen3(), ParallelLayout(pipeline=2, virtual_pipeline=2))
     if not torch.cuda.is_available():
         assert spec.config.batch_p2p_comm is False
 
 
 def test_config_from_model_directory(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(qwen3.tiny_hf_config()))
+    (tmp_path / "config.json").write_text(json.dumps(qwen3()))
     assert spec_for_layout(tmp_path, ParallelLayout()).family == "qwen3"
 
 
 def test_bad_configs_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="unknown architecture: model_type='mamba'"):
         spec_for_layout({"model_type": "mamba"}, ParallelLayout())
-    bad = qwen3.tiny_hf_config()
+    bad = qwen3()
     del bad["num_attention_heads"]
     with pytest.raises(ConfigError, match="lacks required field 'num_attention_heads'"):
         spec_for_layout(bad, ParallelLayout())
     with pytest.raises(ConfigError, match="rope_scaling"):
-        spec_for_layout(qwen3.tiny_hf_config(rope_scaling={"type": "yarn"}), ParallelLayout())
+        spec_for_layout(qwen3(rope_scaling={"type": "yarn"}), ParallelLayout())
     with pytest.raises(FileNotFoundError, match="no HF config.json"):
         spec_for_layout(tmp_path, ParallelLayout())
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="is not valid JSON"):
         spec_for_layout(tmp_path, ParallelLayout())
     with pytest.raises(ConfigError, match="unknown TransformerConfig fields"):
-        spec_for_layout(qwen3.tiny_hf_config(), ParallelLayout(), overrides={"no_such_knob": 1})
+        spec_for_layout(qwen3(), ParallelLayout(), overrides={"no_such_knob": 1})
 
 
 def test_layout_checked_against_the_model():
     with pytest.raises(LayoutError, match="num_experts 4 is not divisible by expert 3"):
-        spec_for_layout(qwen3_moe.tiny_hf_config(), ParallelLayout(expert=3))
+        spec_for_layout(qwen3_moe(), ParallelLayout(expert=3))
 
 
 @pytest.mark.skipif(HAVE_TE, reason="local spec only without Transformer Engine")
 def test_local_spec_uses_sequence_parallel_capable_norms():
-    spec = spec_for_layout(qwen3_moe.tiny_hf_config(), ParallelLayout(tensor=2))
+    spec = spec_for_layout(qwen3_moe(), ParallelLayout(tensor=2))
     block = spec.block_spec(pp_rank=0)
     assert block.layer_norm is SequenceParallelTorchNorm
     layer = block.layer_specs[0].submodules
@@ -90,6 +90,6 @@ def test_megatron_torch_norm_still_refuses_sequence_parallel():
     """Why SequenceParallelTorchNorm exists; if this starts passing, megatron's norm may do."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    spec = spec_for_layout(qwen3_moe.tiny_hf_config(), ParallelLayout(tensor=2))
+    spec = spec_for_layout(qwen3_moe(), ParallelLayout(tensor=2))
     with pytest.raises(AssertionError, match="sequence parallel not supported"):
         WrappedTorchNorm(spec.config, 64)

@@ -37,7 +37,7 @@ def _measured(rank, world, layout_kwargs: dict, bf16: bool, dist_opt: bool):
     from gspo_megatron.planner.check import measured_static
     from gspo_megatron.planner.memory import MemorySettings, static_bytes
     from megatron.core import parallel_state as ps
-    from model_specs.qwen3_moe import tiny_hf_config
+    from model_specs.tiny import qwen3_moe as tiny_hf_config
     dtype = torch.bfloat16 if bf16 else torch.float32
     layout = ParallelLayout(**layout_kwargs)
     with Actor(tiny_hf_config(), layout, optimizer=OptimizerSettings(optimizer="adam", lr=1e-4,

@@ -64,7 +64,7 @@ def test_count_equals_the_built_models_parameters(arch, tmp_path):
     from model_specs import FAMILIES
 
     family = FAMILIES[arch]
-    base = getattr(family, "tiny_hf_config", None)
+    base = family.tiny
     hf = base() if base else dict(FAMILIES["qwen3"].tiny_hf_config(), model_type=arch)
     for tie in ((False, True) if arch in ("qwen3", "llama") else (False,)):
         cfg = load_hf_config(dict(hf, tie_word_embeddings=tie))
@@ -77,7 +77,7 @@ def _family_configs() -> dict[str, dict]:
     from model_specs import FAMILIES
     out = {f"published {name}": config for name, (config, *_rest) in PUBLISHED.items()}
     for arch, family in FAMILIES.items():
-        base = getattr(family, "tiny_hf_config", None)
+        base = family.tiny
         out[f"tiny {arch}"] = base() if base else dict(FAMILIES["qwen3"].tiny_hf_config(), model_type=arch)
     out["tiny qwen3 tied"] = dict(out["tiny qwen3"], tie_word_embeddings=True)
     return out
@@ -118,7 +118,7 @@ def test_the_planner_reads_models_without_torch():
 def test_the_shape_refuses_what_the_model_spec_refuses(change):
     """The planner must not plan a model that `train` would refuse: the same one-line error."""
     from model_specs import HFConfigError
-    from model_specs.qwen3 import tiny_hf_config
+    from model_specs.tiny import qwen3 as tiny_hf_config
     from model_specs.shape import model_shape_for
     config = tiny_hf_config(**change)
     with pytest.raises(HFConfigError) as by_spec:

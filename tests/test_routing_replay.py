@@ -64,10 +64,10 @@ def _run(rank, world, layout_kwargs, options, init_state):
     from gspo_megatron.actor.settings import MicroBatchSettings, OptimizerSettings, RoutingSettings
     from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs import qwen3_moe
+    from model_specs.tiny import qwen3_moe
 
     mode = options["mode"]  # "megatron" (reference), "replay", "natural"
-    actor = Actor(qwen3_moe.tiny_hf_config(num_experts=EXPERTS), ParallelLayout(**layout_kwargs),
+    actor = Actor(qwen3_moe(num_experts=EXPERTS), ParallelLayout(**layout_kwargs),
                   optimizer=OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0),
                   loss=LossSettings(name="grpo", tis_cap=1.5, mis_cap=2.0),
                   # the reference: one micro-batch of the rows in batch order (megatron's targets)

@@ -118,13 +118,13 @@ def test_split_is_megatrons():
 
 def test_uneven_layout_reaches_the_transformer_config_and_describe():
     from gspo_megatron.actor.build import spec_for_layout
-    from model_specs import qwen3_moe
+    from model_specs.tiny import qwen3_moe
 
     layout = ParallelLayout(pipeline=2, first_stage_layers=3)
     layout.validate(2, **MODEL)
     assert layout.stage_layers(4) == [3, 1]
     assert layout.describe(2) == "TP1xPP2(first=3)xEP1xETP1xDP1"
-    c = spec_for_layout(qwen3_moe.tiny_hf_config(), layout).config
+    c = spec_for_layout(qwen3_moe(), layout).config
     assert (c.num_layers_in_first_pipeline_stage, c.num_layers_in_last_pipeline_stage) == (3, None)
     both = ParallelLayout(pipeline=4, virtual_pipeline=2, first_stage_layers=2, last_stage_layers=4)
     assert both.describe(8) == "TP1xPP4(first=2,last=4)xVPP2xEP1xETP1xDP2"
@@ -143,17 +143,17 @@ def test_a_spec_of_another_split_is_refused():
     """build_model_chunks refuses a ModelSpec whose stage split is not the layout's (the layers
     each stage builds, hence every global name, would differ); checked before any model exists."""
     from gspo_megatron.actor.build import _check_config_matches_layout, spec_for_layout
-    from model_specs import qwen3_moe
+    from model_specs.tiny import qwen3_moe
 
-    even = spec_for_layout(qwen3_moe.tiny_hf_config(), ParallelLayout(pipeline=2))
+    even = spec_for_layout(qwen3_moe(), ParallelLayout(pipeline=2))
     with pytest.raises(ValueError, match="ModelSpec was built for another layout.*"
                                          "num_layers_in_first_pipeline_stage"):
         _check_config_matches_layout(even, ParallelLayout(pipeline=2, first_stage_layers=3))
-    uneven = spec_for_layout(qwen3_moe.tiny_hf_config(),
+    uneven = spec_for_layout(qwen3_moe(),
                              ParallelLayout(pipeline=2, last_stage_layers=3))
     with pytest.raises(ValueError, match="ModelSpec was built for another layout"):
         _check_config_matches_layout(uneven, ParallelLayout(pipeline=2))
-    interleaved = spec_for_layout(qwen3_moe.tiny_hf_config(),
+    interleaved = spec_for_layout(qwen3_moe(),
                                   ParallelLayout(pipeline=2, virtual_pipeline=2))
     with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size"):
         _check_config_matches_layout(interleaved, ParallelLayout(pipeline=2))
@@ -178,10 +178,10 @@ def test_checkpoint_layout_check_names_the_uneven_split(tmp_path):
     import json
 
     from gspo_megatron.checkpoint import CheckpointMismatchError, check_layout_fits
-    from model_specs import qwen3_moe
+    from model_specs.tiny import qwen3_moe
 
     (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(qwen3_moe.tiny_hf_config()))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(qwen3_moe()))
     check_layout_fits(tmp_path, ParallelLayout(pipeline=2, first_stage_layers=3), 2)
     with pytest.raises(CheckpointMismatchError,
                        match=r"cannot be resharded to TP1xPP3\(first=1\)xEP1xETP1xDP1: num_layers 4 "
@@ -255,10 +255,10 @@ def test_qwen3_235b_lays_out_unevenly(name):
 
 def _run_six_layers(rank, world, layout_kwargs, options, init_state):
     """actor_layouts._run on a 6-layer tiny Qwen3-MoE (4 layers admit no uneven PP2 x VPP2)."""
-    from model_specs import qwen3_moe
+    from model_specs import tiny
 
-    tiny = qwen3_moe.tiny_hf_config
-    qwen3_moe.tiny_hf_config = lambda **kw: tiny(**{"num_hidden_layers": 6, **kw})
+    qwen3_moe = tiny.qwen3_moe
+    tiny.qwen3_moe = lambda **kw: qwen3_moe(**{"num_hidden_layers": 6, **kw})
     return actor_layouts._run(rank, world, layout_kwargs, options, init_state)
 
 

@@ -8,7 +8,7 @@ from model_specs.hf_config import normalize_hf_config
 from model_specs.weight_maps import (GATE_UP, QKV, fuse_qkv, split_qkv,
                                      weight_map_for)
 from model_specs import HFConfigError as ConfigError
-from model_specs import qwen3, qwen3_moe
+from model_specs.tiny import qwen3, qwen3_moe
 
 
 def test_fused_qkv_is_what_megatron_attention_splits():
@@ -37,7 +37,7 @@ def test_qkv_bias_round_trip():
 
 
 def test_moe_map_experts_router_and_dense_layers():
-    wmap = weight_map_for(qwen3_moe.tiny_hf_config(mlp_only_layers=[1], tie_word_embeddings=True))
+    wmap = weight_map_for(qwen3_moe(mlp_only_layers=[1], tie_word_embeddings=True))
     by = wmap.by_megatron_name()
     fc1 = by["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
     assert fc1.hf == ("model.layers.0.mlp.experts.3.gate_proj.weight",
@@ -54,14 +54,14 @@ def test_moe_map_experts_router_and_dense_layers():
 
 
 def test_families_flags():
-    untied = weight_map_for(qwen3.tiny_hf_config())
+    untied = weight_map_for(qwen3())
     assert "output_layer.weight" in untied.by_megatron_name()
-    qwen2 = weight_map_for(dict(qwen3.tiny_hf_config(), model_type="qwen2"))
+    qwen2 = weight_map_for(dict(qwen3(), model_type="qwen2"))
     names = qwen2.by_megatron_name()
     assert names["decoder.layers.0.self_attention.linear_qkv.bias"].hf[2] == \
         "model.layers.0.self_attn.v_proj.bias"
     assert "decoder.layers.0.self_attention.q_layernorm.weight" not in names
-    llama = weight_map_for(dict(qwen3.tiny_hf_config(), model_type="llama"))
+    llama = weight_map_for(dict(qwen3(), model_type="llama"))
     assert not any(n.endswith(".bias") or "q_layernorm" in n for n in llama.by_megatron_name())
 
 

@@ -14,7 +14,8 @@ import torch
 
 from distributed import gather_row_values, run_distributed
 from fixtures_models import transformers_log_probs
-from model_specs import HFConfigError, model_spec_for, qwen3, qwen3_moe
+from model_specs import HFConfigError, model_spec_for
+from model_specs.tiny import qwen3, qwen3_moe
 from tools.make_tiny_model import make_tiny_model
 
 ORIGINAL, ROWS, SEQ, TOL = 64, 3, 160, 1e-5
@@ -45,7 +46,7 @@ def test_frequencies_and_attention_factor_are_transformers(variant):
     apply()  # YarnRotaryEmbedding moves its frequencies to torch.cuda.current_device()
     scaling = VARIANTS[variant]
     inv_freq, attention = ROPE_INIT_FUNCTIONS["yarn"](_hf_config_object(scaling))
-    spec = model_spec_for(qwen3.tiny_hf_config(rope_scaling=scaling, rope_theta=1e6,
+    spec = model_spec_for(qwen3(rope_scaling=scaling, rope_theta=1e6,
                                                max_position_embeddings=4096))
     c = spec.config
     assert spec.position_embedding_type == "yarn" and spec.gpt_model_kwargs()["rotary_base"] == 1e6
@@ -67,19 +68,19 @@ def test_frequencies_and_attention_factor_are_transformers(variant):
 
 def test_yarn_is_rejected_where_megatron_would_compute_something_else():
     with pytest.raises(HFConfigError, match="YaRN rope_scaling lacks 'factor'"):
-        model_spec_for(qwen3.tiny_hf_config(rope_scaling={"rope_type": "yarn",
+        model_spec_for(qwen3(rope_scaling={"rope_type": "yarn",
                                                           "original_max_position_embeddings": 64}))
-    no_original = model_spec_for(qwen3.tiny_hf_config(rope_scaling={"rope_type": "yarn",
+    no_original = model_spec_for(qwen3(rope_scaling={"rope_type": "yarn",
                                                                     "factor": 4.0}))
     assert no_original.config.yarn_original_max_position_embeddings == 2048  # as transformers
     with pytest.raises(HFConfigError, match="YaRN factor=0.5, expected >= 1"):
-        model_spec_for(qwen3.tiny_hf_config(rope_scaling=dict(YARN, factor=0.5)))
+        model_spec_for(qwen3(rope_scaling=dict(YARN, factor=0.5)))
     for rope_type in ("llama3", "linear", "dynamic", "longrope"):
         with pytest.raises(HFConfigError, match=f"rope_type='{rope_type}' is not supported"):
-            model_spec_for(qwen3.tiny_hf_config(rope_scaling={"rope_type": rope_type, "factor": 2.0}))
+            model_spec_for(qwen3(rope_scaling={"rope_type": rope_type, "factor": 2.0}))
     # transformers 5 spelling (rope_parameters) and the legacy one (rope_scaling.type) map alike
-    new = model_spec_for(qwen3_moe.tiny_hf_config(rope_parameters=dict(YARN, rope_theta=5e5)))
-    old = model_spec_for(qwen3_moe.tiny_hf_config(rope_scaling={"type": "yarn", "factor": 4.0,
+    new = model_spec_for(qwen3_moe(rope_parameters=dict(YARN, rope_theta=5e5)))
+    old = model_spec_for(qwen3_moe(rope_scaling={"type": "yarn", "factor": 4.0,
                                                                 "original_max_position_embeddings": 64},
                                                   rope_theta=5e5))
     assert new.rotary_base == old.rotary_base == 5e5
