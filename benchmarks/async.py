@@ -41,7 +41,7 @@ def _median(records: list[dict], key: str, skip: int) -> float:
 
 
 def run_one(n: int, url: str, work: Path, steps: int, extra: list[str]) -> dict:
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     run = work / f"staleness{n}"
     sets = {"model.hf_path": str(MODEL), "rollout.server_urls": f"[{url}]", "train.steps": steps,
             "train.max_staleness": n, "checkpoint.dir": str(run / "ckpt"), "checkpoint.export_hf": "null",

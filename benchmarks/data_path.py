@@ -1,5 +1,6 @@
-"""The rollout batch's way from rank 0 to the ranks that train it: today's path against the one
-before issue 29, on real gloo ranks (fresh processes per measurement).
+"""The rollout batch's way from rank 0 to the ranks that train it: the packed per-rank path against
+the old one (the whole padded batch pickled to every rank), on real gloo ranks (fresh processes
+per measurement).
 
     python benchmarks/data_path.py                       # DP4, 1,024 rows both paths; 2,048 and 8,192 new only
     python benchmarks/data_path.py --rows 64 --old-rows 64 --r3-rows 32 --max-len 2000 --dp 2 --layers 4
@@ -9,7 +10,7 @@ before: rank 0 pickles the whole right-padded TrainBatch and broadcasts it (broa
         each rank keeps its rows, cut by row count (dp_balance=rows)
 after:  actor/transfer.py: each mini-batch's rows shared by work (Karmarkar-Karp on FLOPs at
         Qwen3-30B-A3B's shape), each rank sent only its rows, packed (one byte buffer), kept packed
-        (the driver builds the batch packed too: rollout_batch.samples_to_batch)
+        (the driver builds the batch packed too: driver/samples_to_batch.py)
 
 Rows: a 512-token prompt plus a lognormal response (median ~1.5k tokens), capped at --max-len;
 the fields a rollout fills (tokens, loss mask, rollout log-probs, weight versions), 4 mini-batches.
@@ -52,7 +53,7 @@ def lengths_for(rows: int, max_len: int, seed: int) -> list[int]:
 
 
 def build_packed(lengths: list[int], layers: int = 0, topk: int = 8):
-    """The driver's batch as rollout_batch.samples_to_batch builds it: packed, routes compact."""
+    """The driver's batch as driver/samples_to_batch.py builds it: packed, routes compact."""
     import torch
 
     from gspo_megatron.actor.batch import TrainBatch, positions_in_rows
@@ -112,7 +113,7 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layer
     import torch.distributed as dist
 
     from gspo_megatron.actor.balance import plan_shards, worst_imbalance
-    from gspo_megatron.driver import broadcast_object
+    from gspo_megatron.parallel.rank_zero import broadcast_object
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     # R3 (layers > 0): DP2 x PP2, ranks 2d and 2d + 1 the two stages of replica d

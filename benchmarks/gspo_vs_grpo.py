@@ -33,7 +33,7 @@ def run(loss: str, args) -> dict[int, dict[str, float]]:
         shutil.rmtree(out)
     print(f"[bench] {loss}: {' '.join(cmd[1:])}", flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     return {int(r["step"]): r for r in read_jsonl(out / "tb" / "metrics.jsonl", steps_only=True)}
 
 

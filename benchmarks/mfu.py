@@ -68,8 +68,8 @@ def make_batch(rows: int, lo: int, hi: int, vocab: int, seed: int = 0):
 
 def configurations(device: str):
     """(name, ComputeSettings kwargs, MicroBatchSettings kwargs, LogProbSettings kwargs). Packing
-    is said explicitly: left at null it is on wherever the TE spec runs on CUDA, which on
-    2026-11-24 made every CUDA row packed (padding 0.0% throughout, "rows in order x4" included)."""
+    is said explicitly: left at null it is on wherever the TE spec runs on CUDA, which made every
+    CUDA row packed (padding 0.0% throughout, "rows in order x4" included; docs/results.md)."""
     none = dict(moe_grouped_gemm=False, moe_permute_fusion=False, apply_rope_fusion=False,
                 bias_activation_fusion=False, gradient_accumulation_fusion=False)
     # rows in rollout order, 4 per micro-batch, padded
@@ -92,7 +92,7 @@ def configurations(device: str):
             ("+ chunk from the memory budget", {}, padded, {}),
             ("+ token budget 16384, longest first", {}, budget, {}),
             ("+ packed sequences (THD)", {}, {**budget, "pack_sequences": True}, {}),
-            # Memory headroom (issue 21): 32k and 64k ran out of memory on 2026-11-24 (32 rows).
+            # Memory headroom: 32k and 64k ran out of memory on an H100 with 32 rows (docs/results.md).
             ("+ packed, token budget 32768, selective recompute", selective,
              {**budget, "max_tokens_per_micro_batch": 32768, "pack_sequences": True}, {}),
             ("+ packed, token budget 65536, selective recompute", selective,

@@ -58,7 +58,7 @@ def run(name: str, args, model: Path) -> dict[int, dict[str, float]]:
         cmd += ["--set", s]
     print(f"[bench] {name}: {' '.join(sets)}", flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     return {int(r["step"]): r for r in read_jsonl(out / "tb" / "metrics.jsonl", steps_only=True)}
 
 

@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from gspo_megatron import GspoError, MissingInputError
 
-class HFConfigError(ValueError):
+
+class HFConfigError(GspoError, ValueError):
     """An HF config.json that this project cannot map; the message names the field."""
 
 
@@ -52,7 +54,7 @@ def load_hf_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no HF config.json at {path}")
+        raise MissingInputError(f"no HF config.json at {path}")
     try:
         return normalize_hf_config(json.loads(path.read_text()))
     except json.JSONDecodeError as e:

@@ -3,8 +3,8 @@
 megatron-core decorates its fused kernels with `jit_fuser = torch.compile` when each module is
 imported (megatron/core/jit.py: enable_jit_fuser; megatron/core/fusions/fused_bias_geglu.py and
 its siblings: `@jit_fuser`). The first torch.compile call imports torch._dynamo and
-torch._inductor: 2-4 s of CPU in every process that imports megatron-core (measured 2026-11-26
-with `python -X importtime -c "from gspo_megatron.actor import Actor"`: fused_bias_geglu 1.75 s
+torch._inductor: 2-4 s of CPU in every process that imports megatron-core (measured with
+`python -X importtime -c "from gspo_megatron.actor import Actor"`: fused_bias_geglu 1.75 s
 of megatron.core's 3.4 s). On CPU nothing calls those kernels (ComputeSettings refuses
 bias_activation_fusion without CUDA; the rope and softmax fusions are TE's or off), so every
 trainer rank, converter and test worker paid that for nothing.

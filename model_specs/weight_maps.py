@@ -26,9 +26,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from gspo_megatron import GspoError
 from model_specs import family_for
-from model_specs.traits import attention_options
 from model_specs.hf_config import moe_layer_pattern, normalize_hf_config
+from model_specs.traits import attention_options
 
 # The parameter kinds: how a megatron tensor relates to its HF tensors.
 COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
@@ -126,7 +127,7 @@ IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class WeightMapError(ValueError):
+class WeightMapError(GspoError, ValueError):
     """A checkpoint or model that does not match the weight map; the message names the tensor."""
 
 

@@ -1,8 +1,10 @@
 """The errors of the SGLang HTTP client (rollout/client.py), apart so that its parts import them."""
 from __future__ import annotations
 
+from gspo_megatron import GspoError
 
-class SGLangError(RuntimeError):
+
+class SGLangError(GspoError, RuntimeError):
     """A server answered, but not as expected (HTTP error status or malformed body)."""
 
     def __init__(self, url: str, message: str, status: int | None = None, body: str | None = None):

@@ -11,8 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from gspo_megatron import GspoError
 
-class PromptFileError(ValueError):
+
+class PromptFileError(GspoError, ValueError):
     """A prompt file or one of its records is invalid; the message names file, row and key."""
 
 

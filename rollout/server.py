@@ -27,11 +27,12 @@ from typing import Callable, Sequence
 
 import requests
 
+from gspo_megatron import GspoError
 from rollout.cpu_stand_ins import STAND_INS_DIR
 from rollout.ports import free_port
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(GspoError, RuntimeError):
     """A server or router did not become healthy (died or timed out); the message has its log tail."""
 
 

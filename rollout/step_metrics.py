@@ -1,6 +1,6 @@
 """What one rollout step reports (RolloutManager.generate_step's metrics): rewards, lengths,
 truncation, partial rollouts, scoring and teacher time, and for multi-turn episodes their turns,
-tool calls and environment tokens. The trainer's rollout/* metrics are made of these (driver.py).
+tool calls and environment tokens. The trainer's rollout/* metrics are made of these (gspo_megatron/driver/rollout_metrics.py).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ t0=$SECONDS
 echo "[main_job] training took $((SECONDS - t0)) s"
 "$PY" - "$RUN/tensorboard" <<'PY'
 import sys
-from gspo_megatron.metrics import read_scalars
+from gspo_megatron.run.metrics import read_scalars
 rewards = read_scalars(sys.argv[1]).get("rollout/reward_mean", [])
 if rewards:
     (s0, r0), (s1, r1) = rewards[0], rewards[-1]

@@ -93,7 +93,7 @@ def warm_tiny_moe_dir() -> Path:
     import torch
     import transformers
 
-    from gspo_megatron.rollout_batch import sft_batch
+    from gspo_megatron.driver.warm_start import sft_batch
     from rollout.dataset import chat_prompt_ids
 
     src = tiny_model_dir("qwen3_moe", 0)
@@ -101,7 +101,7 @@ def warm_tiny_moe_dir() -> Path:
     tok = transformers.AutoTokenizer.from_pretrained(src)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     records = [json.loads(line) for line in WARM_PROMPTS.read_text().splitlines() if line.strip()]
-    # the examples of gspo_megatron/driver.py's warm_start_examples: the solution, else the answer, + EOS
+    # the examples of gspo_megatron/driver/warm_start.py's warm_start_examples: the solution, else the answer, + EOS
     rows = [(chat_prompt_ids(tok, rec), tok.encode(str(rec.get("solution", rec["answer"])),
                                                    add_special_tokens=False) + [eos]) for rec in records]
     rng_state = torch.random.get_rng_state()

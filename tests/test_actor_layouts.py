@@ -91,7 +91,7 @@ def _run(rank, world, layout_kwargs, options, init_state):
     else:
         actor.load_full_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()})
     batch = make_batch(options.get("skewed", False))
-    if options.get("packed_rows"):  # the trainer's form (rollout_batch, transfer): real tokens only
+    if options.get("packed_rows"):  # the trainer's form (samples_to_batch, transfer): real tokens only
         batch = batch.packed()
     shard = actor.shard(batch, num_mini_batches=shape(options)[1])
     assert shard.is_packed == bool(options.get("packed_rows"))

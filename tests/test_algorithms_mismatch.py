@@ -1,5 +1,5 @@
 """Train/inference mismatch corrections (algorithms/mismatch.py) and routing drift counts
-(algorithms/routing.py) against their equations on hand-made tensors."""
+(algorithms/routing_drift.py) against their equations on hand-made tensors."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch
 
 from gspo_megatron.algorithms import grpo_loss, gspo_loss, gspo_token_loss
 from gspo_megatron.algorithms.mismatch import mismatch_correction
-from gspo_megatron.algorithms.routing import changed_expert_sets, drift_counts
+from gspo_megatron.algorithms.routing_drift import changed_expert_sets, drift_counts
 
 F64 = torch.float64
 MASK = torch.tensor([[False, True, True, True], [False, True, True, False]])

@@ -1,10 +1,10 @@
-"""Routing drift counts (algorithms/routing.py) against a hand count."""
+"""Routing drift counts (algorithms/routing_drift.py) against a hand count."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gspo_megatron.algorithms.routing import changed_expert_sets, drift_counts
+from gspo_megatron.algorithms.routing_drift import changed_expert_sets, drift_counts
 
 
 def test_drift_hand_count():

@@ -91,7 +91,7 @@ def _versions(r: dict) -> list[int]:
 def _check_staleness(run_dir: Path, n: int) -> dict[str, list[float]]:
     """No trained token older than n versions: the trainer holds version step + 1 at step `step`
     (the first sync, before step 0, is version 1)."""
-    from gspo_megatron.metrics import read_scalars
+    from gspo_megatron.run.metrics import read_scalars
     for r in _records(run_dir):
         live = r["step"] + 1
         assert all(live - v <= n for v in _versions(r)), (r["step"], _versions(r))
@@ -134,7 +134,7 @@ def _trained_prompts(run_dir: Path) -> list[tuple]:
 
 @pytest.mark.slow
 def test_async_sigkill_and_resume_trains_every_prompt_once(tmp_path, server_url):  # noqa: F811
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     args = _args(tmp_path, server_url, **{"train.steps": 6, "checkpoint.keep": 0})
     log = tmp_path / "first_run.log"
     with log.open("w") as out:
@@ -177,7 +177,7 @@ def lockstep_one_process(tmp_path_factory, server_url):  # noqa: F811
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tensor", "pipeline"])
 def test_async_tp2_and_pp2_equal_one_process(tmp_path, server_url, lockstep_one_process, layout):  # noqa: F811
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     one_dir = lockstep_one_process
     two = run_train(_lockstep(tmp_path / "two", server_url) + ["--set", f"parallel.{layout}=2"], nproc=2)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-5000:]
@@ -234,7 +234,7 @@ def test_async_routing_replay(tmp_path):
     s = _check_staleness(tmp_path, 1)
     assert all(v < 1e-4 for v in s["train/logprob_abs_diff"]), s["train/logprob_abs_diff"]
     assert all(v == 0.0 for v in s["routing/replay_mismatch"]), s["routing/replay_mismatch"]
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     restarted = sum(r.get("rollout/partial_restarted", 0.0) for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True))
     print(f"partial responses restarted (not resumed under new weights): {restarted:.0f}")
     assert restarted > 0  # responses were cut by syncs (24 per run measured): the case arose

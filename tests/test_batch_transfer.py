@@ -82,7 +82,7 @@ def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
 
 def _scatter(rank, world, groups, dp_of, case, layers_of=None, replicas=None, stages=None):
     from gspo_megatron.actor.transfer import scatter_rows
-    from gspo_megatron.driver import DriverError
+    from gspo_megatron.parallel.rank_zero import DriverError
     batch = make_batch(rows=17)  # every rank builds it, to compare; only rank 0's is sent
 
     def make():

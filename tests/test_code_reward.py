@@ -141,7 +141,7 @@ def test_code_reward_in_the_workers():
 def test_eval_metrics_with_the_code_reward():
     """eval/accuracy counts a response correct when every test passes (reward 1.0), eval/pass@k a
     prompt with one such response; on the shipped example set, scored in the workers."""
-    from gspo_megatron.evaluation import eval_metrics
+    from gspo_megatron.driver.evaluation import eval_metrics
     from rollout.dataset import load_prompts
     from rollout.sample import Sample
     rows = load_prompts(str(ROOT / "examples" / "data" / "code_eval.jsonl"), "prompt", "input_output")

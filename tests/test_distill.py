@@ -154,7 +154,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_any_server(tmp_path
 def test_a_distillation_run_trains_and_reports(tmp_path, server_url, qwen3_server):  # noqa: F811
     """Student: the tiny MoE on the module's server; teacher: the tiny dense Qwen3 on its own server
     (the same tokenizer), which the run never syncs."""
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     from rollout.client import SGLangClient
     teacher_url = qwen3_server.server_urls[0]
     before = SGLangClient(teacher_url).weight_version()
@@ -167,7 +167,7 @@ def test_a_distillation_run_trains_and_reports(tmp_path, server_url, qwen3_serve
     assert [r["step"] for r in recs] == [0, 1]
     for r in recs:
         assert math.isfinite(r["distill/reverse_kl"]) and r["distill/teacher_tokens_per_s"] > 0
-    from gspo_megatron.metrics import documented
+    from gspo_megatron.run.metrics import documented
     assert all(documented(k) for k in recs[0] if k != "step"), [k for k in recs[0] if not documented(k)]
     samples = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     want = hf_response_logprobs(tiny_model_dir("qwen3", 0), samples[0]["prompt_ids"], samples[0]["response_ids"])

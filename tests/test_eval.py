@@ -1,4 +1,4 @@
-"""Held-out evaluation during training (gspo_megatron/evaluation.py): before step 0, before every
+"""Held-out evaluation during training (gspo_megatron/driver/evaluation.py): before step 0, before every
 eval.interval-th step and after the last one, on the live SGLang server; its metrics equal a count
 by hand over the eval responses, per data_source too, and a PP2 run gives the same ones.
 """
@@ -43,13 +43,13 @@ def _by_hand(run_dir: Path) -> dict[int, dict[str, float]]:
 
 
 def _logged(run_dir: Path) -> dict[int, dict[str, float]]:
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")}
             for r in read_jsonl(run_dir / "tb" / "metrics.jsonl") if "eval/accuracy" in r}
 
 
 def test_eval_at_step_0_the_interval_and_the_end_equals_a_hand_count(tmp_path, server_url):  # noqa: F811
-    from gspo_megatron.metrics import read_scalars
+    from gspo_megatron.run.metrics import read_scalars
     proc = run_train(_args(tmp_path, server_url))
     assert proc.returncode == 0, proc.stderr[-5000:]
     logged, hand = _logged(tmp_path), _by_hand(tmp_path)

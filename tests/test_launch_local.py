@@ -62,7 +62,7 @@ def test_local_real_trainer_and_server(tmp_path):
     """local.sh starts a real SGLang server and a TP2 trainer that trains against it, and stops the
     server at the end. (The rerun that resumes through local.sh is the stand-ins' test above; the
     real trainer's resume is tests/test_resume_run.py's.)"""
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     model, run_dir = tiny_model_dir("qwen3_moe", 0), tmp_path / "run"
     sets = {"model.hf_path": model, "parallel.tensor": 2, "rollout.group_size": 4,
             "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 6, "train.steps": 2,

@@ -129,7 +129,7 @@ def test_real_trainer_and_sglang_preempted_mid_run_save_on_the_signal_and_resume
     finishes or abandons its step, saves it (checkpoint.save_on_signal) and exits 143; the script
     requeues the job; the second attempt resumes from that checkpoint and the run ends with each
     step's metrics exactly once."""
-    from gspo_megatron.metrics import read_jsonl, read_scalars
+    from gspo_megatron.run.metrics import read_jsonl, read_scalars
     steps, run_dir = 6, tmp_path / "run"
     proc = slurm_cluster.popen(_real_job(tmp_path, run_dir, "disaggregated", 2, steps), env=_real_env(),
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -174,7 +174,7 @@ def test_two_jobs_on_one_run_folder_one_trains_the_other_stops_at_the_lock(slurm
     """Two jobs submitted with the same run folder, one node each (colocated: its own SGLang
     server): whichever trainer starts second stops at once with the lock line naming the other's
     host, pid and Slurm job; the first trains to the end; metrics hold every step once."""
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     run_dir, steps = tmp_path / "run", 3
     procs = []
     for port in (31000, 32000):  # both "nodes" share this host's ports

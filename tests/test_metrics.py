@@ -1,7 +1,7 @@
 """Metrics: real TensorBoard event files read back with tensorboard's own EventAccumulator."""
 from __future__ import annotations
 
-from gspo_megatron.metrics import (TAGS, MetricsWriter, format_progress, read_jsonl,
+from gspo_megatron.run.metrics import (TAGS, MetricsWriter, format_progress, read_jsonl,
                                    read_scalars)
 
 
@@ -69,7 +69,7 @@ def test_progress_line_and_tag_docs():
 def test_per_layer_routing_histograms(tmp_path):
     from tensorboard.backend.event_processing import event_accumulator
 
-    from gspo_megatron.metrics import documented, per_layer_histograms
+    from gspo_megatron.run.metrics import documented, per_layer_histograms
     layers = {f"routing_layers/drift_layer_{i}": v for i, v in enumerate([0.1, 0.3, 0.0, 0.2])}
     assert per_layer_histograms(layers) == {"routing_layers/drift": [0.1, 0.3, 0.0, 0.2]}
     assert documented("routing_layers/drift_layer_12") and not documented("routing_layers/x_layer_1")

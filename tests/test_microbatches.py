@@ -1,4 +1,4 @@
-"""actor/microbatches.py: rows grouped longest first up to a token budget, split to an agreed count.
+"""actor/token_budget.py: rows grouped longest first up to a token budget, split to an agreed count.
 (The same on real process groups, against one process: tests/test_actor_layouts.py.)"""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gspo_megatron.actor.microbatches import computed_tokens, plan_micro_batches, split_to_count
+from gspo_megatron.actor.token_budget import computed_tokens, plan_micro_batches, split_to_count
 
 
 def test_longest_first_within_rows_and_budget():
@@ -73,7 +73,7 @@ def test_a_packed_micro_batch_counts_its_pack_not_its_rows():
 
     from gspo_megatron.actor.batch import TrainBatch
     from gspo_megatron.actor.micro_batch import micro_batch
-    from gspo_megatron.actor.microbatches import model_tokens, padding_stats
+    from gspo_megatron.actor.token_budget import model_tokens, padding_stats
     from gspo_megatron.actor.packing import pack
     lengths = torch.tensor([9, 3, 6])
     t = torch.arange(9)[None]

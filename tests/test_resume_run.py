@@ -32,7 +32,7 @@ def _args(run_dir: Path, url: str) -> list[str]:
 
 
 def _compare(a: list[dict], b: list[dict]) -> list[str]:
-    from gspo_megatron.metrics import measures_time
+    from gspo_megatron.run.metrics import measures_time
     diffs = []
     for ra, rb in zip(a, b):
         for k, va in ra.items():
@@ -46,7 +46,7 @@ def _compare(a: list[dict], b: list[dict]) -> list[str]:
 
 @pytest.mark.slow
 def test_sigkill_and_resume_reproduces_uninterrupted_run(tmp_path, server_url):  # noqa: F811
-    from gspo_megatron.metrics import read_jsonl, read_scalars
+    from gspo_megatron.run.metrics import read_jsonl, read_scalars
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
     ref = run_train(_args(ref_dir, server_url))
     assert ref.returncode == 0, ref.stderr[-5000:]

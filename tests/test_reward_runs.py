@@ -19,7 +19,7 @@ TIMEOUT_S = 2.0
 @pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
 def test_a_run_survives_hung_crashing_nan_and_raising_rewards(tmp_path, server_url, max_staleness,  # noqa: F811
                                                             monkeypatch):
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     monkeypatch.setenv("GSPO_TEST_REWARD_COUNTER", str(tmp_path / "calls"))
     steps = 2
     proc = run_train([CONFIG, *base_overrides(tmp_path, server_url, **{

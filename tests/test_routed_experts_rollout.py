@@ -219,7 +219,7 @@ def _actor_on_batch(rank, world, layout, batch, hf_dir, weights, steps):
 
 
 def _sampled_batch(routing_server):
-    from gspo_megatron.rollout_batch import samples_to_batch
+    from gspo_megatron.driver.samples_to_batch import samples_to_batch
     from rollout.pool import ServerPool
 
     pool = ServerPool(routing_server.server_urls, routing_server.router_url)

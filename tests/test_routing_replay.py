@@ -4,7 +4,7 @@ gloo process groups.
 The reference is megatron-core's own RouterReplay (REPLAY_FORWARD, moe/router_replay.py) on one
 process, one micro-batch, each router given the batch's engine experts as [s * b, k] in the
 router's s-major token order: "a forward pass forced to the same experts", by megatron's code, not
-ours. Our replay (actor/routing.py: per micro-batch, token by token, under TP/SP, EP and PP) must
+ours. Our replay (actor/router_control.py: per micro-batch, token by token, under TP/SP, EP and PP) must
 give the same log-probs (1e-5), and after one GSPO step with replay the same parameters as one
 process with our replay. The engine routing is random top-2 sets of 8 experts, so replayed and
 natural routing differ on most tokens: a replay that dropped or misplaced indices would show.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from gspo_megatron.rollout_batch import samples_to_batch, sft_batch
-from gspo_megatron.rollout_metrics import rollout_metrics
-from gspo_megatron.trainer import train_metrics
+from gspo_megatron.driver.samples_to_batch import samples_to_batch
+from gspo_megatron.driver.warm_start import sft_batch
+from gspo_megatron.driver.rollout_metrics import rollout_metrics
+from gspo_megatron.run.loop_metrics import train_metrics
 from rollout.sample import Sample
 
 

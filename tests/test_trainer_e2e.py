@@ -64,7 +64,7 @@ def server_url(moe_server):
 
 
 def _check_run(run_dir: Path, steps: int) -> None:
-    from gspo_megatron.metrics import read_jsonl, read_scalars
+    from gspo_megatron.run.metrics import read_jsonl, read_scalars
     recs = read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)
     assert [r["step"] for r in recs] == list(range(steps))
     scalars = read_scalars(run_dir / "tb")
@@ -75,7 +75,7 @@ def _check_run(run_dir: Path, steps: int) -> None:
                 "train/grad_norm", "train/lr", "train/entropy", "train/logprob_abs_diff",
                 "perf/tokens_per_s", "time/rollout", "time/log_probs", "time/train", "time/sync"):
         assert [s for s, _ in scalars[tag]] == list(range(steps)), tag
-    from gspo_megatron.metrics import documented
+    from gspo_megatron.run.metrics import documented
     assert all(documented(t) for t in scalars), [t for t in scalars if not documented(t)]
     # The tiny MoE's routing drift (moe.drift is on by default for MoE models), per layer too.
     assert [s for s, _ in scalars["routing/drift"]] == list(range(steps))
@@ -98,7 +98,7 @@ def test_train_tp2_end_to_end(tmp_path, server_url):
     assert proc.stdout.count("step ") >= 3
     _check_run(tmp_path, 3)
     # KL penalty on: reference log-probs each step, the reference saved once for resumes.
-    from gspo_megatron.metrics import read_scalars
+    from gspo_megatron.run.metrics import read_scalars
     scalars = read_scalars(tmp_path / "tb")
     kl = [v for _, v in scalars["train/kl"]]
     assert len(kl) == 3 and all(v >= 0 for v in kl) and len(scalars["time/ref_log_probs"]) == 3

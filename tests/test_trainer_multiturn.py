@@ -35,7 +35,7 @@ def test_multiturn_tp2_rows_rebuilt_from_records_and_resume(tmp_path, server_url
 
     from fixtures_models import tiny_model_dir
     from gspo_megatron.algorithms.advantages import turn_advantages
-    from gspo_megatron.metrics import read_jsonl, read_scalars
+    from gspo_megatron.run.metrics import read_jsonl, read_scalars
     from rollout.chat import ChatTemplate
 
     args = _args(tmp_path, server_url, **{"parallel.tensor": 2, "loss.name": "gspo_token",
@@ -104,7 +104,7 @@ def test_broken_environment_is_recorded_and_counted(tmp_path, server_url):  # no
     assert errors and all(r["reward"] == 0.0 for r in _records(tmp_path) if "env_error" in r["metadata"])
     assert any(e.startswith("ValueError: calculator crashed") for e in errors) or \
         any("reward 'not a number' is not a number" in e for e in errors), errors
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     assert read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)[0]["rollout/env_error_fraction"] > 0
     strict = run_train(_args(tmp_path / "strict", server_url, **{
         "rollout.environment": "tests.envs_for_tests:FlakyCalculator", "train.steps": 1}))

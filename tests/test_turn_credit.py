@@ -11,7 +11,8 @@ import transformers
 
 from fixtures_models import tiny_model_dir
 from gspo_megatron.algorithms.advantages import group_advantages, turn_advantages
-from gspo_megatron.episodes import demonstration, token_advantages
+from gspo_megatron.driver.turn_credit import turn_credit_advantages
+from gspo_megatron.driver.warm_start import demonstration
 from rollout.chat import ChatTemplate
 from rollout.envs import CalculatorEnv, EnvironmentSpecError, environment_class
 from rollout.sample import Sample
@@ -45,7 +46,7 @@ def test_token_advantages_follow_the_model_spans():
     other = Sample(0, 1, {}, [7], 20)
     other.response_ids, other.loss_mask = [1, 2], [1, 1]
     other.metadata = {"spans": [["model", 0, 2]], "turn_rewards": [3.0]}
-    adv = token_advantages([s, other], group_size=2, width=12, discount=0.5)
+    adv = turn_credit_advantages([s, other], group_size=2, width=12, discount=0.5)
     want = turn_advantages([[0.0, 1.0, 2.0], [3.0]], 2, 0.5)
     p = 3
     assert adv[0, :p].tolist() == [0.0] * p

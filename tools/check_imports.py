@@ -6,13 +6,21 @@ Every `import` / `from ... import` in gspo_megatron/, model_specs/, rollout/ and
 the ones inside functions included (a lazy import is still a dependency). An import resolves to
 the most specific project module (`from a.b import c` is a.b.c when that is a module, else a.b);
 a package whose __init__ re-exports lazily (an `_EXPORTS` table of name -> submodule) depends on
-those submodules. The rules (README "The house"):
-- model_specs knows Hugging Face and megatron-core, nothing of the RL library (no gspo_megatron,
-  no rollout);
-- rollout knows nothing of megatron (no megatron, gspo_megatron or model_specs);
+those submodules. The rules (docs/architecture.md, "Import rules"):
+- gspo_megatron's top holds only the entry points: __init__ (GspoError, the error base class),
+  cli and trainer; everything else lives in a package;
+- model_specs knows Hugging Face and megatron-core, nothing of the RL library (no rollout; of
+  gspo_megatron only its root, for GspoError);
+- rollout knows nothing of megatron (no megatron or model_specs; of gspo_megatron only its root);
 - gspo_megatron.algorithms is pure torch (no megatron, no other gspo_megatron package);
+- the library packages (actor, checkpoint, parallel, sync) import none of the run's packages
+  (config, run, driver, trainer, cli); driver imports no run, trainer or cli; config no run,
+  driver, trainer or cli; nothing imports cli, and only cli imports trainer;
 - loading the run config (gspo_megatron.config and what it imports when imported, function
-  bodies aside) imports neither torch nor megatron-core: a config error comes before they load;
+  bodies aside) imports neither torch nor megatron-core, and neither do the command line's first
+  checks (gspo_megatron.run.preflight): those errors come before the heavy imports;
+- no two modules of gspo_megatron have near-twin names (the same once underscores and a final
+  s or es are dropped: micro_batch / microbatches, routing / routing);
 - no module imports itself through a chain of others (no cycles).
 """
 from __future__ import annotations
@@ -161,17 +169,45 @@ def violations() -> list[str]:
             if bad:
                 problems.append(f"{m} imports {', '.join(bad)} ({why})")
 
-    forbid("model_specs", ("gspo_megatron", "rollout"), (), "model_specs is a leaf")
-    forbid("rollout", ("gspo_megatron", "model_specs"), ("megatron",), "rollout knows nothing of megatron")
-    others = tuple(f"gspo_megatron.{p}" for p in ("actor", "checkpoint", "parallel", "sync", "config",
-                                                   "driver", "trainer", "startup", "metrics", "cli"))
-    forbid("gspo_megatron.algorithms", others, ("megatron",), "algorithms are pure torch")
+    sub = tuple(f"gspo_megatron.{p}" for p in ("actor", "algorithms", "checkpoint", "parallel", "sync",
+                                                "config", "driver", "run", "planner", "trainer", "cli"))
+    forbid("model_specs", sub + ("rollout",), (), "model_specs is a leaf; of gspo_megatron only GspoError")
+    forbid("rollout", sub + ("model_specs",), ("megatron",),
+           "rollout knows nothing of megatron; of gspo_megatron only GspoError")
+    run_side = tuple(f"gspo_megatron.{p}" for p in ("config", "run", "driver", "trainer", "cli"))
+    library = tuple(f"gspo_megatron.{p}" for p in ("actor", "checkpoint", "parallel", "sync", "planner"))
+    forbid("gspo_megatron.algorithms", library + run_side, ("megatron",), "algorithms are pure torch")
+    for lib in ("actor", "checkpoint", "parallel", "sync"):
+        forbid(f"gspo_megatron.{lib}", run_side, (), "the library packages know nothing of the run")
+    forbid("gspo_megatron.driver", ("gspo_megatron.run", "gspo_megatron.trainer", "gspo_megatron.cli"), (),
+           "run/ builds the driver")
+    forbid("gspo_megatron.config", ("gspo_megatron.run", "gspo_megatron.driver", "gspo_megatron.trainer",
+                                    "gspo_megatron.cli"), (), "the run reads the config, not the reverse")
+    for m in sorted(internal):
+        for top, why in (("gspo_megatron.cli", "the command line is the top"),
+                         ("gspo_megatron.trainer", "only the command line runs the loop")):
+            if m not in ("gspo_megatron.cli", top) and top in internal[m]:
+                problems.append(f"{m} imports {top} ({why})")
+    files = module_files()
+    for m, path in files.items():
+        if (m.count(".") == 1 and m.startswith("gspo_megatron.") and path.name != "__init__.py"
+                and m not in ("gspo_megatron.cli", "gspo_megatron.trainer")):
+            problems.append(f"{m} sits at gspo_megatron's top, where only cli and trainer do (give it a package)")
+    twins: dict[str, list[str]] = {}
+    for m, path in files.items():
+        if m.startswith("gspo_megatron.") and path.name != "__init__.py":
+            stem = path.stem.replace("_", "")
+            twins.setdefault(stem[:-2] if stem.endswith("es") else stem.removesuffix("s"), []).append(m)
+    for names in twins.values():
+        if len(names) > 1:
+            problems.append(f"near-twin module names: {', '.join(sorted(names))} (a name says which is which)")
     eager_internal, eager_external = graph(eager_only=True)
-    for m in sorted(closure(eager_internal, "gspo_megatron.config")):
-        heavy = eager_external.get(m, set()) & {"torch", "megatron", "transformer_engine"}
-        if heavy:
-            problems.append(f"{m} imports {', '.join(sorted(heavy))}, and gspo_megatron.config "
-                            f"imports {m}: the config must load without torch")
+    for light in ("gspo_megatron.config", "gspo_megatron.run.preflight"):
+        for m in sorted(closure(eager_internal, light)):
+            heavy = eager_external.get(m, set()) & {"torch", "megatron", "transformer_engine"}
+            if heavy:
+                problems.append(f"{m} imports {', '.join(sorted(heavy))}, and {light} imports {m}: "
+                                "it must load without torch")
     for comp in find_cycles(internal):
         problems.append(f"import cycle: {' <-> '.join(comp)}")
     return problems

@@ -36,7 +36,7 @@ FP32_TOL = 1e-4
 # (transformer_engine/common/gemm/cublaslt_gemm.cu, cublas_gemm: "Use TF32 only for pure FP32
 # GEMM" -> CUBLAS_COMPUTE_32F_FAST_TF32, the same in TE 2.2-2.20; torch's allow_tf32 is not read).
 # TF32 keeps 10 mantissa bits: a unit roundoff of 2^-11 ~ 4.9e-4 on every GEMM input. So the TE
-# spec's fp32 log-probs are TF32 log-probs: 1.45e-4 from transformers on the H100 (2026-11-24),
+# spec's fp32 log-probs are TF32 log-probs: 1.45e-4 from transformers on an H100 (docs/results.md),
 # where the local spec (torch matmuls, TF32 off) gives 1.4e-6. The TE fp32 rows are held to
 # 2^-10 ~ 1e-3 nats, twice TF32's roundoff, and the table prints the envelope that says whether
 # that is TF32 alone: the local spec with torch's TF32 turned on ("local+tf32" row).

@@ -29,8 +29,8 @@ from gspo_megatron.actor.batch import TrainBatch
 from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
                                        spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
-from gspo_megatron.actor.packing import resolve_packing
-from gspo_megatron.actor.routing import Routing, check_routed_experts
+from gspo_megatron.actor.packing import resolve_sequence_layout
+from gspo_megatron.actor.router_control import Routing, check_routed_experts
 from gspo_megatron.actor.balance import model_work
 from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
@@ -112,14 +112,12 @@ class Actor:
         self.spec = model if isinstance(model, ModelSpec) else spec_for_layout(
             model, layout, params_dtype=params_dtype, compute=compute, available=available)
         # Context parallelism and packing need TE's attention on CUDA (before any collective).
-        half = self.spec.config.params_dtype in (torch.bfloat16, torch.float16)
-        layout.check_context_parallel(transformer_engine=self.spec.transformer_engine,
-                                      cuda=available.cuda, half=half)
         # Packing: null means "whenever that is what runs"; not with CP (THD chunks per segment
         # are not implemented: parallel/context.py splits padded rows).
-        self.batching = dataclasses.replace(self.batching, pack_sequences=resolve_packing(
-            self.batching.pack_sequences, te_on_cuda=self.spec.transformer_engine and available.cuda,
-            context=layout.context, half=half, te_version=available.te_version))
+        half = self.spec.config.params_dtype in (torch.bfloat16, torch.float16)
+        self.batching = dataclasses.replace(self.batching, pack_sequences=resolve_sequence_layout(
+            layout, self.batching.pack_sequences, transformer_engine=self.spec.transformer_engine,
+            cuda=available.cuda, half=half, te_version=available.te_version))
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)

@@ -79,7 +79,7 @@ class TrainBatch:
     micro-batch's form, and small batches'). Packed (`tokens.dim() == 1`): per-token fields as the
     rows' real tokens concatenated, `[T, ...]` with T = lengths.sum(), row i at
     `offsets[i]:offsets[i + 1]`: the form a rollout batch has from the samples to the micro-batches
-    (issue 29: what a rank holds grows with its rows' real tokens, not with its longest row).
+    (what a rank holds grows with its rows' real tokens, not with its longest row).
     routed_experts may be stored compact there (uint8, 255 = none; compact_routes). `select`,
     `split`, `shard` and `mini_batches` keep the form; `padded()` gives the padded one.
     """

@@ -113,7 +113,7 @@ def last_stage_log_probs(chunk: torch.nn.Module, output: torch.Tensor, mb: Micro
 
 
 LastStageFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict]]
-# Called on every stage right before a chunk runs a micro-batch (routing.py: replay and records).
+# Called on every stage right before a chunk runs a micro-batch (router_control.py: replay and records).
 BeforeForward = Callable[[torch.nn.Module, MicroBatch], None]
 
 

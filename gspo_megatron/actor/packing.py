@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 import torch
 
@@ -47,6 +48,17 @@ def resolve_packing(requested: bool | None, *, te_on_cuda: bool, context: int, h
     if requested and why:
         raise ValueError(f"pack_sequences=True {why}")
     return bool(why is None if requested is None else requested)
+
+
+def resolve_sequence_layout(layout: Any, requested: bool | None, *, transformer_engine: bool, cuda: bool,
+                            half: bool, te_version: str | None) -> bool:
+    """Context parallelism and packing on this machine, in one place (the run's preflight and the
+    Actor, before any collective): LayoutError for context parallelism that cannot run here,
+    ValueError for packing asked for where it cannot run; returns whether micro-batches are packed.
+    layout: a ParallelLayout."""
+    layout.check_context_parallel(transformer_engine=transformer_engine, cuda=cuda, half=half)
+    return resolve_packing(requested, te_on_cuda=transformer_engine and cuda, context=layout.context,
+                           half=half, te_version=te_version)
 
 
 def _version(text: str | None) -> tuple[int, int]:

@@ -64,7 +64,7 @@ class OptimizerSettings:
 
 @dataclass
 class MicroBatchSettings:
-    """How a rank's rows are grouped into micro-batches (actor/microbatches.py)."""
+    """How a rank's rows are grouped into micro-batches (actor/token_budget.py)."""
 
     micro_batch_size: int = 8
     """Sequences per forward/backward micro-batch on one data-parallel rank, at most."""
@@ -111,7 +111,7 @@ class MicroBatchSettings:
 
 @dataclass
 class RoutingSettings:
-    """MoE routing tools of the actor (actor/routing.py; docs/moe_stability.md)."""
+    """MoE routing tools of the actor (actor/router_control.py; docs/moe_stability.md)."""
 
     replay: bool = False
     """Routing replay ("R3"): megatron's routers use the experts SGLang routed each token to, in
@@ -130,7 +130,7 @@ class RoutingSettings:
 
     def resolve(self, *, is_moe: bool, recompute: bool, context_parallel: int = 1) -> "RoutingSettings":
         """The settings with nulls decided; errors name what cannot run. Under context parallelism
-        (routers see zig-zag chunks of the rows, which routing.py does not map) all are off."""
+        (routers see zig-zag chunks of the rows, which router_control.py does not map) all are off."""
         if (self.replay or self.drift or self.engine_routing) and not is_moe:
             raise ValueError("moe.replay / moe.drift / moe.engine_routing: the model has no MoE layers")
         if (self.replay or self.drift or self.engine_routing) and context_parallel > 1:

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor import microbatches
+from gspo_megatron.actor import token_budget
 from gspo_megatron.actor.batch import TrainBatch, positions_in_rows
 from gspo_megatron.actor.micro_batch import MicroBatch, from_input_positions
 from gspo_megatron.actor.forward import BeforeForward, is_last_stage_rank, run_schedule, seq_multiple
@@ -189,7 +189,7 @@ def _finish(totals: dict[str, torch.Tensor], name: str | None) -> dict[str, floa
 def plan(batch: TrainBatch, batching: MicroBatchSettings, *, forward_only: bool) -> list[MicroBatch]:
     """This rank's micro-batches (collective over DP: every rank gets the same count). Packed
     when batching.pack_sequences is True (the Actor resolves null against its layer spec)."""
-    return microbatches.build(batch, max_rows=batching.micro_batch_size,
+    return token_budget.build(batch, max_rows=batching.micro_batch_size,
                               max_tokens=batching.max_tokens(forward_only), seq_multiple=seq_multiple(),
                               longest_first=batching.longest_first, packed=bool(batching.pack_sequences))
 
@@ -198,9 +198,9 @@ def _padding_metrics(mbs: list[MicroBatch]) -> dict[str, float]:
     """Real and computed (padding included) tokens of the step over every DP rank, and the largest
     micro-batch's computed tokens: the same on every rank."""
     group = ps.get_data_parallel_group()
-    real, computed = microbatches.padding_stats(mbs)
+    real, computed = token_budget.padding_stats(mbs)
     totals = torch.tensor([real, computed], dtype=torch.float64, device=comm_device(group))
-    largest = torch.tensor([max(microbatches.model_tokens(mb) for mb in mbs)], dtype=torch.float64,
+    largest = torch.tensor([max(token_budget.model_tokens(mb) for mb in mbs)], dtype=torch.float64,
                            device=comm_device(group))
     dist.all_reduce(totals, group=group)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)

@@ -9,11 +9,11 @@ packed without padding, over the backend (NCCL on GPU, gloo on CPU).
     # batch, packed, with only this pipeline stage's routing layers), rank 0's small side results
     # (metrics), and what the transfer cost
 
-Before (issue 29): rank 0 pickled the whole right-padded batch and broadcast it to every rank, and
-each rank kept its own rows. At 1,024 rows of up to 20k tokens that was 0.41 GiB and 5 s per step
-on 4 gloo ranks; with routing replay at 48 layers x top-8 it could not run at all.
+Why not broadcast the batch: pickling the whole right-padded batch to every rank, which then keeps
+its own rows, moved 0.41 GiB per step at 1,024 rows of up to 20k tokens on 4 gloo ranks, and with
+routing replay at 48 layers x top-8 could not run at all (docs/results.md, the data path).
 
-Now rank 0 (which holds the step's batch packed, rollout_batch.samples_to_batch):
+Rank 0 (which holds the step's batch packed, driver/samples_to_batch.py):
 1. plans the shards (balance.plan_shards: mini-batch j's rows shared by work), once;
 2. broadcasts a small header (pickled: the metrics and each DP rank's manifest of field names,
    dtypes and shapes: O(DP x fields), not O(tokens));
@@ -43,6 +43,7 @@ import torch.distributed as dist
 from gspo_megatron.actor.balance import plan_shards, worst_imbalance
 from gspo_megatron.actor.batch import NOT_TENSORS, TrainBatch, compact_routes
 from gspo_megatron.parallel.comm import comm_device
+from gspo_megatron.parallel.rank_zero import DriverError, broadcast_object
 
 
 def _fields(batch: TrainBatch, rows: torch.Tensor):
@@ -210,9 +211,8 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
     replica_group / stage_group: groups of ranks holding the same rows (megatron's model-parallel
     group) / the same rows and routing layers (its tensor-parallel group), over which a unit's
     leader relays what rank 0 sent it (_Relay); None: rank 0 sends every rank its own. If `make`
-    raises on rank 0, every rank raises (rank 0 the original error, the others
-    driver.DriverError), as driver.on_driver."""
-    from gspo_megatron.driver import DriverError, broadcast_object
+    raises on rank 0, every rank raises (rank 0 the original error, the others DriverError), as
+    on_driver does (parallel/rank_zero.py)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     key = None if route_layers is None else tuple(route_layers)
     who = _who_is_who(dp_rank, route_layers, replica_group, stage_group) if distributed \

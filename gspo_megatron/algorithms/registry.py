@@ -4,7 +4,7 @@
     loss, metrics = spec.function()(log_probs, old_log_probs, advantages, loss_mask, ...)
     settings = LossSettings(name="grpo")   # clip_range() -> the paper's (0.2, 0.27)
 
-The run config (gspo_megatron/config.py), the actor (actor/steps.py) and the package's exports
+The run config (gspo_megatron/config/schema.py), the actor (actor/steps.py) and the package's exports
 read this table; nothing else writes a loss name, a default clip range or a metric key. The module
 imports no torch (the config is validated before torch is imported), so the functions are named
 here and imported on first use.

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from gspo_megatron import GspoError, MissingInputError
 from model_specs.weight_maps import WeightMapError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -34,7 +35,7 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
                        "F64": torch.float64}
 
 
-class DamagedFileError(ValueError):
+class DamagedFileError(GspoError, ValueError):
     """A file that exists but cannot be used (truncated, not the format it claims); the message
     names the file and what is wrong with it."""
 
@@ -87,11 +88,11 @@ def weight_files(hf_dir: str | Path) -> list[Path]:
                                    f"({type(e).__name__}: {e})") from None
         missing = [n for n in names if not (hf_dir / n).is_file()]
         if missing:
-            raise FileNotFoundError(f"{index} lists {missing[0]}, which is not in {hf_dir}")
+            raise MissingInputError(f"{index} lists {missing[0]}, which is not in {hf_dir}")
         return [hf_dir / n for n in names]
     if (hf_dir / SINGLE_NAME).is_file():
         return [hf_dir / SINGLE_NAME]
-    raise FileNotFoundError(f"no {SINGLE_NAME} or {INDEX_NAME} in {hf_dir}")
+    raise MissingInputError(f"no {SINGLE_NAME} or {INDEX_NAME} in {hf_dir}")
 
 
 def check_weight_files(hf_dir: str | Path) -> None:
@@ -197,5 +198,5 @@ def copy_metadata_files(src: str | Path, dst: str | Path) -> list[str]:
             shutil.copyfile(src / name, dst / name)
             copied.append(name)
     if "config.json" not in copied:
-        raise FileNotFoundError(f"no config.json in {src}")
+        raise MissingInputError(f"no config.json in {src}")
     return copied

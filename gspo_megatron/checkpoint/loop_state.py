@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gspo_megatron.checkpoint.durable import fsync_file, write_json
+from gspo_megatron import MissingInputError
 
 DRIVER_FILE = "driver.json"
 RNG_DIR = "rng"
@@ -63,7 +64,7 @@ def save_driver_state(ckpt_dir: Path, state: LoopState) -> None:
 def load_driver_state(ckpt_dir: Path) -> LoopState:
     path = ckpt_dir / DRIVER_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {ckpt_dir} has no {DRIVER_FILE}")
+        raise MissingInputError(f"checkpoint {ckpt_dir} has no {DRIVER_FILE}")
     return LoopState.from_dict(json.loads(path.read_text()))
 
 

@@ -41,12 +41,12 @@ from typing import Any, Protocol
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from gspo_megatron.checkpoint.hf_files import copy_metadata_files
-
 from gspo_megatron.checkpoint.durable import fsync_dir, fsync_file, write_json
+from gspo_megatron.checkpoint.hf_files import copy_metadata_files
 from gspo_megatron.checkpoint.loop_state import (RNG_DIR, LoopState, load_driver_state, load_rng,
                                                  save_driver_state, save_rng)
 from gspo_megatron.checkpoint.model_io import HF_SUBDIR
+from gspo_megatron import GspoError
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -55,7 +55,7 @@ MODEL_DIR = "model"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(GspoError, RuntimeError):
     """A checkpoint that cannot be used; the message names the path and what is wrong."""
 
 
@@ -243,7 +243,7 @@ class CheckpointManager:
     def load(self, path: Path, state: TrainState) -> LoopState:
         """Collective. Restores model, optimizer, scheduler and this rank's RNG; returns the loop
         state. Checks the files' presence and sizes; their checksums are checked before anything
-        starts (startup.check_inputs: verify(..., share=(rank, world)) on every rank)."""
+        starts (the run's preflight.check_inputs: verify(..., share=(rank, world)) on every rank)."""
         self.verify(path, checksums=False)
         loop = load_driver_state(path)
         state.load(path / MODEL_DIR, loop.scheduler)

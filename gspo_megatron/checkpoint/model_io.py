@@ -31,6 +31,7 @@ from torch.distributed.checkpoint import save as dcp_save
 from gspo_megatron.checkpoint.hf_files import copy_metadata_files
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.parallel.model_chunks import unwrap  # DDP / Float16Module prefix names with 'module.'
+from gspo_megatron import GspoError, MissingInputError
 from model_specs import model_dims_for
 from model_specs.hf_config import normalize_hf_config
 
@@ -61,7 +62,7 @@ def is_extra_state(key: str) -> bool:
     (megatron/core/extensions/transformer_engine.py, TEGroupedLinear._sharded_state_dict_grouped
     and merge_extra_states). Matching only the `_extra_state` suffix dropped GEMM 0's shard and
     kept the others: "1 ShardedObject are missing" at every save and load with grouped GEMM on an
-    H100 (2026-11-24; Megatron-LM PR 6509, NeMo-RL issues 1053 and 1128 are the same class)."""
+    H100 (docs/results.md; Megatron-LM PR 6509, NeMo-RL issues 1053 and 1128 are the same class)."""
     return _EXTRA_STATE_RE.search(key) is not None
 
 
@@ -71,7 +72,7 @@ def without_extra_state(sd: dict[str, Any]) -> dict[str, Any]:
             if not is_extra_state(k) and not is_extra_state(getattr(v, "key", ""))}
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(GspoError, ValueError):
     """A checkpoint that does not fit the model: the message names the tensors and shapes."""
 
 
@@ -143,7 +144,7 @@ def load_model(models: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
 def check_is_checkpoint(ckpt_dir: str | Path) -> None:
     path = Path(ckpt_dir)
     if not (path / "metadata.json").is_file():
-        raise FileNotFoundError(f"{path} is not a megatron dist_checkpointing checkpoint "
+        raise MissingInputError(f"{path} is not a megatron dist_checkpointing checkpoint "
                                 "(no metadata.json)")
 
 
@@ -151,7 +152,7 @@ def checkpoint_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:
     """The HF config stored with the checkpoint (normalised field names)."""
     path = Path(ckpt_dir) / HF_SUBDIR / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the checkpoint was saved without its HF config "
+        raise MissingInputError(f"{path} not found: the checkpoint was saved without its HF config "
                                 "(save_model(..., hf_dir=...) or tools/convert_hf_to_megatron.py)")
     return normalize_hf_config(json.loads(path.read_text()))
 

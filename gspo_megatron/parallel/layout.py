@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gspo_megatron import GspoError
 
-class LayoutError(ValueError):
+
+class LayoutError(GspoError, ValueError):
     """An impossible parallel layout; the message names the numbers that do not fit."""
 
 

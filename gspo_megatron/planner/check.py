@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("--gpu-memory")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     args = p.parse_args()
-    from gspo_megatron.cli import quiet_expected_warnings
+    from gspo_megatron.run.expected_warnings import quiet_expected_warnings
     quiet_expected_warnings()
     cfg = load_config(args.config, args.overrides)
     hf = load_model(args.model or cfg.model.hf_path)

@@ -28,9 +28,10 @@ from typing import Any
 
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.planner.memory import GiB, MemorySettings, RankMemory, rank_memory, with_tokens
+from gspo_megatron import GspoError
 
 
-class PlanError(ValueError):
+class PlanError(GspoError, ValueError):
     """Bad planner input (one line)."""
 
 
@@ -44,8 +45,8 @@ class Gpu:
 
 GPUS = {"h100": Gpu(80 * GiB, 989.0, 450.0, 50.0), "h200": Gpu(141 * 10**9, 989.0, 450.0, 50.0),
         "a100": Gpu(80 * GiB, 312.0, 300.0, 25.0)}
-# The share of the peak the GEMMs of an MoE step reach (a calibration constant: the 2026-11-22
-# hand-tuned H100 run reached 22.8% MFU end to end; megatron reports ~47% for Mixtral-scale MoE).
+# The share of the peak the GEMMs of an MoE step reach (a calibration constant: a hand-tuned H100
+# run reached 22.8% MFU end to end, docs/results.md; megatron reports ~47% for Mixtral-scale MoE).
 GEMM_EFFICIENCY = 0.45
 
 

@@ -1,4 +1,5 @@
-"""How full HF-named tensors reach the SGLang servers. Used on trainer rank 0 only.
+"""How full HF-named tensors reach the SGLang servers (TRANSPORTS: the table, by name). Used on
+trainer rank 0 only.
 
     transport.begin(version)              # before the first bucket
     transport.send(bucket, final=False)   # [(hf_name, tensor), ...], in stream order
@@ -26,7 +27,7 @@ import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,13 @@ Bucket = Sequence[tuple[str, torch.Tensor]]
 
 class Transport(Protocol):
     name: str
+
+    @classmethod
+    def for_run(cls, pool: "ServerPool", *, hf_path: str, sync_dir: Callable[[], Path],
+                master_address: str) -> "Transport":
+        """The transport of a training run (make_transport): hf_path supplies the model's config
+        and tokenizer files, sync_dir() a scratch folder the servers can read (made on first
+        use), master_address trainer rank 0's address as the servers reach it."""
 
     def begin(self, version: str) -> None: ...
 
@@ -61,6 +69,10 @@ class DiskTransport:
     successful update). `hf_metadata_dir` supplies config.json and the tokenizer files."""
 
     name = "disk"
+
+    @classmethod
+    def for_run(cls, pool: "ServerPool", *, hf_path: str, sync_dir: Callable[[], Path], **_: Any) -> "DiskTransport":
+        return cls(pool, sync_dir(), hf_path)
 
     def __init__(self, pool: "ServerPool", root: str | Path, hf_metadata_dir: str | Path) -> None:
         self.pool, self.root, self.metadata_dir = pool, Path(root), Path(hf_metadata_dir)
@@ -108,6 +120,10 @@ class TensorTransport:
     """By shared memory: the servers must run on the trainer rank 0's machine."""
 
     name = "tensor"
+
+    @classmethod
+    def for_run(cls, pool: "ServerPool", **_: Any) -> "TensorTransport":
+        return cls(pool)
 
     def __init__(self, pool: "ServerPool") -> None:
         self.pool = pool
@@ -175,6 +191,11 @@ class DistributedTransport:
     communicator (torch's destroy_process_group); this path is proven with gloo only."""
 
     name = "distributed"
+
+    @classmethod
+    def for_run(cls, pool: "ServerPool", *, master_address: str, **_: Any) -> "DistributedTransport":
+        from rollout.ports import free_port
+        return cls(pool, master_address, free_port())
 
     def __init__(self, pool: "ServerPool", master_address: str, master_port: int, *,
                  backend: str | None = None, group_name: str = "gspo_weight_update",
@@ -320,3 +341,15 @@ class DistributedTransport:
     def close(self) -> None:
         if self._pg is not None:
             self._drop_group()
+
+
+# The transports by name (sync.transport in the run config, whose Literal lists the same names).
+TRANSPORTS: dict[str, type] = {t.name: t for t in (DiskTransport, TensorTransport, DistributedTransport)}
+
+
+def make_transport(name: str, pool: "ServerPool", *, hf_path: str, sync_dir: Callable[[], Path],
+                   master_address: str) -> Transport:
+    """The transport `name` of TRANSPORTS, built for a training run (Transport.for_run)."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"sync.transport={name!r}: expected one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name].for_run(pool, hf_path=hf_path, sync_dir=sync_dir, master_address=master_address)

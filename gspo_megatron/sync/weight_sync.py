@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from gspo_megatron import GspoError
 from gspo_megatron.sync.stream import build_plan, buckets, stream_hf_weights
 from gspo_megatron.sync.transports import Transport
 from model_specs.weight_maps import weight_map_for
@@ -46,7 +47,7 @@ def _unreachable(error: BaseException | None) -> bool:
     return _in_chain(error, (ServerUnavailable, ConnectionError))
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(GspoError, RuntimeError):
     """A sync that did not complete; the servers are paused and marked stale. no_server: because
     no server was left to take it (rollout/health.py; the trainer waits for one, trainer.py)."""
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from gspo_megatron import GspoError
 from rollout.envs.calculator import CalculatorEnv
 from rollout.envs.guessing import GuessingGameEnv
 
 ENVIRONMENTS = {"calculator": CalculatorEnv, "guessing": GuessingGameEnv}
 
 
-class EnvironmentSpecError(ValueError):
+class EnvironmentSpecError(GspoError, ValueError):
     """A rollout.environment that names no usable environment class; the message names it."""
 
 

@@ -22,10 +22,11 @@ import json
 import time
 from typing import Any
 
+from gspo_megatron import GspoError
 from rollout.rewards.settings import RewardServiceSettings
 
 
-class RewardServiceError(RuntimeError):
+class RewardServiceError(GspoError, RuntimeError):
     pass
 
 

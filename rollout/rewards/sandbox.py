@@ -39,6 +39,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from gspo_megatron import GspoError
 from rollout.rewards.settings import CodeSandboxSettings
 
 INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
@@ -52,7 +53,7 @@ SANDBOX_ENV = "GSPO_SANDBOX"
 """Set in every sandboxed process's environment (to the Sandbox's tag): how a check finds leftovers."""
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(GspoError, RuntimeError):
     """The sandbox cannot run here as configured (isolation: namespaces where they are not allowed,
     no interpreter the sandbox user can run); the message says why."""
 

@@ -18,6 +18,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
+from gspo_megatron import GspoError
+
 # Score.status values
 OK, ERROR, TIMEOUT, DIED = "ok", "error", "timeout", "died"
 
@@ -83,7 +85,7 @@ class ThreadScorer:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-class RewardErrorBudgetExceeded(RuntimeError):
+class RewardErrorBudgetExceeded(GspoError, RuntimeError):
     pass
 
 

@@ -42,11 +42,12 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from rollout.rewards.scoring import DIED, ERROR, OK, TIMEOUT, Score
+from gspo_megatron import GspoError
 from rollout.rewards.frames import FrameReader, send
+from rollout.rewards.scoring import DIED, ERROR, OK, TIMEOUT, Score
 
 
-class RewardWorkerError(RuntimeError):
+class RewardWorkerError(GspoError, RuntimeError):
     """The reward workers cannot run the reward at all (it fails to build in a fresh process, or
     workers die at start again and again); the message names the reward and the cause."""
 

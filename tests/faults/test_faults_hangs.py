@@ -31,7 +31,7 @@ BOUND_S = 30
 @pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
 def test_sigterm_while_a_request_or_a_reward_hangs_exits_143_with_the_last_step_saved(
         tmp_path, server_url, monkeypatch, hang, max_staleness):  # noqa: F811
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     flag = tmp_path / "hang"
     monkeypatch.setenv("GSPO_TEST_HANG_FLAG", str(flag))
     extra = {"train.steps": 100, "train.max_staleness": max_staleness,

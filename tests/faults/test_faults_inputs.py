@@ -247,7 +247,7 @@ def test_disk_full_during_the_initial_conversion_is_one_line(tmp_path, small_dis
     ck = small_disk / "ck"
     code = ("import sys; from gspo_megatron.config import load_config; "
             "from gspo_megatron.checkpoint.fingerprint import model_fingerprint; "
-            "from gspo_megatron.startup import initial_megatron_checkpoint; "
+            "from gspo_megatron.run.model_files import initial_megatron_checkpoint; "
             f"cfg = load_config({CONFIG!r}, ['model.hf_path={model}', 'checkpoint.dir={ck}']); "
             "initial_megatron_checkpoint(cfg, 0, model_fingerprint(cfg.model.hf_path))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True,

@@ -135,7 +135,7 @@ def test_an_empty_lock_file_left_by_a_crash_is_taken_over(tmp_path):
 # --- two real runs on one folder ---------------------------------------------------------------
 @pytest.mark.slow
 def test_two_trainers_on_one_folder_second_exits_at_once_first_completes(tmp_path, server_url):  # noqa: F811
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     args = [CONFIG, *base_overrides(tmp_path, server_url, **{"train.steps": 4})]
     first = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -166,7 +166,7 @@ def test_two_trainers_on_one_folder_second_exits_at_once_first_completes(tmp_pat
 
 @pytest.mark.slow
 def test_a_sigkilled_runs_lock_does_not_block_the_resume(tmp_path, server_url):  # noqa: F811
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     args = [CONFIG, *base_overrides(tmp_path, server_url, **{"train.steps": 3})]
     proc = subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

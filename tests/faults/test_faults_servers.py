@@ -44,7 +44,7 @@ def _launched_servers(trainer: subprocess.Popen) -> list[psutil.Process]:
 
 
 def _steps(run_dir: Path) -> list[dict]:
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     return read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)
 
 

@@ -1,5 +1,5 @@
 """SIGTERM / SIGUSR1: save, exit with the signal's status, resume with every prompt trained once
-(gspo_megatron/stop.py).
+(gspo_megatron/run/signals.py).
 
 Before: SIGTERM ended the run at once without a save, although Slurm preemption and `scancel` send
 it first and leave a grace period. Now a signal during a rollout abandons that step (its prompts
@@ -34,7 +34,7 @@ def _start(run_dir: Path, url: str, **extra) -> subprocess.Popen:
 
 
 def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     jsonl, deadline = run_dir / "tb" / "metrics.jsonl", time.monotonic() + 600
     while not (jsonl.is_file() and len(read_jsonl(jsonl, live=True, steps_only=True)) >= n):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
@@ -70,7 +70,7 @@ def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: i
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signum, err[-3000:]
     name = signal.Signals(signum).name
-    from gspo_megatron.metrics import read_jsonl
+    from gspo_megatron.run.metrics import read_jsonl
     done = len(read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True))
     assert (run_dir / "ckpt" / "latest").read_text().strip() == f"step_{done:08d}"
     lines = [ln for ln in err.splitlines() if ln.startswith("gspo-megatron:")]

@@ -1,5 +1,5 @@
 """Typed dataclass configs from YAML and `a.b=c` overrides: the generic machinery behind
-gspo_megatron/config.py (which holds the schema).
+gspo_megatron/config/schema.py (which holds the schema).
 
     data = apply_overrides(yaml_dict, ["train.steps=3"])   # values parsed as YAML
     cfg = build(RunConfig, data)                           # types checked, unknown keys named
@@ -23,8 +23,10 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
+from gspo_megatron import GspoError
 
-class ConfigError(ValueError):
+
+class ConfigError(GspoError, ValueError):
     """A bad run configuration: the message names the field and the offending value."""
 
 

@@ -12,7 +12,7 @@ The sections ARE the settings of the components that use them, not copies: `para
 actor's ParallelLayout, `compute` its ComputeSettings, `loss` its LossSettings, `train` its
 OptimizerSettings and MicroBatchSettings (plus
 the loop's own fields), `rollout` the rollout manager's ManagerConfig (plus prompts, reward and servers). Nothing
-here imports torch (a config error costs a fraction of a second); config_parsing.py is the generic
+here imports torch (a config error costs a fraction of a second); parsing.py is the generic
 YAML / override machinery.
 """
 from __future__ import annotations
@@ -25,16 +25,13 @@ from typing import Any, Literal
 from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, OptimizerSettings,
                                           RoutingSettings)
 from gspo_megatron.algorithms.registry import LossSettings, RLLossName
-from gspo_megatron.config_checks import validate
-from gspo_megatron.config_parsing import (ConfigError, apply_overrides, build, describe, field_docs,
+from gspo_megatron.config.validation import validate
+from gspo_megatron.config.parsing import (ConfigError, apply_overrides, build, describe, field_docs,
                                           parse_override, read_yaml_mapping)
 from gspo_megatron.parallel.layout import ParallelLayout
 from rollout.health import ServerHealthSettings
 from rollout.manager_config import ManagerConfig
 from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
-
-__all__ = ["ConfigError", "RunConfig", "config_from_dict", "describe_fields", "field_docs",
-           "load_config", "parse_override"]
 
 
 @dataclasses.dataclass
@@ -195,7 +192,7 @@ class CheckpointConfig:
     save_on_signal: bool = True
     """On SIGTERM or SIGUSR1 (Slurm preemption, scancel, the time-limit signal of the launch
     scripts): abandon a rollout in progress, or finish the step in its train phase, save a
-    checkpoint and exit with 128 + the signal number; a second signal exits at once (stop.py).
+    checkpoint and exit with 128 + the signal number; a second signal exits at once (run/signals.py).
     false: the signal's default action (the process dies; the last checkpoint stays)."""
     verify_checksums: bool = True
     """Record a CRC32 of every checkpoint file at save and check it on resume (each rank checks a
@@ -310,7 +307,7 @@ class RunConfig:
 
     def validate(self) -> None:
         """Range and cross-field checks (types are checked while parsing, and each section's
-        own checks when it is built): config_checks.py."""
+        own checks when it is built): validation.py."""
         validate(self)
 
 

@@ -1,7 +1,6 @@
 """Bounded staleness of asynchronous rollouts (train.max_staleness > 0; docs/async.md).
 
     groups, metrics = take_fresh_groups(producer, 16, live=7, oldest=6, policy="regenerate")
-    share_cpu_with_servers(cfg)          # start-up: on a CPU machine, torch leaves the servers cores
 
 A group's version is the oldest weight version among its trained tokens (a partial response cut
 by a weight sync has two). At live version V it may train only if that version is >= `oldest`
@@ -10,11 +9,8 @@ staler group is generated again from its prompt, or dropped, and counted.
 """
 from __future__ import annotations
 
-import os
 import statistics
 from typing import Callable
-
-import torch
 
 from rollout.async_rollouts import AsyncRollouts
 from rollout.step_metrics import episode_metrics
@@ -75,20 +71,3 @@ def take_fresh_groups(producer: AsyncRollouts, n: int, live: int, oldest: int | 
     if any(s.metadata.get("turn_rewards") is not None or "env_error" in s.metadata for s in samples):
         out.update(episode_metrics(samples))
     return taken, out
-
-
-def share_cpu_with_servers(cfg) -> None:
-    """Asynchronous rollouts on a CPU machine: the SGLang servers generate while torch trains, on
-    the same cores. torch's OpenMP threads spin at their barriers, so with a thread per core the
-    shared cores slowed the train phase ~10x (benchmarks/async.py, 2 cores: 825 s of steps against
-    58 s synchronous). torch then takes half the cores per rank's node share, unless OMP_NUM_THREADS
-    says otherwise."""
-    if cfg.train.max_staleness and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        cores = os.cpu_count() or 1
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        threads = max(1, cores // (2 * local))
-        if threads < torch.get_num_threads():
-            torch.set_num_threads(threads)
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"[gspo] asynchronous rollouts on CPU: torch uses {threads} of {cores} cores per rank, "
-                      "the servers the rest (OMP_NUM_THREADS overrides)", flush=True)

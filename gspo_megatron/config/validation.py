@@ -1,17 +1,17 @@
 """Range and cross-field checks of a run config (RunConfig.validate): every rule that involves a
 value's range or two sections at once. Each failure is a ConfigError naming the field, the value
-and what was expected. Types are checked while parsing (config_parsing.py), and a section's own
+and what was expected. Types are checked while parsing (parsing.py), and a section's own
 rules in its __post_init__.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from gspo_megatron.config_parsing import ConfigError
+from gspo_megatron.config.parsing import ConfigError
 
 
 def validate(cfg: Any) -> None:
-    """cfg: a RunConfig (gspo_megatron/config.py; not imported here: it imports this)."""
+    """cfg: a RunConfig (gspo_megatron/config/schema.py; not imported here: it imports this)."""
     def need(cond: bool, field: str, value: Any, expected: str) -> None:
         if not cond:
             raise ConfigError(f"{field}={value!r}: expected {expected}")

@@ -1,9 +1,10 @@
 """The driver side of the RL loop (trainer rank 0): SGLang servers, prompts, rollouts, rewards,
-group advantages; `on_driver` runs a call on rank 0 and gives every rank its (small) result.
+group advantages.
 
-    driver = Driver.start(cfg)                                   # rank 0: starts or attaches servers
+    driver = Driver.start(cfg, log_dir, cache_dir)               # rank 0: starts or attaches servers
     batch, metrics = driver.rollout_batch(weight_version="3")    # rank 0: a TrainBatch
-    held_out = on_driver(rank, lambda: driver.evaluate(step))    # every rank gets the result
+    held_out = on_driver(rank, lambda: driver.evaluate(step))    # parallel/rank_zero.py: every rank
+                                                                 # gets rank 0's result
 
 The rollout batch itself is not broadcast: each rank receives only its rows (actor/transfer.py).
 
@@ -17,42 +18,36 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch.distributed as dist
-
 from gspo_megatron.actor.batch import TrainBatch
-from gspo_megatron.rollout_batch import policy_lag, samples_to_batch
-from gspo_megatron.rollout_metrics import rollout_metrics
-from gspo_megatron.config import ConfigError, RunConfig
-from gspo_megatron.episodes import RolloutRecords, demonstration, env_factory
+from gspo_megatron.config import RunConfig
+from gspo_megatron.driver.environment import env_factory
+from gspo_megatron.driver.records import RolloutRecords
+from gspo_megatron.driver.rollout_metrics import rollout_metrics
+from gspo_megatron.driver.samples_to_batch import policy_lag, samples_to_batch
+from gspo_megatron.driver.servers import start_policy_servers, start_teachers, wants_engine_routing
+from gspo_megatron.driver.staleness import take_fresh_groups
+from gspo_megatron.driver.warm_start import warm_start_examples
 from model_specs.hf_config import load_hf_config
-from rollout.client_errors import NoServerLeft
-from rollout.health import GONE, LIVE, REJOINING, HealthMonitor
-from rollout.pool import ServerPool
-from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
-from rollout.chat import ChatTemplate
-from gspo_megatron.staleness import take_fresh_groups
 from rollout.async_rollouts import AsyncRollouts
+from rollout.chat import ChatTemplate
+from rollout.client_errors import NoServerLeft
+from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
+from rollout.health import GONE, LIVE, REJOINING, HealthMonitor
 from rollout.manager import RolloutInterrupted, RolloutManager
+from rollout.pool import ServerPool
 from rollout.rewards import RewardWorkerPool
-from rollout.server import ServerConfig, ServerGroup
+from rollout.server import ServerGroup
 from rollout.teacher import TeacherScorer
-
-
-def wants_engine_routing(cfg: RunConfig) -> bool:
-    """Ask SGLang for the routed experts of every token: rollout.return_routed_experts, or the
-    moe: section needs them (replay, engine_routing). Attached servers must have been started with
-    --enable-return-routed-experts (the first request says so otherwise)."""
-    return bool(cfg.rollout.return_routed_experts or cfg.moe.replay or cfg.moe.engine_routing)
 
 
 class Driver:
     """Rank 0's half of the loop. Owns the servers it started (stop() ends them)."""
 
     def __init__(self, cfg: RunConfig, servers: ServerGroup, records: list[dict],
-                 teachers: ServerGroup | None = None):
+                 teachers: ServerGroup | None = None, cache_dir: Path | None = None):
         from transformers import AutoTokenizer
         r = dataclasses.replace(cfg.rollout, return_routed_experts=wants_engine_routing(cfg))
-        self.cfg, self.servers = cfg, servers
+        self.cfg, self.servers, self.cache_dir = cfg, servers, cache_dir
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         self.prompts = records
         self.stream = PromptStream(self.prompts, seed=cfg.train.seed, shuffle=r.shuffle_prompts)
@@ -89,44 +84,23 @@ class Driver:
         self.health = HealthMonitor(self.pool, r, launched=servers.launched(), log=_say).start()
 
     @classmethod
-    def start(cls, cfg: RunConfig, log_dir: str | None = None, prompt_rows=None) -> "Driver":
-        """Attach to rollout.server_urls, or launch rollout.num_servers local servers.
-        prompt_rows: the rows of the prompt set to use (rollout.max_prompt_tokens; None: all)."""
+    def start(cls, cfg: RunConfig, log_dir: str | None = None, cache_dir: Path | None = None,
+              prompt_rows=None) -> "Driver":
+        """Attach to rollout.server_urls, or launch rollout.num_servers local servers (servers.py).
+        log_dir: the servers' logs; cache_dir: where parquet prompt sets are memory-mapped from
+        (prompt_sets.py); prompt_rows: the rows of the prompt set to use (rollout.max_prompt_tokens;
+        None: all)."""
         r = cfg.rollout
         # A bad prompt set fails before any server starts; parquet is memory-mapped from a cache
-        # in the run's folder (prompt_sets.py), made here once.
-        records = load_prompts(r.prompts, r.prompt_key, r.answer_key, cache_dir=scratch_dir(cfg, "prompt_cache"))
+        # in the run's folder, made here once.
+        records = load_prompts(r.prompts, r.prompt_key, r.answer_key, cache_dir=cache_dir)
         if prompt_rows is not None:
             records = records.with_kept(prompt_rows)
-        if r.server_urls:
-            servers = ServerGroup.attach(r.server_urls, r.router_url,
-                                         health_timeout_s=r.server_startup_timeout_s)
-            print(f"[gspo] SGLang: attached to {', '.join(servers.server_urls)}", flush=True)
-        else:
-            extra = list(r.server_extra_args)
-            server = ServerConfig(model_path=cfg.model.hf_path, extra_args=extra,
-                                  return_routed_experts=wants_engine_routing(cfg),
-                                  max_total_tokens=r.server_max_total_tokens,
-                                  startup_timeout_s=r.server_startup_timeout_s, log_dir=log_dir)
-            if r.seed is not None:
-                if server.resolved_device() == "cpu":
-                    raise ConfigError(
-                        f"rollout.seed={r.seed}: seeded sampling needs SGLang's deterministic "
-                        f"inference, which SGLang refuses with the CPU attention backend "
-                        f"(torch_native); use rollout.seed=null (rollout.top_k=1 for greedy)")
-                if "--enable-deterministic-inference" not in extra:
-                    extra.append("--enable-deterministic-inference")  # honours sampling_seed
-            where = f"logs in {log_dir}" if log_dir else "logs in a temporary folder"
-            print(f"[gspo] SGLang: starting {r.num_servers} server(s) for {cfg.model.hf_path} on "
-                  f"{server.resolved_device()} ({where}; ~30 s on a CPU)", flush=True)
-            t0 = time.monotonic()
-            servers = ServerGroup.launch(server, num_servers=r.num_servers)
-            print(f"[gspo] SGLang: ready in {time.monotonic() - t0:.0f} s at {', '.join(servers.server_urls)}",
-                  flush=True)
+        servers = start_policy_servers(cfg, log_dir)
         teachers = None
         try:
             teachers = start_teachers(cfg, log_dir)
-            return cls(cfg, servers, records, teachers)
+            return cls(cfg, servers, records, teachers, cache_dir)
         except BaseException:
             servers.stop()
             if teachers is not None:
@@ -168,7 +142,7 @@ class Driver:
         metrics.update(self.pool.pop_health_metrics())  # servers live, failures, restarts, resubmitted
         if self.records is not None:
             self.records.write(step, [s for g in groups for s in g], batch)
-        for g in groups:  # the routes live on in the batch only, compact (issue 29: held once)
+        for g in groups:  # the routes live on in the batch only, compact: held once
             for s in g:
                 s.routed_experts = None
         return batch, metrics
@@ -216,8 +190,8 @@ class Driver:
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out evaluation of the servers' current weights (evaluation.py)."""
         if self.evaluator is None:
-            from gspo_megatron.evaluation import Evaluator
-            self.evaluator = Evaluator(self.cfg, self, cache_dir=scratch_dir(self.cfg, "prompt_cache"))
+            from gspo_megatron.driver.evaluation import Evaluator
+            self.evaluator = Evaluator(self.cfg, self, cache_dir=self.cache_dir)
         return self.evaluator.run(step)
 
     def paused(self):
@@ -226,22 +200,9 @@ class Driver:
 
     def warm_start_examples(self, n: int, offset: int) -> list[tuple[list[int], list[int], list[int]]]:
         """n (prompt ids, response ids, response loss mask) for the supervised warm start, cycling
-        through the prompt file from `offset`: the solution (else the answer) field + EOS as the
-        assistant's reply, or, with an environment, the record's scripted turns played against it
-        (episodes.demonstration)."""
-        out = []
-        for k in range(n):
-            rec = self.prompts[(offset + k) % len(self.prompts)]
-            if self.env_factory is not None:
-                out.append(demonstration(rec, self.env_factory(rec), self.chat, self.tokenizer))
-                continue
-            eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-            if eos is None or eos < 0:
-                eos = self.tokenizer.eos_token_id
-            answer = rec.get("solution", rec["answer"])
-            ids = self.tokenizer.encode(str(answer), add_special_tokens=False) + [int(eos)]
-            out.append((chat_prompt_ids(self.tokenizer, rec), ids, [1] * len(ids)))
-        return out
+        through the prompt set from `offset` (warm_start.py)."""
+        return warm_start_examples(self.prompts, n, offset, self.tokenizer, self.env_factory,
+                                   getattr(self, "chat", None))
 
     # --- state -------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -283,70 +244,5 @@ class Driver:
                 self.teachers.stop()
 
 
-def start_teachers(cfg: RunConfig, log_dir: str | None) -> ServerGroup | None:
-    """On-policy distillation's teacher servers: attached (distill.teacher_server_urls) or started
-    here, like the rollout servers; None without distill.teacher."""
-    d, r = cfg.distill, cfg.rollout
-    if not d.teacher:
-        return None
-    if d.teacher_server_urls:
-        group = ServerGroup.attach(d.teacher_server_urls, health_timeout_s=r.server_startup_timeout_s)
-        print(f"[gspo] teacher: {d.teacher} at {', '.join(group.server_urls)} (attached)", flush=True)
-        return group
-    config = ServerConfig(model_path=d.teacher, extra_args=list(d.teacher_server_extra_args),
-                          max_total_tokens=r.server_max_total_tokens,
-                          startup_timeout_s=r.server_startup_timeout_s, log_dir=log_dir)
-    print(f"[gspo] teacher: starting {d.teacher_num_servers} SGLang server(s) for {d.teacher}", flush=True)
-    group = ServerGroup.launch(config, num_servers=d.teacher_num_servers)
-    print(f"[gspo] teacher: ready at {', '.join(group.server_urls)}", flush=True)
-    return group
-
-
 def _say(line: str) -> None:
     print(f"[gspo] {line}", flush=True)
-
-
-class DriverError(RuntimeError):
-    """Raised on every rank when rank 0 (the driver) failed; the message is rank 0's error, `kind`
-    the name of its type."""
-
-    def __init__(self, message: str, kind: str = "") -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-def on_driver(rank: int, fn: Callable[[], Any]) -> Any:
-    """Run fn on rank 0 and broadcast its result to every rank. If it raises on rank 0, every
-    rank raises (rank 0 the original error, the others DriverError): no rank is left waiting."""
-    result, error = None, None
-    if rank == 0:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised below after telling the other ranks
-            error = e
-    payload = broadcast_object(("error", f"{type(error).__name__}: {error}", type(error).__name__)
-                               if error else ("ok", result))
-    if error is not None:
-        raise error
-    if payload[0] == "error":
-        raise DriverError(f"rank 0 failed: {payload[1]}", payload[2])
-    return payload[1]
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """`obj` from rank `src` to every rank of the default group (pickled; CPU tensors inside)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def scratch_dir(cfg: RunConfig, name: str, create: bool = True) -> Path:
-    """A directory every rank can see: under checkpoint.dir when set (shared storage on a
-    cluster), else under the TensorBoard dir, else ./runs. Created unless create=False (then
-    its parent is)."""
-    root = cfg.checkpoint.dir or cfg.logging.tensorboard_dir or "runs"
-    path = Path(root) / name
-    (path if create else path.parent).mkdir(parents=True, exist_ok=True)
-    return path

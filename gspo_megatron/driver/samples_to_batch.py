@@ -1,5 +1,4 @@
-"""Samples -> the actor's rows: a rollout batch's TrainBatch (driver, rank 0; packed), and the
-supervised warm start's (padded). Rows are prompt + response; per-token fields sit at the position
+"""Samples -> the actor's rows: a rollout batch's TrainBatch (driver, rank 0; packed). Rows are prompt + response; per-token fields sit at the position
 of the token they belong to (TrainBatch's target alignment).
 """
 from __future__ import annotations
@@ -8,7 +7,7 @@ import torch
 
 from gspo_megatron.actor.batch import ROUTE_NONE_U8, TrainBatch, compact_routes
 from gspo_megatron.algorithms.advantages import group_advantages
-from gspo_megatron.episodes import token_advantages
+from gspo_megatron.driver.turn_credit import turn_credit_advantages
 from rollout.sample import Sample
 
 
@@ -25,13 +24,13 @@ def samples_to_batch(groups: list[list[Sample]], group_size: int,
     the position of the token they belong to (TrainBatch's target alignment); advantages
     group-normalised (GSPO Eq. 6) from the rewards, or, with `turn_discount` (per-turn credit of
     multi-turn episodes, for gspo_token), per token from the per-turn rewards
-    (episodes.token_advantages); the engine's routes compact (uint8 up to 255 experts)."""
+    (turn_credit.turn_credit_advantages); the engine's routes compact (uint8 up to 255 experts)."""
     samples = [s for g in groups for s in g]
     if turn_discount is None:
         rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
         advantages = group_advantages(rewards, group_size).float()  # [b]
     else:
-        advantages = token_advantages(samples, group_size, None, turn_discount)  # [T]
+        advantages = turn_credit_advantages(samples, group_size, None, turn_discount)  # [T]
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     total = int(lengths.sum())
     tokens = torch.zeros(total, dtype=torch.long)
@@ -86,22 +85,3 @@ def policy_lag(batch: TrainBatch, current_version: int) -> float:
     the current one (0: fully on-policy; > 0 only with partial rollouts)."""
     sampled = batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)]
     return float(current_version - int(sampled.min())) if sampled.numel() else 0.0
-
-
-def sft_batch(examples: list[tuple]) -> TrainBatch:
-    """Prompt + answer rows with loss on the answer tokens (the "ce" loss of the actor). An
-    example is (prompt ids, answer ids) or (prompt ids, answer ids, answer loss mask): an episode's
-    environment tokens are in the row but not trained."""
-    width = max(len(e[0]) + len(e[1]) for e in examples)
-    b = len(examples)
-    tokens = torch.zeros(b, width, dtype=torch.long)
-    loss_mask = torch.zeros(b, width, dtype=torch.bool)
-    lengths = torch.zeros(b, dtype=torch.long)
-    for i, e in enumerate(examples):
-        p, a = e[0], e[1]
-        mask = e[2] if len(e) > 2 else [1] * len(a)
-        tokens[i, :len(p) + len(a)] = torch.tensor(p + a)
-        loss_mask[i, len(p):len(p) + len(a)] = torch.tensor(mask, dtype=torch.bool)
-        lengths[i] = len(p) + len(a)
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask,
-                      advantages=torch.zeros(b))

@@ -42,7 +42,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from gspo_megatron.actor.batch import TrainBatch, largest_expert_id
 from gspo_megatron.actor.micro_batch import MicroBatch
-from gspo_megatron.algorithms.routing import drift_counts
+from gspo_megatron.algorithms.routing_drift import drift_counts
 from gspo_megatron.parallel.comm import comm_device
 from gspo_megatron.parallel.model_chunks import unwrap
 

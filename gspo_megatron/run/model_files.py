@@ -1,0 +1,121 @@
+"""The model files a run derives from its inputs, each written whole or not at all: the initial
+megatron checkpoint (HF converted once), the KL reference, the final policy's megatron checkpoint
+and its HF export.
+
+    init = initial_megatron_checkpoint(cfg, rank, fingerprint)   # rank 0 converts; every rank reads
+    set_up_reference(run)                                        # loss.kl_coef > 0, after warm start
+    src = final_model_checkpoint(run)                            # collective
+    export_hf(src, cfg)                                          # rank 0, after the process groups
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from gspo_megatron.config import RunConfig
+from gspo_megatron.run.folders import INITIAL_DIR, REFERENCE_DIR, export_rules, scratch_dir
+
+
+def initial_megatron_checkpoint(cfg: RunConfig, rank: int, fingerprint: dict[str, Any]) -> Path:
+    """The megatron checkpoint of the initial policy: model.megatron_checkpoint, or hf_path
+    converted once by rank 0 (before torch.distributed starts: the converter runs its own
+    one-process megatron) into a scratch dir every rank can read.
+
+    The conversion is written into a temporary directory and renamed into place when complete,
+    with the fingerprint of the model it was made from: a conversion of another model (or of a
+    changed one) is made again, a killed one leaves nothing that looks complete."""
+    from gspo_megatron.checkpoint.fingerprint import describe_change, read_fingerprint, write_fingerprint
+    if cfg.model.megatron_checkpoint:
+        return Path(cfg.model.megatron_checkpoint)
+    out = scratch_dir(cfg, INITIAL_DIR, create=False)
+    if rank == 0:
+        source, stored = read_fingerprint(out)
+        change = describe_change(stored, fingerprint) if (out / "metadata.json").is_file() else "incomplete"
+        if change:
+            from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+            if out.exists():
+                print(f"[gspo] {out} is not a conversion of {cfg.model.hf_path} ({change}; made from "
+                      f"{source}): converting again", flush=True)
+            else:
+                print(f"[gspo] converting the initial model {cfg.model.hf_path} (HF) into a megatron "
+                      f"checkpoint at {out}", flush=True)
+            tmp = out.with_name(out.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                convert_hf_to_megatron(cfg.model.hf_path, tmp)
+                write_fingerprint(tmp, fingerprint, cfg.model.hf_path)
+            except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+                # (torch/distributed/checkpoint/api.py:30); a full disk becomes one line, the rest re-raised
+                _raise_if_disk_full(e, tmp, cfg.model.hf_path)
+                raise
+            shutil.rmtree(out, ignore_errors=True)
+            os.rename(tmp, out)
+    return out  # the other ranks read it after the first collective (Actor construction)
+
+
+def _raise_if_disk_full(error: BaseException, tmp: Path, hf_path: str) -> None:
+    from gspo_megatron.checkpoint.hf_files import weight_files
+    from gspo_megatron.checkpoint.manager import CheckpointError, write_failure_kind
+    enospc, short_write = write_failure_kind(error)
+    if not (enospc or short_write):
+        return
+    shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+    need = sum(f.stat().st_size for f in weight_files(Path(hf_path)))
+    free = shutil.disk_usage(tmp.parent).free
+    raise CheckpointError(f"converting model.hf_path={hf_path!r} into {tmp.parent / INITIAL_DIR} "
+                          f"failed: no space left on device ({free} bytes free, about {need} bytes "
+                          "needed: the model's weight files); free space and rerun") from None
+
+
+def set_up_reference(run: Any) -> None:
+    """The KL reference is the policy RL starts from (after the warm start). It is saved once, to
+    checkpoint.dir/reference/model.safetensors (one-process tensors, rank 0, atomic), so that a
+    resumed run, in any layout, penalises against the same policy."""
+    from safetensors.torch import load_file, save_file
+    path = Path(run.cfg.checkpoint.dir) / REFERENCE_DIR / "model.safetensors" if run.ckpt else None
+    if run.resumed_from is not None and path is not None:  # preflight found it, of the same model
+        run.actor.set_reference(load_file(str(path)))
+        return
+    run.actor.set_reference()
+    if path is None:
+        return
+    from gspo_megatron.checkpoint.fingerprint import write_fingerprint
+    full = run.actor.full_state_dict(to_all_ranks=False)
+    if run.rank == 0:  # the directory appears complete (weights + source) or not at all
+        tmp = path.parent.with_name(path.parent.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in full.items()}, str(tmp / path.name))
+        write_fingerprint(tmp, run.loop.extra["source_model"], run.cfg.model.hf_path)
+        shutil.rmtree(path.parent, ignore_errors=True)
+        os.rename(tmp, path.parent)
+    dist.barrier()
+
+
+def final_model_checkpoint(run: Any) -> Path:
+        """Collective (run: a setup.Run). A megatron checkpoint of the current policy: the last checkpoint's model if
+        it is of this step, else a fresh model-only checkpoint in a scratch directory."""
+        from gspo_megatron.checkpoint.model_io import save_model
+        latest = run.ckpt.latest() if run.ckpt else None
+        if latest is not None and latest.name.endswith(f"{run.loop.step:08d}"):
+            return latest / "model"
+        src = scratch_dir(run.cfg, "final_megatron")
+        if run.rank == 0 and src.exists():
+            shutil.rmtree(src)
+        dist.barrier()
+        save_model(run.actor.models, src, hf_dir=run.cfg.model.hf_path)
+        dist.barrier()
+        return src
+
+
+def export_hf(src: Path, cfg: RunConfig) -> None:
+    """The final policy as HF safetensors (rank 0, after the process groups are gone), published
+    whole into checkpoint.export_hf: it replaces only an earlier export (output_dirs)."""
+    from gspo_megatron.checkpoint.export import convert_megatron_to_hf
+    out = convert_megatron_to_hf(src, cfg.checkpoint.export_hf, field="checkpoint.export_hf",
+                                 **export_rules(cfg))
+    print(f"[gspo] exported the final policy to {out} (HF format)", flush=True)

@@ -1,0 +1,261 @@
+"""Every check a run makes before anything is spent: nothing is written, converted or started
+until they pass, so a bad input costs seconds and leaves nothing behind. Each failure is one line
+naming the field, the value and what was expected (a GspoError).
+
+    check_before_torch(cfg, world_size)   # the command line, before torch and megatron-core load
+    inputs = check_inputs(cfg, world_size)  # every rank, in setup(): the rest, and what they found
+
+check_before_torch (a fraction of a second instead of several seconds of imports): the model
+directory's config.json, the parallel layout against the model's dimensions and the world size,
+the prompt sets, and (rank 0) that no live run holds the run's folders.
+
+check_inputs, again with the model family's own table, then what needs torch: compute settings,
+context parallelism and packing on this machine, weight files, tokenizer, prompt rows (and the
+overlong ones dropped), the teacher, the environment or reward, every output folder (writable,
+room for a checkpoint, an export target that destroys nothing), and, on resume, the checkpoint's
+files and checksums, its prompt set and its model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free_space, check_writable_dir
+from gspo_megatron.config import ConfigError, RunConfig
+from gspo_megatron.parallel.layout import LayoutError
+from gspo_megatron import MissingInputError
+from gspo_megatron.run.folders import REFERENCE_DIR, check_run_folders_unlocked, export_rules, output_fields
+from model_specs.hf_config import load_hf_config, model_dims
+from rollout.dataset import PromptFileError, PromptSet, load_prompts
+from rollout.prompt_rows import resolved
+
+# At least one of these makes a tokenizer AutoTokenizer can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_model_dir(cfg: RunConfig) -> Path:
+    """model.hf_path, which must hold a config.json."""
+    hf_dir = Path(cfg.model.hf_path)
+    if not (hf_dir / "config.json").is_file():
+        raise MissingInputError(f"model.hf_path={resolved(hf_dir)}: no config.json there (expected a "
+                                f"Hugging Face model directory)")
+    return hf_dir
+
+
+def check_prompts(cfg: RunConfig) -> tuple[PromptSet, PromptSet | None]:
+    """rollout.prompts and eval.prompts exist and every row has a usable prompt and answer
+    (PromptFileError names the field, the file, the row and the key); nothing is written."""
+    r, e = cfg.rollout, cfg.eval
+    train = _open("rollout.prompts", r.prompts, r.prompt_key, r.answer_key)
+    held_out = None
+    if e.interval and e.prompts:
+        held_out = _open("eval.prompts", e.prompts, e.prompt_key or r.prompt_key, e.answer_key or r.answer_key)
+    return train, held_out
+
+
+def _open(field: str, spec, prompt_key: str, answer_key: str) -> PromptSet:
+    try:
+        return load_prompts(spec, prompt_key=prompt_key, answer_key=answer_key)
+    except PromptFileError as err:
+        raise PromptFileError(f"{field}: {err}") from None
+
+
+def check_before_torch(cfg: RunConfig, world: int) -> None:
+    """The checks that need neither torch nor megatron-core (the command line makes them first)."""
+    hf = load_hf_config(check_model_dir(cfg))
+    # An MoE config names its expert count (hf_config normalises the families' aliases to
+    # num_experts); the family table, which imports megatron-core, decides it in check_inputs.
+    dims = model_dims(hf, str(hf.get("model_type")), moe=hf.get("num_experts") is not None)
+    cfg.parallel.validate_model(**dims)
+    if cfg.compute.transformer_engine is False or importlib.util.find_spec("transformer_engine") is None:
+        # a sure "no" for context parallelism; with TE installed check_inputs asks CUDA too
+        cfg.parallel.check_context_parallel(transformer_engine=False, cuda=False, half=False)
+    cfg.parallel.validate(world, **dims)
+    check_prompts(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:  # the rank that takes the locks; another rank could
+        # see its own rank 0's lock, taken meanwhile
+        check_run_folders_unlocked(cfg)  # RunLockedError: another live run holds a folder
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What check_inputs established about the run's inputs."""
+    model_fingerprint: dict[str, Any]     # what the run's derived state must have been made from
+    resume_from: Path | None              # the complete, verified checkpoint to resume from
+    prompts: dict[str, Any] = dataclasses.field(default_factory=dict)  # the prompt set's fingerprint
+    new_prompt_epoch: bool = False        # resume over a changed prompt set: start a new epoch
+    prompt_rows: Any = None               # rank 0, rollout.max_prompt_tokens: the rows kept
+
+
+def check_inputs(cfg: RunConfig, world: int) -> Inputs:
+    """Cheap checks every rank makes before anything is written or started: the model directory
+    (config, layout against the world size and the model, context parallelism and packing on this
+    machine, weight files, tokenizer), the prompt set, the teacher, the environment or reward, the
+    output folders, the initial checkpoint, and the checkpoint a resume would load."""
+    from gspo_megatron.actor.packing import resolve_sequence_layout
+    from gspo_megatron.actor.settings import Available
+    from gspo_megatron.checkpoint.fingerprint import describe_change, model_fingerprint, read_fingerprint
+    from gspo_megatron.checkpoint.loop_state import load_driver_state
+    from gspo_megatron.checkpoint.manager import CheckpointError, CheckpointManager
+    from model_specs import load_hf_config, model_dims_for
+    from rollout.prompt_sets import prompt_set_fingerprint
+    hf = check_model_dir(cfg)
+    dims = model_dims_for(load_hf_config(hf))
+    cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
+    available = Available.detect()
+    try:
+        compute = cfg.compute.resolve(available)  # a kernel this machine lacks: named now
+    except ValueError as e:
+        raise ConfigError(f"compute.{e}") from None
+    try:  # the Actor resolves it with the same function: what this says is what it builds
+        resolve_sequence_layout(cfg.parallel, cfg.train.pack_sequences,
+                                transformer_engine=compute.transformer_engine, cuda=available.cuda,
+                                half=cfg.model.dtype == "bfloat16", te_version=available.te_version)
+    except LayoutError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"train.{e}") from None
+    cfg.parallel.validate(world, **dims)
+    fingerprint = model_fingerprint(hf)  # reads every weight file's header: DamagedFileError names it
+    if not any((hf / n).is_file() for n in TOKENIZER_FILES):
+        raise MissingInputError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
+                                f"{', '.join(TOKENIZER_FILES)})")
+    train_set, _ = check_prompts(cfg)  # PromptFileError names the file, the row and the key
+    r = cfg.rollout
+    prompts = prompt_set_fingerprint(train_set.files(), train_set.total_rows, selection={
+        "prompt_key": r.prompt_key, "answer_key": r.answer_key, "max_prompt_tokens": r.max_prompt_tokens})
+    kept = None
+    if r.max_prompt_tokens and int(os.environ.get("RANK", "0")) == 0:  # the driver's rows
+        kept = drop_overlong_prompts(cfg, train_set, hf)
+    if cfg.distill.teacher:  # before any server starts: the teacher must read the student's tokens
+        from rollout.teacher import vocabulary_mismatch
+        teacher = Path(cfg.distill.teacher)
+        if not (teacher / "config.json").is_file():
+            raise MissingInputError(f"distill.teacher={str(teacher)!r}: no config.json there (expected a "
+                                    "Hugging Face model directory)")
+        why = vocabulary_mismatch(str(hf), str(teacher))
+        if why:
+            raise ConfigError(f"distill.teacher={str(teacher)!r} has {why} (model.hf_path={str(hf)!r}); "
+                              "on-policy distillation needs the student's tokenizer")
+    if cfg.rollout.environment:
+        from gspo_megatron.driver.environment import env_factory
+        env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args
+    else:
+        from rollout.rewards.registry import check_reward
+        for reward in {cfg.rollout.reward, cfg.eval.reward or cfg.rollout.reward}:
+            # an unknown name, a module:function that fails, no sandbox, a service that is down
+            note = check_reward(reward, r.code_sandbox, r.reward_service)
+            if note and int(os.environ.get("RANK", "0")) == 0:
+                print(f"[gspo] {note}", flush=True)
+    if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():
+        raise MissingInputError(f"model.megatron_checkpoint={cfg.model.megatron_checkpoint!r}: not a "
+                                f"megatron dist_checkpointing directory (no metadata.json)")
+    resume_from, new_epoch = None, False
+    if cfg.checkpoint.dir:
+        ckpt = CheckpointManager(cfg.checkpoint.dir)
+        resume_from = ckpt.latest()
+    # Every folder the run writes: writable, room for a checkpoint, a harmless export target.
+    check_outputs(cfg, hf, ckpt.size_bytes(resume_from) if resume_from else None,
+                  resuming=resume_from is not None)
+    if resume_from is not None:
+        # The manifest: the first missing, short or changed file (each rank checks its share).
+        ckpt.verify(resume_from, checksums=cfg.checkpoint.verify_checksums,
+                    share=(int(os.environ.get("RANK", "0")), world))
+        extra = load_driver_state(resume_from).extra
+        new_epoch = check_prompt_set(cfg, extra.get("prompts"), prompts)
+        change = describe_change(extra.get("source_model"), fingerprint)
+        if change and "no record" not in change:
+            raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
+                                  f"than model.hf_path={str(hf)!r} ({change}); resume with that "
+                                  f"model, or start over in a new checkpoint.dir")
+        if cfg.loss.kl_coef > 0:
+            ref = Path(cfg.checkpoint.dir) / REFERENCE_DIR
+            if not (ref / "model.safetensors").is_file():
+                raise ConfigError(f"loss.kl_coef={cfg.loss.kl_coef}: resuming from {resume_from}, "
+                                  f"but {ref / 'model.safetensors'} (the KL reference of this run) does "
+                                  "not exist; was the run started with kl_coef=0? Start a new run "
+                                  "(new checkpoint.dir)")
+            change = describe_change(read_fingerprint(ref)[1], fingerprint)
+            if change and "no record" not in change:
+                raise CheckpointError(f"{ref} (the KL reference) was made from another model than "
+                                      f"model.hf_path={str(hf)!r} ({change}); start a new run")
+    return Inputs(fingerprint, resume_from, prompts, new_epoch, kept)
+
+
+def checkpoint_bytes(cfg: RunConfig, hf_dir: Path) -> int:
+    """About one training checkpoint: parameters in the training dtype, plus the optimizer's
+    fp32 state (Adam's two moments, and an fp32 master copy of 16-bit parameters)."""
+    from gspo_megatron.actor.build import spec_for_layout
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from model_specs.param_count import param_count
+    n = param_count(spec_for_layout(hf_dir, ParallelLayout())).total
+    half = cfg.model.dtype == "bfloat16"
+    per_param = (2 if half else 4) + (8 if cfg.train.optimizer == "adam" else 0) + (4 if half else 0)
+    return n * per_param
+
+
+def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int | None = None,
+                  resuming: bool = False) -> None:
+    """OutputDirError (one line) for an output the run could not write, or lack room for: one
+    checkpoint (the last one's size, else estimated), plus the initial HF -> megatron conversion
+    when a fresh run makes one (into checkpoint.dir: about the weight files' size)."""
+    for field, path in output_fields(cfg).items():
+        check_writable_dir(field, path)
+    if cfg.checkpoint.export_hf:
+        check_export_target("checkpoint.export_hf", cfg.checkpoint.export_hf, **export_rules(cfg))
+    if cfg.checkpoint.dir:
+        need = previous_checkpoint_bytes or checkpoint_bytes(cfg, hf_dir)
+        what = ("one checkpoint (the last one's size)" if previous_checkpoint_bytes
+                else "one checkpoint (parameters + optimizer state, estimated from the model)")
+        if not resuming and not cfg.model.megatron_checkpoint:
+            from gspo_megatron.checkpoint.hf_files import weight_files
+            need += sum(f.stat().st_size for f in weight_files(hf_dir))
+            what = "the initial conversion and " + what
+        check_free_space("checkpoint.dir", cfg.checkpoint.dir, need, what)
+
+
+def prompt_set_changed(stored: dict[str, Any] | None, now: dict[str, Any]) -> str:
+    """'' when the sets are the same (a moved file with the same bytes is the same set)."""
+    if not stored:
+        return ""
+    if (stored.get("sha256"), stored.get("records")) == (now["sha256"], now["records"]):
+        return ""
+    return (f"the checkpoint's set was {', '.join(stored.get('paths', []))} ({stored.get('records')} "
+            f"records, {stored.get('bytes')} bytes, sha256 {str(stored.get('sha256'))[:12]}), now "
+            f"{', '.join(now['paths'])} ({now['records']} records, {now['bytes']} bytes, sha256 "
+            f"{now['sha256'][:12]})")
+
+
+def check_prompt_set(cfg: RunConfig, stored: dict[str, Any] | None, now: dict[str, Any]) -> bool:
+    """On resume: True when the prompt set changed and rollout.prompts_changed=restart_epoch says
+    to start a new epoch over it; ConfigError (one line) when it changed and the run refuses."""
+    change = prompt_set_changed(stored, now)
+    if not change:
+        return False
+    if cfg.rollout.prompts_changed == "restart_epoch":
+        print(f"[gspo] rollout.prompts changed since the checkpoint ({change}): a new epoch over "
+              "the new set starts (rollout.prompts_changed=restart_epoch)", flush=True)
+        return True
+    raise ConfigError(f"rollout.prompts={cfg.rollout.prompts!r} is not the prompt set the run in "
+                      f"checkpoint.dir={cfg.checkpoint.dir!r} was trained on ({change}); resume with "
+                      "that set, or set rollout.prompts_changed=restart_epoch to start a new epoch "
+                      "over this one")
+
+
+def drop_overlong_prompts(cfg: RunConfig, prompts, hf_dir: Path):
+    """rollout.max_prompt_tokens: the rows kept (an index array), said in one line."""
+    from transformers import AutoTokenizer
+
+    from rollout.dataset import PromptFileError, filter_overlong
+    r = cfg.rollout
+    try:
+        kept, dropped = filter_overlong(prompts, AutoTokenizer.from_pretrained(str(hf_dir)), r.max_prompt_tokens)
+    except PromptFileError as e:
+        raise PromptFileError(f"rollout.prompts={r.prompts!r}: {e}") from None
+    print(f"[gspo] rollout.prompts: {dropped} of {prompts.total_rows} prompts are longer than "
+          f"{r.max_prompt_tokens} tokens (rollout.max_prompt_tokens) and were dropped; {len(kept)} remain",
+          flush=True)
+    return kept.kept

@@ -1,0 +1,141 @@
+"""A step's rows and weights when SGLang servers are lost (rollout/health.py takes them out, restarts
+those the run launched): the loop goes on once a server is back, or ends with exit 75.
+
+    got, saved = receive_rows(run, live, step, staleness, saved)   # every rank: its rows
+    report = sync_weights(run, saved)                              # every rank: the weight sync
+
+With no server left in service, every rank saves the last finished step (unless saved already),
+rank 0 waits up to rollout.server_wait_s for one to come back, the weights are synced into it, and
+the step's rollout starts again (its prompts were put back: none is lost or repeated). Past the
+wait every rank raises ServersLost (exit 75, which launch/slurm/job.sh requeues); a signal meanwhile
+is SignalExit.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from gspo_megatron.parallel.rank_zero import DriverError, on_driver
+from gspo_megatron import GspoError
+from gspo_megatron.run.setup import Run
+from gspo_megatron.run.signals import SignalExit
+from gspo_megatron.sync.weight_sync import WeightSyncError
+from rollout.client_errors import NoServerLeft
+from rollout.health import EXIT_NO_SERVER
+
+
+class ServersLost(GspoError, RuntimeError):
+    """No SGLang server came back within rollout.server_wait_s: the run ends with EXIT_NO_SERVER
+    (a Slurm requeue retries it, launch/slurm/job.sh) after a checkpoint of its last step."""
+
+    exit_code = EXIT_NO_SERVER
+
+
+def receive_rows(run: Run, live: int, step: int, staleness: int, saved: int | None):
+    """actor.receive_rows of the step's rollout, surviving the loss of every server
+    (rollout/health.py): every rank saves the last finished step (unless saved already), rank 0
+    waits up to rollout.server_wait_s for a server to come back, the weights are synced into it,
+    and the step's rollout starts again (its prompts were put back: none is lost or repeated).
+    Past the wait: ServersLost on every rank; a signal meanwhile: SignalExit. Returns (what
+    receive_rows returned, the step of the newest checkpoint)."""
+    for _ in range(run.cfg.rollout.server_max_restarts_per_run + 2):  # bounded, whatever happens
+        try:
+            return run.actor.receive_rows(run.rank, lambda: rollout_on_driver(run, live, step, staleness),
+                                          num_mini_batches=run.cfg.train.mini_batches), saved
+        except (NoServerLeft, DriverError) as e:
+            if not isinstance(e, NoServerLeft) and e.kind != NoServerLeft.__name__:
+                raise
+        if run.ckpt and saved != run.loop.step:
+            run.save_checkpoint()
+            saved = run.loop.step
+        await_a_server(run, saved)
+        with run.driver.paused() if run.rank == 0 else nullcontext():
+            sync_weights(run, saved, again=True)  # the servers back get the policy
+        on_driver(run.rank, run.driver.restart_rollouts)
+    raise ServersLost(f"no rollout completed after {run.cfg.rollout.server_max_restarts_per_run + 2} "
+                      f"servers came back ({on_driver(run.rank, lambda: run.driver.pool.summary())})")
+
+
+def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, float]:
+    """run.sync.sync of the trainer's version; when no server is left to take it (one lost while
+    the trainer trained, and not back yet), wait for one (await_a_server), then sync again. Not
+    saved first: the step is half done (trained, not synced), a resume redoes it from `saved`.
+    A signal during that wait ends the step without the sync ({"deferred": 1.0}; the loop saves
+    it as trained and the resumed run syncs its servers at start, setup.begin_rl), except for a
+    resync of servers that came back (again=True): SignalExit."""
+    for _ in range(run.cfg.rollout.server_max_restarts_per_run + 2):  # bounded, whatever happens
+        try:
+            return run.sync.sync(run.loop.weight_version, again=again)
+        except WeightSyncError as e:
+            if not e.no_server:
+                raise
+        if not await_a_server(run, saved, finish_on_signal=not again):
+            # a signal, and no server to take the trained weights: the step ends here, saved as
+            # trained; the resumed run loads them into its servers at start (setup.begin_rl)
+            if run.rank == 0:
+                print(f"[gspo] a stop signal while no SGLang server could take weight version "
+                      f"{run.loop.weight_version}: the step ends without the sync; the resumed run "
+                      "syncs its servers at start", flush=True)
+            return {"deferred": 1.0}
+    raise ServersLost(f"no weight sync took hold after {run.cfg.rollout.server_max_restarts_per_run + 2} "
+                      f"servers came back ({on_driver(run.rank, lambda: run.driver.pool.summary())})")
+
+
+def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) -> bool:
+    """Every rank: rank 0 waits up to rollout.server_wait_s for a server to come back (True); a
+    signal meanwhile is SignalExit, or False with finish_on_signal (the caller ends its step); none
+    back is ServersLost (exit 75, after the one line)."""
+    back = on_driver(run.rank, lambda: run.driver.wait_for_server(run.stop.requested))
+    signum = run.stop.agreed()
+    if signum and finish_on_signal:
+        return False
+    if signum:
+        raise SignalExit(signum, saved=f"step {saved}" if saved is not None else None)
+    if not back:
+        what = on_driver(run.rank, lambda: no_server_marker(run))
+        kept = f"; the checkpoint of step {saved} resumes it" if saved is not None else ""
+        raise ServersLost(f"no SGLang server in service after waiting rollout.server_wait_s="
+                          f"{run.cfg.rollout.server_wait_s:g} s ({what}){kept}; exiting with "
+                          f"{EXIT_NO_SERVER} (retryable: launch/slurm/job.sh requeues on it)")
+
+
+NO_SERVER_MARKER = "NO_SERVER_LEFT"
+
+
+def no_server_marker(run: Run) -> str:
+    """Rank 0, before any rank exits 75: writes checkpoint.dir/NO_SERVER_LEFT, which tells
+    launch/slurm/job.sh to requeue whatever exit code srun reports (srun --kill-on-bad-exit may
+    SIGKILL rank 0 once the others have exited); returns what happened to each server."""
+    what = run.driver.pool.summary()
+    if run.cfg.checkpoint.dir:
+        (Path(run.cfg.checkpoint.dir) / NO_SERVER_MARKER).write_text(what + "\n")
+    return what
+
+
+def trained_versions(batch) -> list[int]:
+    """The weight versions among the batch's trained tokens, ascending."""
+    return torch.unique(batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)]).tolist()
+
+
+def rollout_on_driver(run: Run, live: int, step: int, staleness: int):
+    """Rank 0: the step's rollout batch and what every rank needs of the whole batch (its metrics,
+    its tokens and, asynchronous, the weight versions it trains), or None when a signal
+    interrupted the rollout."""
+    got = run.driver.rollout_batch(str(live), step, should_stop=run.stop.requested,
+                                   oldest_version=oldest_usable_version(run, live) if staleness else None)
+    if got is None:
+        return None
+    batch, metrics = got
+    return batch, {"metrics": metrics, "versions": trained_versions(batch) if staleness else None,
+                   "tokens": float(batch.lengths.sum())}
+
+
+def oldest_usable_version(run: Run, live: int) -> int:
+    """The oldest version a sample may come from at `live`: max_staleness back, and, when pi_old is
+    recomputed, no older than the weights kept (after a resume, none from before it)."""
+    oldest = live - run.cfg.train.max_staleness
+    if run.cfg.train.old_log_probs == "recompute":
+        oldest = max(oldest, min(run.actor.kept_versions() + [live]))
+    return oldest

@@ -1,0 +1,203 @@
+"""Start-up and tear-down of a training run: everything the RL loop (trainer.py) works with.
+
+    run = setup(cfg, stop)  # preflight checks, folders locked, actor, SGLang servers, weights
+    begin_rl(run)           # KL reference; the servers get the policy RL starts from
+    ...                     # trainer.run_loop(run)
+    teardown(run)
+
+Order matters: every input that can be checked is checked (preflight.check_inputs) before anything
+is written, converted or started, so a bad input costs seconds and leaves nothing behind.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.actor.settings import Available
+from gspo_megatron.checkpoint.loop_state import LoopState
+from gspo_megatron.checkpoint.manager import CheckpointManager
+from gspo_megatron.config import RunConfig
+from gspo_megatron.driver.driver import Driver
+from gspo_megatron.parallel.rank_zero import on_driver
+from gspo_megatron.run.folders import lock_run_folders, release, scratch_dir
+from gspo_megatron.run.metrics import MetricsWriter
+from gspo_megatron.run.model_files import initial_megatron_checkpoint, set_up_reference
+from gspo_megatron.run.preflight import Inputs, check_inputs
+from gspo_megatron.run.signals import GracefulStop
+from rollout.ports import free_port
+
+
+@dataclasses.dataclass
+class Run:
+    """What the loop works with (built by `setup`)."""
+    cfg: RunConfig
+    rank: int
+    world: int
+    actor: Any                       # gspo_megatron.actor.Actor
+    driver: Driver | None            # rank 0 only
+    sync: Any                        # gspo_megatron.sync.WeightSync
+    ckpt: CheckpointManager | None
+    writer: MetricsWriter
+    loop: LoopState
+    resumed_from: Path | None = None
+    export_src: Path | None = None   # megatron checkpoint of the final policy, for export_hf
+    stop: GracefulStop = dataclasses.field(default_factory=lambda: GracefulStop(enabled=False))
+    locks: list = dataclasses.field(default_factory=list)  # rank 0: its folders' RunLocks
+
+    def save_checkpoint(self) -> None:
+        """Collective: a checkpoint of the last finished step, with rank 0's prompt cursor and
+        rollout buffer (the driver's state)."""
+        if self.rank == 0:
+            state = self.driver.state()
+            self.loop.data_cursor, self.loop.rollout_buffer = state["stream"], state["manager"]
+        self.ckpt.save(self.loop.step, self.actor, self.loop)
+
+
+def rank_env() -> tuple[int, int]:
+    """torchrun / srun variables; a plain `gspo-megatron train` is a one-rank job."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def build_actor(cfg: RunConfig):
+    from gspo_megatron.actor import Actor, LogProbSettings
+    t = cfg.train
+    # Routing drift compares pi_old's routing with the updated policy's: with asynchronous
+    # rollouts pi_old spans several versions, so its default is off there (config.validate
+    # refuses drift=true).
+    routing = dataclasses.replace(cfg.moe, drift=False) if t.max_staleness and cfg.moe.drift is None else cfg.moe
+    return Actor(cfg.model.hf_path, cfg.parallel, optimizer=t, loss=cfg.loss,
+                 logprob=LogProbSettings(temperature=cfg.rollout.temperature),
+                 batching=t, old_log_probs=t.old_log_probs, seed=t.seed,
+                 params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute, routing=routing,
+                 max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0)
+
+
+def start_driver(cfg: RunConfig, rank: int, prompt_rows=None) -> Driver | None:
+    """Rank 0 starts (or attaches) the servers; a failure there stops every rank."""
+    holder: list[Driver] = []
+
+    def start() -> str:
+        holder.append(Driver.start(cfg, str(scratch_dir(cfg, "logs")), scratch_dir(cfg, "prompt_cache"),
+                                   prompt_rows=prompt_rows))
+        return "ok"
+    on_driver(rank, start)
+    return holder[0] if holder else None
+
+
+def build_sync(cfg: RunConfig, actor, driver: Driver | None):
+    """The weight sync; rank 0 (the driver) holds the transport (sync.transport, sync/transports.py)."""
+    from gspo_megatron.sync.transports import make_transport
+    from gspo_megatron.sync.weight_sync import WeightSync
+    from model_specs import load_hf_config
+    transport = None
+    if driver is not None:
+        transport = make_transport(cfg.sync.transport, driver.pool, hf_path=cfg.model.hf_path,
+                                   sync_dir=lambda: Path(cfg.sync.dir) if cfg.sync.dir else scratch_dir(cfg, "sync"),
+                                   master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    return WeightSync(actor.chunks, load_hf_config(cfg.model.hf_path), transport,
+                      driver.pool if driver else None, bucket_bytes=cfg.sync.bucket_mb << 20)
+
+
+def share_cpu_with_servers(cfg) -> None:
+    """Asynchronous rollouts on a CPU machine: the SGLang servers generate while torch trains, on
+    the same cores. torch's OpenMP threads spin at their barriers, so with a thread per core the
+    shared cores slowed the train phase ~10x (benchmarks/async.py, 2 cores: 825 s of steps against
+    58 s synchronous). torch then takes half the cores per rank's node share, unless OMP_NUM_THREADS
+    says otherwise."""
+    if cfg.train.max_staleness and not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        cores = os.cpu_count() or 1
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        threads = max(1, cores // (2 * local))
+        if threads < torch.get_num_threads():
+            torch.set_num_threads(threads)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"[gspo] asynchronous rollouts on CPU: torch uses {threads} of {cores} cores per rank, "
+                      "the servers the rest (OMP_NUM_THREADS overrides)", flush=True)
+
+
+def setup(cfg: RunConfig, stop: GracefulStop | None = None) -> Run:
+    rank, world = rank_env()
+    inputs = check_inputs(cfg, world)
+    share_cpu_with_servers(cfg)  # asynchronous rollouts on a CPU: torch leaves the servers cores
+    # The run owns its folders from here on (before anything is written into them).
+    locks = lock_run_folders(cfg) if rank == 0 else []
+    try:
+        run = _build(cfg, rank, world, inputs, stop or GracefulStop(enabled=False))
+    except BaseException:
+        release(locks)
+        raise
+    run.locks = locks
+    return run
+
+
+def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: GracefulStop) -> Run:
+    ckpt = CheckpointManager(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, hf_dir=cfg.model.hf_path,
+                             checksums=cfg.checkpoint.verify_checksums) if cfg.checkpoint.dir else None
+    resume_from = inputs.resume_from
+    init_ckpt = None if resume_from else initial_megatron_checkpoint(cfg, rank, inputs.model_fingerprint)
+    if rank == 0:
+        print(f"[gspo] {cfg.describe_loss()}", flush=True)
+    actor = build_actor(cfg)
+    if rank == 0:
+        available = Available.detect()
+        print(f"[gspo] layout {actor.layout.describe(world)} on {world} rank(s); compute: "
+              f"{cfg.compute.resolve(available).describe(available)}", flush=True)
+    run = Run(cfg, rank, world, actor, None, None, ckpt, MetricsWriter(None, enabled=False),
+              LoopState(extra={"source_model": inputs.model_fingerprint, "prompts": inputs.prompts}),
+              resumed_from=resume_from, stop=stop)
+    if ckpt:
+        ckpt.clean_incomplete()
+    run.driver = start_driver(cfg, rank, inputs.prompt_rows)
+    if run.driver is not None:  # after a signal, no server call waits for the health probe
+        run.driver.pool.stop_requested = stop.requested
+        run.driver.pool.abort_timeout_s = cfg.rollout.abort_timeout_s
+    if resume_from:
+        run.loop = ckpt.load(resume_from, actor)
+        run.loop.extra["prompts"] = inputs.prompts
+        if inputs.new_prompt_epoch and run.loop.data_cursor:  # rollout.prompts_changed=restart_epoch
+            run.loop.data_cursor = {**run.loop.data_cursor, "position": 0,
+                                    "epoch": run.loop.data_cursor["epoch"] + 1}
+        if rank == 0:
+            run.driver.load_state(run.loop.data_cursor, run.loop.rollout_buffer)
+            print(f"[gspo] resumed from {resume_from} (step {run.loop.step})", flush=True)
+    else:
+        actor.load_weights(init_ckpt)
+    run.sync = build_sync(cfg, actor, run.driver)
+    if rank == 0 and cfg.logging.tensorboard_dir:
+        run.writer = MetricsWriter(cfg.logging.tensorboard_dir, jsonl_path=cfg.logging.metrics_jsonl,
+                                   purge_step=run.loop.step if resume_from else None)
+        print(f"[gspo] TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}", flush=True)
+    return run
+
+
+def begin_rl(run: Run) -> None:
+    """After any warm start: the KL reference is the current policy, and the servers get it."""
+    if run.cfg.loss.kl_coef > 0:
+        set_up_reference(run)
+    # Servers started here hold the HF weights; attached ones may hold anything (another run's
+    # policy): always give them the policy this run starts from, under a new weight version.
+    run.loop.weight_version += 1
+    run.sync.sync(run.loop.weight_version)
+
+
+def teardown(run: Run | None) -> None:
+    """Close the metrics, stop the servers this run started, leave the process groups."""
+    from gspo_megatron.parallel.process_groups import destroy_process_groups
+    try:
+        if run is not None:
+            run.writer.close()
+            if run.driver is not None:
+                run.driver.stop()
+        if dist.is_initialized():
+            destroy_process_groups()
+    finally:
+        if run is not None:
+            release(run.locks)
