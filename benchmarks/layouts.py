@@ -7,7 +7,7 @@ of GSPO itself (GSPO train step / the same forward-backward with plain next-toke
 Every layout runs on real gloo process groups (one process per rank, spawned like the tests) from
 the same initial weights as the one-process run. "logprob err" is the max |old log-prob - one
 process| over real tokens; "param err" the max |parameter - one process| after one GSPO step
-(Adam with eps=10 >> |g|, linear in the gradient, like tests/test_actor_layouts.py). Times are
+(Adam with eps=10 >> |g|, linear in the gradient, like tests/actor/test_actor_layouts.py). Times are
 the best of --reps (timeit's rule: the work is deterministic, so the minimum is the run least
 disturbed by other processes), wall clock on rank 0 between barriers; GSPO and CE steps alternate
 so that machine noise hits both alike. On a 2-core CPU machine the 4- and 8-rank layouts are

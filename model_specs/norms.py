@@ -78,7 +78,7 @@ def te_checkpoint_keys(spec: Any) -> Any:
     (the experts are not one LayerNormLinear) and saves it as pre_mlp_layernorm.weight, so a
     local-spec MoE checkpoint did not load into a TE-spec model (recorded on an H100:
     tests/data/param_names). Dropping that one rename for MoE layers makes the two specs'
-    checkpoint keys identical (tests/test_spec_names.py)."""
+    checkpoint keys identical (tests/model_specs/test_spec_names.py)."""
     if isinstance(spec, list):
         return [te_checkpoint_keys(s) for s in spec]
     if isinstance(spec, ModuleSpec):

@@ -21,7 +21,7 @@ pinned to 1 (yarn_mscale = yarn_mscale_all_dim = 1: the ratio is 1 in both versi
 factor enters as the softmax scale instead: q and k each scaled by a (full-width rotary) scale
 q.k by a^2, i.e. softmax_scale = a^2 / sqrt(head_dim). With partial rotary that identity fails
 (only the rotary part is scaled) and megatron's YaRN frequencies use the full kv_channels, so
-YaRN with partial_rotary_factor < 1 is refused. tests/test_yarn.py checks both versions' log-probs
+YaRN with partial_rotary_factor < 1 is refused. tests/model_specs/test_rope_yarn.py checks both versions' log-probs
 against transformers beyond the original context.
 
 Torch-free: the planner validates a model's RoPE (model_specs/shape.py) without megatron-core.

@@ -7,7 +7,7 @@ parameters and size its memory, without importing torch or megatron-core.
 The planner (`gspo-megatron plan`) and param_count read a ModelShape where a ModelSpec would need
 megatron-core (10 s of imports on a busy 2-core machine, most of it torch and the fusions megatron
 compiles on import). `shape_fields` is the one mapping of these fields: build_model_spec
-(common.py) starts its TransformerConfig from it, and tests/test_published_configs.py checks that
+(common.py) starts its TransformerConfig from it, and tests/model_specs/test_published.py checks that
 every ShapeConfig field equals the built TransformerConfig's for each family and published model.
 """
 from __future__ import annotations

@@ -268,7 +268,7 @@ class SGLangClient(WeightUpdates):
         temperature 1 whatever the request says: SGLang 0.5.23 does not scale input log-probs by
         the sampling temperature (measured: 0.5 and 1.0 give the same values). Equal to
         transformers' within 5e-7 in fp32, also when the prefix comes from the radix cache
-        (tests/test_distill.py)."""
+        (tests/algorithms/test_distill.py)."""
         if not 1 <= start < len(input_ids):
             raise ValueError(f"start={start}: expected a position in [1, {len(input_ids)})")
         # The first entry SGLang returns is None: its token's predecessor is not recomputed (it lies

@@ -16,7 +16,7 @@ covered (the environment tokens of earlier turns). Rows the engine never process
 -1: the final token (sampled, never fed) and environment tokens appended after the last model
 turn. None when not requested.
 
-What SGLang 0.5.23 returns (verified on a live CPU server, tests/test_routed_experts_rollout.py;
+What SGLang 0.5.23 returns (verified on a live CPU server, tests/rollout/test_routed_experts_replay.py;
 paths under .venv/lib/python3.11/site-packages/sglang/srt/):
 - `"return_routed_experts": true` in /generate -> meta_info["routed_experts"], base64 of int32
   [prompt_tokens + completion_tokens - 1, num_hidden_layers, num_experts_per_tok]: rows [0, seqlen-1)

@@ -210,7 +210,7 @@ class StepGeneration:
                 # Routing replay: a response resumed under new weights would have its prefix
                 # routed by them (SGLang recomputes it), while its earlier tokens' pi_old needs
                 # the old routes of the same positions; one routing per token cannot hold
-                # both, so the partial restarts from its prompt (tests/test_async_rl.py).
+                # both, so the partial restarts from its prompt (tests/trainer/test_trainer_async.py).
                 manager._reset(s)
                 m["samples_restarted_routing"] += 1
             if s.status != DONE:

@@ -27,13 +27,17 @@ trap 'kill "$SETUP019" 2>/dev/null || true; wait "$SETUP019" 2>/dev/null || true
 # the multi-rank ones marked mcore019. The rest (rollouts, rewards, config, launch, metrics) runs
 # the same torch and transformers in both venvs and never reaches megatron-core; SGLang is not
 # installed there.
-MCORE_TESTS=(tests/test_actor_*.py tests/test_model_*.py tests/test_convert_*.py tests/test_spec_names.py
-             tests/test_weight_maps.py tests/test_extra_state.py tests/test_cpu_compat.py tests/test_packing.py
-             tests/test_microbatches.py tests/test_compute_settings.py tests/test_architecture.py
-             tests/test_published_configs.py tests/test_tiny_model.py tests/test_planner.py tests/test_layout.py
-             tests/test_context_parallel.py tests/test_uneven_pipeline*.py tests/test_machine_profiles.py
-             tests/test_resume_checkpoint.py tests/test_logprobs_tp2.py tests/test_routing_replay.py
-             tests/test_comm_devices.py tests/test_host_syncs.py tests/test_lazy_compile.py)
+MCORE_TESTS=(tests/actor/test_actor_*.py tests/actor/test_batch.py tests/actor/test_weights.py
+             tests/actor/test_packing.py tests/actor/test_token_budget.py tests/actor/test_settings_compute.py
+             tests/actor/test_settings_machine_profiles.py tests/actor/test_logprobs_tp2.py
+             tests/actor/test_router_control.py tests/actor/test_steps_host_syncs.py
+             tests/model_specs/test_families.py tests/model_specs/test_common.py tests/model_specs/test_spec_names.py
+             tests/model_specs/test_weight_maps.py tests/model_specs/test_published.py
+             tests/model_specs/test_lazy_compile.py tests/checkpoint/test_convert.py tests/tools/test_convert_tools.py
+             tests/checkpoint/test_model_io_*.py tests/checkpoint/test_checkpoint_manager.py
+             tests/parallel/test_cpu_compat.py tests/parallel/test_layout*.py tests/parallel/test_context.py
+             tests/parallel/test_comm.py tests/tools/test_check_imports.py tests/tools/test_make_tiny_model.py
+             tests/planner/test_planner.py)
 echo "[test] megatron-core 0.19.2 (Python 3.12): ${#MCORE_TESTS[@]} modules that reach megatron-core" >&2
 if ! wait "$SETUP019"; then
   cat "$SETUP019_LOG" >&2

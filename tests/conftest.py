@@ -3,9 +3,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
 # Tests import the project from the repository (editable install) and the helpers beside them.
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(TESTS))
+# Test modules mirror the packages (tests/actor/test_batch.py, ...) and have unique names; a few
+# share helpers across folders (`from test_actor_layouts import _np`), and spawned ranks import the
+# module of the function they run by its name. Every test folder is on the path, after the project,
+# so that a folder named like a package (tests/rollout) never hides it.
+sys.path += [str(d) for d in sorted(TESTS.rglob("*")) if d.is_dir() and d.name not in ("__pycache__", "data")
+             and not d.name.startswith(".")]
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 # Session-scoped real SGLang servers shared by every rollout test module (one instance each).

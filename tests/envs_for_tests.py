@@ -1,4 +1,4 @@
-"""Environments with bugs, for tests/test_trainer_multiturn.py: a user's environment class as the
+"""Environments with bugs, for tests/trainer/test_trainer_multiturn.py: a user's environment class as the
 config names it (rollout.environment = "tests.envs_for_tests:FlakyCalculator")."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A folder at the front of sys.path shadows the project's packages for the rest of the session,
 spawned ranks included (they inherit sys.path): benchmarks/rollout.py once hid the rollout
-package from tests/test_families_sync.py's ranks ("'rollout' is not a package")."""
+package from tests/sync/test_weight_sync_families.py's ranks ("'rollout' is not a package")."""
 from __future__ import annotations
 
 import importlib.util

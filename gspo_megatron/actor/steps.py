@@ -35,9 +35,9 @@ returns this same full-row value: the loss sums each row over the CP group befor
 The factors num_microbatches, dp_size and cp_size cancel exactly whatever the split: uneven row
 counts per rank and micro-batches of unequal size included (filler rows count 0 everywhere). With
 calculate_per_token_loss=True the schedule and DDP would skip the divisions; build.py/forward.py
-refuse it. tests/test_actor_layouts.py checks the resulting parameters against one process with
+refuse it. tests/actor/test_actor_layouts.py checks the resulting parameters against one process with
 an optimizer that is linear in the gradient (Adam's usual first step, ~lr*sign(g), would hide a
-wrong scale), and that a deliberately wrong scale fails that check; tests/test_context_parallel.py
+wrong scale), and that a deliberately wrong scale fails that check; tests/parallel/test_context.py
 checks step 2's loss and per-token gradients on split rows against one process (gloo); the model
 side of CP (TE attention) is tools/gpu_check.py's CP row.
 

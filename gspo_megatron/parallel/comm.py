@@ -13,7 +13,7 @@ tensors that project code creates on the default device (a factory call such as 
 without `device=`, or `.cpu()`) are marked as host tensors, and a collective called from project
 code with a host tensor raises, as NCCL would. Tensors created with an explicit device, moved with
 .to(device), or derived from model parameters and activations are not marked: on a GPU they live
-where NCCL wants them. tests/test_comm_devices.py runs the actor, the sync stream and the
+where NCCL wants them. tests/parallel/test_comm.py runs the actor, the sync stream and the
 checkpoint code under it.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ little and the last to much, so every rank gets one cheap and one expensive chun
 megatron's CP expects everywhere: its data loader (megatron/core/utils.py get_batch_on_this_cp_rank),
 the rotary embeddings each rank applies (models/common/embeddings/rope_utils.py
 get_pos_emb_on_this_cp_rank, which is why the model needs no position ids for RoPE) and Transformer
-Engine's causal CP attention. tests/test_context_parallel.py compares `split` with megatron's
+Engine's causal CP attention. tests/parallel/test_context.py compares `split` with megatron's
 function.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ checks). On a machine without CUDA, `apply()` makes the real megatron-core code 
 CPU, so the CPU tests exercise the same schedules, dispatchers and optimizers as a GPU cluster.
 It is applied only when CUDA is absent (`apply()` is a no-op otherwise) and is idempotent.
 
-Each adaptation below names what in megatron-core (0.16.1) needs it; tests/test_cpu_compat.py has
+Each adaptation below names what in megatron-core (0.16.1) needs it; tests/parallel/test_cpu_compat.py has
 one test per adaptation that fails if a megatron-core change makes it wrong or unnecessary
 (docs/cpu.md, items 1-9).
 

@@ -4,7 +4,7 @@ A layout that does not fit the world size or the model must fail before any coll
 a wrong split otherwise shows up as a hang in the first all-reduce, minutes later. How the layers
 split over (virtual) pipeline stages, uneven first/last stages included, is megatron-core's rule,
 re-stated here (validate_layers, stage_layers) and compared with megatron's own functions by
-tests/test_uneven_pipeline.py.
+tests/parallel/test_layout_uneven_pipeline.py.
 """
 from __future__ import annotations
 

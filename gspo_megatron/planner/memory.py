@@ -2,7 +2,7 @@
 
 Every term is a formula with its source in megatron-core (0.16.1 line numbers; 0.19 the same
 logic). Static terms (weights, gradients, optimizer state) are exact counts of what the built
-model and optimizer hold (tests/test_planner.py compares them with built models on gloo: TP2,
+model and optimizer hold (tests/planner/test_planner.py compares them with built models on gloo: TP2,
 PP2, EP2, VPP2, DP2 with the distributed optimizer). Activations and the log-prob pass are
 estimates, per token, to be checked against a GPU (`gspo-megatron plan --check`).
 

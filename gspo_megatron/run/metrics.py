@@ -194,7 +194,7 @@ LAYER_TAGS = {
 
 def measures_time(tag: str) -> bool:
     """A tag that measures how fast the machine was (seconds, throughput, busy fractions), not what
-    the run computed: two runs of the same seeds agree on every other tag (tests/test_resume_run.py)."""
+    the run computed: two runs of the same seeds agree on every other tag (tests/trainer/test_trainer_resume.py)."""
     return tag.startswith(("time/", "perf/")) or tag in {
         "reward/p99_ms", "distill/teacher_time", "distill/teacher_tokens_per_s", "async/rollout_busy",
         "async/train_busy", "async/overlap"}

@@ -5,7 +5,7 @@
     result.status, result.stdout                     # "ok" | "runtime_error" | "timeout" | "output_limit"
 
 Each run is a fresh process tree; what it isolates depends on the machine (docs/rewards.md has the
-table, and tests/test_sandbox.py a test per promise):
+table, and tests/rollout/rewards/test_sandbox.py a test per promise):
 
 namespaces (where user namespaces are allowed: unprivileged `unshare --user` works)
 - fresh user, mount, PID and network namespaces per run (util-linux `unshare`); as root, the

@@ -1,4 +1,4 @@
-"""What a new user meets in the first hour (issue 32): each refusal or message is one line, within
+"""What a new user meets in the first hour: each refusal or message is one line, within
 2 s of the command, with nothing written (no run folder, no cache, no .tmp file)."""
 from __future__ import annotations
 

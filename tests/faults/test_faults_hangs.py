@@ -1,5 +1,5 @@
-"""SIGTERM while a rollout request or a reward hangs, in the synchronous and the asynchronous loop
-(issue 30): the run exits 143 within 30 s (launch scripts give GSPO_STOP_GRACE=60 s before
+"""SIGTERM while a rollout request or a reward hangs, in the synchronous and the asynchronous loop:
+the run exits 143 within 30 s (launch scripts give GSPO_STOP_GRACE=60 s before
 SIGKILL), with a checkpoint of its last finished step and one line.
 
 A hung request: an SGLang server of the test's own, stopped with SIGSTOP (and killed after).

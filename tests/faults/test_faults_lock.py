@@ -4,7 +4,7 @@ Before: two `gspo-megatron train` on one checkpoint.dir both exited 0, every ste
 metrics.jsonl (0,1,2,3,4,5,0,6,1,7,...), both writing the same checkpoints and sync folder.
 Now the second exits at once with one line naming the holder; a lock left by a killed run is
 taken over. The lock's rules are tested here with real processes; the Slurm case (two jobs on one
-folder) is in tests/test_launch_slurm.py.
+folder) is in tests/launch/test_slurm.py.
 """
 from __future__ import annotations
 

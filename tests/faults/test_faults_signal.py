@@ -5,7 +5,7 @@ Before: SIGTERM ended the run at once without a save, although Slurm preemption 
 it first and leave a grace period. Now a signal during a rollout abandons that step (its prompts
 are drawn again on resume); later in a step, the step finishes; then a checkpoint of the last
 finished step is saved and the process exits with 128 + the signal number. The Slurm path (USR1
-ahead of the time limit, `scancel --signal`, requeue) is in tests/test_launch_slurm.py.
+ahead of the time limit, `scancel --signal`, requeue) is in tests/launch/test_slurm.py.
 """
 from __future__ import annotations
 

@@ -1,0 +1,162 @@
+"""The layout planner (gspo-megatron plan, gspo_megatron/planner/).
+
+- The memory model's static terms are what built models hold, per rank, on gloo: TP2, PP2, EP2,
+  VPP2, DP2 and EP2 with the distributed optimizer, fp32 and bf16: weights exactly, gradients and
+  optimizer state within 2% (DDP pads its buckets).
+- `plan` on Qwen3-235B-A22B with 64 H100s lists the published TP4 x PP8(first=11,last=11) x EP8
+  layout as valid and fitting, and rejects with a reason the layouts that cannot hold the weights.
+- Bad input gets one line.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from test_steps_host_syncs import _batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+LAYOUTS = {  # name: (world, layout, bf16, distributed optimizer); plain TP2 and EP2 are the bf16 TP2's
+    # and the EP2 distopt's splits of the weights (the fp32 grads and Adam state are pp2's and vpp2's)
+    "pp2": (2, dict(pipeline=2), False, False),
+    "vpp2": (2, dict(pipeline=2, virtual_pipeline=2), False, False),
+    "dp2_distopt_bf16": (2, {}, True, True),
+    "ep2_distopt": (2, dict(expert=2), False, True),
+    "tp2_bf16": (2, dict(tensor=2), True, False),
+}
+
+
+def _measured(rank, world, layout_kwargs: dict, bf16: bool, dist_opt: bool):
+    from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.planner.check import measured_static
+    from gspo_megatron.planner.memory import MemorySettings, static_bytes
+    from megatron.core import parallel_state as ps
+    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    layout = ParallelLayout(**layout_kwargs)
+    with Actor(tiny_hf_config(), layout, optimizer=OptimizerSettings(optimizer="adam", lr=1e-4,
+               use_distributed_optimizer=dist_opt), loss=LossSettings(name="ce"), micro_batch_size=4,
+               params_dtype=dtype) as actor:
+        actor.train_step(actor.shard(_batch()))  # Adam's state exists after the first step
+        weights, grads, opt = measured_static(actor)  # what plan --check measures
+        settings = MemorySettings(params_dtype="bfloat16" if bf16 else "float32", use_distributed_optimizer=dist_opt)
+        predicted = static_bytes(actor.spec, layout, world, settings, ps.get_pipeline_model_parallel_rank())
+    return dict(measured=(weights, grads, opt), predicted=predicted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_static_memory_is_what_the_built_model_holds(name):
+    world, layout, bf16, dist_opt = LAYOUTS[name]
+    for rank, r in enumerate(run_distributed(_measured, world, (layout, bf16, dist_opt), timeout=600)):
+        (w, g, o), (pw, pg, po) = r["measured"], r["predicted"]
+        assert w == pw, (name, rank, "weights", w, pw)
+        assert abs(g - pg) <= 0.02 * g, (name, rank, "gradients", g, pg)
+        assert abs(o - po) <= 0.02 * o, (name, rank, "optimizer", o, po)
+
+
+def test_context_parallel_divides_the_optimizer_shard_not_the_weights():
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.planner.memory import MemorySettings, static_bytes
+    from model_specs import model_spec_for
+    from model_specs.published import QWEN3_30B_A3B
+    s = MemorySettings(use_distributed_optimizer=True)
+    one = ParallelLayout(tensor=2, expert=8, expert_tensor=1)
+    cp2 = ParallelLayout(tensor=2, expert=8, expert_tensor=1, context=2)
+    spec = model_spec_for(QWEN3_30B_A3B, params_dtype=torch.bfloat16,
+                          overrides=one.transformer_config_fields(is_moe=True))
+    w1, g1, o1 = static_bytes(spec, one, 16, s, 0)    # DP8
+    w2, g2, o2 = static_bytes(spec, cp2, 16, s, 0)    # DP4 x CP2: the shard over DP x CP = 8
+    assert (w1, g1, o1) == (w2, g2, o2)
+
+
+def test_gpu_kinds_of_the_parser_are_the_planners():
+    from gspo_megatron.planner.arguments import GPU_KINDS
+    from gspo_megatron.planner.plan import GPUS
+    assert tuple(sorted(GPUS)) == GPU_KINDS
+
+
+def test_memory_strings():
+    from gspo_megatron.planner.plan import PlanError, parse_memory
+    assert parse_memory("80GiB") == 80 * 2**30 and parse_memory("141GB") == 141 * 10**9
+    assert parse_memory("81920 MiB") == 80 * 2**30
+    for bad in ("80", "eighty GiB", "80 GiBs", "-1GiB"):
+        with pytest.raises(PlanError, match="expected a size such as 80GiB"):
+            parse_memory(bad)
+
+
+def test_budget_that_fits_grows_with_memory_and_shrinks_with_layers_in_flight():
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.planner.memory import GiB, MemorySettings, rank_memory
+    from model_specs import model_spec_for
+    from model_specs.published import QWEN3_30B_A3B
+    layout = ParallelLayout(tensor=2, pipeline=2, expert=8, expert_tensor=1)
+    spec = model_spec_for(QWEN3_30B_A3B, params_dtype=torch.bfloat16,
+                          overrides=layout.transformer_config_fields(is_moe=True))
+    s = MemorySettings(use_distributed_optimizer=True, max_tokens=8192)
+    mem = rank_memory(spec, layout, 16, s)
+    assert mem.max_tokens_that_fit(80 * GiB) < mem.max_tokens_that_fit(141 * GiB)
+    full = rank_memory(spec, layout, 16, MemorySettings(use_distributed_optimizer=True, recompute="full"))
+    assert full.activation_bytes_per_token < mem.activation_bytes_per_token / 5
+    budget = mem.max_tokens_that_fit(80 * GiB)
+    import dataclasses
+    at = rank_memory(spec, layout, 16, dataclasses.replace(s, max_tokens=budget))
+    over = rank_memory(spec, layout, 16, dataclasses.replace(s, max_tokens=budget + 1024))
+    assert at.total() <= 80 * GiB < over.total()
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "plan", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_plan_qwen3_235b_on_64_h100s_lists_the_published_layout():
+    proc = _plan("examples/qwen3_235b_a22b.yaml", "--model", "Qwen3-235B-A22B", "--gpus", "64",
+                 "--gpu-memory", "80GiB", "--gpus-per-node", "8", "--all", "--top", "100")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    print(out)
+    published = [ln for ln in out.splitlines() if ln.startswith("| TP4xPP8(first=11,last=11)xEP8xETP1xDP2 |")]
+    assert published, "the published layout is not in the table"
+    assert "fits" in published[0]
+    cannot = [ln for ln in out.splitlines() if "weights, gradients and optimizer state" in ln]
+    assert cannot, "no layout rejected for its static memory"
+    assert any(ln.startswith("| TP1xPP1") for ln in cannot)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--gpus", "8", "--gpu-memory", "80 gigs"), "--gpu-memory '80 gigs': expected a size such as 80GiB"),
+    (("--gpus", "0"), "--gpus 0: expected >= 1"),
+    (("--gpus", "8", "--layout", "tensor=16"), "world size 8 is not divisible by tensor x pipeline"),
+    (("--gpus", "8", "--layout", "tensor=two"), "--layout 'tensor=two': expected fields such as"),
+    (("--gpus", "8", "--nodes", "3"), "--nodes 3: expected a divisor of --gpus 8"),
+    (("--gpus", "8", "--model", "Qwen9-1T"), "--model 'Qwen9-1T': not a published model"),
+])
+def test_bad_input_gets_one_line(args, message):
+    model = () if "--model" in args else ("--model", "tiny-qwen3-moe")
+    proc = _plan("examples/tiny_moe_larger_digit.yaml", *model, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_check_runs_the_layout_and_prints_predicted_against_measured():
+    proc = _plan("examples/tiny_moe_larger_digit.yaml", "--gpus", "2", "--model", "tiny-qwen3-moe",
+                 "--layout", "pipeline=2", "--tokens", "256", "--check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln.split("|")[1:-1] for ln in proc.stdout.splitlines() if ln.startswith("| 0 |") or ln.startswith("| 1 |")]
+    assert len(rows) == 2, proc.stdout
+    for rank, stage, weights, grads, opt, _, _ in rows:
+        predicted, measured = (float(x) for x in weights.split("/"))
+        assert predicted == measured and measured > 0, (rank, weights)
+        for cell in (grads, opt):
+            p, m = (float(x) for x in cell.split("/"))
+            assert abs(p - m) <= 0.02 * m + 0.01, (rank, cell)
+    assert {r[1].strip() for r in rows} == {"0", "1"}  # one rank per pipeline stage

@@ -1,0 +1,159 @@
+"""`reward: code` (rollout/rewards/code_reward.py): programs from responses, the tests as APPS/TACO,
+verl and LiveCodeBench keep them, scores, and the sandbox's hostile cases scoring 0 (each test
+fails) within the limit with nothing left on the host."""
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import socket
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import pytest
+
+from rollout.rewards import RewardWorkerPool
+from rollout.rewards.code_reward import CodeReward, extract_program, load_tests, stdout_matches
+from rollout.rewards.sandbox import SANDBOX_ENV
+from rollout.rewards.settings import CodeSandboxSettings
+
+ROOT = Path(__file__).resolve().parents[3]
+ADD = {"inputs": ["1 2\n", "3 4\n", "10 -3\n"], "outputs": ["3\n", "7\n", "7\n"]}
+RIGHT = "Read two numbers.\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+WRONG = "```python\na, b = map(int, input().split())\nprint(a * b)\n```"
+PARTLY = "```python\na, b = map(int, input().split())\nprint(a + b if a < 5 else 0)\n```"  # 2 of 3
+
+
+def test_the_program_is_the_last_python_block():
+    assert extract_program("```python\nx = 1\n```\ntext\n```py\nx = 2\n```") == "x = 2\n"
+    assert extract_program("```\nprint(1)\n```") == "print(1)\n"
+    assert extract_program("```python\nok = 1\n```\n```cpp\nint main(){}\n```") == "ok = 1\n"
+    assert extract_program("no code") is None
+
+
+def test_test_layouts():
+    apps = load_tests({"answer": json.dumps(ADD)})
+    assert apps.fn_name is None and [c.input for c in apps.cases] == ADD["inputs"]
+    lines = load_tests({"answer": {"inputs": [["1", "2"]], "outputs": [["3"]]}})  # lists of lines
+    assert (lines.cases[0].input, lines.cases[0].output) == ("1\n2\n", "3\n")
+    call = load_tests({"answer": {"fn_name": "add", "inputs": [[1, 2]], "outputs": [[3]]}, "time_limit": "2 seconds"})
+    assert call.fn_name == "add" and call.cases[0].input == [1, 2] and call.time_limit_s == 2.0
+    public = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]
+    private = [{"input": "5 5\n", "output": "10\n", "testtype": "stdin"}]
+    packed = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(private)))).decode()
+    lcb = load_tests({"answer": json.dumps(public), "private_test_cases": packed})
+    assert [c.input for c in lcb.cases] == ["1 2\n", "5 5\n"]
+    assert len(load_tests({"answer": public, "private_test_cases": packed}, private_tests=False).cases) == 1
+    functional = load_tests({"answer": [{"input": "[1, 2]\n3", "output": "[1, 2, 3]", "testtype": "functional"}],
+                             "metadata": json.dumps({"func_name": "push"})})
+    assert functional.fn_name == "push" and functional.cases[0].input == [[1, 2], 3]
+    evil = base64.b64encode(zlib.compress(pickle.dumps(ValueError("x")))).decode()
+    with pytest.raises(ValueError, match="refusing to unpickle"):
+        load_tests({"answer": public, "private_test_cases": evil})
+    with pytest.raises(ValueError, match="expected tests as"):
+        load_tests({"answer": "42"})
+
+
+def test_output_comparison():
+    assert stdout_matches("3 \n\n", "3\n")
+    assert stdout_matches("0.3333333\n", "0.33333333\n")
+    assert not stdout_matches("3\n", "4\n")
+    assert not stdout_matches("1 2", "1 2 3")
+
+
+@pytest.fixture(scope="module")
+def code() -> CodeReward:
+    return CodeReward(CodeSandboxSettings(time_limit_s=2.0, max_output_bytes=1 << 20))
+
+
+@pytest.mark.slow
+def test_scores_right_wrong_and_partly_right(code):
+    record = {"answer": json.dumps(ADD)}
+    suite = code.prepare(record)
+    assert code.score(record, RIGHT, suite) == 1.0
+    assert code.score(record, WRONG, suite) == 0.0
+    assert code.score(record, PARTLY, suite) == pytest.approx(2 / 3)
+    assert code.score(record, "I cannot write code", suite) == 0.0
+    all_pass = CodeReward(CodeSandboxSettings(scoring="all_pass"))
+    assert all_pass.score(record, PARTLY) == 0.0 and all_pass.score(record, RIGHT) == 1.0
+    calls = {"answer": {"fn_name": "add", "inputs": [[1, 2], [2, 2]], "outputs": [[3], [4]]}}
+    assert code.score(calls, "```python\ndef add(a, b):\n    return a + b\n```") == 1.0
+    leet = {"answer": [{"input": "[1, 2]\n3", "output": "[1, 2, 3]", "testtype": "functional"}],
+            "metadata": {"func_name": "push"}}
+    assert code.score(leet, "```python\nclass Solution:\n    def push(self, xs, x):\n"
+                            "        return xs + [x]\n```") == 1.0
+
+
+@pytest.mark.slow
+def test_hostile_programs_score_zero_within_the_limit_and_leave_nothing(code):
+    record = {"answer": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.2)
+    folder = ROOT / "runs" / f"code-test-{uuid.uuid4().hex[:8]}"  # on the host's disk, outside /tmp
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    outside = folder / "outside.txt"
+    hostile = {
+        "infinite loop": "while True: pass",
+        "fork bomb": "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
+        "1 GB print": "s = 'x' * 10**5\nfor _ in range(10**4): print(s)",
+        "10 GB allocation": "a = bytearray(10 * 2**30)\nprint(3)",
+        "socket to 127.0.0.1": f"import socket\nsocket.create_connection(('127.0.0.1', "
+                               f"{listener.getsockname()[1]}), timeout=1)\nprint(3)",
+        "write outside its folder": f"open({str(outside)!r}, 'w').write('x')\nprint(3)",
+    }
+    for name, program in hostile.items():
+        t0 = time.monotonic()
+        assert code.score(record, f"```python\n{program}\n```") == 0.0, name
+        assert time.monotonic() - t0 < 2.0 + 2.5, name
+    with pytest.raises(socket.timeout):
+        listener.accept()
+    assert not outside.exists()
+    folder.rmdir()
+    import psutil
+    left = [p for p in psutil.process_iter() if _tagged(p, code.sandbox.tag)]
+    assert left == []
+
+
+def _tagged(p, tag: str) -> bool:
+    try:
+        return p.environ().get(SANDBOX_ENV) == tag
+    except Exception:  # noqa: BLE001 - gone or not ours
+        return False
+
+
+@pytest.mark.slow
+def test_code_reward_in_the_workers():
+    options = {"code_sandbox": {"time_limit_s": 2.0}}
+    with RewardWorkerPool("code", workers=2, timeout_s=30, options=options) as pool:
+        record = {"answer": json.dumps(ADD)}
+        scores = pool.submit([record] * 3, [RIGHT, WRONG, PARTLY]).result(timeout=60)
+        assert [round(s.reward, 4) for s in scores] == [1.0, 0.0, 0.6667]
+        [bad] = pool.submit([{"answer": "no tests here"}], [RIGHT]).result(timeout=60)
+        assert not bad.ok and "expected tests as" in bad.error
+
+
+@pytest.mark.slow
+def test_eval_metrics_with_the_code_reward():
+    """eval/accuracy counts a response correct when every test passes (reward 1.0), eval/pass@k a
+    prompt with one such response; on the shipped example set, scored in the workers."""
+    from gspo_megatron.driver.evaluation import eval_metrics
+    from rollout.dataset import load_prompts
+    from rollout.sample import Sample
+    rows = load_prompts(str(ROOT / "examples" / "data" / "code_eval.jsonl"), "prompt", "input_output")
+    first, fifth = rows[0], rows[4]
+    groups = [[Sample(0, i, first, [1], 4) for i in range(3)], [Sample(1, i, fifth, [1], 4) for i in range(2)]]
+    texts = [[RIGHT, WRONG, PARTLY],
+             ["```python\ndef count_vowels(s):\n    return sum(c in 'aeiou' for c in s)\n```", WRONG]]
+    with RewardWorkerPool("code", workers=2, timeout_s=30) as pool:
+        for group, responses in zip(groups, texts):
+            for s, score in zip(group, pool.submit([s.prompt for s in group], responses).result(timeout=60)):
+                s.reward, s.response_ids = score.reward, [1]
+    assert [s.reward for s in groups[0]] == [1.0, 0.0, pytest.approx(2 / 3)]
+    m = eval_metrics(groups)
+    assert m["eval/accuracy"] == pytest.approx(2 / 5) and m["eval/pass@k"] == 1.0
+    assert m["eval/accuracy/apps_style"] == pytest.approx(1 / 3) and m["eval/accuracy/apps_call"] == 0.5

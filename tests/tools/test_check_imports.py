@@ -1,0 +1,61 @@
+"""The house's rules (tools/check_imports.py): model_specs and rollout are leaves of the RL library
+(of gspo_megatron only GspoError), algorithms are pure torch, the library packages know nothing of
+the run, the config and the first checks load without torch, only the entry points sit at
+gspo_megatron's top, no two modules have near-twin names, and no module imports itself through
+others. Also: no source file over 400 lines (STYLE: split by concern)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tools import check_imports
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_tree_follows_the_rules():
+    assert check_imports.violations() == []
+
+
+@pytest.mark.parametrize("where,line,needle", [
+    ("model_specs/families.py", "from gspo_megatron.parallel.layout import ParallelLayout",
+     "model_specs.families imports gspo_megatron.parallel.layout (model_specs is a leaf"),
+    ("rollout/sample.py", "from gspo_megatron.actor.batch import TrainBatch",
+     "rollout.sample imports gspo_megatron.actor.batch (rollout knows nothing of megatron"),
+    ("gspo_megatron/actor/balance.py", "from gspo_megatron.config import RunConfig",
+     "gspo_megatron.actor.balance imports gspo_megatron.config (the library packages know nothing of the run)"),
+    ("gspo_megatron/driver/staleness.py", "from gspo_megatron.run.folders import scratch_dir",
+     "gspo_megatron.driver.staleness imports gspo_megatron.run.folders (run/ builds the driver)"),
+    ("gspo_megatron/run/setup.py", "from gspo_megatron.trainer import run_loop",
+     "gspo_megatron.run.setup imports gspo_megatron.trainer (only the command line runs the loop)"),
+    ("gspo_megatron/run/folders.py", "import torch",
+     "gspo_megatron.run.folders imports torch, and gspo_megatron.run.preflight imports"),
+    ("gspo_megatron/helpers.py", "X = 1",
+     "gspo_megatron.helpers sits at gspo_megatron's top"),
+    ("gspo_megatron/actor/microbatches.py", "X = 1",
+     "near-twin module names: gspo_megatron.actor.micro_batch, gspo_megatron.actor.microbatches"),
+    ("rollout/sample.py", "import megatron.core", "rollout.sample imports megatron"),
+    ("gspo_megatron/algorithms/rows.py", "from megatron.core import parallel_state",
+     "gspo_megatron.algorithms.rows imports megatron"),
+    ("gspo_megatron/parallel/layout.py", "import torch",
+     "gspo_megatron.parallel.layout imports torch, and gspo_megatron.config imports"),
+    ("gspo_megatron/checkpoint/hf_files.py", "def f():\n    from gspo_megatron.checkpoint import manager",
+     "import cycle: gspo_megatron.checkpoint.hf_files <-> gspo_megatron.checkpoint.manager"),
+])
+def test_the_checker_catches_each_kind_of_violation(tmp_path, monkeypatch, where, line, needle):
+    for pkg in check_imports.PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    planted = tmp_path / where
+    planted.write_text((planted.read_text() if planted.exists() else "") + "\n" + line + "\n")
+    monkeypatch.setattr(check_imports, "ROOT", tmp_path)
+    found = check_imports.violations()
+    assert any(needle in v for v in found), found
+
+
+def test_no_source_file_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for pkg in ("gspo_megatron", "model_specs", "rollout", "tools",
+                                                    "benchmarks", "launch", "tests", "scripts")
+            for p in (ROOT / pkg).rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
