@@ -3,8 +3,8 @@
 # log-probs vs transformers -> GSPO step -> checkpoint loaded into the local and the TE spec ->
 # export to HF, as a table; then the fused log-prob benchmark in bf16. Exits 1 if a row fails.
 #   bash scripts/gpu_check.sh             # on a GPU machine with megatron-core (and TE) installed
-# Uses .venv/bin/python when it exists, else `python3` (a GPU machine set up by
-# ../shared/gpu/README.md installs into its system Python).
+# Uses .venv/bin/python when it exists, else `python3` (a GPU machine whose packages are installed
+# into its system Python; docs/gpu.md).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="$ROOT/.venv/bin/python"

@@ -5,7 +5,8 @@
 The result loads under any TP/PP/EP/VPP layout the model allows
 (gspo_megatron.checkpoint.load_model); it holds the HF config and tokenizer in OUT/hf/ so that
 tools/convert_megatron_to_hf.py can export it back. Runs in one process on CPU, tensor by tensor
-(peak memory about one parameter), with a progress bar. Families: qwen3_moe, qwen3, qwen2, llama.
+(peak memory about one parameter), with a progress bar. Families: those of model_specs.FAMILIES
+(qwen3_moe, qwen2_moe, glm4_moe, qwen3, qwen2, llama).
 """
 from __future__ import annotations
 

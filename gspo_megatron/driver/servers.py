@@ -23,8 +23,7 @@ def start_policy_servers(cfg: RunConfig, log_dir: str | None) -> ServerGroup:
     """Attach to rollout.server_urls, or launch rollout.num_servers servers of model.hf_path."""
     r = cfg.rollout
     if r.server_urls:
-        group = ServerGroup.attach(r.server_urls, r.router_url,
-                                     health_timeout_s=r.server_startup_timeout_s)
+        group = ServerGroup.attach(r.server_urls, r.router_url, health_timeout_s=r.server_startup_timeout_s)
         print(f"[gspo] SGLang: attached to {', '.join(group.server_urls)}", flush=True)
     else:
         extra = list(r.server_extra_args)
