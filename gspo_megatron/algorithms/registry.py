@@ -44,7 +44,8 @@ class LossSpec:
     function_path: str | None
     """`module:function` under gspo_megatron.algorithms; None for "ce" (the actor computes it)."""
     clip: tuple[float, float] | None
-    """The paper's (eps_low, eps_high) for this loss; None: the loss does not clip."""
+    """The paper's (eps_low, eps_high) for this loss; None: the loss does not clip (its function
+    then takes no eps_low / eps_high)."""
     advantages: Literal["sequence", "token"]
     """Shape the function takes: one advantage per sequence `[b]`, or per token `[b, s]` (the
     actor broadcasts sequence advantages along the row for a "token" loss)."""
@@ -87,8 +88,8 @@ class LossSettings:
     """Which loss the train step applies on the last pipeline stage, and its parameters."""
 
     name: str = "gspo"
-    """gspo (sequence ratio, Eqs. 5-7), gspo_token (Eqs. 13-14), grpo (token ratio), or ce (plain
-    next-token cross-entropy over trained tokens)."""
+    """A name of the LOSSES table: gspo (sequence ratio, Eqs. 5-7), gspo_token (Eqs. 13-14), grpo
+    (token ratio), ..., or ce (plain next-token cross-entropy over trained tokens)."""
     eps_low: float | None = None
     """Lower clip range; null = the paper's value for the loss (gspo 3e-4, grpo 0.2)."""
     eps_high: float | None = None
@@ -120,14 +121,14 @@ class LossSettings:
             raise ValueError(f"kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
         if not self.kl_coef >= 0:
             raise ValueError(f"kl_coef={self.kl_coef!r}: expected >= 0")
-        if self.kl_coef > 0 and self.spec.clip is None:
+        if self.kl_coef > 0 and not self.spec.rl:
             raise ValueError(f"kl_coef={self.kl_coef!r}: expected 0 with the {self.name} loss "
                              "(it takes no KL penalty)")
         for field in ("tis_cap", "seq_is_cap", "mis_cap"):
             cap = getattr(self, field)
             if cap is not None and not cap >= 1.0:
                 raise ValueError(f"{field}={cap!r}: expected >= 1 (or null for off)")
-            if cap is not None and self.spec.clip is None:
+            if cap is not None and not self.spec.rl:
                 raise ValueError(f"{field}={cap!r}: expected null with the {self.name} loss")
         if self.mis_level not in ("token", "sequence"):
             raise ValueError(f"mis_level={self.mis_level!r}: expected 'token' or 'sequence'")
@@ -148,9 +149,11 @@ class LossSettings:
                 hi if self.eps_high is None else self.eps_high)
 
     def function_kwargs(self) -> dict[str, float | str]:
-        """Keyword arguments of the loss function: clip range, and the KL term when it is on."""
-        lo, hi = self.clip_range()
-        out: dict[str, float | str] = dict(eps_low=lo, eps_high=hi)
+        """Keyword arguments of the loss function: clip range (a loss that clips), and the KL term
+        when it is on."""
+        out: dict[str, float | str] = {}
+        if self.spec.clip is not None:
+            out["eps_low"], out["eps_high"] = self.clip_range()
         if self.kl_coef > 0:
             out.update(kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
         return out
@@ -166,10 +169,11 @@ class LossSettings:
                     mis_level=self.mis_level)
 
     def describe(self) -> str:
-        if self.spec.clip is None:
+        if not self.spec.rl:
             return f"loss={self.name}"
         lo, hi = self.clip_range()
+        clip = f"eps_low={lo:g} eps_high={hi:g}" if self.spec.clip is not None else "no clip"
         kl = f"kl_coef={self.kl_coef} ({self.kl_estimator})" if self.kl_coef else "KL off"
         caps = "".join(f" {k}={v:g}" for k, v in self.mismatch_kwargs().items()
                        if k != "mis_level" and v is not None)
-        return f"loss={self.name} eps_low={lo:g} eps_high={hi:g} {kl}{caps}"
+        return f"loss={self.name} {clip} {kl}{caps}"

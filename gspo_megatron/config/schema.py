@@ -49,7 +49,8 @@ class ModelConfig:
 @dataclasses.dataclass
 class LossConfig(LossSettings):
     name: RLLossName = "gspo"
-    """Policy loss: gspo (sequence ratio, Eq. 5), gspo_token (Eqs. 13-14) or grpo (token ratio)."""
+    """Policy loss, a name of the LOSSES table (gspo_megatron/algorithms/registry.py): gspo (sequence
+    ratio, Eq. 5), gspo_token (Eqs. 13-14), grpo (token ratio), or one you added there."""
 
 
 @dataclasses.dataclass

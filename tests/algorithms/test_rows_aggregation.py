@@ -6,6 +6,7 @@ import torch
 
 from gspo_megatron.algorithms import (LOSS_FUNCTIONS, METRIC_REDUCTIONS, combine_metrics, grpo_loss, gspo_loss,
                                      gspo_token_loss)
+from gspo_megatron.algorithms.registry import RL_LOSSES
 
 F64 = torch.float64
 FNS = [gspo_loss, gspo_token_loss, grpo_loss]
@@ -96,7 +97,10 @@ def test_metric_reduction_table_covers_every_summable_key():
         assert not v.requires_grad and v.dim() == 0 and v.is_floating_point()
     with pytest.raises(ValueError, match="needs at least one"):
         combine_metrics([])
-    assert LOSS_FUNCTIONS == {"gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
+    # every RL loss of the table, the shipped ones with their functions (a new row needs no edit here)
+    assert set(LOSS_FUNCTIONS) == set(RL_LOSSES)
+    assert {n: LOSS_FUNCTIONS[n] for n in ("gspo", "gspo_token", "grpo")} == {
+        "gspo": gspo_loss, "gspo_token": gspo_token_loss, "grpo": grpo_loss}
 
 
 def test_algorithms_import_no_megatron():
