@@ -5,26 +5,33 @@
     result.status, result.stdout                     # "ok" | "runtime_error" | "timeout" | "output_limit"
 
 Each run is a fresh process tree; what it isolates depends on the machine (docs/rewards.md has the
-table, and tests/rollout/rewards/test_sandbox.py a test per promise):
+table, and tests/rollout/rewards/test_sandbox.py a test per promise). The adversary is the policy
+being trained: anything a program can reach that tells it the expected output, or that stops the
+run, it will learn to use.
 
-namespaces (where user namespaces are allowed: unprivileged `unshare --user` works)
-- fresh user, mount, PID and network namespaces per run (util-linux `unshare`); as root, the
-  namespaces are made as the unprivileged user nobody (util-linux `setpriv`), so the program's
-  "root" is nobody outside and reads only what nobody may;
-- no network: a network namespace with only a down loopback (connect fails at once);
-- the file system read-only; a private 64 MiB tmpfs on /tmp (its working directory), /var/tmp and
-  /dev/shm, gone with it; /root and /home hidden;
+namespaces (auto and namespaces: where user namespaces are allowed)
+- fresh user, mount, PID, network, IPC, UTS and cgroup namespaces per run (util-linux `unshare`);
+  as root, made as the unprivileged user nobody (util-linux `setpriv`), so the program's "root" is
+  nobody outside;
+- a root built from an allow-list (sandbox_init.py): the interpreter's directories read-only, five
+  device nodes, a fresh /proc, a private /tmp and /dev/shm; nothing else of the host (no project,
+  run folders, data, sockets, /sys, /home, /root, /var, /run); pivot_root, the old root detached;
+- no network (a network namespace with only a down loopback), no SysV IPC or hostname shared with
+  the host or another run, no nested user namespace (max_user_namespaces 0 inside, and the filter);
 - no other process visible; when the run ends or is killed, the kernel kills every process of its
   PID namespace (nothing escapes by double-forking or setsid);
-- every capability dropped and no_new_privs set before the program starts.
-process (auto's fallback where namespaces are not allowed, or isolation: process)
+- every capability dropped, no_new_privs, a system-call filter (seccomp.py).
+process (only when isolation: process is set; auto never falls back to it)
 - a process group of its own (killed whole), limits, a private temporary directory as the working
-  directory, the user nobody when started as root; NO network and NO file-system isolation, and a
-  child that calls setsid escapes the kill. Said once at start.
-Both: RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE, RLIMIT_NPROC (a fork bomb stops there; not
-enforced for root in process mode), no core files; a wall-clock limit; stdout capped (the program is
-killed past it); stdin from the test, never the expected output. It is not a VM: the kernel is
-shared, and a kernel exploit is out of its scope.
+  directory, the user nobody when started as root (then it cannot signal, trace or read the
+  worker); the filter refuses SysV IPC, and signals and tracing of any process but its own;
+  NO network and NO file-system isolation. Said once at start.
+Both: per test, a cgroup (sandbox_cgroup.py) bounds memory (tmpfs, shared memory and memfd
+included), processes and CPU of the whole run where one can be made; else the filter refuses
+memfd_create and SysV IPC and the process count is lowered to FALLBACK_PROCESSES. And RLIMIT_CPU,
+RLIMIT_AS (memory per process), RLIMIT_FSIZE, RLIMIT_NPROC, no core files; a wall-clock limit; stdout
+capped (the program is killed past it); stdin from the test, never the expected output. It is not
+a VM: the kernel is shared, and a kernel exploit is out of its scope.
 """
 from __future__ import annotations
 
@@ -36,37 +43,66 @@ import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from gspo_megatron import GspoError
-from rollout.rewards.settings import CodeSandboxSettings
+from rollout.rewards.sandbox_cgroup import CgroupLayout, RunCgroup
+from rollout.rewards.seccomp import SELF_PID, build_filter, machine
+from rollout.rewards.settings import INTERPRETER_START_S, CodeSandboxSettings
 
 INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
 SET_UP_LIMIT_S = 10.0
 """Bound on the sandbox's own set-up (namespaces, mounts), before the program's clock starts."""
-INTERPRETER_START_S = 0.5
-"""Added to a test's time limit for the interpreter's start (~30-60 ms here)."""
 STDERR_TAIL = 4096
 NOBODY = 65534
 SANDBOX_ENV = "GSPO_SANDBOX"
 """Set in every sandboxed process's environment (to the Sandbox's tag): how a check finds leftovers."""
+FALLBACK_PROCESSES = 4
+"""Processes (and threads) a run may have where no cgroup bounds it: memory is then bounded per
+process only, so the whole run holds at most this many x memory_mb (plus its tmpfs)."""
+TMP_MB, SHM_MB = 64, 16
+"""Sizes of the run's private /tmp (its working directory) and /dev/shm (namespaces mode)."""
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+PREFERRED_PYTHON = "/usr/bin/python3"
+"""The system's interpreter lives under /usr, so the root needs nothing else for it."""
 
 
 class SandboxUnavailable(GspoError, RuntimeError):
-    """The sandbox cannot run here as configured (isolation: namespaces where they are not allowed,
-    no interpreter the sandbox user can run); the message says why."""
+    """The sandbox cannot run here as configured (no namespaces where they are required, no
+    interpreter the sandbox user can run); the message says why and what to set."""
 
 
 @dataclasses.dataclass
 class RunResult:
     status: str
-    """ok (exit 0), runtime_error (non-zero exit, killed by a signal), timeout (wall or CPU limit),
-    output_limit (stdout past max_output_bytes)."""
+    """ok (exit 0), runtime_error (non-zero exit, killed by a signal), timeout (wall or CPU limit,
+    or the caller's deadline), output_limit (stdout past max_output_bytes), sandbox_error (ours)."""
     stdout: bytes
     stderr_tail: bytes
     returncode: int | None
     seconds: float
+
+
+def root_plan(python: str) -> list[list[str]]:
+    """What the new root holds (sandbox_init.build_root): ["dir", path] bound read-only,
+    ["link", path, target] recreated, ["file" | "dev", path] a host file bound onto an empty one."""
+    plan: list[list[str]] = []
+    for top in SYSTEM_DIRS:
+        if os.path.islink(top):
+            plan.append(["link", top, os.readlink(top)])
+        elif os.path.isdir(top):
+            plan.append(["dir", top])
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    covered = [p[1] for p in plan if p[0] == "dir"] + [os.path.realpath(p[1]) for p in plan if p[0] == "link"]
+    if prefix != "/" and not any(prefix == d or prefix.startswith(d + "/") for d in covered):
+        plan.append(["dir", prefix])  # an interpreter installed elsewhere (conda, pyenv): its prefix only
+    if os.path.isfile("/etc/ld.so.cache"):
+        plan.append(["file", "/etc/ld.so.cache"])
+    plan += [["dev", f"/dev/{d}"] for d in DEVICES if os.path.exists(f"/dev/{d}")]
+    return plan
 
 
 def _set_parent_death_signal() -> None:
@@ -76,8 +112,12 @@ def _set_parent_death_signal() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+def _one_line(text: str, limit: int = 300) -> str:
+    return " ".join(text.split())[-limit:]
+
+
 class Sandbox:
-    """One per reward worker; `mode` and `python` are settled by the first run's probe."""
+    """One per reward worker; `mode`, `python` and the bounds are settled by the first run's probe."""
 
     def __init__(self, settings: CodeSandboxSettings) -> None:
         self.settings = settings
@@ -85,6 +125,9 @@ class Sandbox:
         self.python: str | None = None
         self.note = ""
         self.tag = f"{os.getpid()}-{id(self):x}"
+        self.cgroups: CgroupLayout | None = None
+        self.root: list[list[str]] = []
+        self._filter: bytes | None = None
 
     # --- what this machine allows --------------------------------------------------------------
     def _prefix(self, mode: str) -> list[str]:
@@ -94,86 +137,119 @@ class Sandbox:
         drop = (["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--pdeathsig=KILL"]
                 if os.geteuid() == 0 else [])
         return drop + ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child",
-                       "--mount", "--mount-proc", "--"]
+                       "--mount", "--mount-proc", "--ipc", "--uts", "--cgroup", "--"]
 
     def _candidates(self) -> list[str]:
         if self.settings.python:
             return [self.settings.python]
-        import sys
-        found = [os.path.realpath(sys.executable), shutil.which("python3") or "", "/usr/bin/python3"]
-        return list(dict.fromkeys(p for p in found if p))
+        found = [PREFERRED_PYTHON, sys.executable, shutil.which("python3") or ""]
+        return list(dict.fromkeys(os.path.realpath(p) for p in found if p and os.path.exists(p)))
 
     def probe(self) -> str:
-        """Settle mode and interpreter with a trivial program (SandboxUnavailable if nothing works);
-        returns a one-line description for the run's start-up output."""
+        """Settle mode, interpreter and bounds with a trivial program (SandboxUnavailable if
+        nothing works); returns a one-line description for the run's start-up output."""
         if self.mode is not None:
             return self.note
         wanted = self.settings.isolation
-        modes = ["namespaces", "process"] if wanted == "auto" else [wanted]
+        mode = "process" if wanted == "process" else "namespaces"
+        self.cgroups = CgroupLayout.find()
+        self._filter = build_filter(memory_unbounded=self.cgroups is None, shared_host=mode == "process")
         reasons = []
-        for mode in modes:
-            for python in self._candidates():
-                self.mode, self.python = mode, python
-                r = self._run_once("print(6 * 7)", b"", 10.0)
-                if r.status == "ok" and r.stdout.strip() == b"42":
-                    self.note = self._describe(mode, python, reasons)
-                    return self.note
-                reasons.append(f"{mode} with {python}: {r.status} "
-                               f"{r.stderr_tail.decode(errors='replace').strip()[-300:]}")
+        for python in self._candidates():
+            self.mode, self.python = mode, python
+            self.root = root_plan(python) if mode == "namespaces" else []
+            r = self._run_once("print(6 * 7)", b"", 10.0)
+            if r.status == "ok" and r.stdout.strip() == b"42":
+                self.note = self._describe()
+                return self.note
+            reasons.append(f"{python}: {r.status} {_one_line(r.stderr_tail.decode(errors='replace'))}")
         self.mode = self.python = None
-        raise SandboxUnavailable(f"rollout.code_sandbox.isolation={wanted!r}: no sandbox runs here: "
-                                 + "; ".join(reasons) + _userns_hint())
+        if mode == "process":
+            raise SandboxUnavailable(f"rollout.code_sandbox.isolation='process': no interpreter runs here: "
+                                     + "; ".join(reasons))
+        raise SandboxUnavailable(
+            f"rollout.code_sandbox.isolation={wanted!r}: the sandbox's namespaces cannot be made here "
+            f"({'; '.join(reasons)}){_userns_hint()}; set rollout.code_sandbox.isolation: process to run "
+            "programs with process isolation only (weaker: no file-system, network or IPC isolation)")
 
-    @staticmethod
-    def _describe(mode: str, python: str, reasons: list[str]) -> str:
-        if mode == "namespaces":
-            return f"code sandbox: namespaces (no network, read-only file system, private /tmp), {python}"
-        why = f" ({reasons[0]})" if reasons else ""
-        return (f"code sandbox: process isolation only: NO network or file-system isolation here{why}"
-                f"{_userns_hint()}; {python}")
+    def _describe(self) -> str:
+        if self.cgroups is not None:
+            bounds = self.cgroups.describe()
+        else:
+            bounds = (f"no cgroup here: memory bounded per process, at most {self._processes()} processes, "
+                      "memfd and SysV IPC refused")
+        if self._filter is None:
+            bounds += f"; no system-call filter on {os.uname().machine}"
+        if self.mode == "namespaces":
+            return (f"code sandbox: namespaces (a root of the interpreter's read-only directories, no network, "
+                    f"private /tmp, IPC and hostname, no nested user namespaces), {bounds}, {self.python}")
+        return (f"code sandbox: process isolation only: NO network or file-system isolation here "
+                f"(rollout.code_sandbox.isolation: process), {bounds}, {self.python}")
 
     # --- one run -------------------------------------------------------------------------------
-    def run(self, program: str, stdin: bytes, time_limit_s: float | None = None) -> RunResult:
-        """The program on one input, within the limits (module docstring)."""
+    def run(self, program: str, stdin: bytes, time_limit_s: float | None = None,
+            deadline: float | None = None) -> RunResult:
+        """The program on one input, within the limits (module docstring), and over by `deadline`
+        (time.monotonic()) whatever the limit, set-up included: then its status is "timeout"."""
         self.probe()
-        return self._run_once(program, stdin, time_limit_s or self.settings.time_limit_s)
+        return self._run_once(program, stdin, time_limit_s or self.settings.time_limit_s, deadline)
+
+    def _processes(self) -> int:
+        s = self.settings
+        return s.max_processes if self.cgroups is not None else min(s.max_processes, FALLBACK_PROCESSES)
 
     def _limits(self, time_limit_s: float) -> dict[str, int]:
         s = self.settings
         # a backstop past the wall limit, which decides "timeout" (CPU counts per process)
         cpu = math.ceil(time_limit_s + INTERPRETER_START_S) + 1
         return {"RLIMIT_CPU": cpu, "RLIMIT_AS": s.memory_mb << 20, "RLIMIT_FSIZE": s.max_file_mb << 20,
-                "RLIMIT_NPROC": s.max_processes, "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256}
+                "RLIMIT_NPROC": self._processes(), "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256,
+                "RLIMIT_MSGQUEUE": 0}
 
-    def _run_once(self, program: str, stdin: bytes, time_limit_s: float) -> RunResult:
+    def _run_once(self, program: str, stdin: bytes, time_limit_s: float,
+                  deadline: float | None = None) -> RunResult:
+        t0 = time.monotonic()
+        hard = min(deadline or math.inf, t0 + SET_UP_LIMIT_S + time_limit_s + INTERPRETER_START_S)
+        # the whole run in one cgroup, the sandbox's own unshare process included (+1)
+        cgroup = (self.cgroups.create(self.settings.memory_mb << 20, self.settings.max_processes + 1)
+                  if self.cgroups is not None else None)
         program_fd = os.memfd_create("program")
         os.write(program_fd, program.encode())
         os.lseek(program_fd, 0, os.SEEK_SET)
         status_r, status_w = os.pipe()
         config = {"mode": self.mode, "program_fd": program_fd, "status_fd": status_w, "python": self.python,
-                  "limits": self._limits(time_limit_s)}
+                  "limits": self._limits(time_limit_s), "root": self.root, "tmp_mb": TMP_MB, "shm_mb": SHM_MB,
+                  "seccomp": self._filter.hex() if self._filter else None, "self_pid": SELF_PID}
         argv = self._prefix(self.mode) + [self.python, "-I", "-S", "-c", INIT_SOURCE, json.dumps(config)]
-        t0 = time.monotonic()
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     pass_fds=(program_fd, status_w), start_new_session=True,
-                                    preexec_fn=_set_parent_death_signal,
+                                    preexec_fn=_in_child(cgroup),
                                     env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", SANDBOX_ENV: self.tag})
+        except BaseException:
+            os.close(status_r)
+            if cgroup is not None:
+                cgroup.remove()
+            raise
         finally:
             os.close(program_fd)
             os.close(status_w)
         try:
             stdout, stderr, status, overflow, timed_out = self._communicate(
-                proc, stdin, status_r, time_limit_s + INTERPRETER_START_S)
+                proc, stdin, status_r, time_limit_s + INTERPRETER_START_S, hard)
         finally:
             os.close(status_r)
             _kill_group(proc)
+            if cgroup is not None:
+                cgroup.remove()  # and with it whatever escaped the process group (process mode)
         seconds = time.monotonic() - t0
         workdir = status[3:].strip() if status.startswith("ok ") else ""
         if self.mode == "process" and workdir.startswith("/tmp/gspo-sandbox-"):
             shutil.rmtree(workdir, ignore_errors=True)
         tail = stderr[-STDERR_TAIL:]
         if not status.startswith("ok"):
+            if timed_out and deadline is not None and time.monotonic() >= deadline:
+                return RunResult("timeout", b"", tail, proc.returncode, seconds)  # the caller's time ran out
             return RunResult("sandbox_error", b"", tail, proc.returncode, seconds)
         if overflow:
             return RunResult("output_limit", stdout, tail, proc.returncode, seconds)
@@ -182,9 +258,9 @@ class Sandbox:
         return RunResult("ok" if proc.returncode == 0 else "runtime_error", stdout, tail, proc.returncode, seconds)
 
     def _communicate(self, proc: subprocess.Popen, stdin: bytes, status_r: int,
-                     limit_s: float) -> tuple[bytes, bytes, str, bool, bool]:
-        """Feed stdin, read stdout (capped) and stderr (tail) until exit, the cap, or `limit_s`
-        after the set-up said "ok" (SET_UP_LIMIT_S before it)."""
+                     limit_s: float, hard: float) -> tuple[bytes, bytes, str, bool, bool]:
+        """Feed stdin, read stdout (capped) and stderr (tail) until exit, the cap, `limit_s` after
+        the set-up said "ok" (SET_UP_LIMIT_S before it), or `hard`, whichever comes first."""
         cap = self.settings.max_output_bytes
         out, err, status = bytearray(), bytearray(), bytearray()
         pending = memoryview(stdin)
@@ -197,10 +273,11 @@ class Sandbox:
             proc.stdin.close()
             writer = None
         overflow = timed_out = False
-        deadline, started = time.monotonic() + SET_UP_LIMIT_S, False
+        deadline, started = min(time.monotonic() + SET_UP_LIMIT_S, hard), False
         while readers or writer is not None:
             if not started and status.endswith(b"\n"):
-                deadline, started = time.monotonic() + limit_s, True  # the program's clock starts at its exec
+                # the program's clock starts at its exec
+                deadline, started = min(time.monotonic() + limit_s, hard), True
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
@@ -210,7 +287,7 @@ class Sandbox:
                 try:
                     pending = pending[os.write(writer, pending[:65536]):]
                 except (BrokenPipeError, BlockingIOError):
-                    pending = pending[:0] if not isinstance(pending, memoryview) else pending[len(pending):]
+                    pending = pending[len(pending):]
                 if not pending:
                     proc.stdin.close()
                     writer = None
@@ -233,6 +310,16 @@ class Sandbox:
             except subprocess.TimeoutExpired:
                 timed_out = True
         return bytes(out[:cap]), bytes(err), status.decode(errors="replace"), overflow, timed_out
+
+
+def _in_child(cgroup: RunCgroup | None):
+    """What the run's first process does between fork and exec: die with the worker, join the
+    run's cgroup (before anything of the program runs, so nothing it starts is outside it)."""
+    def child() -> None:
+        _set_parent_death_signal()
+        if cgroup is not None:
+            cgroup.join()
+    return child
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -4,16 +4,25 @@ Run as `python -I -S -c <this file's text> <config JSON>` (its text travels as a
 sandbox user need not be able to read this checkout). Trusted code; nothing here trusts the program.
 Standard library only, Linux only.
 
-namespaces mode (inside fresh user, mount, PID and network namespaces, as the namespace's root):
-  1. every mount read-only (remounted, keeping its locked flags), mount events private;
-  2. an empty tmpfs on /tmp (the program's directory, 64 MiB), /var/tmp and /dev/shm, and an empty
-     read-only one over /root and /home;
-  3. the program copied from an inherited file descriptor to /tmp/main.py;
-  4. resource limits; every capability dropped (bounding set, then all sets), no_new_privs;
-  5. "ok" on the status descriptor, which is closed; exec the interpreter on the program.
-process mode (no namespaces): limits, a private temporary directory, the unprivileged user when
-started as root, then the same steps 3-5. Any failure before the exec exits with code 121 and no
-"ok": the runner reports a sandbox failure, never a program result.
+namespaces mode (inside fresh user, mount, PID, network, IPC, UTS and cgroup namespaces, as the
+namespace's root):
+  1. a new root, on a small tmpfs, holding only what the plan from sandbox.py lists: the
+     interpreter's directories bound read-only (/usr, /lib*, its prefix if elsewhere), the
+     merged-usr links (/bin -> usr/bin), /etc/ld.so.cache and a passwd of two lines, the device
+     nodes null, zero, full, random and urandom bound from the host, a fresh /proc of its PID
+     namespace, and size-bounded tmpfs on /tmp (the program's directory) and /dev/shm;
+  2. pivot_root into it and the old root detached: nothing else of the host is reachable (no
+     project, run folders, data, sockets, /sys, /home, /root, /var, /run);
+  3. every mount read-only but /tmp, /dev/shm and /proc; user.max_user_namespaces = 0 in its user
+     namespace (no nested user namespace gives capabilities back); hostname "sandbox";
+  4. the program copied from an inherited file descriptor to /tmp/main.py;
+  5. resource limits; every capability dropped (bounding set, then all sets), no_new_privs; the
+     system-call filter (seccomp.py), last;
+  6. "ok" on the status descriptor, which is closed; exec the interpreter on the program.
+process mode (no namespaces): the unprivileged user when started as root, a private temporary
+directory, then steps 4-6 (no_new_privs and the filter, no capabilities to drop). Any failure
+before the exec exits with code 121 and no "ok": the runner reports a sandbox failure, never a
+program result.
 """
 import ctypes
 import json
@@ -26,8 +35,16 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_STRICTATIME = 1024, 2048, 1 << 21, 1 << 24
 FLAG_OF_OPTION = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                   "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME, "strictatime": MS_STRICTATIME}
+MNT_DETACH = 2
 PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 22, 2
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+"""pivot_root has no C library wrapper before glibc 2.36."""
 NOBODY = 65534
+NEW_ROOT = "/tmp"  # where the new root is built: a mount here is seen only in this mount namespace
+WRITABLE = ("/tmp", "/dev/shm", "/proc")
+PASSWD = "root:x:0:0:root:/tmp:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+GROUP = "root:x:0:\nnogroup:x:65534:\n"
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -37,38 +54,73 @@ def fail(message):
     os._exit(121)
 
 
+def check(rc, what):
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
 def mount(source, target, fstype, flags, data=None):
     enc = (lambda s: None if s is None else s.encode())
-    if libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)) != 0:
-        raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
+    check(libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {target}")
 
 
-def read_only_everything():
+def build_root(plan, tmp_mb, shm_mb):
+    """Steps 1 and 2 of the module docstring."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for entry in plan:
+        kind, path, dest = entry[0], entry[1], NEW_ROOT + entry[1]
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        if kind == "link":
+            os.symlink(entry[2], dest)
+        elif kind == "dir":
+            os.makedirs(dest, exist_ok=True)
+            mount(path, dest, None, MS_BIND | MS_REC)
+        else:  # "file" or "dev": a node of the host bound onto an empty file
+            os.close(os.open(dest, os.O_CREAT | os.O_WRONLY, 0o644))
+            mount(path, dest, None, MS_BIND)
+    for name, text in (("passwd", PASSWD), ("group", GROUP)):
+        os.makedirs(f"{NEW_ROOT}/etc", exist_ok=True)
+        with open(f"{NEW_ROOT}/etc/{name}", "w") as f:
+            f.write(text)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.makedirs(f"{NEW_ROOT}/dev", exist_ok=True)
+        os.symlink(target, f"{NEW_ROOT}/dev/{name}")
+    for point in ("/proc", "/tmp", "/dev/shm"):
+        os.makedirs(NEW_ROOT + point, exist_ok=True)
+    mount("proc", f"{NEW_ROOT}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount("tmpfs", f"{NEW_ROOT}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777")
+    mount("tmpfs", f"{NEW_ROOT}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={shm_mb}m,mode=1777")
+    os.chdir(NEW_ROOT)
+    machine = os.uname().machine
+    if machine not in SYS_PIVOT_ROOT:
+        raise OSError(0, f"pivot_root: unknown on {machine}")
+    check(libc.syscall(SYS_PIVOT_ROOT[machine], b".", b"."), "pivot_root")
+    check(libc.umount2(b".", MNT_DETACH), "detaching the old root")
+    os.chdir("/")
+
+
+def read_only_but_private_dirs():
+    """Step 3's remount: every mount of the new root read-only, keeping the flags it is locked with."""
     with open("/proc/self/mountinfo") as f:
         rows = [line.split() for line in f]
     for row in rows:
         point = row[4].encode().decode("unicode_escape")  # mountinfo escapes spaces as \040
+        if point in WRITABLE or point.startswith("/proc/"):
+            continue
         flags = MS_REMOUNT | MS_BIND | MS_RDONLY
         for option in row[5].split(","):
             flags |= FLAG_OF_OPTION.get(option, 0)
-        try:
-            mount(None, point, None, flags)
-        except OSError as e:
-            # /proc and /sys are the kernel's (not writable from a user namespace); anything else
-            # left writable would break the promise: stop
-            if not point.startswith(("/proc", "/sys")):
-                fail(f"cannot make {point} read-only ({e})")
+        mount(None, point, None, flags)
 
 
-def private_dirs():
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
-    for point, data in (("/var/tmp", "size=16m,mode=1777"), ("/dev/shm", "size=16m,mode=1777")):
-        if os.path.isdir(point):
-            mount("tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV, data)
-    for point in ("/root", "/home"):
-        if os.path.isdir(point):
-            mount("tmpfs", point, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=755")
+def no_nested_user_namespaces():
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+    name = b"sandbox"
+    check(libc.sethostname(name, len(name)), "sethostname")
 
 
 def set_limits(limits):
@@ -89,10 +141,25 @@ def drop_capabilities():
         _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
                     ("inheritable", ctypes.c_uint32)]
     header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3: all zero
-    if libc.capset(ctypes.byref(header), data) != 0:
-        fail(f"capset: {os.strerror(ctypes.get_errno())}")
-    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-        fail(f"no_new_privs: {os.strerror(ctypes.get_errno())}")
+    check(libc.capset(ctypes.byref(header), data), "capset")
+
+
+def install_filter(program, self_pid_placeholder):
+    """no_new_privs, then the seccomp filter (built by seccomp.py; struct sock_filter[] bytes),
+    with this process's pid where the filter holds the placeholder for it."""
+    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if not program:
+        return
+    import struct
+    stand_in = {self_pid_placeholder: os.getpid(), -self_pid_placeholder & 0xFFFFFFFF: -os.getpid() & 0xFFFFFFFF}
+    ops = [struct.unpack_from("=HBBI", program, i) for i in range(0, len(program), 8)]
+    program = b"".join(struct.pack("=HBBI", code, jt, jf, stand_in.get(k, k)) for code, jt, jf, k in ops)
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = Fprog(len(program) // 8, ctypes.cast(buf, ctypes.c_char_p))
+    check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
 
 
 def main():
@@ -101,8 +168,9 @@ def main():
         program = f.read()
     try:
         if config["mode"] == "namespaces":
-            read_only_everything()
-            private_dirs()
+            build_root(config["root"], config["tmp_mb"], config["shm_mb"])
+            no_nested_user_namespaces()
+            read_only_but_private_dirs()
             workdir = "/tmp"
         else:
             import tempfile
@@ -111,7 +179,7 @@ def main():
                 os.setgroups([])
                 os.setgid(NOBODY)
                 os.setuid(NOBODY)
-                libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG SIGKILL again: the uid change cleared it
+                libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL again: the uid change cleared it
                 if os.getppid() != parent:
                     fail("the reward worker is gone")
             workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")
@@ -121,6 +189,7 @@ def main():
         set_limits(config["limits"])
         if config["mode"] == "namespaces":
             drop_capabilities()
+        install_filter(bytes.fromhex(config["seccomp"]) if config["seccomp"] else None, config["self_pid"])
     except OSError as e:
         fail(str(e))
     status = config["status_fd"]

@@ -8,6 +8,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+DEFAULT_REWARD_TIMEOUT_S = 60.0
+"""The run config's default rollout.reward_timeout_s (the code reward's budget when no worker pool
+set one, e.g. scored inline)."""
+INTERPRETER_START_S = 0.5
+"""Added to a test's time limit for the interpreter's start (~30-60 ms here)."""
+
+
+def tests_margin_s(reward_timeout_s: float) -> float:
+    """What a reward call keeps back from its bound for the last run's kill and the result's way
+    back to the pool: 10%, at least 2 s, at most half."""
+    return min(max(2.0, 0.1 * reward_timeout_s), 0.5 * reward_timeout_s)
+
 
 @dataclasses.dataclass
 class CodeSandboxSettings:
@@ -16,14 +28,22 @@ class CodeSandboxSettings:
 
     time_limit_s: float = 4.0
     """Per test: wall-clock limit of the program (a row's own `time_limit` wins); CPU seconds are
-    limited to the same, rounded up. The sandbox's own start-up (~50 ms) is not counted."""
+    limited to the same, rounded up. The sandbox's own start-up (~50 ms) is not counted. The tests
+    of one response stop at the first that times out (the rest count as failed)."""
+    tests_budget_s: float | None = None
+    """All of one response's tests together: once spent, the tests not run count as failed, so a
+    slow or looping program scores 0 (or what it passed) in bounded time, never a reward error.
+    null: rollout.reward_timeout_s less 10% (at least 2 s, at most half); set, it must fit in that
+    (checked at start, as is one test's time_limit_s in it)."""
     memory_mb: int = 1024
-    """Per test: address-space limit of the program (RLIMIT_AS); a larger allocation fails."""
+    """Per test: memory of the whole run, every process, tmpfs file, shared memory and memfd
+    included, where a cgroup can be made (docs/rewards.md says where); else of each process, with
+    at most 4 processes. Also each process's address space (RLIMIT_AS): a larger allocation fails."""
     max_output_bytes: int = 4 * 1024 * 1024
     """Per test: the program is killed once its stdout exceeds this (the test fails)."""
     max_processes: int = 32
-    """Processes the program may have at once (RLIMIT_NPROC inside its user namespace: a fork
-    bomb stops there)."""
+    """Processes and threads the program may have at once (the run's cgroup, and RLIMIT_NPROC inside
+    its user namespace: a fork bomb stops there); 4 where no cgroup can be made."""
     max_file_mb: int = 16
     """Largest file the program may write (RLIMIT_FSIZE); its files live in a private tmpfs of
     64 MiB that disappears with it."""
@@ -31,11 +51,12 @@ class CodeSandboxSettings:
     """The reward: the fraction of tests passed, or 1.0 only when every test passes (then the first
     failure stops the run of the remaining tests)."""
     isolation: Literal["auto", "namespaces", "process"] = "auto"
-    """namespaces: each test in fresh user, mount, PID and network namespaces (no network, a read-only
-    file system but a private /tmp, no other process visible, everything killed with it) as an
-    unprivileged user; refuse to start where the machine does not allow it. process: rlimits, a
-    process group and a temporary directory only (no file-system or network isolation). auto:
-    namespaces where the machine allows them, else process, said once at start."""
+    """namespaces (and auto, the same): each test in fresh user, mount, PID, network, IPC, UTS and
+    cgroup namespaces, in a root holding only the interpreter's read-only directories and a private
+    /tmp (no project, data or run folder, no network, no other process visible, everything killed
+    with it) as an unprivileged user; refused at start, in one line, where the machine does not
+    allow it. process: weaker, only by choice: limits, a process group, a temporary directory and
+    a system-call filter (no file-system or network isolation)."""
     private_tests: bool = True
     """LiveCodeBench rows: also run `private_test_cases` (when the row has them), not only the
     tests the answer key points at."""
@@ -46,9 +67,34 @@ class CodeSandboxSettings:
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
             raise ValueError(f"time_limit_s={self.time_limit_s!r}: expected > 0")
+        if self.tests_budget_s is not None and self.tests_budget_s <= 0:
+            raise ValueError(f"tests_budget_s={self.tests_budget_s!r}: expected > 0 or null")
         for name in ("memory_mb", "max_output_bytes", "max_processes", "max_file_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected >= 1")
+
+    def budget_within(self, reward_timeout_s: float) -> float:
+        """The tests' budget in a reward call bounded by `reward_timeout_s` (tests_budget_s)."""
+        if self.tests_budget_s is not None:
+            return self.tests_budget_s
+        return reward_timeout_s - tests_margin_s(reward_timeout_s)
+
+    def misfit(self, reward_timeout_s: float) -> str | None:
+        """Why the tests cannot keep within a reward call bounded by `reward_timeout_s`, as one
+        line naming the fields, or None."""
+        room = reward_timeout_s - tests_margin_s(reward_timeout_s)
+        if self.tests_budget_s is not None and self.tests_budget_s > room:
+            return (f"rollout.code_sandbox.tests_budget_s={self.tests_budget_s:g}: expected <= {room:g} s, "
+                    f"rollout.reward_timeout_s={reward_timeout_s:g} less {tests_margin_s(reward_timeout_s):g} s "
+                    "for the last run's kill (or raise rollout.reward_timeout_s)")
+        budget = self.budget_within(reward_timeout_s)
+        if self.time_limit_s + INTERPRETER_START_S > budget:
+            return (f"rollout.code_sandbox.time_limit_s={self.time_limit_s:g}: one test at its limit (+ "
+                    f"{INTERPRETER_START_S:g} s for the interpreter) does not fit the {budget:g} s that one "
+                    f"response's tests may take (rollout.code_sandbox.tests_budget_s, by default "
+                    f"rollout.reward_timeout_s={reward_timeout_s:g} less 10%, at least 2 s); lower it or raise "
+                    "rollout.reward_timeout_s")
+        return None
 
 
 @dataclasses.dataclass
