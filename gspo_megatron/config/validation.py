@@ -79,6 +79,10 @@ def validate(cfg: Any) -> None:
             need(r.reward_timeout_s > worst, "rollout.reward_timeout_s", r.reward_timeout_s,
                  f"> {worst:g} s for the reward service's attempts to fit (rollout.reward_service: "
                  f"timeout_s x (retries + 1) + backoffs), or fewer retries")
+        if reward == "code":  # a response's tests keep within one reward call (code_reward.py)
+            misfit = r.code_sandbox.misfit(r.reward_timeout_s)
+            if misfit:
+                raise ConfigError(misfit)
     for url in r.server_urls:
         need(url.startswith(("http://", "https://")), "rollout.server_urls", url,
              "URLs like http://host:port")

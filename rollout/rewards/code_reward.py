@@ -22,9 +22,19 @@ users keep them in:
 A per-test time limit comes from the row (`time_limit`: seconds, or text such as "2 seconds", at
 the top level or in the tests' dict), else from code_sandbox.time_limit_s.
 
-Comparison of stdout: equal after trimming trailing whitespace per line and trailing empty lines,
-else token by token with numbers equal within 1e-6 (relative or absolute). Return values: equal as
-JSON values, numbers within the same tolerance, tuples as lists.
+Comparison, exact wherever the expected value is exact (a tolerance on integers pays `a + b + 1`
+on 1000000, and factorial(20) off by 1e12): stdout equal after trimming trailing whitespace per line
+and trailing empty lines, else token by token: a token equal as text, or, where the expected token is
+a real float (a decimal point or an exponent: `0.5`, `1e-9`), a number within 1e-6 of it (relative or
+absolute). Return values: equal as JSON values; integers, strings and booleans exactly, a float
+expected within the same tolerance; tuples as lists. (LiveCodeBench compares such tokens as
+decimals, verl's APPS checks try a float tolerance first: this is the strict end.)
+
+Time: each test has its limit, and all of one response's tests together have a budget below the
+reward call's bound (code_sandbox.tests_budget_s, by default rollout.reward_timeout_s less a margin):
+the tests stop at the first that times out or when the budget is spent, and the tests not run count
+as failed. A slow or looping program thus scores 0 (or what it passed) in bounded time, never a
+reward error that would stop the run.
 """
 from __future__ import annotations
 
@@ -35,11 +45,12 @@ import json
 import math
 import pickle
 import re
+import time
 import zlib
 from typing import Any
 
 from rollout.rewards.sandbox import Sandbox
-from rollout.rewards.settings import CodeSandboxSettings
+from rollout.rewards.settings import DEFAULT_REWARD_TIMEOUT_S, CodeSandboxSettings
 
 _FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
@@ -141,18 +152,28 @@ def load_tests(record: dict, private_tests: bool = True) -> TestSuite:
                      f"of {{input, output, testtype}} (LiveCodeBench), got {str(spec)[:80]!r}")
 
 
-def _tokens_equal(a: str, b: str) -> bool:
-    if a == b:
+_REAL = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+|\d+(?:\.\d*)?[eE][+-]?\d+)")
+
+
+def _tokens_equal(got: str, expected: str) -> bool:
+    """Equal as text, or close to an expected real float (module docstring); an integer is exact."""
+    if got == expected:
         return True
+    if not _REAL.fullmatch(expected):
+        return False
     try:
-        x, y = float(a), float(b)
+        x = float(got)
     except ValueError:
         return False
-    return math.isclose(x, y, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
+    return _close(x, float(expected))
+
+
+def _close(got: float, expected: float) -> bool:
+    return math.isclose(got, expected, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
 
 
 def stdout_matches(got: str, expected: str) -> bool:
-    """Module docstring: trimmed lines, else tokens with a float tolerance."""
+    """Module docstring: trimmed lines, else tokens, with a tolerance only on expected floats."""
     def lines(s: str) -> list[str]:
         out = [line.rstrip() for line in s.replace("\r\n", "\n").split("\n")]
         while out and not out[-1]:
@@ -165,10 +186,13 @@ def stdout_matches(got: str, expected: str) -> bool:
 
 
 def values_equal(got: Any, expected: Any) -> bool:
+    """A call's return value against the expected one (module docstring)."""
     if isinstance(got, bool) or isinstance(expected, bool):
-        return got == expected
-    if isinstance(got, (int, float)) and isinstance(expected, (int, float)):
-        return math.isclose(got, expected, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
+        return isinstance(got, bool) and isinstance(expected, bool) and got == expected
+    if isinstance(expected, float) and isinstance(got, (int, float)):
+        return _close(got, expected)
+    if isinstance(expected, int) and isinstance(got, (int, float)):
+        return got == expected  # exact: 3.0 is 3, 3.0000001 is not
     if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
         return len(got) == len(expected) and all(values_equal(x, y) for x, y in zip(got, expected))
     if isinstance(got, dict) and isinstance(expected, dict):
@@ -203,6 +227,8 @@ class CodeReward:
     def __init__(self, settings: CodeSandboxSettings) -> None:
         self.settings = settings
         self.sandbox = Sandbox(settings)
+        # the reward workers always set tests_budget_s from their rollout.reward_timeout_s
+        self.budget_s = settings.budget_within(DEFAULT_REWARD_TIMEOUT_S)
 
     def prepare(self, record: dict) -> TestSuite:
         suite = load_tests(record, self.settings.private_tests)
@@ -216,33 +242,41 @@ class CodeReward:
         if program is None:
             return 0.0
         limit = suite.time_limit_s or self.settings.time_limit_s
+        deadline = time.monotonic() + self.budget_s
         passed = 0
         for case in suite.cases:
-            ok = self._run_case(program, suite.fn_name, case, limit)
+            if time.monotonic() >= deadline:
+                break  # the budget is spent: the tests not run count as failed
+            status, ok = self._run_case(program, suite.fn_name, case, limit, deadline)
             passed += ok
+            if status == "timeout":
+                break  # a program that timed out once would spend the rest of the budget the same way
             if not ok and self.settings.scoring == "all_pass":
                 return 0.0
         return passed / len(suite.cases) if self.settings.scoring == "fraction" else float(passed == len(suite.cases))
 
-    def _run_case(self, program: str, fn_name: str | None, case: Case, limit: float) -> bool:
+    def _run_case(self, program: str, fn_name: str | None, case: Case, limit: float,
+                  deadline: float) -> tuple[str, bool]:
+        """(the run's status, whether the test passed)."""
         if fn_name is None:
-            result = self.sandbox.run(program, str(case.input).encode(), limit)
+            result = self.sandbox.run(program, str(case.input).encode(), limit, deadline)
             self._check(result)
-            return result.status == "ok" and stdout_matches(result.stdout.decode(errors="replace"), str(case.output))
+            ok = result.status == "ok" and stdout_matches(result.stdout.decode(errors="replace"), str(case.output))
+            return result.status, ok
         source = program + CALL_HARNESS.format(name=fn_name, marker=CALL_MARKER.strip())
-        result = self.sandbox.run(source, json.dumps(case.input).encode(), limit)
+        result = self.sandbox.run(source, json.dumps(case.input).encode(), limit, deadline)
         self._check(result)
         out = result.stdout.decode(errors="replace")
         marker = CALL_MARKER.strip() + "\n"
         if result.status != "ok" or marker not in out:
-            return False
+            return result.status, False
         try:
             got = json.loads(out.rsplit(marker, 1)[1])
         except json.JSONDecodeError:
-            return False
+            return result.status, False
         expected = case.output
-        return values_equal(got, expected) or (isinstance(expected, list) and len(expected) == 1
-                                               and values_equal(got, expected[0]))
+        return result.status, values_equal(got, expected) or (isinstance(expected, list) and len(expected) == 1
+                                                              and values_equal(got, expected[0]))
 
     @staticmethod
     def _check(result: Any) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 from gspo_megatron import GspoError
 from rollout.rewards.frames import FrameReader, send
 from rollout.rewards.scoring import DIED, ERROR, OK, TIMEOUT, Score
+from rollout.rewards.settings import tests_margin_s
 
 
 class RewardWorkerError(GspoError, RuntimeError):
@@ -93,7 +94,12 @@ class RewardWorkerPool:
         if workers < 1:
             raise ValueError(f"reward workers={workers}: expected >= 1")
         self.name, self.workers, self.timeout_s = name, workers, timeout_s
-        self.options = options or {}
+        self.options = dict(options or {})
+        # the code reward keeps one response's tests within this bound (code_sandbox.tests_budget_s)
+        code = dict(self.options.get("code_sandbox") or {})
+        if code.get("tests_budget_s") is None:
+            code["tests_budget_s"] = timeout_s - tests_margin_s(timeout_s)
+        self.options["code_sandbox"] = code
         self.batched = False
         self._has_prepare = False
         self.restarts = 0

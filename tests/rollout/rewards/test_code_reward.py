@@ -1,6 +1,8 @@
 """`reward: code` (rollout/rewards/code_reward.py): programs from responses, the tests as APPS/TACO,
 verl and LiveCodeBench keep them, scores, and the sandbox's hostile cases scoring 0 (each test
-fails) within the limit with nothing left on the host."""
+fails) within the limit with nothing left on the host. The policy is optimised to get reward: a
+tolerance it can exploit, a row it can make run past the reward timeout, a worker it can read or
+kill, each has a test here."""
 from __future__ import annotations
 
 import base64
@@ -8,14 +10,14 @@ import json
 import pickle
 import socket
 import time
-import uuid
 import zlib
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rollout.rewards import RewardWorkerPool
-from rollout.rewards.code_reward import CodeReward, extract_program, load_tests, stdout_matches
+from rollout.rewards.code_reward import CodeReward, extract_program, load_tests, stdout_matches, values_equal
 from rollout.rewards.sandbox import SANDBOX_ENV
 from rollout.rewards.settings import CodeSandboxSettings
 
@@ -59,8 +61,24 @@ def test_test_layouts():
 def test_output_comparison():
     assert stdout_matches("3 \n\n", "3\n")
     assert stdout_matches("0.3333333\n", "0.33333333\n")
+    assert stdout_matches("1 0.3333333\n", "1 0.33333333\n")
+    assert stdout_matches("2.5000001e-09\n", "2.5e-9\n") and stdout_matches("3\n", "3.0\n")
     assert not stdout_matches("3\n", "4\n")
     assert not stdout_matches("1 2", "1 2 3")
+
+
+def test_integers_and_strings_compare_exactly():
+    # a relative tolerance on integers pays a wrong answer: a + b + 1 on 1000000, factorial(20)
+    # off by 1e12 (reward hacking through the comparison)
+    assert not stdout_matches("1000001\n", "1000000\n")
+    assert not stdout_matches("2432903008176640000\n", "2432902008176640000\n")
+    assert not stdout_matches("3.0\n", "3\n") and not stdout_matches("1e6\n", "1000000\n")
+    assert not stdout_matches("1000001 0.5\n", "1000000 0.5\n")
+    assert values_equal(3, 3) and values_equal(3.0, 3) and values_equal([1, "a"], (1, "a"))
+    assert not values_equal(1000001, 1000000) and not values_equal(2432903008176640000, 2432902008176640000)
+    assert not values_equal(3.0000001, 3) and not values_equal(1, True) and not values_equal(True, 1)
+    assert values_equal(0.33333333, 0.3333333) and values_equal([1.0000000001], [1.0])
+    assert not values_equal({"a": 1000001}, {"a": 1000000})
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +105,14 @@ def test_scores_right_wrong_and_partly_right(code):
 
 
 @pytest.mark.slow
-def test_hostile_programs_score_zero_within_the_limit_and_leave_nothing(code):
+def test_hostile_programs_score_zero_within_the_limit_and_leave_nothing(code, tmp_path):
     record = {"answer": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     listener.settimeout(0.2)
-    folder = ROOT / "runs" / f"code-test-{uuid.uuid4().hex[:8]}"  # on the host's disk, outside /tmp
-    folder.mkdir(parents=True)
-    folder.chmod(0o777)
-    outside = folder / "outside.txt"
+    tmp_path.chmod(0o777)
+    outside = tmp_path / "outside.txt"  # the host's, not the run's
     hostile = {
         "infinite loop": "while True: pass",
         "fork bomb": "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass",
@@ -113,8 +129,6 @@ def test_hostile_programs_score_zero_within_the_limit_and_leave_nothing(code):
     with pytest.raises(socket.timeout):
         listener.accept()
     assert not outside.exists()
-    folder.rmdir()
-    import psutil
     left = [p for p in psutil.process_iter() if _tagged(p, code.sandbox.tag)]
     assert left == []
 
@@ -157,3 +171,43 @@ def test_eval_metrics_with_the_code_reward():
     m = eval_metrics(groups)
     assert m["eval/accuracy"] == pytest.approx(2 / 5) and m["eval/pass@k"] == 1.0
     assert m["eval/accuracy/apps_style"] == pytest.approx(1 / 3) and m["eval/accuracy/apps_call"] == 0.5
+
+
+@pytest.mark.slow
+def test_a_near_integer_answer_scores_zero(code):
+    off_by_one = "```python\na, b = map(int, input().split())\nprint(a + b + 1)\n```"
+    assert code.score({"answer": {"inputs": ["999999 1\n"], "outputs": ["1000000\n"]}}, off_by_one) == 0.0
+    calls = {"answer": {"fn_name": "fact", "inputs": [[20]], "outputs": [[2432902008176640000]]}}
+    near = "```python\nimport math\ndef fact(n):\n    return math.factorial(n) + 10**12\n```"
+    assert code.score(calls, near) == 0.0
+    assert code.score(calls, "```python\nimport math\ndef fact(n):\n    return math.factorial(n)\n```") == 1.0
+
+
+@pytest.mark.slow
+def test_a_slow_program_on_many_tests_scores_in_bounded_time_without_a_reward_error():
+    # one looping program on a row of 14 tests ran 14 limits past rollout.reward_timeout_s; its
+    # worker was killed, and under max_reward_error_fraction 0 the run stopped
+    row = {"answer": {"inputs": [f"{i} 1\n" for i in range(14)], "outputs": [f"{i + 1}\n" for i in range(14)]},
+           "time_limit": 0.5}
+    loop = "```python\nwhile True: pass\n```"
+    slow = "```python\nimport time\ntime.sleep(0.3)\na, b = map(int, input().split())\nprint(a + b)\n```"
+    with RewardWorkerPool("code", workers=1, timeout_s=4.0) as pool:  # 2 s for a response's tests
+        pool.wait_ready(every=True)
+        t0 = time.monotonic()
+        looped, slowed = pool.submit([row, row], [loop, slow]).result(timeout=30)
+        seconds = time.monotonic() - t0
+    assert (looped.reward, looped.ok, looped.error) == (0.0, True, None)
+    assert slowed.ok and 0 < slowed.reward < 1  # the tests run within the budget count
+    assert seconds < 2 * 4.0 and pool.restarts == 0
+
+
+def test_a_test_limit_that_cannot_fit_is_refused_at_start():
+    from gspo_megatron.config import ConfigError, config_from_dict
+    base = {"model": {"hf_path": "/m"}, "rollout": {"prompts": "p.jsonl", "reward": "code"}}
+    with pytest.raises(ConfigError, match=r"^rollout.code_sandbox.time_limit_s=10: .*rollout.reward_timeout_s=8"):
+        config_from_dict(base, ["rollout.reward_timeout_s=8", "rollout.code_sandbox.time_limit_s=10"])
+    with pytest.raises(ConfigError, match=r"^rollout.code_sandbox.tests_budget_s=59: expected <= 54"):
+        config_from_dict(base, ["rollout.code_sandbox.tests_budget_s=59"])
+    assert config_from_dict(base).rollout.code_sandbox.budget_within(60.0) == 54.0
+    assert CodeSandboxSettings(tests_budget_s=20).misfit(60.0) is None
+
