@@ -16,7 +16,9 @@ function must not reach the pipe.
 
 The worker dies with its parent (PR_SET_PDEATHSIG), and runs in a session of its own, so a signal
 meant for the trainer's process group (Ctrl-C, a Slurm step's SIGTERM) reaches the trainer, which
-decides, and not the worker in the middle of a call.
+decides, and not the worker in the middle of a call. It is not dumpable (PR_SET_DUMPABLE 0): a
+process of the same user (a program of the code sandbox in process mode) cannot read its memory
+(the tests' expected outputs), environment or file descriptors through /proc, nor trace it.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from rollout.rewards.frames import recv, send
 
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -40,6 +42,14 @@ def die_with_parent(parent_pid: int) -> None:
         pass
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+def not_dumpable() -> None:
+    """/proc/<this pid>/{mem,environ,fd,maps} and ptrace: root's only (module docstring)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def score_task(reward: Any, task_id: int, records: list[dict], texts: list[str], result_fd: int) -> None:
@@ -87,6 +97,7 @@ def score_task(reward: Any, task_id: int, records: list[dict], texts: list[str],
 def main(argv: list[str]) -> int:
     task_fd, result_fd, parent_pid = int(argv[0]), int(argv[1]), int(argv[2])
     die_with_parent(parent_pid)
+    not_dumpable()
     os.dup2(2, 1)  # print() in a reward function goes to stderr, never into the result pipe
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the pool stops its workers itself
     message = recv(task_fd)

@@ -33,6 +33,7 @@ import dataclasses
 import errno
 import itertools
 import os
+import re
 import select
 import signal
 import subprocess
@@ -46,6 +47,17 @@ from gspo_megatron import GspoError
 from rollout.rewards.frames import FrameReader, send
 from rollout.rewards.scoring import DIED, ERROR, OK, TIMEOUT, Score
 from rollout.rewards.settings import tests_margin_s
+
+SECRET = re.compile(r"_TOKEN$|_KEY$|SECRET|PASSWORD|PASSWD|CREDENTIAL|^AWS_|^HF_TOKEN$|^WANDB_API_KEY$", re.I)
+"""Environment variables a reward worker of a shipped reward does not get: a worker runs the code
+sandbox's programs, and what it holds is one bug away from them."""
+
+
+def worker_environment(name: str) -> dict[str, str]:
+    """The environment of a reward worker for reward `name`: this process's, less the secrets
+    (SECRET) unless the reward is your own package.module:function, which may need its keys."""
+    own = ":" in name and not name.startswith(("http://", "https://"))
+    return {k: v for k, v in os.environ.items() if own or not SECRET.search(k)}
 
 
 class RewardWorkerError(GspoError, RuntimeError):
@@ -180,7 +192,7 @@ class RewardWorkerPool:
     def _spawn(self) -> None:
         task_r, task_w = os.pipe()
         result_r, result_w = os.pipe()
-        env = dict(os.environ)
+        env = worker_environment(self.name)
         # the caller's import path, so a package.module:function importable here is importable there
         env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)
         proc = subprocess.Popen(

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
 import socket
+import subprocess
+import sys
+import textwrap
 import time
 import zlib
 from pathlib import Path
@@ -211,3 +215,69 @@ def test_a_test_limit_that_cannot_fit_is_refused_at_start():
     assert config_from_dict(base).rollout.code_sandbox.budget_within(60.0) == 54.0
     assert CodeSandboxSettings(tests_budget_s=20).misfit(60.0) is None
 
+
+@pytest.mark.slow
+def test_reward_workers_hold_no_secrets(monkeypatch):
+    secrets = {"HF_TOKEN": "hf_x", "WANDB_API_KEY": "w", "AWS_SECRET_ACCESS_KEY": "a", "GITHUB_TOKEN": "g",
+               "DB_PASSWORD": "p", "MY_SERVICE_KEY": "k"}
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    with RewardWorkerPool("code", workers=1, timeout_s=30) as pool:
+        pool.wait_ready(every=True)
+        env = psutil.Process(pool._pool[0].proc.pid).environ()
+    assert not set(secrets) & set(env) and env.get("PATH") == os.environ["PATH"]
+
+
+PEEK_AND_KILL = """
+import os, signal
+worker, seen = os.getppid(), []
+for what in ("environ", "mem", "maps", "fd"):
+    try:
+        if what == "fd":
+            os.listdir(f"/proc/{worker}/fd")
+        else:
+            open(f"/proc/{worker}/{what}", "rb").read(4096)
+        seen.append(what)
+    except OSError:
+        pass
+for sig in (0, signal.SIGKILL):
+    try:
+        os.kill(worker, sig)
+        seen.append(f"signal {sig}")
+    except OSError:
+        pass
+print(" ".join(seen) or "sealed")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("user", ["root", "the worker's"])
+def test_process_mode_keeps_the_worker_unreadable_and_alive(user):
+    """isolation: process: the program cannot read the worker's environment or memory (the
+    expected outputs) through /proc, nor signal it. As root the program runs as nobody; as any
+    other user (a cluster) it shares the worker's, so the worker is not dumpable and the filter
+    refuses the signal."""
+    if user == "root" and os.geteuid() != 0:
+        pytest.skip("not root")
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        os.environ["HF_TOKEN"] = "hf_secret"
+        from rollout.rewards import RewardWorkerPool
+        row = {{"answer": {{"inputs": [""], "outputs": ["sealed"]}}}}
+        with RewardWorkerPool("code", workers=1, timeout_s=20,
+                              options={{"code_sandbox": {{"isolation": "process"}}}}) as pool:
+            [s] = pool.submit([row], ["```python\\n" + {PEEK_AND_KILL!r} + "\\n```"]).result(timeout=60)
+        print(json.dumps([s.reward, s.status, s.error]))
+    """)
+    argv = [sys.executable, "-c", script]
+    if user != "root" and os.geteuid() == 0:  # the same user for worker and program: nobody
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", script]
+        reach = subprocess.run(argv[:5] + ["-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                                           "import rollout.rewards.workers"], capture_output=True, cwd="/")
+        if reach.returncode != 0:
+            pytest.skip(f"nobody cannot import this checkout: {reach.stderr.decode()[-200:]}")
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr[-2000:]
+    reward, status, error = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (reward, status) == (1.0, "ok"), (status, error)
