@@ -49,7 +49,7 @@ from pathlib import Path
 
 from gspo_megatron import GspoError
 from rollout.rewards.sandbox_cgroup import CgroupLayout, RunCgroup
-from rollout.rewards.seccomp import SELF_PID, build_filter, machine
+from rollout.rewards.seccomp import SELF_PID, build_filter
 from rollout.rewards.settings import INTERPRETER_START_S, CodeSandboxSettings
 
 INIT_SOURCE = (Path(__file__).parent / "sandbox_init.py").read_text()
