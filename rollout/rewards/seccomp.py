@@ -8,7 +8,7 @@ The filter is built once per sandbox, before the program's pid is known: where i
 program's own pid (shared_host), it holds SELF_PID (and its negation) instead, and sandbox_init.py
 puts its pid there (by instruction, never by searching bytes).
 
-What each part refuses, and why (the error is what the program sees; nothing is killed):
+What each part refuses, and why (the program sees an error, EPERM or ENOSYS):
 - always: new user namespaces (unshare, setns, clone with CLONE_NEWUSER; clone3 answers ENOSYS, so
   the C library falls back to clone, whose flags can be read), because a child user namespace
   gives the program every capability in it again; and kernel surface a program has no use for
@@ -18,7 +18,8 @@ What each part refuses, and why (the error is what the program sees; nothing is 
   (memfd_create, SysV shared memory, message queues, semaphores);
 - shared_host (process mode: the host's IPC namespace and PIDs): every SysV IPC and POSIX queue
   call (they would reach, and outlive into, the host's), and signals, tracing and memory access
-  to any process but the program's own first process and its process group (the reward worker).
+  to any process but the program's own first process and its process group: not the reward
+  worker, which runs as the same user unless the worker is root.
 
 Standard library only. x86_64 and aarch64; any other architecture gets no filter (the sandbox
 says so in its start-up line); a call through another ABI on these kills the program (i386) or
