@@ -7,8 +7,9 @@
 
 Known failures (bad config, missing file, unreachable server, impossible layout, unusable
 checkpoint: every GspoError, gspo_megatron/__init__.py) print one line `gspo-megatron: error: ...` on stderr
-and exit with the error's code (2; 75 when no SGLang server is left, which a Slurm requeue
-retries); anything else is a bug and keeps its traceback. A signal exits with 128 + its number
+and exit with the error's code: 2 for the inputs, 3 for a run that stopped on a runtime failure
+after its checks passed, 75 when no SGLang (or teacher) server is left, which a Slurm requeue
+retries; anything else is a bug and keeps its traceback. A signal exits with 128 + its number
 after saving (trainer.train). The config, the layout against the model and the world size, and
 the prompt set are checked before torch and megatron-core are imported (run/preflight.py), so
 those errors cost a fraction of a second.

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from gspo_megatron import GspoError, MissingInputError
+from gspo_megatron import InputError, MissingInputError
 
 
-class HFConfigError(GspoError, ValueError):
+class HFConfigError(InputError, ValueError):
     """An HF config.json that this project cannot map; the message names the field."""
 
 

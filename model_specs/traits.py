@@ -75,8 +75,8 @@ def traits_for(hf_config: Mapping[str, Any]) -> FamilyTraits:
     model_type = hf_config.get("model_type")
     if model_type not in _BY_MODEL_TYPE:
         raise HFConfigError(f"unknown architecture: model_type={model_type!r} "
-                            f"(architectures={hf_config.get('architectures')}); supported: "
-                            f"{sorted(_BY_MODEL_TYPE)}")
+                            f"(architectures={hf_config.get('architectures')}) is not a supported "
+                            f"family; supported: {sorted(_BY_MODEL_TYPE)}")
     return _BY_MODEL_TYPE[model_type]
 
 

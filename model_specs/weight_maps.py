@@ -26,7 +26,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 from model_specs import family_for
 from model_specs.hf_config import moe_layer_pattern, normalize_hf_config
 from model_specs.traits import attention_options
@@ -127,7 +127,7 @@ IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class WeightMapError(GspoError, ValueError):
+class WeightMapError(InputError, ValueError):
     """A checkpoint or model that does not match the weight map; the message names the tensor."""
 
 

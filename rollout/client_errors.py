@@ -20,9 +20,19 @@ class ServerUnavailable(SGLangError):
     """No connection to the server (refused, reset or timed out) after all retries."""
 
 
+class TakenOut(ServerUnavailable):
+    """The server was taken out of service while the call waited for it (by a health probe, or by
+    another call that lost it): the pool knows it already, with its reason."""
+
+
 class NoServerLeft(ServerUnavailable):
     """No server of a pool is in service (rollout/pool.py): every one is out, rejoining or gone.
     The message names each server and what happened to it."""
+
+
+class NoTeacherLeft(NoServerLeft):
+    """No teacher server (on-policy distillation, rollout/teacher.py) is in service: the run waits
+    for one as it does for the policy's servers (gspo_megatron/run/recovery.py), then exits 75."""
 
 
 class RequestAbandoned(SGLangError):

@@ -10,7 +10,10 @@ A server's life in the pool (ServerPool.status):
     live ──(probe fails, or a request or sync call cannot reach it)──> out
     out ──(restarted and healthy, or an attached server answers again)──> rejoining
     rejoining ──(the next weight sync loads the policy and checks its version)──> live
-    out ──(restart bound reached, or the restart failed)──> gone (one line; it stays out)
+    out ──(restart bound reached)──> gone (one line; it stays out)
+A teacher's pool (rollout.pool.TEACHER) goes from out straight back to live: it never holds the
+student's weights, and a restarted server is healthy only once its model is loaded and generates
+(its /health is /health_generate: one token, below).
 
 The probe is SGLang's /health_generate (one token, or nothing when the server is busy: it
 answers once the scheduler has produced anything, sglang/srt/entrypoints/http_server.py:723) while
@@ -109,7 +112,7 @@ class HealthMonitor:
             with self._lock:
                 restarting = url in self._restarting
             if t.is_alive() and restarting:  # in restart(): its wait_healthy
-                self.launched[url].kill()
+                self.launched[url].halt()
                 t.join(timeout=30)
 
     def _watch(self, url: str) -> None:
@@ -133,7 +136,7 @@ class HealthMonitor:
                 self._bring_back(url)
 
     def _bring_back(self, url: str) -> None:
-        s = self.settings
+        s, name = self.settings, self.pool.role.name
         if url not in self.launched:  # an attached server: someone else restarts it; poll
             if probe(url, s.server_health_timeout_s, generate=False) is None:
                 self.pool.rejoin(url, "answers again")
@@ -151,15 +154,17 @@ class HealthMonitor:
             self.restarts[url] += 1
             self._restarting.add(url)
         self.pool.count_restart()
-        self.log(f"SGLang server {url} is out ({self.pool.reason(url)}): restarting it "
+        self.log(f"{name} {url} is out ({self.pool.reason(url)}): restarting it "
                  f"({self.restarts[url]} of {s.server_max_restarts})")
         t0 = time.monotonic()
         try:
-            self.launched[url].restart()
+            self.launched[url].restart(log=self.log)
         except Exception as e:  # noqa: BLE001 - the server stays out; the bound decides what next
+            if self._stop.is_set():  # close() killed it: the run's own stop, not the server's fault
+                return
             first = (str(e).splitlines() or [""])[0][:300]
             self.pool.take_out(url, f"restart failed: {type(e).__name__}: {first}")
-            self.log(f"SGLang server {url}: the restart failed ({type(e).__name__}: {first})")
+            self.log(f"{name} {url}: the restart failed ({type(e).__name__}: {first})")
             return
         finally:
             with self._lock:

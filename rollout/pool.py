@@ -12,10 +12,15 @@ sync has loaded the current policy into it, and only then generates again. Contr
 weight-update calls go to every live or rejoining server in parallel; one that cannot be reached
 is taken out and the others go on. Requests for routed experts (routing replay) never go through
 the router: sglang-router 0.3.2 drops the request's "return_routed_experts" field.
+
+A pool's role (PoolRole) names its servers in every line, error and metric: the policy's servers
+(POLICY: a server back serves only after a weight sync) or on-policy distillation's teacher
+(TEACHER: never synced, so a server back serves at once; NoTeacherLeft when none is left).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -23,11 +28,34 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as Futur
 from typing import Any, Callable, Sequence
 
 from rollout.client import GenerateOutput, SGLangClient, ServerUnavailable
-from rollout.client_errors import NoServerLeft, RequestAbandoned
+from rollout.client_errors import NoServerLeft, NoTeacherLeft, RequestAbandoned, TakenOut
 from rollout.health import GONE, LIVE, OUT, REJOINING
 
 _SERVING = (LIVE,)
 _SYNCED = (LIVE, REJOINING)  # the targets of a weight sync and of control calls
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolRole:
+    """Whose servers a pool holds: how its lines, errors and metrics name them."""
+
+    name: str
+    """How a line names one server: "SGLang server", "teacher server"."""
+    weight_synced: bool
+    """A server that comes back serves only once a weight sync gave it the current policy
+    (rejoining); False: at once (the teacher never receives the student's weights)."""
+    metrics: tuple[str, str, str, str]
+    """Tags of (servers live, failures, restarts, requests resubmitted): pop_health_metrics."""
+    lost: type[NoServerLeft]
+    """What a call raises when none of the pool's servers is in service."""
+
+
+POLICY = PoolRole("SGLang server", True, ("rollout/servers_live", "rollout/server_failures",
+                                          "rollout/server_restarts", "rollout/requests_resubmitted"),
+                  NoServerLeft)
+TEACHER = PoolRole("teacher server", False, ("distill/teachers_live", "distill/teacher_failures",
+                                             "distill/teacher_restarts",
+                                             "distill/teacher_requests_resubmitted"), NoTeacherLeft)
 
 
 class ServerPool:
@@ -43,12 +71,14 @@ class ServerPool:
     def __init__(self, server_urls: Sequence[str], router_url: str | None = None, *,
                  timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5,
                  routed_experts_layout: tuple[int, int] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, role: PoolRole = POLICY):
         """routed_experts_layout: (num_hidden_layers, num_experts_per_tok) of the served model, to
         shape routed experts; None: read from a server's config.json when first needed.
-        log: where a server's change of status is said (one line each); None: nowhere."""
+        log: where a server's change of status is said (one line each); None: nowhere.
+        role: whose servers these are (POLICY, TEACHER)."""
         if not server_urls:
             raise ValueError("ServerPool needs at least one server URL")
+        self.role = role
         self.clients = [SGLangClient(u, timeout_s, retries, backoff_s) for u in server_urls]
         self.router = SGLangClient(router_url, timeout_s, retries, backoff_s) if router_url else None
         self.routed_experts_layout = routed_experts_layout
@@ -124,17 +154,21 @@ class ServerPool:
         if self._set(url, OUT, reason, None) and was in _SYNCED:
             self._count("server_failures")
             live = len(self.live_clients())
-            self.log(f"SGLang server {url} taken out of service: {reason} ({live} of "
+            self.log(f"{self.role.name} {url} taken out of service: {reason} ({live} of "
                      f"{len(self.clients)} live)")
 
     def rejoin(self, url: str, reason: str) -> None:
-        """Answers again: it gets the current weights at the next sync, then generates."""
-        self._set(url, REJOINING, reason, f"SGLang server {url} {reason}: it rejoins at the next "
+        """Answers again: a policy server gets the current weights at the next sync, then
+        generates; a teacher server (never synced) serves at once."""
+        if not self.role.weight_synced:
+            self._set(url, LIVE, "", f"{self.role.name} {url} {reason}: back in service")
+            return
+        self._set(url, REJOINING, reason, f"{self.role.name} {url} {reason}: it rejoins at the next "
                   "weight sync (it generates only once it holds the current weights)")
 
     def give_up(self, url: str, reason: str) -> None:
         self._set(url, GONE, f"{self.reason(url)}; {reason}",
-                  f"SGLang server {url} stays out of service: {reason}")
+                  f"{self.role.name} {url} stays out of service: {reason}")
 
     def _count(self, what: str) -> None:
         with self._lock:
@@ -147,8 +181,8 @@ class ServerPool:
         """After a weight sync that every sync target confirmed: the rejoining ones serve again
         (not one taken out meanwhile)."""
         for c in self.sync_clients():
-            self._set(c.url, LIVE, "", f"SGLang server {c.url} back in service at weight version {version}",
-                      only_from=(REJOINING,))
+            self._set(c.url, LIVE, "", f"{self.role.name} {c.url} back in service at weight version "
+                      f"{version}", only_from=(REJOINING,))
 
     def summary(self) -> str:
         """Every server and what happened to it, for the line that ends a run without servers."""
@@ -156,13 +190,15 @@ class ServerPool:
                          for u, s in self._status.items())
 
     def pop_health_metrics(self) -> dict[str, float]:
-        """rollout/servers_live now; failures, restarts and resubmitted requests since the last call."""
+        """Servers live now; failures, restarts and resubmitted requests since the last call (the
+        role's tags: rollout/servers_live, ... or distill/teachers_live, ...)."""
         with self._lock:
             counts, self._counts = self._counts, collections.Counter()
-        return {"rollout/servers_live": float(len(self.live_clients())),
-                "rollout/server_failures": float(counts["server_failures"]),
-                "rollout/server_restarts": float(counts["server_restarts"]),
-                "rollout/requests_resubmitted": float(counts["requests_resubmitted"])}
+        live, failures, restarts, resubmitted = self.role.metrics
+        return {live: float(len(self.live_clients())),
+                failures: float(counts["server_failures"]),
+                restarts: float(counts["server_restarts"]),
+                resubmitted: float(counts["requests_resubmitted"])}
 
     # --- calls -------------------------------------------------------------------------------
     def _watched(self, client: SGLangClient, call: Callable[[SGLangClient], Any],
@@ -199,8 +235,8 @@ class ServerPool:
                             raise ServerUnavailable(client.url, f"stalled after the stop signal: {why}") from None
                         stop_seen = time.monotonic()  # answers: ask again after another bound
                 if self._status.get(client.url, LIVE) not in statuses:  # (the router has none)
-                    raise ServerUnavailable(client.url, f"taken out of service while the request "
-                                            f"ran ({self.reason(client.url)})") from None
+                    raise TakenOut(client.url, f"taken out of service while the request ran "
+                                   f"({self.reason(client.url)})") from None
 
     def _next_client(self) -> SGLangClient | None:
         live = self.live_clients()
@@ -214,7 +250,7 @@ class ServerPool:
             except ServerUnavailable as e:
                 self.take_out(client.url, e.message)
         if self.routed_experts_layout is None:
-            raise NoServerLeft(", ".join(self.server_urls), f"no live SGLang server left ({self.summary()})")
+            raise self.role.lost(", ".join(self.server_urls), f"no live {self.role.name} left ({self.summary()})")
         return self.routed_experts_layout
 
     def generate(self, input_ids: Sequence[int], sampling_params: dict, *, rid: str | None = None,
@@ -241,19 +277,21 @@ class ServerPool:
                           abandon: threading.Event | None = None) -> Any:
         """call(client) on the next live server (round robin); a server that cannot be reached, or
         is taken out meanwhile, is out of service and the call moves on (counted in
-        rollout/requests_resubmitted); none left: ServerUnavailable naming each server once."""
+        rollout/requests_resubmitted); none left: the role's NoServerLeft naming each server once."""
         errors: dict[str, str] = {}
         while True:
             client = self._next_client()
             if client is None:  # one line, each server's URL once, never an empty reason
                 what = "; ".join(f"{u}: {r}" for u, r in errors.items()) if len(errors) != 1 else \
                     next(iter(errors.values()))
-                raise NoServerLeft(", ".join(self.server_urls), "no live SGLang server left "
-                                   f"({what or self.summary()})")
+                raise self.role.lost(", ".join(self.server_urls), f"no live {self.role.name} left "
+                                     f"({what or self.summary()})")
             if errors:
                 self._count("requests_resubmitted")
             try:
                 return self._watched(client, call, _SERVING, abandon)
+            except TakenOut as e:  # out already, with its own reason: said once, never nested
+                errors[client.url] = self.reason(client.url) or e.message
             except ServerUnavailable as e:
                 errors[client.url] = e.message
                 self.take_out(client.url, e.message)
@@ -276,14 +314,15 @@ class ServerPool:
             except ServerUnavailable as e:
                 results.append(None)
                 lost.append(e)
-                self.take_out(c.url, e.message)
+                if not isinstance(e, TakenOut):  # out already: its reason stays the first one
+                    self.take_out(c.url, e.message)
             except BaseException as e:  # noqa: BLE001 - re-raised below, after every call returned
                 results.append(None)
                 first_error = first_error or e
         if first_error is not None:
             raise first_error
         if lost and len(lost) == len(clients):
-            raise NoServerLeft(", ".join(c.url for c in clients), f"every server was lost "
+            raise self.role.lost(", ".join(c.url for c in clients), f"every server was lost "
                                f"({'; '.join(e.message for e in lost)})") from lost[0]
         return results
 
@@ -304,7 +343,7 @@ class ServerPool:
             self.pause_epoch += 1
             self._targets = {u for u, s in self._status.items() if s in _SYNCED}
         if not self._targets:
-            raise NoServerLeft(", ".join(self.server_urls), f"no server to pause ({self.summary()})")
+            raise self.role.lost(", ".join(self.server_urls), f"no server to pause ({self.summary()})")
         self.for_each(lambda c: c.pause_generation(mode))
 
     def continue_generation(self) -> None:

@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 
 
-class PromptFileError(GspoError, ValueError):
+class PromptFileError(InputError, ValueError):
     """A prompt file or one of its records is invalid; the message names file, row and key."""
 
 

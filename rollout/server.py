@@ -8,7 +8,9 @@ attach to servers already running elsewhere (cluster mode).
 
 Every child runs in its own process group (SGLang forks a scheduler and a detokenizer), logs to a
 file, and is stopped with SIGTERM to the group, then SIGKILL after a grace period. Startup waits for
-/health with a timeout; a child that dies meanwhile raises ServerStartError with the log's tail.
+/health with a timeout; a child that dies meanwhile raises ServerStartError with the log's tail,
+after one retry when its log shows a transient cause (TRANSIENT: the KV-cache memory check while
+other processes took memory, a port taken by another process), said in one line.
 On CPU (no CUDA) the child gets SGLang's CPU engine and the `sgl_kernel` stand-in on its PYTHONPATH
 (rollout/cpu_stand_ins, docs/cpu.md); on GPU machines nothing is substituted.
 """
@@ -17,8 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
-import subprocess
+import struct
 import sys
 import tempfile
 import time
@@ -27,13 +28,10 @@ from typing import Callable, Sequence
 
 import requests
 
-from gspo_megatron import GspoError
 from rollout.cpu_stand_ins import STAND_INS_DIR
+from rollout.managed_process import ManagedProcess, ServerStartError, transient_cause  # noqa: F401  (the API)
 from rollout.ports import free_port
-
-
-class ServerStartError(GspoError, RuntimeError):
-    """A server or router did not become healthy (died or timed out); the message has its log tail."""
+from rollout.server_memory import FLOOR, cpu_mem_fraction_static
 
 
 def cuda_available() -> bool:
@@ -62,7 +60,8 @@ class ServerConfig:
     max_total_tokens: int | None = 16384
     """KV-cache size in tokens; a batch that does not fit runs in waves."""
     mem_fraction_static: float | None = None
-    """None: 0.05 on CPU (the tiny models need little), SGLang's default on GPU."""
+    """None: on CPU derived from the model's size, the KV cache (max_total_tokens) and the free
+    memory (rollout/server_memory.py); on GPU SGLang's default."""
     return_routed_experts: bool = False
     """--enable-return-routed-experts: the server can return every token's routed experts (MoE
     routing replay; ManagerConfig.return_routed_experts asks for them). MoE models only; on CPU the
@@ -74,6 +73,8 @@ class ServerConfig:
     stop_timeout_s: float = 30.0
     log_dir: str | None = None
     """Where `sglang-PORT.log` goes; None: a temporary directory (kept after stop for post-mortems)."""
+    role: str = "SGLang server"
+    """How lines and errors name the server ("teacher server" for distillation's teacher)."""
 
     def resolved_device(self) -> str:
         if self.device == "auto":
@@ -83,108 +84,15 @@ class ServerConfig:
         return self.device
 
 
-def _tail(path: Path | None, lines: int = 40) -> str:
-    if path is None or not path.exists():
-        return "(no log)"
-    text = path.read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the launching thread's process dies, so a killed
-    trainer or benchmark leaves no server behind (SGLang's scheduler and detokenizer do the same
-    towards the server: sglang/srt/utils/common.py:3432 kill_itself_when_parent_died). Linux only;
-    launch from a long-lived thread (the signal fires when the creating thread exits)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-
-
-class ManagedProcess:
-    """A child process in its own process group, with a log file, a health URL and a clean stop."""
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], url: str, log_path: Path,
-                 health_path: str = "/health", startup_timeout_s: float = 300.0,
-                 stop_timeout_s: float = 30.0, ready_probe: Callable[[str], bool] | None = None):
-        """ready_probe(url) -> True once the process serves (default: GET health_path is 200)."""
-        self.name, self.cmd, self.env, self.url = name, cmd, env, url
-        self.ready_probe = ready_probe or (
-            lambda u: requests.get(u + health_path, timeout=5).status_code == 200)
-        self.log_path, self.health_path = log_path, health_path
-        self.startup_timeout_s, self.stop_timeout_s = startup_timeout_s, stop_timeout_s
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "ManagedProcess":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def log_tail(self, lines: int = 40) -> str:
-        return _tail(self.log_path, lines)
-
-    def wait_healthy(self, timeout_s: float | None = None) -> None:
-        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self.alive():
-                code = None if self.proc is None else self.proc.returncode
-                raise ServerStartError(f"{self.name} at {self.url} exited with code {code} during startup; "
-                                       f"log {self.log_path}, last lines:\n{self.log_tail()}")
-            try:
-                if self.ready_probe(self.url):
-                    return
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerStartError(f"{self.name} at {self.url} not healthy after {timeout_s:.0f} s; "
-                                       f"log {self.log_path}, last lines:\n{self.log_tail()}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        """SIGTERM to the whole process group, SIGKILL after stop_timeout_s; idempotent."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid  # start_new_session: the child leads its own group
-        for sig, wait_s in ((signal.SIGTERM, self.stop_timeout_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-            # the leader is gone; sweep what it forked (scheduler, detokenizer) if any survived
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            break
-        self.proc.wait(timeout=10)
-
-    def restart(self) -> None:
-        """Kill what is left of the process (a stalled or dead server: SIGKILL reaches a stopped
-        process too), start the same command line on the same port, wait until healthy (raises
-        ServerStartError otherwise). The health monitor calls it (rollout/health.py)."""
-        self.kill()
-        self.start()
-        self.wait_healthy()
-
-    def kill(self) -> None:
-        """SIGKILL the group at once (fault-injection in tests; prefer stop())."""
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=10)
+def cpu_fraction(config: ServerConfig) -> float:
+    """--mem-fraction-static on CPU: the config's, else derived (rollout/server_memory.py). A
+    model folder that cannot be read gets the floor: SGLang's own error then says what is wrong."""
+    if config.mem_fraction_static is not None:
+        return config.mem_fraction_static
+    try:
+        return cpu_mem_fraction_static(config.model_path, config.max_total_tokens, config.dtype)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return FLOOR
 
 
 def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
@@ -198,7 +106,7 @@ def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
     if device == "cpu":
         cmd += ["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "disabled",
                 "--cuda-graph-backend-prefill", "disabled", "--dtype", config.dtype or "float32",
-                "--mem-fraction-static", str(config.mem_fraction_static or 0.05),
+                "--mem-fraction-static", str(cpu_fraction(config)),
                 # without it the idle scheduler busy-polls a core (docs/cpu.md)
                 "--sleep-on-idle"]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
@@ -216,7 +124,7 @@ def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
     if config.return_routed_experts and "--enable-return-routed-experts" not in config.extra_args:
         cmd.append("--enable-return-routed-experts")
     cmd += list(config.extra_args)
-    return ManagedProcess(f"sglang server (port {port})", cmd, env, f"http://{config.host}:{port}",
+    return ManagedProcess(f"{config.role} (port {port})", cmd, env, f"http://{config.host}:{port}",
                           log_dir / f"sglang-{port}.log", "/health", config.startup_timeout_s,
                           config.stop_timeout_s)
 
@@ -265,8 +173,9 @@ class ServerGroup:
 
     @classmethod
     def attach(cls, server_urls: Sequence[str], router_url: str | None = None,
-               health_timeout_s: float = 60.0) -> "ServerGroup":
-        """Use servers that someone else runs; checks each answers /health within the timeout."""
+               health_timeout_s: float = 60.0, role: str = "SGLang server") -> "ServerGroup":
+        """Use servers that someone else runs; checks each answers /health within the timeout
+        (role: how the error names them)."""
         group = cls(server_urls, router_url)
         for url in group.server_urls + ([group.router_url] if group.router_url else []):
             deadline = time.monotonic() + health_timeout_s
@@ -277,16 +186,18 @@ class ServerGroup:
                 except requests.RequestException:
                     pass
                 if time.monotonic() > deadline:
-                    raise ServerStartError(f"no healthy SGLang server at {url} within {health_timeout_s} s")
+                    raise ServerStartError(f"no healthy {role} at {url} within {health_timeout_s} s")
                 time.sleep(0.5)
         return group
 
     @classmethod
     def launch(cls, config: ServerConfig, num_servers: int = 1, router: bool = False,
-               router_policy: str = "round_robin") -> "ServerGroup":
+               router_policy: str = "round_robin",
+               log: Callable[[str], None] = lambda line: print(f"[gspo] {line}", flush=True)) -> "ServerGroup":
         """Start `num_servers` servers from `config` in parallel (each on its own free port; on GPU
-        server i gets base_gpu_id = i * tp_size unless set), wait until all are healthy, then the
-        router if asked. Any failure stops everything already started and re-raises."""
+        server i gets base_gpu_id = i * tp_size unless set), wait until all are healthy (a start
+        that failed for a transient cause is tried once more, said on `log`), then the router if
+        asked. Any other failure stops everything already started and re-raises."""
         temp_log_dir = None if config.log_dir else Path(tempfile.mkdtemp(prefix="gspo-sglang-logs-"))
         log_dir = Path(config.log_dir) if config.log_dir else temp_log_dir
         procs: list[ManagedProcess] = []
@@ -300,7 +211,7 @@ class ServerGroup:
                     cfg = dataclasses.replace(cfg, port=config.port + i)
                 procs.append(server_process(cfg, log_dir).start())
             for p in procs:
-                p.wait_healthy()
+                p.wait_healthy_or_retry(log)
             if router:
                 router_proc = router_process([p.url for p in procs], log_dir, config.host,
                                              policy=router_policy).start()

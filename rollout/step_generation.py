@@ -76,7 +76,8 @@ class StepGeneration:
         self.interrupted = False
         """should_stop said so: the step ends with RolloutInterrupted."""
         self.lost: NoServerLeft | None = None
-        """No server left in service: the step ends as at should_stop, then raises this."""
+        """No server left in service (the policy's, or the teacher's: NoTeacherLeft): the step
+        ends as at should_stop, then raises this."""
 
     # --- the step ----------------------------------------------------------------------------
     def run(self) -> StepResult:
@@ -149,7 +150,13 @@ class StepGeneration:
                 self.apply_scores(group, unscored, f.result())  # RewardWorkerError propagates
                 continue
             if f in self.teaching:
-                self.apply_teacher(self.teaching.pop(f), f.result())  # a lost teacher server propagates
+                group = self.teaching.pop(f)
+                try:
+                    results = f.result()
+                except NoServerLeft as e:  # no teacher server left (NoTeacherLeft): as below; the
+                    self.lost = e          # group stays open and asks the teacher again next time
+                    return
+                self.apply_teacher(group, results)
                 continue
             sample = self.in_flight.pop(f)
             try:

@@ -1,7 +1,7 @@
 """On-policy distillation's teacher: per-token log-probs of the student's own samples from SGLang
 servers of a fixed teacher model (prefill only: one request per sample, nothing generated).
 
-    teacher = TeacherScorer(ServerPool(teacher_urls), max_in_flight=64)
+    teacher = TeacherScorer(ServerPool(teacher_urls, role=TEACHER), max_in_flight=64)
     future = teacher.submit(group)          # as a group finishes, beside its rewards
     per_sample = future.result()            # [log pi_teacher(y_t) for each response token]
 
@@ -11,6 +11,11 @@ log-probs are in. A multi-turn episode is sent whole (prompt, model turns, envir
 teacher conditions on what the student saw); the trainer uses the log-probs of model tokens only
 (loss_mask). The teacher's servers never receive the student's weights: they are another pool,
 outside the weight sync. docs/algorithm.md, "On-policy distillation", has the estimator.
+
+The teacher's servers fail like the policy's (rollout/health.py watches their pool too): a request
+on a server taken out moves to another teacher server; with none left the call raises
+NoTeacherLeft, the step stops as when the policy's servers are lost, and the run waits for a
+teacher server to come back (restarted when the run launched it), then runs the step again.
 """
 from __future__ import annotations
 
@@ -19,7 +24,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from rollout.client_errors import NoServerLeft, SGLangError
 from rollout.pool import ServerPool
 from rollout.sample import Sample
 
@@ -31,15 +35,12 @@ class TeacherScorer:
 
     def _one(self, sample: Sample) -> tuple[list[float], float]:
         t0 = time.perf_counter()
-        try:
-            lps = self.pool.input_log_probs(sample.tokens, len(sample.prompt_ids), timeout_s=self.timeout_s)
-        except NoServerLeft as e:  # not the policy's servers: the run cannot wait for them to come back
-            raise SGLangError(e.url, f"every teacher server is lost: {e.message}") from None
+        lps = self.pool.input_log_probs(sample.tokens, len(sample.prompt_ids), timeout_s=self.timeout_s)
         return lps, time.perf_counter() - t0
 
     def submit(self, samples: list[Sample]) -> "Future[list[tuple[list[float], float]]]":
         """(teacher log-probs aligned with response_ids, seconds) per sample, in order; the
-        future fails with the first request's error (a teacher server that is gone)."""
+        future fails with the first request's error (NoTeacherLeft: no teacher server in service)."""
         out: Future = Future()
         parts = [self._executor.submit(self._one, s) for s in samples]
         left, lock = [len(parts)], threading.Lock()

@@ -246,12 +246,12 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
                 header = ("ok", extras, manifests, imbalance, most)
         except Exception as e:  # noqa: BLE001 - re-raised below after telling the other ranks
             error = e
-            header = ("error", f"{type(e).__name__}: {e}", type(e).__name__)
+            header = ("error", f"{type(e).__name__}: {e}", type(e).__name__, getattr(e, "exit_code", None))
     header = broadcast_object(header)
     if error is not None:
         raise error
     if header[0] == "error":
-        raise DriverError(f"rank 0 failed: {header[1]}", header[2])
+        raise DriverError(f"rank 0 failed: {header[1]}", header[2], header[3])
     if header[0] == "none":
         return None
     _, extras, manifests, imbalance, most_bytes = header

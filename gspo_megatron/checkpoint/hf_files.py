@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gspo_megatron import GspoError, MissingInputError
+from gspo_megatron import InputError, MissingInputError
 from model_specs.weight_maps import WeightMapError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,7 +35,7 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
                        "F64": torch.float64}
 
 
-class DamagedFileError(GspoError, ValueError):
+class DamagedFileError(InputError, ValueError):
     """A file that exists but cannot be used (truncated, not the format it claims); the message
     names the file and what is wrong with it."""
 

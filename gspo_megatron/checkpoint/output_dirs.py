@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from gspo_megatron.checkpoint.durable import fsync_dir, write_json
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 
 EXPORT_MARKER = "gspo_export.json"
 
 
-class OutputDirError(GspoError, RuntimeError):
+class OutputDirError(InputError, RuntimeError):
     """A folder the run would write cannot be used; the message names it and what to do."""
 
 

@@ -39,14 +39,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 
 LOCK_NAME = "gspo.lock"
 HEARTBEAT_S = 15.0
 STALE_S = 120.0
 
 
-class RunLockedError(GspoError, RuntimeError):
+class RunLockedError(InputError, RuntimeError):
     """Another run holds the folder; the message names the holder and what to do."""
 
 

@@ -23,10 +23,10 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 
 
-class ConfigError(GspoError, ValueError):
+class ConfigError(InputError, ValueError):
     """A bad run configuration: the message names the field and the offending value."""
 
 

@@ -101,7 +101,8 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     num_servers: int = 1
     """Local servers to start when server_urls is empty."""
     server_max_total_tokens: int = 16384
-    """KV-cache tokens of each local server."""
+    """KV-cache tokens of each local server (policy and teacher); on CPU, with the model's size and
+    the free memory, what SGLang's --mem-fraction-static is derived from (rollout/server_memory.py)."""
     server_extra_args: list[str] = dataclasses.field(default_factory=list)
     """More `sglang.launch_server` flags for local servers."""
     server_startup_timeout_s: float = 300.0

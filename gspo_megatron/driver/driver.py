@@ -34,7 +34,7 @@ from rollout.client_errors import NoServerLeft
 from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
 from rollout.health import GONE, LIVE, REJOINING, HealthMonitor
 from rollout.manager import RolloutInterrupted, RolloutManager
-from rollout.pool import ServerPool
+from rollout.pool import TEACHER, ServerPool
 from rollout.rewards import RewardWorkerPool
 from rollout.server import ServerGroup
 from rollout.teacher import TeacherScorer
@@ -61,7 +61,8 @@ class Driver:
         self.env_factory = env_factory(r) if r.environment else None
         self.teachers, self.teacher = teachers, None
         if teachers is not None:  # on-policy distillation: another pool, outside the weight sync
-            self.teacher = TeacherScorer(ServerPool(teachers.server_urls, timeout_s=r.request_timeout_s),
+            self.teacher = TeacherScorer(ServerPool(teachers.server_urls, timeout_s=r.request_timeout_s,
+                                                    log=_say, role=TEACHER),
                                          max_in_flight=cfg.distill.max_in_flight, timeout_s=r.request_timeout_s)
         self.rewards: RewardWorkerPool | None = None
         if self.env_factory is not None:  # multi-turn: the environment gives the rewards
@@ -82,6 +83,8 @@ class Driver:
         self.evaluator = None  # eval: made at its first use
         # last, once nothing can fail: probes each server, restarts those this run launched
         self.health = HealthMonitor(self.pool, r, launched=servers.launched(), log=_say).start()
+        self.teacher_health = None if teachers is None else \
+            HealthMonitor(self.teacher.pool, r, launched=teachers.launched(), log=_say).start()
 
     @classmethod
     def start(cls, cfg: RunConfig, log_dir: str | None = None, cache_dir: Path | None = None,
@@ -139,7 +142,8 @@ class Driver:
         batch = samples_to_batch(groups, r.group_size, turn_discount=r.turn_discount if per_token else None)
         metrics = rollout_metrics(groups, manager_metrics)
         metrics["rollout/policy_lag_max"] = policy_lag(batch, int(weight_version))
-        metrics.update(self.pool.pop_health_metrics())  # servers live, failures, restarts, resubmitted
+        for pool in self.pools():  # servers live, failures, restarts, resubmitted (and the teacher's)
+            metrics.update(pool.pop_health_metrics())
         if self.records is not None:
             self.records.write(step, [s for g in groups for s in g], batch)
         for g in groups:  # the routes live on in the batch only, compact: held once
@@ -161,21 +165,45 @@ class Driver:
                 self.producer.load_state(self._async_state)
             self.producer.start()
 
-    def wait_for_server(self, should_stop: Callable[[], bool]) -> bool:
-        """No server left in service: wait, rollout.server_wait_s at most, for one to come back
-        (restarted by the health monitor, or an attached one answering again). True when one is
-        back (rejoining: the caller syncs the weights into it); False when the wait ran out, every
-        server is past its restart bound, or `should_stop` (a signal) says so."""
-        deadline = time.monotonic() + self.cfg.rollout.server_wait_s
-        _say(f"no SGLang server in service: waiting up to {self.cfg.rollout.server_wait_s:g} s "
-             f"(rollout.server_wait_s) for one to come back ({self.pool.summary()})")
+    def pools(self) -> list[ServerPool]:
+        """The policy's servers, and the teacher's (on-policy distillation)."""
+        return [self.pool] + ([self.teacher.pool] if self.teacher is not None else [])
+
+    def pools_without_server(self) -> list[ServerPool]:
+        """The pools with no server in service (live, or rejoining at the next weight sync)."""
+        return [p for p in self.pools() if not any(p.status(u) in (LIVE, REJOINING) for u in p.server_urls)]
+
+    def lost_servers(self) -> tuple[str, str]:
+        """(what is missing, e.g. "SGLang server" or "teacher server", each of its servers and
+        what happened to it), for the line that ends a run without servers."""
+        lacking = self.pools_without_server() or [self.pool]
+        return (" and ".join(p.role.name for p in lacking),
+                "; ".join(p.summary() for p in lacking))
+
+    def wait_for_server(self, should_stop: Callable[[], bool]) -> tuple[bool, float]:
+        """No server left in service, the policy's or the teacher's: wait, rollout.server_wait_s
+        at most, for each pool to have one again (restarted by its health monitor, or an attached
+        one answering again). (True, seconds waited) when they do (a policy server rejoining: the
+        caller syncs the weights into it); False when the wait ran out, a pool's servers are all
+        past their restart bound (at once), or `should_stop` (a signal) says so."""
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.rollout.server_wait_s
+        what, summary = self.lost_servers()
+        _say(f"no {what} in service: waiting up to {self.cfg.rollout.server_wait_s:g} s "
+             f"(rollout.server_wait_s) for one to come back ({summary})")
         while time.monotonic() < deadline and not should_stop():
-            if any(self.pool.status(u) in (LIVE, REJOINING) for u in self.pool.server_urls):
-                return True
-            if all(self.pool.status(u) == GONE for u in self.pool.server_urls):
-                return False
+            lacking = self.pools_without_server()
+            if not lacking:
+                return True, time.monotonic() - t0
+            if any(all(p.status(u) == GONE for u in p.server_urls) for p in lacking):
+                break
             time.sleep(0.5)
-        return False
+        return False, time.monotonic() - t0
+
+    def policy_needs_sync(self) -> bool:
+        """A policy server came back and waits for the current weights (only a teacher server
+        was missing: nothing to sync)."""
+        return any(self.pool.status(u) == REJOINING for u in self.pool.server_urls)
 
     def restart_rollouts(self) -> None:
         """Asynchronous: after the servers came back, a new rollout thread in place of the one that
@@ -226,6 +254,8 @@ class Driver:
 
     def stop(self) -> None:
         self.health.close()  # first: no restart may race the servers' stop below
+        if self.teacher_health is not None:
+            self.teacher_health.close()
         if self.producer is not None:
             self.producer.close()
         if self.evaluator is not None:

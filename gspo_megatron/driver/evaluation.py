@@ -27,7 +27,7 @@ from typing import Any
 from gspo_megatron.config import RunConfig
 from rollout.dataset import chat_prompt_ids, load_prompts
 from rollout.manager import RolloutManager
-from rollout.rewards import RewardWorkerPool
+from rollout.rewards import RewardErrorBudget, RewardWorkerPool
 from rollout.sample import Sample
 
 
@@ -69,15 +69,18 @@ class Evaluator:
             dynamic_sampling=False, oversample_groups=0, partial_rollouts=False, mask_stale_tokens=False,
             return_routed_experts=False, seed=None, max_reward_error_fraction=1.0)
         tok = driver.tokenizer
+        budget = RewardErrorBudget(1.0, what="the held-out eval")  # it never stops the run: said once
         self.own_rewards = None
         if driver.env_factory is None and (e.reward or r.reward) != r.reward:
             self.own_rewards = RewardWorkerPool.from_config(r, e.reward)
         if driver.env_factory is not None:
             self.manager = RolloutManager(driver.pool, config, decode=driver.manager.decode,
-                                          env_factory=driver.env_factory, chat=driver.chat, max_turns=r.max_turns)
+                                          env_factory=driver.env_factory, chat=driver.chat, max_turns=r.max_turns,
+                                          reward_budget=budget)
         else:
             self.manager = RolloutManager(driver.pool, config, encode_prompt=lambda rec: chat_prompt_ids(tok, rec),
-                                          decode=driver.manager.decode, scorer=self.own_rewards or driver.rewards)
+                                          decode=driver.manager.decode, scorer=self.own_rewards or driver.rewards,
+                                          reward_budget=budget)
         self.decode = driver.manager.decode
         self.records = Path(cfg.logging.eval_records) if cfg.logging.eval_records else None
 

@@ -51,17 +51,20 @@ def start_policy_servers(cfg: RunConfig, log_dir: str | None) -> ServerGroup:
 
 def start_teachers(cfg: RunConfig, log_dir: str | None) -> ServerGroup | None:
     """On-policy distillation's teacher servers: attached (distill.teacher_server_urls) or started
-    here, like the rollout servers; None without distill.teacher."""
+    here, like the rollout servers (their lines and errors say "teacher server"); None without
+    distill.teacher."""
     d, r = cfg.distill, cfg.rollout
     if not d.teacher:
         return None
     if d.teacher_server_urls:
-        group = ServerGroup.attach(d.teacher_server_urls, health_timeout_s=r.server_startup_timeout_s)
+        group = ServerGroup.attach(d.teacher_server_urls, health_timeout_s=r.server_startup_timeout_s,
+                                   role="teacher server")
         print(f"[gspo] teacher: {d.teacher} at {', '.join(group.server_urls)} (attached)", flush=True)
         return group
     config = ServerConfig(model_path=d.teacher, extra_args=list(d.teacher_server_extra_args),
                           max_total_tokens=r.server_max_total_tokens,
-                          startup_timeout_s=r.server_startup_timeout_s, log_dir=log_dir)
+                          startup_timeout_s=r.server_startup_timeout_s, log_dir=log_dir,
+                          role="teacher server")
     print(f"[gspo] teacher: starting {d.teacher_num_servers} SGLang server(s) for {d.teacher}", flush=True)
     group = ServerGroup.launch(config, num_servers=d.teacher_num_servers)
     print(f"[gspo] teacher: ready at {', '.join(group.server_urls)}", flush=True)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 
 
-class LayoutError(GspoError, ValueError):
+class LayoutError(InputError, ValueError):
     """An impossible parallel layout; the message names the numbers that do not fit."""
 
 

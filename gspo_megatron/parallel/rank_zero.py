@@ -17,11 +17,13 @@ from gspo_megatron import GspoError
 
 class DriverError(GspoError, RuntimeError):
     """Raised on every rank when rank 0 (the driver) failed; the message is rank 0's error, `kind`
-    the name of its type."""
+    the name of its type, `exit_code` its exit code (every rank exits as rank 0 does)."""
 
-    def __init__(self, message: str, kind: str = "") -> None:
+    def __init__(self, message: str, kind: str = "", exit_code: int | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        if exit_code is not None:
+            self.exit_code = exit_code
 
 
 def on_driver(rank: int, fn: Callable[[], Any]) -> Any:
@@ -33,12 +35,12 @@ def on_driver(rank: int, fn: Callable[[], Any]) -> Any:
             result = fn()
         except Exception as e:  # noqa: BLE001 - re-raised below after telling the other ranks
             error = e
-    payload = broadcast_object(("error", f"{type(error).__name__}: {error}", type(error).__name__)
-                               if error else ("ok", result))
+    payload = broadcast_object(("error", f"{type(error).__name__}: {error}", type(error).__name__,
+                                getattr(error, "exit_code", None)) if error else ("ok", result))
     if error is not None:
         raise error
     if payload[0] == "error":
-        raise DriverError(f"rank 0 failed: {payload[1]}", payload[2])
+        raise DriverError(f"rank 0 failed: {payload[1]}", payload[2], payload[3])
     return payload[1]
 
 

@@ -28,10 +28,10 @@ from typing import Any
 
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.planner.memory import GiB, MemorySettings, RankMemory, rank_memory, with_tokens
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 
 
-class PlanError(GspoError, ValueError):
+class PlanError(InputError, ValueError):
     """Bad planner input (one line)."""
 
 
@@ -61,15 +61,32 @@ def parse_memory(text: str) -> int:
 def load_model(name_or_path: str) -> dict[str, Any]:
     from model_specs.hf_config import load_hf_config
     from model_specs.published import BY_NAME
+    from model_specs.traits import FAMILY_TRAITS, traits_for
     if name_or_path in BY_NAME:
         return dict(BY_NAME[name_or_path])
     if name_or_path == "tiny-qwen3-moe":  # the tests' and the main job's model (make_tiny_model.py)
         from model_specs.tiny import qwen3_moe
         return qwen3_moe()
     if not Path(name_or_path).exists():
+        family = next((f for pattern, f in UNSUPPORTED if pattern.search(name_or_path)), None)
+        if family is not None:
+            raise PlanError(f"--model {name_or_path!r}: the {family} family is not supported yet "
+                            f"(supported: {', '.join(sorted(FAMILY_TRAITS))}; published: "
+                            f"{', '.join(BY_NAME)})")
         raise PlanError(f"--model {name_or_path!r}: not a published model ({', '.join(BY_NAME)}, "
                         "tiny-qwen3-moe) and no such config.json or model folder")
-    return load_hf_config(name_or_path)
+    hf = load_hf_config(name_or_path)
+    traits_for(hf)  # an unsupported family: one line naming it and the supported ones
+    return hf
+
+
+# Models asked for by name whose family model_specs does not map: named as unsupported, not as a
+# missing file (a config.json of any family is refused by its model_type, model_specs/traits.py).
+UNSUPPORTED = tuple((re.compile(p, re.IGNORECASE), f) for p, f in (
+    (r"deepseek|kimi", "deepseek_v3 (DeepSeek-V3, Kimi-K2)"), (r"gpt-?oss", "gpt_oss"),
+    (r"mixtral", "mixtral"), (r"llama-?4", "llama4"), (r"dbrx", "dbrx"), (r"grok", "grok"),
+    (r"minimax", "minimax"), (r"ernie", "ernie4_5_moe"), (r"phi-?3\.5-?moe|phimoe", "phimoe"),
+))
 
 
 def pipeline_splits(num_layers: int, pp: int, vpp: int) -> list[dict]:

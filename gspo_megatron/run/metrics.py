@@ -86,6 +86,13 @@ TAGS = {
     "rollout/server_restarts": "restarts of servers the run launched, since the last step",
     "rollout/requests_resubmitted": "generation requests moved to another server because theirs was "
                                     "taken out while they ran, since the last step",
+    "distill/teachers_live": "teacher servers in service at the end of the rollout (on-policy "
+                             "distillation; out and given-up ones do not count)",
+    "distill/teacher_failures": "teacher servers taken out of service since the last step (a failed "
+                                "health probe, a lost connection, a restart that failed)",
+    "distill/teacher_restarts": "restarts of teacher servers the run launched, since the last step",
+    "distill/teacher_requests_resubmitted": "teacher scoring requests moved to another teacher server "
+                                            "because theirs was taken out while they ran",
     "train/loss": "policy loss (mean over mini-batches)",
     "train/clip_fraction": "fraction of sequences clipped (gspo) / tokens (grpo, gspo_token)",
     "train/seq_ratio_mean": "mean sequence importance ratio s_i",
@@ -256,11 +263,14 @@ def read_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def format_progress(step: int, total: int, m: Mapping[str, float]) -> str:
-    """One line per step: step, reward, accuracy, length, clip fraction and seconds per phase."""
+    """One line per step: step, reward (and the step's reward errors, when any), accuracy, length,
+    clip fraction and seconds per phase."""
     def g(key: str, fmt: str) -> str:
         v = m.get(key)
         return format(v, fmt) if v is not None else "-"
-    return (f"step {step:>4}/{total} | reward {g('rollout/reward_mean', '.3f')} "
+    errors = m.get("rollout/reward_errors") or 0
+    failed = f" ({errors:.0f} reward error{'s' if errors != 1 else ''})" if errors else ""
+    return (f"step {step:>4}/{total} | reward {g('rollout/reward_mean', '.3f')}{failed} "
             f"acc {g('rollout/accuracy', '.2f')} len {g('rollout/response_length_mean', '.1f')} | "
             f"clip {g('train/clip_fraction', '.3f')} ratio {g('train/seq_ratio_mean', '.4f')} "
             f"gnorm {g('train/grad_norm', '.3f')} | rollout {g('time/rollout', '.1f')}s "

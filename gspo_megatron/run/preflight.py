@@ -18,15 +18,16 @@ files and checksums, its prompt set and its model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free_space, check_writable_dir
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.parallel.layout import LayoutError
-from gspo_megatron import MissingInputError
+from gspo_megatron import EXIT_INPUT, EXIT_RUNTIME, GspoError, MissingInputError
 from gspo_megatron.run.folders import REFERENCE_DIR, check_run_folders_unlocked, export_rules, output_fields
 from model_specs.hf_config import load_hf_config, model_dims
 from rollout.dataset import PromptFileError, PromptSet, load_prompts
@@ -35,14 +36,65 @@ from rollout.prompt_rows import resolved
 # At least one of these makes a tokenizer AutoTokenizer can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
+_Check = TypeVar("_Check", bound=Callable[..., Any])
+
+
+def refusal(check: _Check) -> _Check:
+    """What a start-up check raises is a refusal of the inputs (exit 2), whatever its class: a
+    reward service down at start, a checkpoint of another model, a sandbox the machine forbids.
+    The same class raised once the run is under way is a runtime stop (3, gspo_megatron.GspoError)."""
+    @functools.wraps(check)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return check(*args, **kwargs)
+        except GspoError as e:
+            if e.exit_code == EXIT_RUNTIME:
+                e.exit_code = EXIT_INPUT
+            raise
+    return checked  # type: ignore[return-value]
+
+
+def check_model_folder(field: str, path: str | Path) -> Path:
+    """A Hugging Face model folder named by `field`: a folder (not a file) with a config.json."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise MissingInputError(f"{field}={resolved(folder)} is a file, not a folder (expected a "
+                                "Hugging Face model directory with config.json)")
+    if not (folder / "config.json").is_file():
+        raise MissingInputError(f"{field}={resolved(folder)}: no config.json there (expected a "
+                                f"Hugging Face model directory)")
+    return folder
+
 
 def check_model_dir(cfg: RunConfig) -> Path:
     """model.hf_path, which must hold a config.json."""
-    hf_dir = Path(cfg.model.hf_path)
-    if not (hf_dir / "config.json").is_file():
-        raise MissingInputError(f"model.hf_path={resolved(hf_dir)}: no config.json there (expected a "
-                                f"Hugging Face model directory)")
-    return hf_dir
+    return check_model_folder("model.hf_path", cfg.model.hf_path)
+
+
+def check_teacher(cfg: RunConfig, student: Path) -> None:
+    """distill.teacher: a model folder SGLang can load (config.json and its weights' shapes agree:
+    model_specs/hf_tensors.py) with the student's vocabulary; the failures name the teacher."""
+    from gspo_megatron.checkpoint.hf_files import DamagedFileError, read_safetensors_header, weight_files
+    from model_specs.hf_config import HFConfigError
+    from model_specs.hf_tensors import shape_mismatch
+    from rollout.teacher import vocabulary_mismatch
+    field = "distill.teacher"
+    teacher = check_model_folder(field, cfg.distill.teacher)
+    try:
+        hf = load_hf_config(teacher)
+        shapes = {name: t["shape"] for path in weight_files(teacher)
+                  for name, t in read_safetensors_header(path).tensors.items()
+                  if t["dtype"].startswith(("F", "BF"))}  # packed (integer) quantized weights aside
+    except (MissingInputError, HFConfigError, DamagedFileError) as e:  # damaged files, a missing shard
+        raise type(e)(f"{field}={resolved(teacher)}: {e}") from None
+    why = shape_mismatch(hf, shapes)
+    if why:
+        raise ConfigError(f"{field}={resolved(teacher)} cannot be loaded: {why}; SGLang would refuse "
+                          "its weights (fix the teacher's config.json or give its matching weights)")
+    why = vocabulary_mismatch(str(student), str(teacher))
+    if why:
+        raise ConfigError(f"{field}={resolved(teacher)} has {why} (model.hf_path={str(student)!r}); "
+                          "on-policy distillation needs the student's tokenizer")
 
 
 def check_prompts(cfg: RunConfig) -> tuple[PromptSet, PromptSet | None]:
@@ -63,6 +115,7 @@ def _open(field: str, spec, prompt_key: str, answer_key: str) -> PromptSet:
         raise PromptFileError(f"{field}: {err}") from None
 
 
+@refusal
 def check_before_torch(cfg: RunConfig, world: int) -> None:
     """The checks that need neither torch nor megatron-core (the command line makes them first)."""
     hf = load_hf_config(check_model_dir(cfg))
@@ -74,6 +127,8 @@ def check_before_torch(cfg: RunConfig, world: int) -> None:
         # a sure "no" for context parallelism; with TE installed check_inputs asks CUDA too
         cfg.parallel.check_context_parallel(transformer_engine=False, cuda=False, half=False)
     cfg.parallel.validate(world, **dims)
+    if cfg.distill.teacher:
+        check_model_folder("distill.teacher", cfg.distill.teacher)
     check_prompts(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # the rank that takes the locks; another rank could
         # see its own rank 0's lock, taken meanwhile
@@ -90,6 +145,7 @@ class Inputs:
     prompt_rows: Any = None               # rank 0, rollout.max_prompt_tokens: the rows kept
 
 
+@refusal
 def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     """Cheap checks every rank makes before anything is written or started: the model directory
     (config, layout against the world size and the model, context parallelism and packing on this
@@ -130,16 +186,8 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     kept = None
     if r.max_prompt_tokens and int(os.environ.get("RANK", "0")) == 0:  # the driver's rows
         kept = drop_overlong_prompts(cfg, train_set, hf)
-    if cfg.distill.teacher:  # before any server starts: the teacher must read the student's tokens
-        from rollout.teacher import vocabulary_mismatch
-        teacher = Path(cfg.distill.teacher)
-        if not (teacher / "config.json").is_file():
-            raise MissingInputError(f"distill.teacher={str(teacher)!r}: no config.json there (expected a "
-                                    "Hugging Face model directory)")
-        why = vocabulary_mismatch(str(hf), str(teacher))
-        if why:
-            raise ConfigError(f"distill.teacher={str(teacher)!r} has {why} (model.hf_path={str(hf)!r}); "
-                              "on-policy distillation needs the student's tokenizer")
+    if cfg.distill.teacher:  # before any server starts: it loads, and reads the student's tokens
+        check_teacher(cfg, hf)
     if cfg.rollout.environment:
         from gspo_megatron.driver.environment import env_factory
         env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args
@@ -151,8 +199,11 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             if note and int(os.environ.get("RANK", "0")) == 0:
                 print(f"[gspo] {note}", flush=True)
     if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():
-        raise MissingInputError(f"model.megatron_checkpoint={cfg.model.megatron_checkpoint!r}: not a "
-                                f"megatron dist_checkpointing directory (no metadata.json)")
+        where = f"model.megatron_checkpoint={resolved(cfg.model.megatron_checkpoint)}"
+        if Path(cfg.model.megatron_checkpoint).is_file():
+            raise MissingInputError(f"{where} is a file, not a folder (expected a megatron "
+                                    "dist_checkpointing directory)")
+        raise MissingInputError(f"{where}: not a megatron dist_checkpointing directory (no metadata.json)")
     resume_from, new_epoch = None, False
     if cfg.checkpoint.dir:
         ckpt = CheckpointManager(cfg.checkpoint.dir)

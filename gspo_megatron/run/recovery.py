@@ -8,7 +8,8 @@ With no server left in service, every rank saves the last finished step (unless 
 rank 0 waits up to rollout.server_wait_s for one to come back, the weights are synced into it, and
 the step's rollout starts again (its prompts were put back: none is lost or repeated). Past the
 wait every rank raises ServersLost (exit 75, which launch/slurm/job.sh requeues); a signal meanwhile
-is SignalExit.
+is SignalExit. On-policy distillation's teacher servers take the same path (NoTeacherLeft), without
+the weight sync: they never hold the student's weights.
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from gspo_megatron import GspoError
 from gspo_megatron.run.setup import Run
 from gspo_megatron.run.signals import SignalExit
 from gspo_megatron.sync.weight_sync import WeightSyncError
-from rollout.client_errors import NoServerLeft
+from rollout.client_errors import NoServerLeft, NoTeacherLeft
 from rollout.health import EXIT_NO_SERVER
+
+
+LOST = {NoServerLeft.__name__, NoTeacherLeft.__name__}  # DriverError.kind of a rank 0 without servers
 
 
 class ServersLost(GspoError, RuntimeError):
@@ -45,17 +49,18 @@ def receive_rows(run: Run, live: int, step: int, staleness: int, saved: int | No
             return run.actor.receive_rows(run.rank, lambda: rollout_on_driver(run, live, step, staleness),
                                           num_mini_batches=run.cfg.train.mini_batches), saved
         except (NoServerLeft, DriverError) as e:
-            if not isinstance(e, NoServerLeft) and e.kind != NoServerLeft.__name__:
+            if not isinstance(e, NoServerLeft) and e.kind not in LOST:
                 raise
         if run.ckpt and saved != run.loop.step:
             run.save_checkpoint()
             saved = run.loop.step
         await_a_server(run, saved)
-        with run.driver.paused() if run.rank == 0 else nullcontext():
-            sync_weights(run, saved, again=True)  # the servers back get the policy
+        if on_driver(run.rank, lambda: run.driver.policy_needs_sync()):  # not when a teacher was lost
+            with run.driver.paused() if run.rank == 0 else nullcontext():
+                sync_weights(run, saved, again=True)  # the servers back get the policy
         on_driver(run.rank, run.driver.restart_rollouts)
     raise ServersLost(f"no rollout completed after {run.cfg.rollout.server_max_restarts_per_run + 2} "
-                      f"servers came back ({on_driver(run.rank, lambda: run.driver.pool.summary())})")
+                      f"servers came back ({on_driver(run.rank, lambda: run.driver.lost_servers()[1])})")
 
 
 def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, float]:
@@ -87,31 +92,34 @@ def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) 
     """Every rank: rank 0 waits up to rollout.server_wait_s for a server to come back (True); a
     signal meanwhile is SignalExit, or False with finish_on_signal (the caller ends its step); none
     back is ServersLost (exit 75, after the one line)."""
-    back = on_driver(run.rank, lambda: run.driver.wait_for_server(run.stop.requested))
+    back, waited = on_driver(run.rank, lambda: run.driver.wait_for_server(run.stop.requested))
     signum = run.stop.agreed()
     if signum and finish_on_signal:
         return False
     if signum:
         raise SignalExit(signum, saved=f"step {saved}" if saved is not None else None)
     if not back:
-        what = on_driver(run.rank, lambda: no_server_marker(run))
+        kind, what = on_driver(run.rank, lambda: no_server_marker(run))
         kept = f"; the checkpoint of step {saved} resumes it" if saved is not None else ""
-        raise ServersLost(f"no SGLang server in service after waiting rollout.server_wait_s="
-                          f"{run.cfg.rollout.server_wait_s:g} s ({what}){kept}; exiting with "
+        wait_s = run.cfg.rollout.server_wait_s
+        how = (f"after waiting rollout.server_wait_s={wait_s:g} s" if waited >= wait_s else
+               "and none can come back")  # each past its restart bound: no reason to wait
+        raise ServersLost(f"no {kind} in service {how} ({what}){kept}; exiting with "
                           f"{EXIT_NO_SERVER} (retryable: launch/slurm/job.sh requeues on it)")
 
 
 NO_SERVER_MARKER = "NO_SERVER_LEFT"
 
 
-def no_server_marker(run: Run) -> str:
+def no_server_marker(run: Run) -> tuple[str, str]:
     """Rank 0, before any rank exits 75: writes checkpoint.dir/NO_SERVER_LEFT, which tells
     launch/slurm/job.sh to requeue whatever exit code srun reports (srun --kill-on-bad-exit may
-    SIGKILL rank 0 once the others have exited); returns what happened to each server."""
-    what = run.driver.pool.summary()
+    SIGKILL rank 0 once the others have exited); returns (which servers are missing: "SGLang
+    server" or "teacher server", what happened to each of them)."""
+    kind, what = run.driver.lost_servers()
     if run.cfg.checkpoint.dir:
         (Path(run.cfg.checkpoint.dir) / NO_SERVER_MARKER).write_text(what + "\n")
-    return what
+    return kind, what
 
 
 def trained_versions(batch) -> list[int]:

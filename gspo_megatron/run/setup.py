@@ -157,8 +157,9 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         ckpt.clean_incomplete()
     run.driver = start_driver(cfg, rank, inputs.prompt_rows)
     if run.driver is not None:  # after a signal, no server call waits for the health probe
-        run.driver.pool.stop_requested = stop.requested
-        run.driver.pool.abort_timeout_s = cfg.rollout.abort_timeout_s
+        for pool in run.driver.pools():
+            pool.stop_requested = stop.requested
+            pool.abort_timeout_s = cfg.rollout.abort_timeout_s
     if resume_from:
         run.loop = ckpt.load(resume_from, actor)
         run.loop.extra["prompts"] = inputs.prompts

@@ -11,14 +11,14 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 from rollout.envs.calculator import CalculatorEnv
 from rollout.envs.guessing import GuessingGameEnv
 
 ENVIRONMENTS = {"calculator": CalculatorEnv, "guessing": GuessingGameEnv}
 
 
-class EnvironmentSpecError(GspoError, ValueError):
+class EnvironmentSpecError(InputError, ValueError):
     """A rollout.environment that names no usable environment class; the message names it."""
 
 

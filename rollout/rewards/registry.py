@@ -22,13 +22,13 @@ import dataclasses
 import importlib
 from typing import Any, Callable
 
-from gspo_megatron import GspoError
+from gspo_megatron import InputError
 from rollout.rewards.answers import exact_match_reward, format_reward
 from rollout.rewards.math_answers import prepare_gold, score_math
 from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
 
 
-class RewardSpecError(GspoError, ValueError):
+class RewardSpecError(InputError, ValueError):
     """rollout.reward names nothing that can be called; the message says why."""
 
 

@@ -91,13 +91,20 @@ class RewardErrorBudgetExceeded(GspoError, RuntimeError):
 
 class RewardErrorBudget:
     """Counts reward calls and failures over the run; raises past `max_error_fraction`
-    (checked once at least `min_calls` calls were made, so one early failure does not end a run)."""
+    (checked once at least `min_calls` calls were made, so one early failure does not end a run).
+    The first failure this process sees is said in one line on `log` (what failed: the function's
+    error, the HTTP judge's URL and answer); the per-step counts go to rollout/reward_errors and
+    the progress line, so a judge that is down is never a silent row of 0.0 rewards."""
 
-    def __init__(self, max_error_fraction: float = 0.0, min_calls: int = 1):
-        self.max_error_fraction, self.min_calls = max_error_fraction, min_calls
+    def __init__(self, max_error_fraction: float = 0.0, min_calls: int = 1,
+                 log: Callable[[str], None] = lambda line: print(f"[gspo] {line}", flush=True),
+                 what: str = "this run"):
+        """what: whose calls these are, for the first error's line ("the held-out eval")."""
+        self.max_error_fraction, self.min_calls, self.log, self.what = max_error_fraction, min_calls, log, what
         self.calls = 0
         self.errors = 0
         self.last_error: str | None = None
+        self._said = False  # the first error of this process was said (a resume says its own)
         self._lock = threading.Lock()  # the train and the eval managers may share one budget
 
     def record(self, ok: bool, error: str | None = None) -> None:
@@ -106,6 +113,11 @@ class RewardErrorBudget:
             if not ok:
                 self.errors += 1
                 self.last_error = error
+                if not self._said:
+                    self._said = True
+                    bound = (f"; past rollout.max_reward_error_fraction={self.max_error_fraction:g} "
+                             "of the calls the run stops" if self.max_error_fraction < 1 else "")
+                    self.log(f"reward error, the first of {self.what} (scored 0 and counted{bound}): {error}")
             if (self.calls >= self.min_calls
                     and self.errors > self.max_error_fraction * self.calls):
                 raise RewardErrorBudgetExceeded(

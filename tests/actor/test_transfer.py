@@ -82,12 +82,15 @@ def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
 
 def _scatter(rank, world, groups, dp_of, case, layers_of=None, replicas=None, stages=None):
     from gspo_megatron.actor.transfer import scatter_rows
-    from gspo_megatron.parallel.rank_zero import DriverError
+    from gspo_megatron import GspoError
     batch = make_batch(rows=17)  # every rank builds it, to compare; only rank 0's is sent
 
     def make():
         if case == "raises":
             raise ValueError("the reward service is down")
+        if case == "runtime_stop":  # every rank exits with rank 0's code (75, not DriverError's own 3)
+            from gspo_megatron.run.recovery import ServersLost
+            raise ServersLost("no SGLang server in service")
         return None if case == "none" else (batch, {"metrics": {"reward": 0.5}})
 
     def mine(spec):  # this rank's group among those named, e.g. ((0, 1), (2, 3))
@@ -99,8 +102,8 @@ def _scatter(rank, world, groups, dp_of, case, layers_of=None, replicas=None, st
             got = scatter_rows(rank, make, dp_rank=dp_of[rank], dp_size=dp_size, num_mini_batches=4, work=_work,
                                route_layers=layers_of[rank] if layers_of else None,
                                replica_group=mine(replicas), stage_group=mine(stages))
-    except (ValueError, DriverError) as e:
-        return f"{type(e).__name__}: {e}"
+    except (ValueError, GspoError) as e:  # DriverError on the ranks that are not rank 0
+        return f"{type(e).__name__}: {e}" + (f" [exit {e.exit_code}]" if case == "runtime_stop" else "")
     if got is None:
         return None
     shard, extras, stats = got
@@ -133,11 +136,12 @@ def test_every_rank_receives_its_shard_and_rank_0s_failures():
     (the same rows, relayed inside the replica by its leader; each stage only its own routing
     layers, 2 and 1 of 3, from rank 0); DP2 as TP2 (rows and routes relayed); DP2 given groups that
     do not hold the same rows (not used: rank 0 sends each rank its own); rank 0's None and rank 0's
-    error reach every rank. What each rank holds is its rows' real tokens and its layers' routes."""
+    error reach every rank, with its exit code. What each rank holds is its rows' real tokens and its layers' routes."""
     dp2, stages = [0, 0, 1, 1], [[0, 1], [2], [0, 1], [2]]
     replicas, wrong, alone = ((0, 1), (2, 3)), ((0, 2), (1, 3)), ((0,), (1,), (2,), (3,))
     cases = [([0, 1, 2, 3], "ok"), (dp2, "ok", stages, replicas, alone), (dp2, "ok", None, replicas, replicas),
-             (dp2, "ok", None, wrong, wrong), ([0, 1, 2, 3], "none"), ([0, 1, 2, 3], "raises")]
+             (dp2, "ok", None, wrong, wrong), ([0, 1, 2, 3], "none"), ([0, 1, 2, 3], "raises"),
+             ([0, 1, 2, 3], "runtime_stop")]
     per_rank = run_distributed(_scatter_cases, 4, (cases,), timeout=300)
     for k, case in enumerate(cases[:4]):
         dp_of, layers_of = case[0], (case[2] if len(case) > 2 else None)
@@ -172,6 +176,9 @@ def test_every_rank_receives_its_shard_and_rank_0s_failures():
     said = [mine[5] for mine in per_rank]
     assert said[0] == "ValueError: the reward service is down"
     assert said[1:] == ["DriverError: rank 0 failed: ValueError: the reward service is down"] * 3
+    stopped = [mine[6] for mine in per_rank]
+    assert stopped == ["ServersLost: no SGLang server in service [exit 75]"] + \
+        ["DriverError: rank 0 failed: ServersLost: no SGLang server in service [exit 75]"] * 3
 
 
 @pytest.mark.parametrize("layers", [None, [], [0], [1, 2], [2, 0]])

@@ -149,6 +149,29 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_any_server(tmp_path
     assert "SGLang" not in proc.stdout  # no server was started or attached
 
 
+def test_a_teacher_that_cannot_load_is_refused_before_any_server(tmp_path):
+    """A teacher whose config.json says more tokens than its weights hold: SGLang would load for a
+    minute and fail naming "the sglang server"; the start-up checks name the teacher and the tensor."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_model_dir("qwen3", 0), teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    vocab = config["vocab_size"]
+    config["vocab_size"] = vocab + 128
+    (teacher / "config.json").write_text(json.dumps(config))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "train", CONFIG,
+                           *base_overrides(run, "http://127.0.0.1:9", **{
+                               "distill.teacher": str(teacher), "loss.name": "gspo_token",
+                               "distill.reward_coef": 0, "rollout.server_urls": "[]"})],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"gspo-megatron: error: distill.teacher='{teacher}' cannot "
+                                                   "be loaded: "), proc.stderr[-3000:]
+    assert f"config.json implies ({vocab + 128}, " in lines[0] and "(vocab_size, hidden_size)" in lines[0]
+    assert "SGLang" not in proc.stdout and not (run / "ckpt").exists()  # nothing started or written
+
+
 # --- a real run ---------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_distillation_run_trains_and_reports(tmp_path, server_url, qwen3_server):  # noqa: F811

@@ -80,6 +80,23 @@ def test_relative_paths_show_where_they_point(tmp_path):
     line, _ = _train(tmp_path, "rollout.prompts=data/nope.jsonl")
     assert f"'data/nope.jsonl' (= {ROOT / 'data' / 'nope.jsonl'}, relative to the working directory)" in line
     assert seconds < 2, seconds
+    distill = ("loss.name=gspo_token", "distill.reward_coef=0")
+    line, seconds = _train(tmp_path, *distill, "distill.teacher=teachers/tiny")
+    assert line == (f"gspo-megatron: error: distill.teacher='teachers/tiny' (= {ROOT / 'teachers' / 'tiny'}, "
+                    "relative to the working directory): no config.json there (expected a Hugging Face model "
+                    "directory)")
+    assert seconds < 2, seconds
+
+
+def test_a_file_where_a_folder_is_expected_says_so(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    weights = tmp_path / "model.safetensors"
+    line, seconds = _train(tmp_path, f"model.hf_path={weights}")
+    assert line == (f"gspo-megatron: error: model.hf_path='{weights}' is a file, not a folder (expected a "
+                    "Hugging Face model directory with config.json)")
+    line, _ = _train(tmp_path, "loss.name=gspo_token", "distill.reward_coef=0", f"distill.teacher={weights}")
+    assert line.startswith(f"gspo-megatron: error: distill.teacher='{weights}' is a file, not a folder")
+    assert seconds < 2, seconds
 
 
 def test_plan_where_nothing_fits_says_why_and_fails(tmp_path):

@@ -156,7 +156,7 @@ def test_stale_initial_conversion_of_another_model_is_redone(tmp_path, server_ur
     model_a, model_b = tiny_model_dir("qwen3_moe", 0), tiny_model_dir("qwen3_moe", 1)
     first = run_train(train_args(tmp_path, dead_url(), **{"model.hf_path": str(model_a),
                                                       "rollout.server_startup_timeout_s": 2}))
-    assert "no healthy SGLang server" in _error_line(first)
+    assert "no healthy SGLang server" in _error_line(first, code=3)
     assert (ck / "initial_megatron" / "metadata.json").is_file()
     out = tmp_path / "exported"
     second = run_train(train_args(tmp_path, server_url, **{
@@ -193,7 +193,7 @@ def test_sigkill_during_initial_conversion_leaves_nothing_complete_and_rerun_con
     proc.wait()
     assert tmp.is_dir() and not (ck / "initial_megatron").exists()
     rerun = run_train(args)
-    assert "no healthy SGLang server" in _error_line(rerun)
+    assert "no healthy SGLang server" in _error_line(rerun, code=3)
     assert not tmp.exists() and (ck / "initial_megatron" / "source.json").is_file()
     assert not [p for p in ck.iterdir() if ".gspo-" in p.name or p.name.endswith(".tmp")]
     convert_megatron_to_hf(ck / "initial_megatron", tmp_path / "back")
@@ -211,7 +211,7 @@ def test_disk_full_during_checkpoint_save_is_one_line_and_resumes(tmp_path, smal
         "model.megatron_checkpoint": str(_initial_conversion(tmp_path)),
         "sync.dir": str(tmp_path / "sync")})
     proc = run_train(args)
-    line = _error_line(proc)
+    line = _error_line(proc, code=3)  # a runtime stop: the inputs passed
     assert f"saving checkpoint step_00000002 under {ck} failed: no space left on device (" in line
     assert "bytes needed (the previous checkpoint's size)" in line
     assert (ck / "latest").read_text().strip() == "step_00000001"

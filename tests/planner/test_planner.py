@@ -137,6 +137,9 @@ def test_plan_qwen3_235b_on_64_h100s_lists_the_published_layout():
     (("--gpus", "8", "--layout", "tensor=two"), "--layout 'tensor=two': expected fields such as"),
     (("--gpus", "8", "--nodes", "3"), "--nodes 3: expected a divisor of --gpus 8"),
     (("--gpus", "8", "--model", "Qwen9-1T"), "--model 'Qwen9-1T': not a published model"),
+    (("--gpus", "8", "--model", "DeepSeek-V3"), "--model 'DeepSeek-V3': the deepseek_v3 (DeepSeek-V3, "
+                                                "Kimi-K2) family is not supported yet (supported: glm4_moe, "),
+    (("--gpus", "8", "--model", "gpt-oss-120b"), "--model 'gpt-oss-120b': the gpt_oss family is not supported"),
 ])
 def test_bad_input_gets_one_line(args, message):
     model = () if "--model" in args else ("--model", "tiny-qwen3-moe")

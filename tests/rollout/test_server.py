@@ -1,6 +1,7 @@
 """Server lifecycle: start failure shows the log tail, stop leaves no process, attach mode."""
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -94,3 +95,52 @@ def test_a_picked_port_is_free_and_below_the_ephemeral_range():
     assert len(ports) > 1 and all(p < lo for p in ports), (lo, ports)
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))
+
+
+def test_the_cpu_memory_fraction_is_derived_from_the_kv_cache_the_weights_and_the_free_memory(tmp_path):
+    """SGLang starts only when fraction x free memory covers the weights, the KV cache of
+    max_total_tokens and what others take meanwhile (rollout/server_memory.py): 0.05 does not
+    when memory is short; the derived fraction does, and grows with the KV cache asked for."""
+    from fixtures_models import tiny_model_dir
+    from rollout.server_memory import HEADROOM_BYTES, cpu_mem_fraction_static, kv_bytes_per_token, weight_elements
+    model = tiny_model_dir("qwen3", 0)
+    cfg = json.loads((model / "config.json").read_text())
+    free = 8 << 30
+    want = (weight_elements(model) * 4 + 16384 * kv_bytes_per_token(cfg, 4) + HEADROOM_BYTES) / free
+    assert cpu_mem_fraction_static(model, 16384, free_bytes=free) == pytest.approx(want, abs=1e-4)
+    assert 0.05 * free < HEADROOM_BYTES  # the constant would have failed with 4 GiB taken meanwhile
+    assert cpu_mem_fraction_static(model, 1 << 20, free_bytes=free) > cpu_mem_fraction_static(model, 16384, free_bytes=free)
+    assert cpu_mem_fraction_static(model, 16384, free_bytes=1 << 30) == 0.9  # at most the ceiling
+    cmd = server_process(ServerConfig(model_path=str(model), device="cpu"), tmp_path).cmd
+    assert 0.05 <= float(cmd[cmd.index("--mem-fraction-static") + 1]) <= 0.9
+    given = server_process(ServerConfig(model_path=str(model), device="cpu", mem_fraction_static=0.3), tmp_path).cmd
+    assert given[given.index("--mem-fraction-static") + 1] == "0.3"
+
+
+@pytest.mark.slow
+def test_a_start_that_fails_for_a_transient_cause_is_retried_once_and_serves(tmp_path):
+    """A port held by another process while SGLang starts: it loads the model, cannot bind, and
+    exits; the launch says why and retries once (the holder is gone by then), and the server
+    serves."""
+    import socket
+
+    from fixtures_models import tiny_model_dir
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        holder.close()  # the other process lets go of the port before the second try
+
+    t0 = time.monotonic()
+    with ServerGroup.launch(ServerConfig(model_path=str(tiny_model_dir("qwen3", 0)), device="cpu", port=port,
+                                         log_dir=str(tmp_path)), log=log) as group:
+        from rollout.client import SGLangClient
+        assert SGLangClient(group.server_urls[0]).generate([1, 2, 3], {"max_new_tokens": 2})[0].output_ids
+    assert len(lines) == 1 and lines[0].startswith(f"SGLang server (port {port}) at http://127.0.0.1:{port} "
+                                                   "failed to start (a port taken by another process): "
+                                                   "retrying once in 5 s"), lines
+    print(f"two starts in {time.monotonic() - t0:.0f} s")

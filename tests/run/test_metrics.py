@@ -61,8 +61,12 @@ def test_disabled_writer_writes_nothing(tmp_path):
 
 
 def test_progress_line_and_tag_docs():
-    line = format_progress(3, 10, {"rollout/reward_mean": 0.25, "time/rollout": 1.5})
-    assert "step    3/10" in line and "reward 0.250" in line and "rollout 1.5s" in line
+    line = format_progress(3, 10, {"rollout/reward_mean": 0.25, "time/rollout": 1.5, "rollout/reward_errors": 0.0})
+    assert "step    3/10" in line and "reward 0.250 acc" in line and "rollout 1.5s" in line
+    # a step whose rewards failed says how many, not just "reward 0.000" (a judge that is down)
+    line = format_progress(4, 10, {"rollout/reward_mean": 0.0, "rollout/reward_errors": 8.0})
+    assert "reward 0.000 (8 reward errors) acc" in line
+    assert "(1 reward error) " in format_progress(5, 10, {"rollout/reward_mean": 0.5, "rollout/reward_errors": 1.0})
     assert all(t.count("/") == 1 and doc for t, doc in TAGS.items())
 
 

@@ -108,8 +108,9 @@ def test_train_tp2_end_to_end(tmp_path, server_url):
 
 
 # --- clear errors ----------------------------------------------------------------------------------
-def _error_line(proc) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+def _error_line(proc, code: int = 2) -> str:
+    """The one error line of a run that failed with exit `code` (2: the inputs, 3: a runtime stop)."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("gspo-megatron: error")]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return lines[0]
@@ -139,7 +140,7 @@ def test_clear_errors_before_start(tmp_path, capsys):
 @pytest.mark.slow
 def test_clear_errors_at_start(tmp_path):
     """Errors found once the run starts (bad prompt record, unreachable server, impossible
-    layout): one line, exit code 2, no traceback."""
+    layout): one line, no traceback; exit 2 for the inputs, 3 for the server that is not there."""
     from rollout.server import free_port
     hf = str(tiny_model_dir("qwen3_moe", 0))
     args = ["examples/tiny_moe_larger_digit.yaml", "--set", f"model.hf_path={hf}",
@@ -151,7 +152,7 @@ def test_clear_errors_at_start(tmp_path):
     bad.write_text('{"prompt": "hi", "answer": "1"}\n{"prompt": "x"}\n')
     line = _error_line(run_train(args + ["--set", f"rollout.prompts={bad}"], timeout=300))
     assert f"rollout.prompts: {bad}:2: no key 'answer' (no 'answer'; the row has ['prompt'])" in line
-    line = _error_line(run_train(args, timeout=300))
+    line = _error_line(run_train(args, timeout=300), code=3)
     assert "no healthy SGLang server at http://127.0.0.1:" in line
     line = _error_line(run_train(args + ["--set", "parallel.tensor=3"], timeout=300))
     assert "is not divisible by tensor 3" in line

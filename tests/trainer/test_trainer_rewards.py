@@ -42,6 +42,12 @@ def test_a_run_survives_hung_crashing_nan_and_raising_rewards(tmp_path, server_u
     assert any("returned nan" in e for e in errors)
     assert any("KeyError: 'thirteen'" in e for e in errors)
     assert max(r["reward/p99_ms"] for r in recs) < (TIMEOUT_S + 2) * 1000
+    # the first failure is said once, each step's count is in its progress line
+    first = [ln for ln in proc.stdout.splitlines() if ln.startswith("[gspo] reward error, the first of this run")]
+    assert len(first) == 1, first
+    progress = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert [f"({r['rollout/reward_errors']:.0f} reward error" in ln for r, ln in zip(recs, progress)] == \
+        [r["rollout/reward_errors"] > 0 for r in recs], progress
     print({t: total(t) for t in ("reward/timeouts", "reward/worker_restarts", "rollout/reward_errors",
                                  "time/reward", "time/reward_wait")})
 
@@ -54,7 +60,7 @@ def test_past_the_error_budget_the_run_stops_with_one_line_naming_the_cause(tmp_
     proc = run_train([CONFIG, *base_overrides(tmp_path, server_url, **{
         "rollout.prompts": str(prompts), "rollout.reward": "reward_functions:misbehaving",
         "train.warm_start_steps": 0})])
-    assert proc.returncode == 2
+    assert proc.returncode == 3  # a runtime stop (2 is for the inputs)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("gspo-megatron: error: the reward (or environment) failed 1 of ") and \
         "returned nan (expected a finite number)" in last, proc.stderr[-3000:]

@@ -1,6 +1,6 @@
 """`reward: http(s)://...` (rollout/rewards/http_service.py) against an HTTP service the test starts:
 the documented request and answer, retries on 5xx, and one clear error for a service that is down
-or answers nonsense."""
+or answers nonsense; the first such error of a run is said in one line, the later ones counted."""
 from __future__ import annotations
 
 import json
@@ -87,3 +87,26 @@ def test_a_service_that_is_down_or_answers_nonsense_is_named(judge):
             scores = pool.submit([{"answer": 1}] * 2, ["1", "1"]).result(timeout=60)
         assert all(s.status == "error" and s.reward == 0.0 and message in s.error for s in scores), \
             (url, scores[0].error)
+
+
+@pytest.mark.slow
+def test_a_judge_that_goes_down_is_said_once_then_counted():
+    """A judge that accepted the start-up check and died: its first error is one line naming the
+    URL and the error (rollout/rewards/scoring.py, RewardErrorBudget), the later ones are counted
+    (the progress line shows them: tests/run/test_metrics.py), never a silent reward of 0."""
+    from rollout.rewards.scoring import RewardErrorBudget
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+    check_reward(url)  # it accepts connections at start...
+    listener.close()   # ...and is gone once the run scores
+    said: list[str] = []
+    budget = RewardErrorBudget(max_error_fraction=1.0, log=said.append)
+    with _pool(url) as pool:
+        for _ in range(2):  # two steps' groups
+            for score in pool.submit([{"answer": 1}] * 4, ["1"] * 4).result(timeout=60):
+                budget.record(score.ok, score.error)
+    assert budget.errors == 8 and len(said) == 1, said
+    assert said[0].startswith("reward error, the first of this run (scored 0 and counted): ")
+    assert f"RewardServiceError: reward service {url} failed 4 times; last: ConnectionError" in said[0]
