@@ -130,7 +130,7 @@ class FakeActor:
 
 _KILL_SCRIPT = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {here!r}]  # the tests' helpers, and this module
     from pathlib import Path
     from gspo_megatron.checkpoint.loop_state import LoopState
     from gspo_megatron.checkpoint.manager import CheckpointManager
@@ -145,7 +145,8 @@ _KILL_SCRIPT = textwrap.dedent("""
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     root, marker = tmp_path / "ck", tmp_path / "saving"
     script = tmp_path / "save.py"
-    script.write_text(_KILL_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]), root=str(root)))
+    here = Path(__file__).resolve().parent
+    script.write_text(_KILL_SCRIPT.format(tests=str(here.parent), here=str(here), root=str(root)))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     from gspo_megatron.checkpoint.loop_state import LoopState
     from gspo_megatron.checkpoint.manager import CheckpointManager
@@ -154,7 +155,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
     proc = subprocess.Popen([sys.executable, str(script), "4"], env={**env, "SLOW_SAVE": str(marker)})
     for _ in range(600):
-        if marker.exists():
+        if marker.exists() or proc.poll() is not None:  # saving, or failed (asserted below)
             break
         import time
         time.sleep(0.1)
