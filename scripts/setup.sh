@@ -29,7 +29,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 PIN="$(mktemp)"; trap 'rm -f "$PIN"' EXIT
 printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$PIN"
 quiet "${PIP[@]}" install torch==2.14.1 torchvision==0.29.1
-quiet "${PIP[@]}" install -c "$PIN" -e ".[test]"
+quiet "${PIP[@]}" install -c "$PIN" -e ".[test,bench]"
 # sglang pins CUDA-only kernels that cannot install on CPU: take the wheel alone, then the CPU-safe
 # subset of its requirements (requirements/sglang-cpu.txt says what is left out and why).
 quiet "${PIP[@]}" install -c "$PIN" --no-deps "sglang==0.5.23"

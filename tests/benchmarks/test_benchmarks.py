@@ -77,11 +77,13 @@ SMOKE = {
     "logprobs_memory.py": (lambda url: ["--tokens", "128", "--vocab", "1024", "--hidden", "32"],
                            lambda out: _line(out, r"\s*1024\s+128 \|")),
     "mfu.py": (lambda url: ["--rows", "4", "--reps", "1", "--only", "0"], lambda out: "|" in out),
-    # the session's server serves the 4-expert tiny MoE, without the engine's routes
-    "moe_stability.py": (lambda url: ["--runs", "gspo", "--steps", "1", "--warm-start-steps", "0", "--experts", "4",
-                                      "--url", url, "--set", "moe.engine_routing=false", "--set", "eval.interval=0",
-                                      "--out", "{tmp}"],
-                         lambda out: "gspo: reward first 5" in out),
+    # the session's server serves the 2-layer 4-expert tiny MoE, without the engine's routes
+    "moe_stability.py": (lambda url: ["--seeds", "1", "--steps", "3", "--runs", "gspo", "grpo", "--warm-start-steps",
+                                      "0", "--layers", "2", "--experts", "4", "--url", url,
+                                      "--set", "moe.engine_routing=false", "--set", "rollout.max_new_tokens=32",
+                                      *SMALL_STEP, "--out", "{tmp}", "--plot", "--plot-dir", "{tmp}/img"],
+                         lambda out: out.strip().splitlines()[-1].startswith("[bench] wrote")
+                         and _line(out, r"stability: gspo [0-9.]+ ± [0-9.]+ \(\d/1 collapsed\); grpo ")),
     "rewards.py": (lambda url: ["--smoke"], lambda out: len(_rows(out, "math short")) == 1
                    and len(_rows(out, "code, 10 stdin tests")) == 1),
     "rollout.py": (lambda url: ["--url", url, "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1"],
