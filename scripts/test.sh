@@ -3,7 +3,8 @@
 #   bash scripts/test.sh                 # everything, as CI does: the suite in .venv (Python 3.11,
 #                                        # megatron-core 0.16.1), then the tests of the code that
 #                                        # builds or loads megatron-core objects in .venv-mcore019
-#                                        # (Python 3.12, megatron-core 0.19.2): both ends of the range
+#                                        # (Python 3.12, megatron-core 0.19.2): both ends of the range;
+#                                        # two pytest workers, a test file each at a time
 #   bash scripts/test.sh -m "not slow"   # the quick loop: .venv only, no multi-process or server tests
 #   bash scripts/test.sh ARGS...         # any pytest arguments: .venv only
 set -euo pipefail
@@ -21,7 +22,10 @@ SETUP019=$!
 # Every command of the trap must succeed: under `set -e` a failing one (kill of the build that
 # already ended) would make the script exit 1 after a green suite.
 trap 'kill "$SETUP019" 2>/dev/null || true; wait "$SETUP019" 2>/dev/null || true; rm -f "$SETUP019_LOG"' EXIT
-"$ROOT/.venv/bin/python" -m pytest
+# Two workers, whole files each (pytest-xdist --dist loadfile: a module's shared servers and models
+# stay one worker's): much of a test's time is waiting on servers and subprocesses, so the second
+# core was idle half the time with one.
+"$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadfile
 # The second end of the range: the modules whose code builds or loads megatron-core objects (model
 # specs, the actor, conversion, checkpoints, layouts, the CPU adaptations), their fast tests and
 # the multi-rank ones marked mcore019. The rest (rollouts, rewards, config, launch, metrics) runs
@@ -45,4 +49,4 @@ if ! wait "$SETUP019"; then
   exit 1
 fi
 grep -v '^$' "$SETUP019_LOG" >&2 || true
-"$ROOT/.venv-mcore019/bin/python" -m pytest -p no:cacheprovider -m "not slow or mcore019" "${MCORE_TESTS[@]}"
+"$ROOT/.venv-mcore019/bin/python" -m pytest -p no:cacheprovider -n 2 --dist loadfile -m "not slow or mcore019" "${MCORE_TESTS[@]}"
