@@ -261,10 +261,10 @@ def write_plots(results: dict[str, dict[int, dict[int, dict]]], out_dir: Path) -
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1")
-    p.add_argument("--steps", type=int, default=40, help="RL steps of every run")
+    p.add_argument("--steps", type=int, default=20, help="RL steps of every run")
     p.add_argument("--runs", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM",
                    help=f"arms to run, of {', '.join(ARMS)}")
-    p.add_argument("--warm-start-steps", type=int, default=60)
+    p.add_argument("--warm-start-steps", type=int, default=200)
     p.add_argument("--eval-interval", type=int, default=0, help="held-out eval every N steps (0: none)")
     p.add_argument("--layers", type=int, default=4, help="layers of the tiny MoE")
     p.add_argument("--experts", type=int, default=16, help="experts of the tiny MoE (top-2)")
