@@ -25,9 +25,8 @@ from typing import Any, Literal
 from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, OptimizerSettings,
                                           RoutingSettings)
 from gspo_megatron.algorithms.registry import LossSettings, RLLossName
+from gspo_megatron.config.parsing import apply_overrides, build, describe, read_yaml_mapping
 from gspo_megatron.config.validation import validate
-from gspo_megatron.config.parsing import (ConfigError, apply_overrides, build, describe, field_docs,
-                                          parse_override, read_yaml_mapping)
 from gspo_megatron.parallel.layout import ParallelLayout
 from rollout.health import ServerHealthSettings
 from rollout.manager_config import ManagerConfig
