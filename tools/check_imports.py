@@ -14,8 +14,9 @@ those submodules. The rules (docs/architecture.md, "Import rules"):
 - rollout knows nothing of megatron (no megatron or model_specs; of gspo_megatron only its root);
 - gspo_megatron.algorithms is pure torch (no megatron, no other gspo_megatron package);
 - the library packages (actor, checkpoint, parallel, sync) import none of the run's packages
-  (config, run, driver, trainer, cli); driver imports no run, trainer or cli; config no run,
-  driver, trainer or cli; nothing imports cli, and only cli imports trainer;
+  (config, run, driver, trainer, cli); parallel no other package; checkpoint no actor, sync or
+  planner; actor no sync or planner; driver no run, trainer or cli; config no run, driver,
+  trainer or cli; nothing imports cli, and only cli imports trainer;
 - loading the run config (gspo_megatron.config and what it imports when imported, function
   bodies aside) imports neither torch nor megatron-core, and neither do the command line's first
   checks (gspo_megatron.run.preflight): those errors come before the heavy imports;
@@ -179,6 +180,12 @@ def violations() -> list[str]:
     forbid("gspo_megatron.algorithms", library + run_side, ("megatron",), "algorithms are pure torch")
     for lib in ("actor", "checkpoint", "parallel", "sync"):
         forbid(f"gspo_megatron.{lib}", run_side, (), "the library packages know nothing of the run")
+    forbid("gspo_megatron.parallel", tuple(p for p in sub if p != "gspo_megatron.parallel"), (),
+           "parallel is the bottom of the library: megatron-core and torch only")
+    forbid("gspo_megatron.checkpoint", ("gspo_megatron.actor", "gspo_megatron.sync", "gspo_megatron.planner"), (),
+           "checkpoints know model chunks, not the actor that trains them")
+    forbid("gspo_megatron.actor", ("gspo_megatron.sync", "gspo_megatron.planner"), (),
+           "the actor knows nothing of the weight sync or the planner")
     forbid("gspo_megatron.driver", ("gspo_megatron.run", "gspo_megatron.trainer", "gspo_megatron.cli"), (),
            "run/ builds the driver")
     forbid("gspo_megatron.config", ("gspo_megatron.run", "gspo_megatron.driver", "gspo_megatron.trainer",

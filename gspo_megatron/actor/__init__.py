@@ -5,6 +5,9 @@ old log-probs (forward only) and GSPO train steps through megatron's pipeline sc
 
 Names are imported on first use (PEP 562): the run config reads `actor.settings` without
 importing torch or megatron-core.
+
+May import: algorithms, checkpoint, parallel, model_specs; never config, run, driver, sync,
+trainer or cli (tools/check_imports.py).
 """
 from __future__ import annotations
 

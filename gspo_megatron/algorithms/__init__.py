@@ -4,6 +4,8 @@ The equations and the properties the tests prove are in docs/algorithm.md (the p
 2507.18071); tests/test_algorithms_*.py prove properties 1-12. The loss table (names, clip ranges,
 metric keys) is registry.py. Names are imported on first use (PEP 562), so that reading the
 registry (config validation) does not import torch.
+
+May import: torch only (no megatron, no other package of gspo_megatron).
 """
 from __future__ import annotations
 

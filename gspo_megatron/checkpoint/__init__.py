@@ -5,7 +5,11 @@
     load_model(model_chunks, ckpt_dir)                  # any TP/PP/EP/VPP layout
 
 Offline conversion: gspo_megatron.checkpoint.convert (tools/convert_hf_to_megatron.py) and
-gspo_megatron.checkpoint.export (tools/convert_megatron_to_hf.py).
+gspo_megatron.checkpoint.export (tools/convert_megatron_to_hf.py). Also the light pieces the run's
+start-up checks use before torch: output folders (output_dirs.py), the run lock (run_lock.py),
+fingerprints, durable writes.
+
+May import: parallel, model_specs; never config, run, driver, actor, sync, trainer or cli.
 """
 from __future__ import annotations
 
