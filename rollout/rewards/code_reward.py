@@ -5,7 +5,8 @@
     reward.score(record, response_text, tests)   # fraction of tests passed (or all-or-nothing)
 
 The program: the last fenced code block of the response (```python ... ``` or untagged ```...```;
-a later block in another language does not hide an earlier Python one), Python only.
+a later block in another language does not hide an earlier Python one), Python only, found by a
+linear scan of the response's first MAX_SCANNED_CHARS.
 
 The tests, from the field the answer key points at (`rollout.answer_key`), in any of the layouts
 users keep them in:
@@ -28,21 +29,26 @@ and trailing empty lines, else token by token: a token equal as text, or, where 
 a real float (a decimal point or an exponent: `0.5`, `1e-9`), a number within 1e-6 of it (relative or
 absolute). Return values: equal as JSON values; integers, strings and booleans exactly, a float
 expected within the same tolerance; tuples as lists. (LiveCodeBench compares such tokens as
-decimals, verl's APPS checks try a float tolerance first: this is the strict end.)
+decimals, verl's APPS checks try a float tolerance first: this is the strict end.) Whatever the
+program prints is an answer: an output that cannot be parsed or compared (an int past int()'s 4300
+digits, JSON nested past MAX_RESULT_DEPTH, 10**400 against a float) fails the test; only the
+sandbox's own failure raises, a reward error.
 
-Time: each test has its limit, and all of one response's tests together have a budget below the
-reward call's bound (code_sandbox.tests_budget_s, by default rollout.reward_timeout_s less a margin):
-the tests stop at the first that times out or when the budget is spent, and the tests not run count
-as failed. A slow or looping program thus scores 0 (or what it passed) in bounded time, never a
-reward error that would stop the run.
+Time: each test has its limit, and the whole scoring of one response, from the call's start, has a
+budget below the reward call's bound (code_sandbox.tests_budget_s, by default rollout.reward_timeout_s
+less a margin): the tests stop at the first that times out or when the budget is spent, and the
+tests not run count as failed. A slow or looping program thus scores 0 (or what it passed) in
+bounded time, never a reward error that would stop the run.
 """
 from __future__ import annotations
 
 import base64
 import dataclasses
 import io
+import itertools
 import json
 import math
+import operator
 import pickle
 import re
 import time
@@ -52,16 +58,30 @@ from typing import Any
 from rollout.rewards.sandbox import Sandbox
 from rollout.rewards.settings import DEFAULT_REWARD_TIMEOUT_S, CodeSandboxSettings
 
-_FENCE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_TAG = re.compile(r"[A-Za-z0-9_+-]*")
 PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
 FLOAT_TOLERANCE = 1e-6
+MAX_SCANNED_CHARS = 1 << 20
+"""A response's first characters searched for code blocks (a 32k-token response is ~130k)."""
+MAX_RESULT_DEPTH = 200
+"""Deepest nesting of a call's JSON result that is parsed; deeper fails the test (a result of
+"[" * 100000 would reach json's and the comparison's recursion)."""
 
 
 def extract_program(text: str) -> str | None:
-    """The last fenced Python (or untagged) code block of a response, or None."""
-    blocks = [(m.group(1).lower(), m.group(2)) for m in _FENCE.finditer(text)]
-    python = [code for tag, code in blocks if tag in PYTHON_TAGS]
-    return python[-1] if python else None
+    """The last fenced Python (or untagged) code block of a response, or None: "```tag ...\n",
+    the code, the next "```". A scan with str.find, linear in the text: a regular expression with a
+    lazy body backtracks quadratically on a long run of backticks (100k: 12-21 s)."""
+    text, pos, program = text[:MAX_SCANNED_CHARS], 0, None
+    while True:
+        start = text.find("```", pos)
+        newline = text.find("\n", start + 3) if start >= 0 else -1
+        end = text.find("```", newline + 1) if newline >= 0 else -1
+        if end < 0:  # no later fence can close either
+            return program
+        if _TAG.match(text, start + 3, newline).group(0).lower() in PYTHON_TAGS:
+            program = text[newline + 1:end]
+        pos = end + 3
 
 
 @dataclasses.dataclass
@@ -190,7 +210,10 @@ def values_equal(got: Any, expected: Any) -> bool:
     if isinstance(got, bool) or isinstance(expected, bool):
         return isinstance(got, bool) and isinstance(expected, bool) and got == expected
     if isinstance(expected, float) and isinstance(got, (int, float)):
-        return _close(got, expected)
+        try:
+            return _close(got, expected)
+        except OverflowError:  # an int past the largest float (10**400)
+            return False
     if isinstance(expected, int) and isinstance(got, (int, float)):
         return got == expected  # exact: 3.0 is 3, 3.0000001 is not
     if isinstance(got, (list, tuple)) and isinstance(expected, (list, tuple)):
@@ -198,6 +221,48 @@ def values_equal(got: Any, expected: Any) -> bool:
     if isinstance(got, dict) and isinstance(expected, dict):
         return got.keys() == expected.keys() and all(values_equal(got[k], expected[k]) for k in got)
     return got == expected
+
+
+def call_result(out: str) -> tuple[bool, Any]:
+    """(found, value): the JSON after the harness's last marker line in a call's stdout. Bounded
+    before parsing: the stdout is capped (max_output_bytes), nesting past MAX_RESULT_DEPTH is
+    refused, and int() refuses more than 4300 digits."""
+    marker = CALL_MARKER.strip() + "\n"
+    if marker not in out:
+        return False, None
+    text = out.rsplit(marker, 1)[1]
+    if _nesting(text) > MAX_RESULT_DEPTH:
+        return False, None
+    try:
+        return True, json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or an int of more digits than int() takes
+        return False, None
+
+
+_BRACKETS = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[{]}"))
+
+
+def _nesting(text: str) -> int:
+    """An upper bound on the nesting of a JSON text (brackets inside strings count too), in C loops."""
+    if text.count("[") + text.count("{") <= MAX_RESULT_DEPTH:
+        return MAX_RESULT_DEPTH
+    steps = text.encode(errors="surrogatepass").translate(_BRACKETS, _NOT_BRACKETS)  # 2 open, 0 close
+    return max(map(operator.sub, itertools.accumulate(steps), range(1, len(steps) + 1)), default=0)
+
+
+def output_passes(got: str, expected: Any, call: bool) -> bool:
+    """A run's output against the expected one: stdout text (stdout_matches) or a call's result
+    (values_equal, APPS's one-element wrapping accepted). Whatever the program printed, this
+    answers: an output that makes the parse or the comparison raise fails the test."""
+    try:
+        if not call:
+            return stdout_matches(got, str(expected))
+        found, value = call_result(got)
+        return found and (values_equal(value, expected) or (isinstance(expected, list) and len(expected) == 1
+                                                            and values_equal(value, expected[0])))
+    except Exception:  # noqa: BLE001 - the program's output, never the sandbox's failure
+        return False
 
 
 CALL_MARKER = "\n@@gspo-call-result@@"
@@ -237,12 +302,12 @@ class CodeReward:
         return suite
 
     def score(self, record: dict, response_text: str, suite: TestSuite | None = None) -> float:
+        deadline = time.monotonic() + self.budget_s  # the call's own time (extraction, parsing) counts
         suite = suite or self.prepare(record)
         program = extract_program(response_text)
         if program is None:
             return 0.0
         limit = suite.time_limit_s or self.settings.time_limit_s
-        deadline = time.monotonic() + self.budget_s
         passed = 0
         for case in suite.cases:
             if time.monotonic() >= deadline:
@@ -259,24 +324,15 @@ class CodeReward:
                   deadline: float) -> tuple[str, bool]:
         """(the run's status, whether the test passed)."""
         if fn_name is None:
-            result = self.sandbox.run(program, str(case.input).encode(), limit, deadline)
-            self._check(result)
-            ok = result.status == "ok" and stdout_matches(result.stdout.decode(errors="replace"), str(case.output))
-            return result.status, ok
-        source = program + CALL_HARNESS.format(name=fn_name, marker=CALL_MARKER.strip())
-        result = self.sandbox.run(source, json.dumps(case.input).encode(), limit, deadline)
+            source, stdin = program, str(case.input).encode()
+        else:
+            source = program + CALL_HARNESS.format(name=fn_name, marker=CALL_MARKER.strip())
+            stdin = json.dumps(case.input).encode()
+        result = self.sandbox.run(source, stdin, limit, deadline)
         self._check(result)
-        out = result.stdout.decode(errors="replace")
-        marker = CALL_MARKER.strip() + "\n"
-        if result.status != "ok" or marker not in out:
-            return result.status, False
-        try:
-            got = json.loads(out.rsplit(marker, 1)[1])
-        except json.JSONDecodeError:
-            return result.status, False
-        expected = case.output
-        return result.status, values_equal(got, expected) or (isinstance(expected, list) and len(expected) == 1
-                                                              and values_equal(got, expected[0]))
+        ok = result.status == "ok" and output_passes(result.stdout.decode(errors="replace"), case.output,
+                                                     fn_name is not None)
+        return result.status, ok
 
     @staticmethod
     def _check(result: Any) -> None:

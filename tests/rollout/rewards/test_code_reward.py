@@ -281,3 +281,59 @@ def test_process_mode_keeps_the_worker_unreadable_and_alive(user):
     assert out.returncode == 0, out.stderr[-2000:]
     reward, status, error = json.loads(out.stdout.strip().splitlines()[-1])
     assert (reward, status) == (1.0, "ok"), (status, error)
+
+
+HOSTILE_OUTPUTS = {
+    # each returns the right value on the first test and, on the second, an output the worker's own
+    # parse or comparison raised on (ValueError, RecursionError, OverflowError): a reward error, which
+    # under max_reward_error_fraction 0 stopped the run
+    "a 5001-digit int": ("add", [3, 4], "import sys\nsys.set_int_max_str_digits(0)\n"
+                         "def add(a, b):\n    return a + b if a == 1 else 10 ** 5000"),
+    "JSON nested 100000 deep": ("add", [3, 4], "import atexit, sys\ndef add(a, b):\n    if a != 1:\n"
+                                "        atexit.register(lambda: sys.stdout.write('@@gspo-call-result@@\\n'"
+                                " + '[' * 100000 + ']' * 100000 + '\\n'))\n    return a + b"),
+    "10**400 where a float is expected": ("ratio", [0.5, 0.25], "def ratio(a, b):\n"
+                                          "    return a / b if b == 2 else 10 ** 400"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("output", sorted(HOSTILE_OUTPUTS))
+def test_an_output_the_worker_cannot_parse_or_compare_fails_that_test_only(code, output):
+    fn_name, outputs, program = HOSTILE_OUTPUTS[output]
+    row = {"answer": {"fn_name": fn_name, "inputs": [[1, 2], [2, 4]], "outputs": outputs}}
+    assert code.score(row, f"```python\n{program}\n```") == 0.5
+
+
+@pytest.mark.slow
+def test_a_lone_surrogate_in_the_program_fails_the_test(code):
+    # a response decoded with a lone surrogate: its program could not be encoded for the sandbox
+    # (UnicodeEncodeError, a reward error); now Python refuses its bytes, as any syntax error
+    record = {"answer": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
+    assert code.score(record, "```python\nprint(3)  # \udced\n```") == 0.0
+
+
+def test_a_long_run_of_backticks_is_scanned_in_linear_time():
+    # the fence regular expression backtracked quadratically: 100k backticks took 12-21 s in a
+    # worker, before the tests' budget started
+    tail = "`" * 100_000
+    t0 = time.monotonic()
+    assert extract_program("```python\nprint(1)\n```\n" + tail) == "print(1)\n"
+    assert extract_program(tail + "\n" + tail) == ""  # an empty block, as the expression found
+    assert extract_program(("```python" * 50_000) + "\n") is None
+    assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.slow
+def test_the_tests_budget_counts_from_the_start_of_the_call(monkeypatch):
+    # whatever the call spends before the first test (extraction, parsing) is inside the budget: a
+    # budget started after a slow extraction let a slow program run the call past the reward timeout
+    from rollout.rewards import code_reward
+    slow = "import time\ntime.sleep(0.3)\nprint(int(input()) + 1)\n"
+    monkeypatch.setattr(code_reward, "extract_program", lambda text: time.sleep(1.0) or slow)
+    reward = CodeReward(CodeSandboxSettings(tests_budget_s=2.0))
+    reward.sandbox.probe()
+    row = {"answer": {"inputs": [f"{i}\n" for i in range(10)], "outputs": [f"{i + 1}\n" for i in range(10)]}}
+    t0 = time.monotonic()
+    assert 0 < reward.score(row, "a slow program") < 1
+    assert time.monotonic() - t0 < 2.0 + 0.4
