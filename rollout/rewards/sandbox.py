@@ -22,13 +22,18 @@ namespaces (auto and namespaces: where user namespaces are allowed)
   PID namespace (nothing escapes by double-forking or setsid);
 - every capability dropped, no_new_privs, a system-call filter (seccomp.py).
 process (only when isolation: process is set; auto never falls back to it)
-- a process group of its own (killed whole), limits, a private temporary directory as the working
-  directory, the user nobody when started as root (then it cannot signal, trace or read the
-  worker); the filter refuses SysV IPC, and signals and tracing of any process but its own;
-  NO network and NO file-system isolation. Said once at start.
+- a process group of its own (killed whole), limits, a private folder (0700) as the working
+  directory, as root a user of the reward worker's own (sandbox_process.py: it cannot signal,
+  trace or read the worker, nor enter a concurrent run's folder); Landlock where the kernel has it
+  (reads beneath the interpreter's directories and /proc only, writes beneath its folder only),
+  else as root what its user left in the host's temp directories removed after the run; the
+  filter refuses SysV IPC, sockets (socketpair stays), and signals and tracing of any process but
+  its own; the host's PID, IPC and UTS namespaces, and without Landlock its file system. Said
+  once at start.
 Both: per test, a cgroup (sandbox_cgroup.py) bounds memory (tmpfs, shared memory and memfd
 included), processes and CPU of the whole run where one can be made; else the filter refuses
-memfd_create and SysV IPC and the process count is lowered to FALLBACK_PROCESSES. And RLIMIT_CPU,
+memfd_create, SysV IPC and unix and netlink sockets, and the process and descriptor counts are
+lowered to FALLBACK_PROCESSES and FALLBACK_FILES. And RLIMIT_CPU,
 RLIMIT_AS (memory per process), RLIMIT_FSIZE, RLIMIT_NPROC, no core files; a wall-clock limit; stdout
 capped (the program is killed past it); stdin from the test, never the expected output. It is not
 a VM: the kernel is shared, and a kernel exploit is out of its scope.
@@ -49,6 +54,8 @@ from pathlib import Path
 
 from gspo_megatron import GspoError
 from rollout.rewards.sandbox_cgroup import CgroupLayout, RunCgroup
+from rollout.rewards.sandbox_process import (FOLDER_PREFIX, landlock_abi, remove_folder, remove_left_behind,
+                                             remove_stale_folders, run_user)
 from rollout.rewards.seccomp import SELF_PID, build_filter
 from rollout.rewards.settings import INTERPRETER_START_S, CodeSandboxSettings
 
@@ -62,6 +69,12 @@ SANDBOX_ENV = "GSPO_SANDBOX"
 FALLBACK_PROCESSES = 4
 """Processes (and threads) a run may have where no cgroup bounds it: memory is then bounded per
 process only, so the whole run holds at most this many x memory_mb (plus its tmpfs)."""
+FILES, FALLBACK_FILES = 256, 64
+"""Open descriptors per process (RLIMIT_NOFILE), and where no cgroup counts the kernel memory
+behind each (pipe buffers: the user's pipe-user-pages-soft bounds those)."""
+PROBE_TRIES = 3
+"""Runs of the probe's program per interpreter before it counts as not running: a probe that
+meets something else once (a run beside it) is not a sandbox that cannot work."""
 TMP_MB, SHM_MB = 64, 16
 """Sizes of the run's private /tmp (its working directory) and /dev/shm (namespaces mode)."""
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -128,6 +141,10 @@ class Sandbox:
         self.cgroups: CgroupLayout | None = None
         self.root: list[list[str]] = []
         self._filter: bytes | None = None
+        self.uid: int | None = None
+        """process mode: the runs' user (root: this worker's own), None: the worker's."""
+        self.landlock = 0
+        """process mode: the Landlock ABI that confines the runs' files, 0: none."""
 
     # --- what this machine allows --------------------------------------------------------------
     def _prefix(self, mode: str) -> list[str]:
@@ -154,14 +171,18 @@ class Sandbox:
         mode = "process" if wanted == "process" else "namespaces"
         self.cgroups = CgroupLayout.find()
         self._filter = build_filter(memory_unbounded=self.cgroups is None, shared_host=mode == "process")
+        if mode == "process":
+            self.uid, self.landlock = run_user(), landlock_abi()
+            if self.uid is not None:
+                remove_stale_folders(time.monotonic() + SET_UP_LIMIT_S)
         reasons = []
         for python in self._candidates():
-            self.mode, self.python = mode, python
-            self.root = root_plan(python) if mode == "namespaces" else []
-            r = self._run_once("print(6 * 7)", b"", 10.0)
-            if r.status == "ok" and r.stdout.strip() == b"42":
-                self.note = self._describe()
-                return self.note
+            self.mode, self.python, self.root = mode, python, root_plan(python)
+            for _ in range(PROBE_TRIES):
+                r = self._run_once("print(6 * 7)", b"", 10.0)
+                if r.status == "ok" and r.stdout.strip() == b"42":
+                    self.note = self._describe()
+                    return self.note
             reasons.append(f"{python}: {r.status} {_one_line(r.stderr_tail.decode(errors='replace'))}")
         self.mode = self.python = None
         if mode == "process":
@@ -177,14 +198,23 @@ class Sandbox:
             bounds = self.cgroups.describe()
         else:
             bounds = (f"no cgroup here: memory bounded per process, at most {self._processes()} processes, "
-                      "memfd and SysV IPC refused")
+                      "memfd, SysV IPC and unix sockets refused")
         if self._filter is None:
             bounds += f"; no system-call filter on {os.uname().machine}"
         if self.mode == "namespaces":
             return (f"code sandbox: namespaces (a root of the interpreter's read-only directories, no network, "
                     f"private /tmp, IPC and hostname, no nested user namespaces), {bounds}, {self.python}")
-        return (f"code sandbox: process isolation only: NO network or file-system isolation here "
-                f"(rollout.code_sandbox.isolation: process), {bounds}, {self.python}")
+        user = f"as uid {self.uid}" if self.uid is not None else "as the worker's user"
+        if self.landlock:
+            files = (f"files confined by Landlock (ABI {self.landlock}: reads of the interpreter's directories, "
+                     "writes in its folder)")
+        elif self.uid is not None:
+            files = ("NO file-system isolation (no Landlock in this kernel; what its user leaves in /tmp, "
+                     "/var/tmp and /dev/shm is removed)")
+        else:
+            files = "NO file-system isolation (no Landlock in this kernel)"
+        return (f"code sandbox: process isolation only (rollout.code_sandbox.isolation: process): the host's "
+                f"processes visible, sockets refused, {user}, {files}, {bounds}, {self.python}")
 
     # --- one run -------------------------------------------------------------------------------
     def run(self, program: str, stdin: bytes, time_limit_s: float | None = None,
@@ -203,8 +233,8 @@ class Sandbox:
         # a backstop past the wall limit, which decides "timeout" (CPU counts per process)
         cpu = math.ceil(time_limit_s + INTERPRETER_START_S) + 1
         return {"RLIMIT_CPU": cpu, "RLIMIT_AS": s.memory_mb << 20, "RLIMIT_FSIZE": s.max_file_mb << 20,
-                "RLIMIT_NPROC": self._processes(), "RLIMIT_CORE": 0, "RLIMIT_NOFILE": 256,
-                "RLIMIT_MSGQUEUE": 0}
+                "RLIMIT_NPROC": self._processes(), "RLIMIT_CORE": 0,
+                "RLIMIT_NOFILE": FILES if self.cgroups is not None else FALLBACK_FILES, "RLIMIT_MSGQUEUE": 0}
 
     def _run_once(self, program: str, stdin: bytes, time_limit_s: float,
                   deadline: float | None = None) -> RunResult:
@@ -214,12 +244,13 @@ class Sandbox:
         cgroup = (self.cgroups.create(self.settings.memory_mb << 20, self.settings.max_processes + 1)
                   if self.cgroups is not None else None)
         program_fd = os.memfd_create("program")
-        os.write(program_fd, program.encode())
+        os.write(program_fd, program.encode(errors="surrogatepass"))  # a lone surrogate: a SyntaxError, not ours
         os.lseek(program_fd, 0, os.SEEK_SET)
         status_r, status_w = os.pipe()
         config = {"mode": self.mode, "program_fd": program_fd, "status_fd": status_w, "python": self.python,
                   "limits": self._limits(time_limit_s), "root": self.root, "tmp_mb": TMP_MB, "shm_mb": SHM_MB,
-                  "seccomp": self._filter.hex() if self._filter else None, "self_pid": SELF_PID}
+                  "seccomp": self._filter.hex() if self._filter else None, "self_pid": SELF_PID,
+                  "uid": self.uid, "landlock": self.landlock}
         argv = self._prefix(self.mode) + [self.python, "-I", "-S", "-c", INIT_SOURCE, json.dumps(config)]
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -243,9 +274,8 @@ class Sandbox:
             if cgroup is not None:
                 cgroup.remove()  # and with it whatever escaped the process group (process mode)
         seconds = time.monotonic() - t0
-        workdir = status[3:].strip() if status.startswith("ok ") else ""
-        if self.mode == "process" and workdir.startswith("/tmp/gspo-sandbox-"):
-            shutil.rmtree(workdir, ignore_errors=True)
+        if self.mode == "process":
+            self._clean_up(status[3:].strip() if status.startswith("ok ") else "", deadline or math.inf)
         tail = stderr[-STDERR_TAIL:]
         if not status.startswith("ok"):
             if timed_out and deadline is not None and time.monotonic() >= deadline:
@@ -256,6 +286,14 @@ class Sandbox:
         if timed_out:
             return RunResult("timeout", stdout, tail, proc.returncode, seconds)
         return RunResult("ok" if proc.returncode == 0 else "runtime_error", stdout, tail, proc.returncode, seconds)
+
+    def _clean_up(self, folder: str, until: float) -> None:
+        """Process mode, after the run: its folder, and as root without Landlock what its user left in
+        the host's temp directories, removed within the caller's deadline (sandbox_process.py)."""
+        if folder.startswith(f"/tmp/{FOLDER_PREFIX}"):
+            remove_folder(folder, until)
+        if self.uid is not None and not self.landlock:
+            remove_left_behind(self.uid, until, keep=folder)
 
     def _communicate(self, proc: subprocess.Popen, stdin: bytes, status_r: int,
                      limit_s: float, hard: float) -> tuple[bytes, bytes, str, bool, bool]:

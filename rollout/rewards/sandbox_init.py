@@ -14,15 +14,19 @@ namespace's root):
   2. pivot_root into it and the old root detached: nothing else of the host is reachable (no
      project, run folders, data, sockets, /sys, /home, /root, /var, /run);
   3. every mount read-only but /tmp, /dev/shm and /proc; user.max_user_namespaces = 0 in its user
-     namespace (no nested user namespace gives capabilities back); hostname "sandbox";
+     namespace (no nested user namespace gives capabilities back; written before the new /proc,
+     which shows the run's processes only, `subset=pid`, where the kernel has it: 5.8+);
+     hostname "sandbox";
   4. the program copied from an inherited file descriptor to /tmp/main.py;
   5. resource limits; every capability dropped (bounding set, then all sets), no_new_privs; the
      system-call filter (seccomp.py), last;
   6. "ok" on the status descriptor, which is closed; exec the interpreter on the program.
-process mode (no namespaces): the unprivileged user when started as root, a private temporary
-directory, then steps 4-6 (no_new_privs and the filter, no capabilities to drop). Any failure
-before the exec exits with code 121 and no "ok": the runner reports a sandbox failure, never a
-program result.
+process mode (no namespaces): as root, the worker's own unprivileged user (sandbox_process.py); a
+private folder (0700) in the host's temporary directory, also the program's TMPDIR; then steps
+4-6, where Landlock, when the kernel has it, comes between no_new_privs and the filter: reads
+beneath what step 1 would bind and /proc only, writes beneath the folder only. Any failure before
+the exec exits with code 121 and no "ok": the runner reports a sandbox failure, never a program
+result.
 """
 import ctypes
 import json
@@ -40,7 +44,11 @@ PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL =
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 1, 22, 2
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 """pivot_root has no C library wrapper before glibc 2.36."""
-NOBODY = 65534
+SYS_LANDLOCK = (444, 445, 446)
+"""landlock_create_ruleset, landlock_add_rule, landlock_restrict_self: the same on every architecture."""
+LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1, 2, 4, 8
+LL_REFER, LL_TRUNCATE = 1 << 13, 1 << 14
+"""Landlock ABI 2 and 3; ABI 1's thirteen rights are the bits below 1 << 13."""
 NEW_ROOT = "/tmp"  # where the new root is built: a mount here is seen only in this mount namespace
 WRITABLE = ("/tmp", "/dev/shm", "/proc")
 PASSWD = "root:x:0:0:root:/tmp:/usr/sbin/nologin\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
@@ -90,7 +98,10 @@ def build_root(plan, tmp_mb, shm_mb):
         os.symlink(target, f"{NEW_ROOT}/dev/{name}")
     for point in ("/proc", "/tmp", "/dev/shm"):
         os.makedirs(NEW_ROOT + point, exist_ok=True)
-    mount("proc", f"{NEW_ROOT}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    try:
+        mount("proc", f"{NEW_ROOT}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "subset=pid")
+    except OSError:  # before 5.8: the whole /proc of its PID namespace
+        mount("proc", f"{NEW_ROOT}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     mount("tmpfs", f"{NEW_ROOT}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777")
     mount("tmpfs", f"{NEW_ROOT}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={shm_mb}m,mode=1777")
     os.chdir(NEW_ROOT)
@@ -144,10 +155,43 @@ def drop_capabilities():
     check(libc.capset(ctypes.byref(header), data), "capset")
 
 
+def confine_files(abi, plan, folder):
+    """Landlock (process mode): reads and execution beneath the plan's directories and files (what
+    build_root would bind) and /proc, every access beneath `folder`, nothing else of the file system."""
+    every = (LL_REFER - 1) | (LL_REFER if abi >= 2 else 0) | (LL_TRUNCATE if abi >= 3 else 0)
+    attr = ctypes.c_uint64(every)  # handled_access_fs; no network or scope fields: size 8
+    ruleset = libc.syscall(ctypes.c_long(SYS_LANDLOCK[0]), ctypes.byref(attr), ctypes.c_size_t(8),
+                           ctypes.c_uint32(0))
+    if ruleset < 0:
+        check(-1, "landlock_create_ruleset")
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    def allow(path, access):
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        try:
+            rule = PathBeneath(access, fd)
+            check(libc.syscall(ctypes.c_long(SYS_LANDLOCK[1]), ctypes.c_int(ruleset), ctypes.c_int(1),
+                               ctypes.byref(rule), ctypes.c_uint32(0)), f"landlock rule for {path}")
+        finally:
+            os.close(fd)
+    device = LL_READ_FILE | LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
+    for entry in plan:  # "link" entries point into the directories
+        access = {"dir": LL_EXECUTE | LL_READ_FILE | LL_READ_DIR, "file": LL_READ_FILE, "dev": device}
+        if entry[0] in access:
+            allow(entry[1], access[entry[0]])
+    allow("/proc", LL_READ_FILE | LL_READ_DIR)
+    allow(folder, every)
+    check(libc.syscall(ctypes.c_long(SYS_LANDLOCK[2]), ctypes.c_int(ruleset), ctypes.c_uint32(0)),
+          "landlock_restrict_self")
+    os.close(ruleset)
+
+
 def install_filter(program, self_pid_placeholder):
-    """no_new_privs, then the seccomp filter (built by seccomp.py; struct sock_filter[] bytes),
-    with this process's pid where the filter holds the placeholder for it."""
-    check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    """The seccomp filter (built by seccomp.py; struct sock_filter[] bytes), with this process's
+    pid where the filter holds the placeholder for it; no_new_privs is set already."""
     if not program:
         return
     import struct
@@ -168,27 +212,31 @@ def main():
         program = f.read()
     try:
         if config["mode"] == "namespaces":
-            build_root(config["root"], config["tmp_mb"], config["shm_mb"])
             no_nested_user_namespaces()
+            build_root(config["root"], config["tmp_mb"], config["shm_mb"])
             read_only_but_private_dirs()
             workdir = "/tmp"
         else:
             import tempfile
-            if os.geteuid() == 0:
+            if config["uid"] is not None:
                 parent = os.getppid()
                 os.setgroups([])
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
+                os.setgid(config["uid"])
+                os.setuid(config["uid"])
                 libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # SIGKILL again: the uid change cleared it
                 if os.getppid() != parent:
                     fail("the reward worker is gone")
-            workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")
+            workdir = tempfile.mkdtemp(prefix="gspo-sandbox-")  # 0700
+            os.environ["TMPDIR"] = workdir
         os.chdir(workdir)
         with open("main.py", "wb") as f:
             f.write(program)
         set_limits(config["limits"])
         if config["mode"] == "namespaces":
             drop_capabilities()
+        check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        if config["mode"] == "process" and config["landlock"]:
+            confine_files(config["landlock"], config["root"], workdir)
         install_filter(bytes.fromhex(config["seccomp"]) if config["seccomp"] else None, config["self_pid"])
     except OSError as e:
         fail(str(e))

@@ -55,8 +55,9 @@ class CodeSandboxSettings:
     cgroup namespaces, in a root holding only the interpreter's read-only directories and a private
     /tmp (no project, data or run folder, no network, no other process visible, everything killed
     with it) as an unprivileged user; refused at start, in one line, where the machine does not
-    allow it. process: weaker, only by choice: limits, a process group, a temporary directory and
-    a system-call filter (no file-system or network isolation)."""
+    allow it. process: weaker, only by choice: the host's namespaces, with limits, a process group,
+    a private folder, a user of each worker's own (as root), Landlock on its files where the kernel
+    has it (else no file-system isolation) and a system-call filter that refuses sockets."""
     private_tests: bool = True
     """LiveCodeBench rows: also run `private_test_cases` (when the row has them), not only the
     tests the answer key points at."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rollout.rewards import sandbox_cgroup
-from rollout.rewards.sandbox import FALLBACK_PROCESSES, Sandbox
+from rollout.rewards.sandbox import FALLBACK_FILES, FALLBACK_PROCESSES, Sandbox
 from sandboxes import leftovers, probed_sandbox
 from rollout.rewards.settings import CodeSandboxSettings
 
@@ -215,6 +215,47 @@ def test_without_a_cgroup_memory_is_bounded_by_the_filter_and_fewer_processes(mo
     r = sandbox.run(HOLD_IN_CHILDREN, b"", 5.0)
     # at most FALLBACK_PROCESSES processes of memory_mb each: the program and 3 children
     assert r.status == "ok" and int(r.stdout) <= (FALLBACK_PROCESSES - 1) * 150
+
+
+SOCKET_BUFFERS = """
+import resource, socket
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+queued, kept = 0, []
+for _ in range(60):
+    try:
+        a, b = socket.socketpair()
+    except OSError as e:
+        print("refused", e.errno)
+        break
+    kept += [a, b]
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 30)
+    a.setblocking(False)
+    try:
+        while True:
+            queued += a.send(bytes(1 << 16))
+    except BlockingIOError:
+        pass
+for family in (socket.AF_UNIX, socket.AF_NETLINK):
+    try:
+        socket.socket(family, socket.SOCK_DGRAM).close()
+        print("made", family)
+    except OSError as e:
+        print("refused", e.errno)
+print(queued >> 20)
+"""
+
+
+@pytest.mark.parametrize("isolation", ["namespaces", "process"])
+def test_without_a_cgroup_socket_buffers_are_refused_and_descriptors_fewer(isolation, monkeypatch):
+    # unix socket buffers are kernel memory outside RLIMIT_AS: with no cgroup and memory_mb 256 one run
+    # queued 3.77 GB in socketpairs
+    monkeypatch.setattr(sandbox_cgroup.CgroupLayout, "find", classmethod(lambda cls: None))
+    sandbox = probed_sandbox(isolation, memory_mb=256)
+    assert sandbox.cgroups is None
+    r = sandbox.run(SOCKET_BUFFERS, b"", 5.0)
+    assert r.status == "ok", r.stderr_tail
+    files, *refused, queued_mb = r.stdout.decode().splitlines()
+    assert int(files) == FALLBACK_FILES and refused == ["refused 1"] * 3 and queued_mb == "0"
 
 
 def test_the_run_dies_with_its_reward_worker(ns):
