@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="RL steps of every run")
     p.add_argument("--runs", nargs="+", default=list(ARMS), choices=list(ARMS), metavar="ARM",
                    help=f"arms to run, of {', '.join(ARMS)}")
-    p.add_argument("--warm-start-steps", type=int, default=200)
+    p.add_argument("--warm-start-steps", type=int, default=500)
     p.add_argument("--eval-interval", type=int, default=0, help="held-out eval every N steps (0: none)")
     p.add_argument("--layers", type=int, default=4, help="layers of the tiny MoE")
     p.add_argument("--experts", type=int, default=16, help="experts of the tiny MoE (top-2)")
