@@ -7,9 +7,9 @@ A leaf package: it knows Hugging Face configs and megatron-core, nothing of the 
 caller (gspo_megatron's actor, the checkpoint converters) supplies the parallel layout and the
 machine's adaptations as TransformerConfig overrides.
 
-Names are imported on first use (PEP 562). `hf_config`, `traits`, `shape`, `moe_fields` and `tiny`
-are torch-free: the command line's early checks and the planner read them before (or without)
-torch and megatron-core.
+Names are imported on first use (PEP 562). `hf_config`, `traits`, `shape`, `moe_fields`,
+`mla_fields`, `rope` and `tiny` are torch-free: the command line's early checks and the planner
+read them before (or without) torch and megatron-core.
 """
 from __future__ import annotations
 

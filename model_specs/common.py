@@ -1,12 +1,13 @@
 """HF config.json -> megatron-core TransformerConfig + layer spec, shared by the decoder families.
 
-What differs between the decoder families (qwen3, qwen3_moe, qwen2, qwen2_moe, glm4_moe, llama)
-is their `FamilyTraits` (traits.py); `build_model_spec` does the mapping, from shape.py's fields
-(the torch-free shape, MoE fields from moe_fields.py), with rope.py (RoPE / YaRN) and moe.py (the
-expert-bias router). The actor builds a GPTModel from the returned `ModelSpec` without
-knowing which family or backend (TE or local) it came from. This package knows HF and
-megatron-core only: the parallel layout and the machine's adaptations arrive as TransformerConfig
-`overrides` from the caller.
+What differs between the decoder families (qwen3, qwen3_moe, qwen2, qwen2_moe, glm4_moe,
+deepseek_v3, llama) is their `FamilyTraits` (traits.py); `build_model_spec` does the mapping, from
+shape.py's fields (the torch-free shape, MoE fields from moe_fields.py, multi-latent attention's
+from mla_fields.py), with rope.py (RoPE / YaRN), moe.py (the expert-bias router) and mla.py
+(megatron's multi-latent attention as transformers computes it). The actor builds a GPTModel from
+the returned `ModelSpec` without knowing which family or backend (TE or local) it came from. This
+package knows HF and megatron-core only: the parallel layout and the machine's adaptations arrive as
+TransformerConfig `overrides` from the caller.
 """
 from __future__ import annotations
 
@@ -19,11 +20,13 @@ import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from model_specs.hf_config import HFConfigError, require
+from model_specs.mla import adapt_mla_spec
 from model_specs.moe import use_expert_bias_router
 from model_specs.norms import HAVE_TE, replace_local_norms, te_checkpoint_keys
-from model_specs.rope import rope_mapping
+from model_specs.rope import RopeMapping, rope_mapping
 from model_specs.shape import shape_fields
 from model_specs.traits import FamilyTraits
 
@@ -110,7 +113,10 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
         raise HFConfigError("transformer_engine=True, but Transformer Engine does not import here "
                             "(it needs CUDA and cuDNN)")
     vocab = int(require(hf, "vocab_size", fam))
-    rope = rope_mapping(hf, fam, kwargs["kv_channels"], traits.partial_rotary)
+    mla = bool(kwargs.get("multi_latent_attention"))
+    # MLA applies its own RoPE / YaRN (mla_fields.py); GPTModel builds none for it with "rope".
+    rope = RopeMapping("rope", 1.0, kwargs["rotary_base"]) if mla else \
+        rope_mapping(hf, fam, kwargs["kv_channels"], traits.partial_rotary)
     kwargs.update(
         normalization="RMSNorm",
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
@@ -126,7 +132,18 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     )
     kwargs.update(rope.config_fields)
     kwargs.update(overrides or {})
-    config_class = YarnTransformerConfig if rope.position_embedding_type == "yarn" else TransformerConfig
+    if mla:
+        # megatron refuses rope fusion for MLA's plain RoPE and calls it experimental for its
+        # YaRN (transformer_config.py, MLATransformerConfig and __post_init__); the unfused path
+        # is the one whose log-probs the tests hold to transformers'.
+        kwargs["apply_rope_fusion"] = False
+        if kwargs.get("tensor_model_parallel_size", 1) > 1 and not kwargs.get("sequence_parallel"):
+            raise HFConfigError(f"{fam}: multi-latent attention with tensor parallelism needs "
+                                "sequence parallelism (parallel.sequence_parallel: true or unset): "
+                                "without it each rank keeps only its heads' share of the shared "
+                                "rope key's gradient (model_specs/mla.py)")
+    config_class = MLATransformerConfig if mla else \
+        YarnTransformerConfig if rope.position_embedding_type == "yarn" else TransformerConfig
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(config_class)}
     if unknown:
         raise HFConfigError(f"unknown TransformerConfig fields in overrides: {sorted(unknown)}")
@@ -139,6 +156,8 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
                                           pp_rank=pp_rank)
         if expert_bias:
             spec = use_expert_bias_router(spec)
+        if mla:
+            spec = adapt_mla_spec(spec, local=not use_te, plain_q_proj=config.q_lora_rank is None)
         return spec if use_te else te_checkpoint_keys(replace_local_norms(spec))
 
     return ModelSpec(

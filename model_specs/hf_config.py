@@ -81,6 +81,20 @@ def moe_layer_pattern(hf: Mapping[str, Any], num_layers: int) -> list[int]:
     return [0 if (i in dense or (i + 1) % step) else 1 for i in range(num_layers)]
 
 
+def left_out_layers_note(hf: Mapping[str, Any]) -> str | None:
+    """The line a run prints at its start when the HF checkpoint holds layers that the model leaves
+    out: the multi-token-prediction layers of GLM-4.5 and DeepSeek-V3 (`num_nextn_predict_layers`,
+    after the model's own); None when there are none."""
+    extra = int(hf.get("num_nextn_predict_layers") or 0)
+    if not extra:
+        return None
+    first = int(hf.get("num_hidden_layers") or 0)
+    return (f"the checkpoint's {extra} multi-token-prediction layer(s) (num_nextn_predict_layers, "
+            f"model.layers.{first}.*) are left out, as transformers leaves them out: they are "
+            "neither trained nor exported, so SGLang cannot draft with them (speculative decoding, "
+            "NEXTN) for the trained policy")
+
+
 def model_dims(hf: Mapping[str, Any], family: str, moe: bool) -> dict[str, Any]:
     """The dimensions a parallel layout must divide: num_layers, num_attention_heads,
     num_query_groups, vocab_size, num_experts (None for a dense model)."""

@@ -52,6 +52,14 @@ def moe_config_fields(hf: Mapping[str, Any], family: str, num_layers: int, route
 
 def _sigmoid_router_fields(hf: Mapping[str, Any], family: str, experts: int,
                            topk: int) -> dict[str, Any]:
+    # DeepSeek's own config class (remote code) names the router; transformers reads none of
+    # these fields and always routes as below, so another value describes another model.
+    for key, implemented in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
+                             ("moe_layer_freq", 1)):
+        if hf.get(key) not in (None, implemented):
+            raise HFConfigError(f"{family}: {key}={hf[key]!r} is not supported: expected "
+                                f"{implemented!r}, the only one transformers' model computes (it "
+                                "does not read the field)")
     if not hf.get("norm_topk_prob", True):
         raise HFConfigError(f"{family}: norm_topk_prob=false is not supported: megatron-core's "
                             "sigmoid router always renormalises the top-k weights "

@@ -5,12 +5,13 @@ built).
     counts.total, counts.active          # 30.5e9, 3.3e9
 
 Counted as megatron holds the model: embedding, output layer (unless tied), per layer the fused
-q/k/v projection (+ bias), output projection, QK-norm, the two RMSNorms, then either the dense MLP
-or the router (+ expert bias), every routed expert and the shared expert (+ gate); the final
-norm. `active` is what one token passes through: the same, with `moe_router_topk` routed experts
-per MoE layer instead of all of them. Vendors differ on whether the embedding tables count as
-active (Qwen's published "A3B" / "A22B" include them, GLM-4.5's "32B active" does not), hence
-`embedding` and `output` separately.
+q/k/v projection (+ bias), output projection, QK-norm (or multi-latent attention's projections and
+latent norms), the two RMSNorms, then either the dense MLP or the router (+ expert bias), every
+routed expert and the shared expert (+ gate); the final norm. `active` is what one token passes
+through: the same, with `moe_router_topk` routed experts per MoE layer instead of all of them.
+Vendors differ on whether the embedding tables count as active (Qwen's published "A3B" / "A22B"
+and DeepSeek-V3's "37B" include them, GLM-4.5's "32B active" does not), hence `embedding` and
+`output` separately.
 """
 from __future__ import annotations
 
@@ -41,12 +42,27 @@ class ParamCount:
 
 
 def _attention(c: TransformerConfig | ShapeConfig) -> int:
+    if c.multi_latent_attention:
+        return _mla(c) + 2 * c.hidden_size          # + input_layernorm, pre_mlp_layernorm
     h, d = c.hidden_size, c.kv_channels
     q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
     n = h * (q + 2 * kv) + q * h                    # linear_qkv + linear_proj
     n += (q + 2 * kv) if c.add_qkv_bias else 0
     n += 2 * d if c.qk_layernorm else 0             # q_layernorm, k_layernorm (per head dim)
     return n + 2 * h                                # input_layernorm, pre_mlp_layernorm
+
+
+def _mla(c: TransformerConfig | ShapeConfig) -> int:
+    """Multi-latent attention (model_specs/mla.py): q's down- and up-projection and norm (or one
+    q projection), the kv latent's down-projection (+ the shared rope key) and norm, its
+    up-projection to keys and values, the output projection."""
+    h, n = c.hidden_size, c.num_attention_heads
+    q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
+    q = h * n * q_head if c.q_lora_rank is None else \
+        h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * n * q_head
+    kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank
+    kv += c.kv_lora_rank * n * (c.qk_head_dim + c.v_head_dim)
+    return q + kv + n * c.v_head_dim * h
 
 
 def _mlp(c: TransformerConfig | ShapeConfig, ffn: int) -> int:

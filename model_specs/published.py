@@ -52,8 +52,39 @@ GLM_45_AIR = dict(
     n_routed_experts=128, routed_scaling_factor=1.0, first_k_dense_replace=1,
     num_hidden_layers=46, use_qk_norm=False,
 )
+# DeepSeek-V3 and Kimi-K2 publish fp8 weights (`quantization_config`, block-scaled e4m3), which
+# the trainer refuses (shape.py); these are the configs of their bf16 copies (DeepSeek's
+# inference/fp8_cast_bf16.py writes the same config without quantization_config).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
+    "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
+    "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 129280,
+}
+KIMI_K2 = dict(  # Kimi-K2-Instruct (and -Base): DeepSeek-V3's architecture, model_type kimi_k2
+    DEEPSEEK_V3, bos_token_id=163584, eos_token_id=163585, first_k_dense_replace=1,
+    max_position_embeddings=131072, model_type="kimi_k2", n_group=1, n_routed_experts=384,
+    num_attention_heads=64, num_key_value_heads=64, num_nextn_predict_layers=0,
+    rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+    rope_theta=50000.0, routed_scaling_factor=2.827, topk_group=1, transformers_version="4.48.3",
+    vocab_size=163840,
+)
 
 BY_NAME: dict[str, dict[str, Any]] = {
     "Qwen3-30B-A3B": QWEN3_30B_A3B, "Qwen3-235B-A22B": QWEN3_235B_A22B,
     "Qwen2-57B-A14B": QWEN2_57B_A14B, "GLM-4.5": GLM_45, "GLM-4.5-Air": GLM_45_AIR,
+    "DeepSeek-V3": DEEPSEEK_V3, "Kimi-K2": KIMI_K2,
 }

@@ -24,6 +24,18 @@ q.k by a^2, i.e. softmax_scale = a^2 / sqrt(head_dim). With partial rotary that 
 YaRN with partial_rotary_factor < 1 is refused. tests/model_specs/test_rope_yarn.py checks both versions' log-probs
 against transformers beyond the original context.
 
+Multi-latent attention (DeepSeek-V3, `mla_rope_fields`) rotates only a qk_rope_head_dim slice of
+each head, so the factor cannot move into the softmax scale there; MLA has its own YaRN instead
+(multi_latent_attention.py: MLATransformerConfig's rotary_scaling_factor, mscale, mscale_all_dim),
+and it computes what transformers' DeepseekV3 does: cos / sin times get_mscale(factor, mscale) /
+get_mscale(factor, mscale_all_dim) (yarn_rotary_pos_embedding.py, _yarn_get_concentration_factor;
+MLA applies it in apply_rotary_pos_emb), and a softmax scale of get_mscale(factor,
+mscale_all_dim)^2 / sqrt(q_head_dim) (multi_latent_attention.py:126; transformers:
+yarn_apply_mscale, where an absent mscale_all_dim is 0, and get_mscale(f, 0) = 1). Only the
+cos / sin factor is spelled differently: transformers takes `attention_factor` when given and the
+mscale ratio only when both are set (else 0.1 ln f + 1); megatron's mscale is solved so that its
+ratio is that factor.
+
 Torch-free: the planner validates a model's RoPE (model_specs/shape.py) without megatron-core.
 """
 from __future__ import annotations
@@ -127,3 +139,45 @@ def _yarn_fields(hf: Mapping[str, Any], scaling: Mapping[str, Any], family: str,
         yarn_correction_range_round_to_int=bool(scaling.get("truncate", True)),
         softmax_scale=attention * attention / math.sqrt(head_dim),
     )
+
+
+def mla_rope_fields(hf: Mapping[str, Any], family: str, rope_dim: int) -> dict[str, Any]:
+    """MLATransformerConfig's rope fields (rope_type, rotary_*, YaRN's) for an HF config whose
+    attention rotates `rope_dim` (qk_rope_head_dim) channels of each head (module docstring)."""
+    base = float(hf.get("rope_theta", 10000.0))
+    partial = float(hf.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0:
+        raise HFConfigError(f"{family}: partial_rotary_factor={partial}, but multi-latent attention "
+                            "rotates its whole qk_rope_head_dim slice (expected 1.0 or no field)")
+    if rope_dim <= 0 or rope_dim % 2:
+        raise HFConfigError(f"{family}: qk_rope_head_dim={rope_dim}, expected an even number > 0")
+    plain = dict(rope_type="rope", rotary_base=base, rotary_percent=1.0, rotary_scaling_factor=1.0,
+                 mscale=1.0, mscale_all_dim=0.0)
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", "default") if isinstance(scaling, Mapping) else scaling
+    if rope_type in (None, "default"):
+        return plain
+    if rope_type != "yarn":
+        raise HFConfigError(f"{family}: rope_scaling rope_type={rope_type!r} is not supported "
+                            f"(supported: default, yarn); rope_scaling={dict(scaling)}")
+    if not scaling.get("truncate", True):
+        raise HFConfigError(f"{family}: YaRN with truncate=false is not supported: megatron-core's "
+                            "multi-latent attention always rounds the ramp's bounds "
+                            "(multi_latent_attention.py builds YarnRotaryEmbedding without "
+                            "correction_range_round_to_int)")
+    fields = _yarn_fields(hf, scaling, family, rope_dim, base)
+    factor = fields["yarn_rotary_scaling_factor"]
+    all_dim = float(scaling.get("mscale_all_dim") or 0.0)
+    mscale, given = scaling.get("mscale"), scaling.get("attention_factor")
+    if factor <= 1.0:
+        megatron_mscale = 1.0  # every factor is 1 (get_mscale(f <= 1, .) = 1)
+    elif given is None and mscale and all_dim:
+        megatron_mscale = float(mscale)  # transformers' ratio is megatron's, term for term
+    else:
+        attention = yarn_attention_factor(factor, given, mscale, all_dim)
+        denominator = 0.1 * all_dim * math.log(factor) + 1.0
+        megatron_mscale = (attention * denominator - 1.0) / (0.1 * math.log(factor))
+    return dict(plain, rope_type="yarn", rotary_scaling_factor=factor,
+                original_max_position_embeddings=fields["yarn_original_max_position_embeddings"],
+                beta_fast=fields["yarn_beta_fast"], beta_slow=fields["yarn_beta_slow"],
+                mscale=megatron_mscale, mscale_all_dim=all_dim)

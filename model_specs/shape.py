@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from model_specs.hf_config import HFConfigError, load_hf_config, model_dims, require
+from model_specs.mla_fields import mla_fields
 from model_specs.moe_fields import moe_config_fields
 from model_specs.rope import rope_mapping
 from model_specs.traits import FamilyTraits, attention_options, traits_for
@@ -25,7 +26,8 @@ from model_specs.traits import FamilyTraits, attention_options, traits_for
 
 @dataclass(frozen=True)
 class ShapeConfig:
-    """The shape fields of a TransformerConfig (same names, same defaults)."""
+    """The shape fields of a TransformerConfig (same names, same defaults; the multi-latent
+    attention ones are MLATransformerConfig's, read only when multi_latent_attention is set)."""
 
     num_layers: int
     hidden_size: int
@@ -43,6 +45,12 @@ class ShapeConfig:
     moe_router_enable_expert_bias: bool = False
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_gate: bool = False
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = 512
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
 
 SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ShapeConfig))
@@ -77,24 +85,31 @@ def shape_fields(traits: FamilyTraits, hf: Mapping[str, Any]) -> dict[str, Any]:
     if hf.get("mlp_bias"):
         raise HFConfigError(f"{fam}: mlp_bias=true is not supported (megatron add_bias_linear would "
                             "also add a bias to the attention output projection)")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method") if isinstance(
+            hf["quantization_config"], Mapping) else hf["quantization_config"]
+        raise HFConfigError(f"{fam}: quantization_config (quant_method={method!r}) is not supported: "
+                            "the trainer holds bf16 / fp32 weights; give it a bf16 copy of the model "
+                            "(for DeepSeek-V3's fp8 weights: DeepSeek's inference/fp8_cast_bf16.py)")
     num_layers = int(require(hf, "num_hidden_layers", fam))
     hidden = int(require(hf, "hidden_size", fam))
     heads = int(require(hf, "num_attention_heads", fam))
-    head_dim = int(hf.get("head_dim") or hidden // heads)
-    rope_mapping(hf, fam, head_dim, traits.partial_rotary)  # refuses what RoPE cannot map, by name
-    qk_norm, qkv_bias = attention_options(traits, hf)
     fields: dict[str, Any] = dict(
         num_layers=num_layers,
         hidden_size=hidden,
         ffn_hidden_size=int(require(hf, "intermediate_size", fam)),
         num_attention_heads=heads,
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
-        kv_channels=head_dim,
         gated_linear_unit=True,
         add_bias_linear=False,
-        add_qkv_bias=qkv_bias,
-        qk_layernorm=qk_norm,
     )
+    if traits.attention == "mla":
+        fields.update(mla_fields(hf, fam, heads))  # its own rope; refuses what it cannot map
+    else:
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        rope_mapping(hf, fam, head_dim, traits.partial_rotary)  # refuses what RoPE cannot map
+        qk_norm, qkv_bias = attention_options(traits, hf)
+        fields.update(kv_channels=head_dim, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm)
     if traits.moe:
         fields.update(moe_config_fields(hf, fam, num_layers, traits.router, traits.shared_expert))
     return fields

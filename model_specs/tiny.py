@@ -64,3 +64,31 @@ def glm4_moe(**overrides: Any) -> dict[str, Any]:
     )
     cfg.update(overrides)
     return cfg
+
+
+def deepseek_v3(**overrides: Any) -> dict[str, Any]:
+    """A tiny DeepSeek-V3-shaped config for tests: 4 layers (1 dense), multi-latent attention with
+    4 heads (TP2) of 12 + 8 rope channels for q and k and 16 for v, q through a rank-24 bottleneck,
+    a rank-32 kv latent, YaRN x4 over an original context of 8 positions (32 in all) with mscale 1.0 /
+    mscale_all_dim 0.8 (both of YaRN's factors differ from 1), then 8 experts top-2 in 2 groups (1
+    chosen), routed_scaling_factor 2.5, one shared expert. Moonlight's shape (q_lora_rank null,
+    plain RoPE, no groups, two shared experts) is `deepseek_v3(**MOONLIGHT)`."""
+    cfg = dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=512,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=12,
+        qk_rope_head_dim=8, v_head_dim=16, hidden_act="silu", max_position_embeddings=32,
+        rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                      "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1},
+        tie_word_embeddings=False, attention_bias=False, initializer_range=0.02,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, num_nextn_predict_layers=0, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+MOONLIGHT = dict(q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1, n_shared_experts=2)
+"""deepseek_v3's overrides for Moonlight-16B-A3B's (and DeepSeek-V2-Lite's) shape."""

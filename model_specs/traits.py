@@ -36,6 +36,9 @@ class FamilyTraits:
     """None, "gated" (Qwen2-MoE) or "plain" (GLM-4.5); see moe.py."""
     partial_rotary: bool = False
     """The HF class rotates only `partial_rotary_factor` of each head (GLM-4.5)."""
+    attention: str = "gqa"
+    """"gqa": q, k and v projections of the hidden state (megatron's fused linear_qkv);
+    "mla": DeepSeek's multi-latent attention (mla_fields.py, mla.py)."""
 
 
 FAMILY_TRAITS: dict[str, FamilyTraits] = {t.name: t for t in (
@@ -63,6 +66,16 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {t.name: t for t in (
     # mapping (weight_maps.WeightMap.ignores_hf).
     FamilyTraits(name="glm4_moe", model_types=("glm4_moe",), qk_norm_field="use_qk_norm",
                  moe=True, router="sigmoid", shared_expert="plain", partial_rotary=True),
+    # DeepSeek-V3 / Kimi-K2 / Moonlight (DeepseekV3ForCausalLM; Kimi-K2's config says
+    # model_type kimi_k2): multi-latent attention (q through a q_lora_rank bottleneck with an
+    # RMSNorm, or one q_proj when q_lora_rank is null as in Moonlight; k and v from one
+    # kv_lora_rank latent with an RMSNorm; the last qk_rope_head_dim channels of q and k rotated in
+    # interleaved pairs, k's shared by every head), plain RoPE or YaRN with DeepSeek's mscale, then
+    # GLM-4.5's MoE: the first `first_k_dense_replace` layers dense, a sigmoid router with the
+    # expert bias and group-limited top-k, `routed_scaling_factor`, `n_shared_experts` ungated
+    # shared experts. The multi-token-prediction layers are left out as GLM-4.5's are.
+    FamilyTraits(name="deepseek_v3", model_types=("deepseek_v3", "kimi_k2"), moe=True,
+                 router="sigmoid", shared_expert="plain", attention="mla"),
     # Llama (dense): GQA, no biases (attention_bias / mlp_bias must be false; mlp_bias=true is
     # refused by shape.shape_fields), RoPE without scaling.
     FamilyTraits(name="llama", model_types=("llama",)),
@@ -81,7 +94,10 @@ def traits_for(hf_config: Mapping[str, Any]) -> FamilyTraits:
 
 
 def attention_options(traits: FamilyTraits, hf: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(QK-norm, q/k/v bias) of a config of this family; the weight map reads the same."""
+    """(QK-norm, q/k/v bias) of a config of this family; the weight map reads the same. MLA has
+    neither (its q/kv norms are the latents', and a bias is refused: mla_fields.py)."""
+    if traits.attention == "mla":
+        return False, False
     qk_norm = traits.qk_layernorm or bool(traits.qk_norm_field and hf.get(traits.qk_norm_field))
     qkv_bias = bool(hf.get("qkv_bias", traits.qkv_bias)) or bool(hf.get("attention_bias", False))
     return qk_norm, qkv_bias

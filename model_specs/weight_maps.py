@@ -51,8 +51,10 @@ class WeightRule:
     """model: once; layer: every layer; dense: dense-MLP layers; moe: MoE layers; expert: every
     expert of every MoE layer (split across expert-parallel ranks)."""
     when: str | None = None
-    """A condition on the model: 'qk_norm', 'qkv_bias', 'untied', 'expert_bias' (sigmoid router),
-    'shared_expert' + 'shared_expert_gate' (Qwen2-MoE's names), 'shared_experts' (GLM-4.5's)."""
+    """A condition on the model: 'qkv' (fused q/k/v) or 'mla' + 'mla_q_lora' / 'mla_q_proj'
+    (multi-latent attention with or without q's bottleneck), 'qk_norm', 'qkv_bias', 'untied',
+    'expert_bias' (sigmoid router), 'shared_expert' + 'shared_expert_gate' (Qwen2-MoE's names),
+    'shared_experts' (GLM-4.5's, DeepSeek-V3's)."""
 
 
 L = "decoder.layers.{layer}."
@@ -62,7 +64,25 @@ RULES: tuple[WeightRule, ...] = (
     WeightRule(L + "input_layernorm.weight", (H + "input_layernorm.weight",), scope="layer"),
     WeightRule(L + "self_attention.linear_qkv.weight",
                (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight",
-                H + "self_attn.v_proj.weight"), QKV, tp_dim=0, scope="layer"),
+                H + "self_attn.v_proj.weight"), QKV, tp_dim=0, scope="layer", when="qkv"),
+    # Multi-latent attention (model_specs/mla.py has the table and the layouts): q through a
+    # low-rank bottleneck with an RMSNorm, or one projection when q_lora_rank is null; k and v
+    # from one latent with an RMSNorm. The down-projections are whole on every TP rank in both
+    # specs (model_specs/mla.py); the live parameter says which (actor/weights.py).
+    WeightRule(L + "self_attention.linear_q_proj.weight", (H + "self_attn.q_proj.weight",),
+               tp_dim=0, scope="layer", when="mla_q_proj"),
+    WeightRule(L + "self_attention.linear_q_down_proj.weight", (H + "self_attn.q_a_proj.weight",),
+               tp_dim=0, scope="layer", when="mla_q_lora"),
+    WeightRule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_a_layernorm.weight",),
+               scope="layer", when="mla_q_lora"),
+    WeightRule(L + "self_attention.linear_q_up_proj.weight", (H + "self_attn.q_b_proj.weight",),
+               tp_dim=0, scope="layer", when="mla_q_lora"),
+    WeightRule(L + "self_attention.linear_kv_down_proj.weight",
+               (H + "self_attn.kv_a_proj_with_mqa.weight",), tp_dim=0, scope="layer", when="mla"),
+    WeightRule(L + "self_attention.kv_layernorm.weight", (H + "self_attn.kv_a_layernorm.weight",),
+               scope="layer", when="mla"),
+    WeightRule(L + "self_attention.linear_kv_up_proj.weight", (H + "self_attn.kv_b_proj.weight",),
+               tp_dim=0, scope="layer", when="mla"),
     WeightRule(L + "self_attention.linear_qkv.bias",
                (H + "self_attn.q_proj.bias", H + "self_attn.k_proj.bias",
                 H + "self_attn.v_proj.bias"), QKV, tp_dim=0, scope="layer", when="qkv_bias"),
@@ -111,6 +131,8 @@ RULES: tuple[WeightRule, ...] = (
 # keys agree between the specs: model_specs.norms.te_checkpoint_keys.)
 _TE_NAMES = ((re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
              (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
+             (re.compile(r"\.self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$"),
+              r".self_attention.\1_layernorm.weight"),
              (re.compile(r"\.mlp\.experts\.linear_fc([12])\.(weight|bias)(\d+)$"),
               r".mlp.experts.local_experts.\3.linear_fc\1.\2"))
 
@@ -258,7 +280,8 @@ def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
     traits = family_for(hf).traits
     layers = int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
-    flags = set()
+    flags = {"mla", "mla_q_proj" if hf.get("q_lora_rank") is None else "mla_q_lora"} \
+        if traits.attention == "mla" else {"qkv"}
     qk_norm, qkv_bias = attention_options(traits, hf)
     if qk_norm:
         flags.add("qk_norm")

@@ -35,9 +35,11 @@ MCORE_TESTS=(tests/actor/test_actor_*.py tests/actor/test_batch.py tests/actor/t
              tests/actor/test_packing.py tests/actor/test_token_budget.py tests/actor/test_settings_compute.py
              tests/actor/test_settings_machine_profiles.py tests/actor/test_logprobs_tp2.py
              tests/actor/test_router_control.py tests/actor/test_steps_host_syncs.py
-             tests/model_specs/test_families.py tests/model_specs/test_common.py tests/model_specs/test_spec_names.py
+             tests/model_specs/test_families.py tests/model_specs/test_deepseek_v3.py
+             tests/model_specs/test_common.py tests/model_specs/test_spec_names.py
              tests/model_specs/test_weight_maps.py tests/model_specs/test_published.py
-             tests/model_specs/test_lazy_compile.py tests/checkpoint/test_convert.py tests/tools/test_convert_tools.py
+             tests/model_specs/test_lazy_compile.py tests/checkpoint/test_convert.py
+             tests/checkpoint/test_convert_mla.py tests/tools/test_convert_tools.py
              tests/checkpoint/test_model_io_*.py tests/checkpoint/test_checkpoint_manager.py
              tests/parallel/test_cpu_compat.py tests/parallel/test_layout*.py tests/parallel/test_context.py
              tests/parallel/test_comm.py tests/tools/test_check_imports.py tests/tools/test_make_tiny_model.py

@@ -3,9 +3,10 @@ local and the Transformer Engine layer spec, as one table.
 
     bash scripts/gpu_check.sh                  # on a GPU machine (megatron-core, TE if installed)
     python tools/gpu_check.py --cpu-smoke      # the same steps on CPU: local spec, fp32 (CI)
+    bash scripts/gpu_check.sh --arch deepseek_v3   # another family's tiny model (tools/make_tiny_model.py)
 
 Steps, per spec (TE only where it imports) and dtype:
-1. a tiny HF Qwen3-MoE (tools/make_tiny_model.py), 2. converted to megatron (spec-independent),
+1. a tiny HF Qwen3-MoE (tools/make_tiny_model.py; --arch for another family), 2. converted to megatron (spec-independent),
 3. the actor built on the device in fp32 and bf16 and loaded from it, 4. its log-probs against
 transformers on the same device (fp32: max |diff| <= 1e-4, TE's fp32 <= TF32_TOL: TE computes fp32
 GEMMs in TF32, and a local-spec row with torch's TF32 on shows that envelope; bf16: <= BF16_TOL,
@@ -30,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tools.make_tiny_model import ARCHS  # noqa: E402 - after the path
 
 FP32_TOL = 1e-4
 # Transformer Engine runs every pure-fp32 GEMM in TF32, with no switch to turn it off
@@ -167,7 +170,8 @@ def _export(ckpt: Path, dst: Path) -> Path:
     return dst
 
 
-def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[dict]:
+def check(out: Path, specs: list[str], dtypes: list[str], device: str,
+          arch: str = "qwen3_moe") -> list[dict]:
     import torch
     from safetensors.torch import load_file
 
@@ -178,14 +182,17 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str) -> list[d
     from model_specs.weight_maps import weight_map_for
     from tools.make_tiny_model import make_tiny_model
 
-    hf_dir = make_tiny_model("qwen3_moe", out / "hf", seed=0)
+    hf_dir = make_tiny_model(arch, out / "hf", seed=0)
     mcore = convert_hf_to_megatron(hf_dir, out / "mcore")
     back = convert_megatron_to_hf(mcore, out / "mcore_back")
     original = load_file(str(hf_dir / "model.safetensors"))
     untrained_export = _max_diff(original, load_file(str(back / "model.safetensors")))
-    batch = _batch(int(json.loads((hf_dir / "config.json").read_text())["vocab_size"]))
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    # DeepSeek-V3's tiny model has 32 positions (YaRN x4 over 8 original ones): rows of 32 still
+    # reach beyond the original context
+    batch = _batch(int(hf_config["vocab_size"]), seq=min(48, int(hf_config["max_position_embeddings"])))
     mask = batch.loss_mask
-    wmap = weight_map_for(json.loads((hf_dir / "config.json").read_text()))
+    wmap = weight_map_for(hf_config)
     rows = []
     allocated_before = torch.cuda.memory_allocated() if device == "cuda" else 0
     for spec in specs:
@@ -293,6 +300,7 @@ def main() -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="local spec, fp32, on the CPU")
     p.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--no-bench", action="store_true", help="skip the fused log-prob benchmark")
+    p.add_argument("--arch", default="qwen3_moe", choices=ARCHS, help="the tiny model's family")
     args = p.parse_args()
     import torch
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -306,8 +314,8 @@ def main() -> int:
     specs = ["local"] + (["te"] if HAVE_TE and device == "cuda" else [])
     dtypes = ["fp32"] if args.cpu_smoke else ["fp32", "bf16"]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gspo-gpu-check-"))
-    rows = check(out, specs, dtypes, device)
-    print(f"\n{_versions(device)}; specs checked: {', '.join(specs)}")
+    rows = check(out, specs, dtypes, device, args.arch)
+    print(f"\n{_versions(device)}; {args.arch}; specs checked: {', '.join(specs)}")
     print(table(rows))
     for r in rows:
         if r["spec"] == "te CP2":

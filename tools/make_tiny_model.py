@@ -3,6 +3,8 @@
     python tools/make_tiny_model.py --arch qwen3_moe --out /tmp/tiny-moe --seed 0
     python tools/make_tiny_model.py --arch qwen3 --out /tmp/tiny --seed 1 --tie-embeddings
     python tools/make_tiny_model.py --arch glm4_moe --out /tmp/tiny-glm --override num_hidden_layers=4
+    python tools/make_tiny_model.py --arch deepseek_v3 --out /tmp/tiny-moonlight \
+        --override q_lora_rank=null --override rope_parameters=null --override n_group=1 --override topk_group=1
 
 or from Python (tests, examples, the checkpoint converter):
 
@@ -22,7 +24,11 @@ Qwen2-57B-A14B), moe_intermediate_size 32 and a gated shared expert of 64. glm4_
 shaped: q/k/v bias, QK-norm, half-rotary heads) has its first layer dense, then 8 experts top-2 in
 2 groups of which 1 is chosen, routed_scaling_factor 2.5, one shared expert; its
 e_score_correction_bias (zeros in transformers' init) is drawn at random too, so that the
-bias-shifted expert choice is exercised.
+bias-shifted expert choice is exercised. deepseek_v3 (DeepSeek-V3 shaped, model_specs/tiny.py's
+deepseek_v3) has multi-latent attention (4 heads, q_lora_rank 24, kv_lora_rank 32, 12 + 8 rope
+q/k channels, 16 v channels), YaRN x4 over 8 original positions with mscale 1.0 / mscale_all_dim
+0.8 (max_position_embeddings 32), and glm4_moe's MoE (random expert bias too); `q_lora_rank=None`
+and `rope_parameters=None` give Moonlight's attention.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe")
+ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe", "deepseek_v3")
 VOCAB_SIZE = 512
 # ChatML, as Qwen models use. <|im_end|> ends a turn and is the EOS token.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -113,6 +119,18 @@ def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
     elif arch == "glm4_moe":
         cls, extra = transformers.Glm4MoeConfig, dict(
             head_dim=16, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0)
+    elif arch == "deepseek_v3":
+        cls, extra = transformers.DeepseekV3Config, dict(
+            # YaRN's context (factor x original), which transformers checks factor against
+            max_position_embeddings=32,
+            num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=12,
+            qk_rope_head_dim=8, v_head_dim=16, attention_bias=False, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "mscale": 1.0,
+                             "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0},
             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
             routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from gspo_megatron.checkpoint.hf_files import HFTensorReader, copy_metadata_files
 from gspo_megatron.checkpoint.model_io import HF_SUBDIR, TorchDcpSaveStrategy, without_extra_state
 from gspo_megatron.checkpoint.output_dirs import publish_dir
-from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
+from gspo_megatron.parallel.cpu_compat import cpu_config_overrides, current_device_is_cpu
 from model_specs import load_hf_config, model_spec_for
 from model_specs.weight_maps import WeightMap, WeightMapError, weight_map_for
 
@@ -61,7 +61,7 @@ def meta_model_state(hf: dict[str, Any], dtype: torch.dtype) -> tuple[dict[str, 
     # meta device ("Cannot copy out of meta tensor"), and both specs have the same checkpoint keys
     # (model_specs.norms.te_checkpoint_keys), so the result loads into either.
     spec = model_spec_for(hf, params_dtype=dtype, overrides=overrides, transformer_engine=False)
-    with torch.device("meta"):
+    with torch.device("meta"), current_device_is_cpu():
         model = GPTModel(spec.config, spec.block_spec(None), pre_process=True, post_process=True,
                          **spec.gpt_model_kwargs())
     sd = without_extra_state(model.sharded_state_dict())

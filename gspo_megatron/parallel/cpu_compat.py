@@ -221,6 +221,24 @@ def apply(skip: frozenset[str] | set[str] = frozenset()) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def current_device_is_cpu():
+    """While megatron modules are built outside `apply()` (the checkpoint converters build a model
+    on the meta device), torch.cuda.current_device() answers "cpu" when CUDA is absent, instead of
+    raising. Multi-latent attention builds its RoPE / YaRN embedding there (rotary_pos_embedding.py:78,
+    yarn_rotary_pos_embedding.py:76 and :122: MLA passes no use_cpu_initialization). A no-op with
+    CUDA or after apply()."""
+    if not cuda_absent() or _APPLIED:
+        yield
+        return
+    real = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = real
+
+
 def cpu_config_overrides(virtual_pipeline: int | None = None) -> dict[str, Any]:
     """TransformerConfig fields that must be set for megatron-core to run on CPU (docs/cpu.md #9).
 

@@ -113,18 +113,14 @@ def _mlp(c, ffn: int) -> int:
 def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
     """(dense, expert) parameters of transformer layer i on one rank.
 
-    attention (self_attention.py): linear_qkv [(q + 2 kv) / TP, h] (+ bias), linear_proj
-    [h, q / TP]; q/k layernorm [head_dim] each (replicated); input and pre-MLP RMSNorm [h] each
+    attention: attention_params; input and pre-MLP RMSNorm [h] each
     (replicated; TE fuses them into the next linear's layer_norm_weight, the same count).
     MoE (moe_layer.py): router [E, h] replicated (the expert bias is a buffer, router.py:172);
     E / EP local experts of fc1 + fc2 split by ETP; a shared expert split by TP, its gate [1, h].
     Dense MLP split by TP.
     """
-    h, d = c.hidden_size, c.kv_channels
-    q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
-    dense = h * (q + 2 * kv) // tp + q * h // tp + 2 * h
-    dense += (q + 2 * kv) // tp if c.add_qkv_bias else 0
-    dense += 2 * d if c.qk_layernorm else 0
+    h = c.hidden_size
+    dense = attention_params(c, tp) + 2 * h
     expert = 0
     if _is_moe_layer(c, i):
         dense += c.num_moe_experts * h
@@ -135,6 +131,34 @@ def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
     else:
         dense += _mlp(c, c.ffn_hidden_size) // tp
     return dense, expert
+
+
+def attention_params(c, tp: int) -> int:
+    """One rank's attention weights. GQA: linear_qkv [(q + 2 kv) / TP, h] (+ bias), linear_proj
+    [h, q / TP], q/k layernorm [head_dim] each. Multi-latent attention (model_specs/mla.py): the
+    down-projections [q_lora, h] and [kv_lora + rope, h] and the latents' norms whole on every
+    rank (in both specs), the up-projections (or q_proj) and linear_proj split by heads."""
+    h, n = c.hidden_size, c.num_attention_heads
+    if c.multi_latent_attention:
+        q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
+        q = h * n * q_head // tp if c.q_lora_rank is None else \
+            h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * n * q_head // tp
+        kv = h * (c.kv_lora_rank + c.qk_pos_emb_head_dim) + c.kv_lora_rank
+        kv += c.kv_lora_rank * n * (c.qk_head_dim + c.v_head_dim) // tp
+        return q + kv + n * c.v_head_dim * h // tp
+    d = c.kv_channels
+    q, kv = n * d, (c.num_query_groups or n) * d
+    out = h * (q + 2 * kv) // tp + q * h // tp
+    out += (q + 2 * kv) // tp if c.add_qkv_bias else 0
+    return out + (2 * d if c.qk_layernorm else 0)
+
+
+def head_width(c) -> float:
+    """The width one attention head multiplies per pair of tokens, averaged over q.k and
+    scores.v (the attention's FLOPs): head_dim, or MLA's (nope + rope + v) / 2."""
+    if c.multi_latent_attention:
+        return (c.qk_head_dim + c.qk_pos_emb_head_dim + c.v_head_dim) / 2
+    return c.kv_channels
 
 
 def stage_params(spec: Model, layout: ParallelLayout, pp_rank: int) -> tuple[int, int]:
@@ -208,14 +232,13 @@ def layer_activation_bytes(spec: Model, layout: ParallelLayout, s: MemorySetting
     """
     c, tp = spec.config, layout.tensor
     b = s.param_bytes
-    h, d = c.hidden_size, c.kv_channels
-    q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
+    h = c.hidden_size
     sp = tp if layout.use_sequence_parallel(spec.is_moe) else 1
     if s.recompute == "full":
         return b * h / sp
     mods = set(s.recompute_modules) if s.recompute == "selective" else set()
     norm_out = 0 if "layernorm" in mods else b * h / sp
-    attn = b * h / sp + norm_out + b * (q + 2 * kv) / tp + b * q / tp
+    attn = b * h / sp + norm_out + _attention_activations(c, b, tp, sp)
     attn += 0 if "core_attn" in mods else 4 * c.num_attention_heads / tp
     if _is_moe_layer(c, i):
         if "moe" in mods:
@@ -232,6 +255,23 @@ def layer_activation_bytes(spec: Model, layout: ParallelLayout, s: MemorySetting
         return attn + b * h / sp
     gate = 2 if c.gated_linear_unit else 1
     return attn + b * h / sp + norm_out + b * (gate + 1) * c.ffn_hidden_size / tp
+
+
+def _attention_activations(c, b: int, tp: int, sp: int) -> float:
+    """Per token: q, k, v and the attention's output (GQA: [q + 2 kv] + [q], over TP).
+    Multi-latent attention (multi_latent_attention.py, get_query_key_value_tensors) also keeps
+    its latents: q's [q_lora] and its norm's output, the kv latent [kv_lora + rope] and its norm's
+    output (sequence-parallel like the hidden state), the shared rope key gathered [rope]; then q
+    and k of nope + rope channels per head (k's rope part copied to every head), v and the output
+    of v channels per head."""
+    n = c.num_attention_heads
+    if c.multi_latent_attention:
+        q_head = c.qk_head_dim + c.qk_pos_emb_head_dim
+        latents = 2 * (c.q_lora_rank or 0) + 2 * c.kv_lora_rank + c.qk_pos_emb_head_dim
+        return b * latents / sp + b * c.qk_pos_emb_head_dim + b * n * (2 * q_head + 2 * c.v_head_dim) / tp
+    d = c.kv_channels
+    q, kv = n * d, (c.num_query_groups or n) * d
+    return b * (q + 2 * kv) / tp + b * q / tp
 
 
 def in_flight(layout: ParallelLayout, pp_rank: int, num_microbatches: int) -> float:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
-from gspo_megatron.planner.memory import GiB, MemorySettings, RankMemory, rank_memory, with_tokens
+from gspo_megatron.planner.memory import GiB, MemorySettings, RankMemory, head_width, rank_memory, with_tokens
 from gspo_megatron import InputError
 
 
@@ -83,7 +83,7 @@ def load_model(name_or_path: str) -> dict[str, Any]:
 # Models asked for by name whose family model_specs does not map: named as unsupported, not as a
 # missing file (a config.json of any family is refused by its model_type, model_specs/traits.py).
 UNSUPPORTED = tuple((re.compile(p, re.IGNORECASE), f) for p, f in (
-    (r"deepseek|kimi", "deepseek_v3 (DeepSeek-V3, Kimi-K2)"), (r"gpt-?oss", "gpt_oss"),
+    (r"gpt-?oss", "gpt_oss"),
     (r"mixtral", "mixtral"), (r"llama-?4", "llama4"), (r"dbrx", "dbrx"), (r"grok", "grok"),
     (r"minimax", "minimax"), (r"ernie", "ernie4_5_moe"), (r"phi-?3\.5-?moe|phimoe", "phimoe"),
 ))
@@ -165,7 +165,7 @@ def step_time(spec, layout: ParallelLayout, world: int, s: MemorySettings, gpu: 
     from model_specs.param_count import param_count
     c = spec.config
     active = param_count(spec).active
-    flops = 8 * active * step_tokens + 8 * c.num_layers * c.num_attention_heads * c.kv_channels * mean_len * step_tokens
+    flops = 8 * active * step_tokens + 8 * c.num_layers * c.num_attention_heads * head_width(c) * mean_len * step_tokens
     compute = flops / world / (gpu.peak_tflops * 1e12 * GEMM_EFFICIENCY)
     dp = layout.data_parallel(world)
     mbs = max(1, -(-step_tokens // (dp * s.max_tokens)))

@@ -150,6 +150,10 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         available = Available.detect()
         print(f"[gspo] layout {actor.layout.describe(world)} on {world} rank(s); compute: "
               f"{cfg.compute.resolve(available).describe(available)}", flush=True)
+        from model_specs.hf_config import left_out_layers_note
+        left_out = left_out_layers_note(actor.spec.hf_config)
+        if left_out:
+            print(f"[gspo] model: {left_out}", flush=True)
     run = Run(cfg, rank, world, actor, None, None, ckpt, MetricsWriter(None, enabled=False),
               LoopState(extra={"source_model": inputs.model_fingerprint, "prompts": inputs.prompts}),
               resumed_from=resume_from, stop=stop)

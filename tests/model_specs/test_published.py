@@ -5,7 +5,10 @@ The configs are the fields of each model's config.json on the Hugging Face hub (
 written from the published files; no hub access in tests). Published sizes: Qwen3-30B-A3B 30.5B total / 3.3B
 active, Qwen3-235B-A22B 235B / 22B, Qwen2-57B-A14B 57B / 14B (Qwen count the embedding tables
 as active), GLM-4.5 355B / 32B and GLM-4.5-Air 106B / 12B (Zhipu's active counts leave the
-embedding tables out, and neither count includes the multi-token-prediction layer).
+embedding tables out, and neither count includes the multi-token-prediction layer), DeepSeek-V3
+671B / 37B (the model without its 14B multi-token-prediction layer, embedding tables active: 685B
+on the hub with it), Kimi-K2 1.04T / 32.6B (its technical report, arXiv 2507.20534; the model
+card rounds them to 1T / 32B).
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import torch
 
 from model_specs import load_hf_config, model_spec_for
 from model_specs.param_count import param_count
-from model_specs.published import GLM_45, GLM_45_AIR, QWEN2_57B_A14B, QWEN3_30B_A3B, QWEN3_235B_A22B  # noqa: F401
+from model_specs.published import (DEEPSEEK_V3, GLM_45, GLM_45_AIR, KIMI_K2, QWEN2_57B_A14B,
+                                    QWEN3_30B_A3B, QWEN3_235B_A22B)
 
 # name: (config, published total, published active, active counts the embedding tables)
 PUBLISHED = {
@@ -23,6 +27,8 @@ PUBLISHED = {
     "Qwen2-57B-A14B": (QWEN2_57B_A14B, 57e9, 14e9, True),
     "GLM-4.5": (GLM_45, 355e9, 32e9, False),
     "GLM-4.5-Air": (GLM_45_AIR, 106e9, 12e9, False),
+    "DeepSeek-V3": (DEEPSEEK_V3, 671e9, 37e9, True),
+    "Kimi-K2": (KIMI_K2, 1.04e12, 32.6e9, True),
 }
 
 
@@ -54,18 +60,32 @@ def test_published_configs_map_as_the_models_are_described():
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))
     assert yarn.position_embedding_type == "yarn"
     assert yarn.config.yarn_original_max_position_embeddings == 32768
+    ds = model_spec_for(DEEPSEEK_V3).config
+    assert ds.multi_latent_attention and (ds.q_lora_rank, ds.kv_lora_rank) == (1536, 512)
+    assert ds.moe_layer_freq == [0] * 3 + [1] * 58 and ds.num_moe_experts == 256
+    assert (ds.moe_router_num_groups, ds.moe_router_group_topk, ds.moe_router_topk) == (8, 4, 8)
+    assert ds.moe_router_topk_scaling_factor == 2.5 and ds.moe_shared_expert_intermediate_size == 2048
+    assert (ds.rope_type, ds.rotary_scaling_factor, ds.mscale, ds.mscale_all_dim) == ("yarn", 40, 1.0, 1.0)
+    kimi = model_spec_for(KIMI_K2)
+    assert kimi.family == "deepseek_v3" and kimi.config.moe_router_num_groups is None
+    assert kimi.config.num_moe_experts == 384 and kimi.config.moe_layer_freq[:2] == [0, 1]
+    assert (kimi.config.beta_fast, kimi.config.rotary_base) == (1.0, 50000.0)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe",
+                                  "deepseek_v3", "moonlight"])
 def test_count_equals_the_built_models_parameters(arch, tmp_path):
     """param_count against a GPTModel built on the meta device from each tiny family model, and
-    with tied embeddings for the dense ones."""
+    with tied embeddings for the dense ones (moonlight: deepseek_v3 without q's bottleneck)."""
     from gspo_megatron.checkpoint.convert import meta_model_state, single_process_megatron
     from model_specs import FAMILIES
 
-    family = FAMILIES[arch]
-    base = family.tiny
-    hf = base() if base else dict(FAMILIES["qwen3"].tiny_hf_config(), model_type=arch)
+    from model_specs.tiny import MOONLIGHT
+    if arch == "moonlight":
+        hf = FAMILIES["deepseek_v3"].tiny_hf_config(**MOONLIGHT)
+    else:
+        base = FAMILIES[arch].tiny
+        hf = base() if base else dict(FAMILIES["qwen3"].tiny_hf_config(), model_type=arch)
     for tie in ((False, True) if arch in ("qwen3", "llama") else (False,)):
         cfg = load_hf_config(dict(hf, tie_word_embeddings=tie))
         with single_process_megatron():
@@ -87,11 +107,16 @@ def test_the_torch_free_shape_is_the_built_configs():
     """The planner reads model_specs.shape (no torch, no megatron-core) where the actor builds a
     TransformerConfig: every shape field, the vocabulary, the tying and the counts must agree, for
     each family and published model (a field mapped in one place and not the other fails here)."""
-    from model_specs.shape import SHAPE_FIELDS, model_dims_for, model_shape_for
+    import dataclasses
+
+    from model_specs.shape import SHAPE_FIELDS, ShapeConfig, model_dims_for, model_shape_for
+    # the multi-latent attention fields are MLATransformerConfig's: a plain one has their defaults
+    default = {f.name: f.default for f in dataclasses.fields(ShapeConfig)}
     for name, config in _family_configs().items():
         shape, spec = model_shape_for(config), model_spec_for(config)
         for field in SHAPE_FIELDS:
-            assert getattr(shape.config, field) == getattr(spec.config, field), (name, field)
+            built = getattr(spec.config, field, default[field])
+            assert getattr(shape.config, field) == built, (name, field)
         assert (shape.family, shape.vocab_size, shape.share_embeddings_and_output_weights, shape.is_moe) == (
             spec.family, spec.vocab_size, spec.share_embeddings_and_output_weights, spec.is_moe), name
         assert param_count(shape) == param_count(spec), name

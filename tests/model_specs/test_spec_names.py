@@ -97,3 +97,27 @@ def test_grouped_gemm_expert_names_map_to_sequential_ones():
     assert canonical_megatron_name("decoder.layers.0.mlp.experts.linear_fc2.weight0") == \
         "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
     assert canonical_megatron_name("decoder.layers.0.mlp.router.weight") == "decoder.layers.0.mlp.router.weight"
+
+
+def test_mla_layers_write_the_te_specs_keys_and_te_names_map_to_the_local_ones(one_process_megatron):
+    """Multi-latent attention (DeepSeek-V3) is not in the recording. Its TE layer (gpt_layer_specs.py,
+    get_gpt_layer_with_transformer_engine_spec with multi_latent_attention; 0.16.1 and 0.19.2)
+    fuses the latents' norms into linear_q_up_proj / linear_kv_up_proj and a dense layer's pre-MLP
+    norm into linear_fc1, and keeps input_layernorm and an MoE layer's pre_mlp_layernorm apart: the
+    local spec must write those keys, and the live TE names map back to the weight map's."""
+    from model_specs.tiny import deepseek_v3
+    from model_specs.weight_maps import canonical_megatron_name
+    sharded, params = _local_model(deepseek_v3(num_hidden_layers=2))
+    keys = {v.key for v in sharded.values()}  # the checkpoint keys (without _extra_state)
+    layer = {k.split(".", 3)[3] for k in keys if k.startswith("decoder.layers.0.")}
+    assert {"input_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight",
+            "self_attention.linear_kv_up_proj.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"} <= layer
+    assert not any("layernorm" in k and "input_layernorm" not in k for k in layer)
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in keys  # MoE: a norm of its own in both
+    te_names = {"decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight":
+                "decoder.layers.0.self_attention.q_layernorm.weight",
+                "decoder.layers.0.self_attention.linear_kv_up_proj.layer_norm_weight":
+                "decoder.layers.0.self_attention.kv_layernorm.weight",
+                "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": "decoder.layers.0.pre_mlp_layernorm.weight"}
+    for te, local in te_names.items():
+        assert canonical_megatron_name(te) == local and local in params

@@ -130,6 +130,23 @@ def test_plan_qwen3_235b_on_64_h100s_lists_the_published_layout():
     assert any(ln.startswith("| TP1xPP1") for ln in cannot)
 
 
+def test_plan_deepseek_v3_on_h100s_fits_on_256_not_128():
+    """DeepSeek-V3 with Adam holds at least 16 bytes per parameter however it is split (bf16
+    weights, bf16 or fp32 gradients, fp32 moments and main weights): 671e9 x 16 B = 10.7 TB, more
+    than 128 x 80 GiB (11.0e12 B less the overheads) and less than 256. The plan says so: no
+    layout of 128 holds the static memory, 256 have some that fit."""
+    common = ("examples/qwen3_235b_a22b.yaml", "--model", "DeepSeek-V3", "--gpu-memory", "80GiB",
+              "--gpus-per-node", "8", "--top", "200", "--all")
+    small = _plan(*common, "--gpus", "128")
+    rows = [ln for ln in small.stdout.splitlines() if ln.startswith("| TP")]
+    assert small.returncode == 1 and "no layout fits 128 x 80.0 GiB" in small.stderr, small.stderr
+    assert rows and all("cannot hold the weights, gradients and optimizer state" in ln for ln in rows)
+    big = _plan(*common, "--gpus", "256")
+    assert big.returncode == 0, big.stderr
+    print(big.stdout[:1500])
+    assert any(ln.startswith("| TP") and ln.endswith("| fits |") for ln in big.stdout.splitlines())
+
+
 @pytest.mark.parametrize("args, message", [
     (("--gpus", "8", "--gpu-memory", "80 gigs"), "--gpu-memory '80 gigs': expected a size such as 80GiB"),
     (("--gpus", "0"), "--gpus 0: expected >= 1"),
@@ -137,8 +154,8 @@ def test_plan_qwen3_235b_on_64_h100s_lists_the_published_layout():
     (("--gpus", "8", "--layout", "tensor=two"), "--layout 'tensor=two': expected fields such as"),
     (("--gpus", "8", "--nodes", "3"), "--nodes 3: expected a divisor of --gpus 8"),
     (("--gpus", "8", "--model", "Qwen9-1T"), "--model 'Qwen9-1T': not a published model"),
-    (("--gpus", "8", "--model", "DeepSeek-V3"), "--model 'DeepSeek-V3': the deepseek_v3 (DeepSeek-V3, "
-                                                "Kimi-K2) family is not supported yet (supported: glm4_moe, "),
+    (("--gpus", "8", "--model", "Mixtral-8x7B"), "--model 'Mixtral-8x7B': the mixtral family is not "
+                                                 "supported yet (supported: deepseek_v3, glm4_moe, "),
     (("--gpus", "8", "--model", "gpt-oss-120b"), "--model 'gpt-oss-120b': the gpt_oss family is not supported"),
 ])
 def test_bad_input_gets_one_line(args, message):

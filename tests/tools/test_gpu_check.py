@@ -13,8 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_gpu_check_cpu_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path)],
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_gpu_check_cpu_smoke(tmp_path, arch):
+    proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
+                           "--arch", arch],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

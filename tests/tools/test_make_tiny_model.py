@@ -44,8 +44,15 @@ def test_loads_and_runs(arch):
     cfg = model.config
     assert next(model.parameters()).dtype == torch.float32
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (VOCAB_SIZE, 64, 2)
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
-    assert cfg.max_position_embeddings >= 2048
+    if arch == "deepseek_v3":  # multi-latent attention: a key and value per head, YaRN x4 over 8
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 4)
+        assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                cfg.v_head_dim) == (24, 32, 12, 8, 16)
+        assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.max_position_embeddings == 32
+        assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0  # drawn
+    else:
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+        assert cfg.max_position_embeddings >= 2048
     if arch.startswith("qwen3"):
         assert model.model.layers[0].self_attn.q_norm is not None  # QK-norm
     if arch == "qwen3_moe":
@@ -87,7 +94,7 @@ def test_tied_embeddings_and_overrides(tmp_path):
 
 
 def test_new_archs_are_deterministic(tmp_path):
-    for arch in ("qwen2_moe", "glm4_moe"):
+    for arch in ("qwen2_moe", "glm4_moe", "deepseek_v3"):
         a = make_tiny_model(arch, tmp_path / f"{arch}-a", seed=7)
         b = make_tiny_model(arch, tmp_path / f"{arch}-b", seed=7)
         assert _digest(a) == _digest(b), arch
