@@ -133,7 +133,10 @@ def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
                              "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0},
             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
-            routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0)
+            routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=0,
+            # DeepSeek's own config class's fields, which transformers does not read and SGLang
+            # does (deepseek_v2.py reads moe_layer_freq): as in the published configs
+            moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     return cls(**{**common, **extra, **overrides})

@@ -16,6 +16,7 @@ most one bucket of full tensors, any other rank at most the one parameter it is 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -89,16 +90,36 @@ def build_plan(chunks: Sequence[torch.nn.Module], wmap: WeightMap) -> list[PlanE
     return plan
 
 
+# HF tensors that SGLang must receive in one load call: DeepSeek-V2/V3's loader fuses a layer's
+# q_a_proj and kv_a_proj_with_mqa into one parameter and keeps the first of the two only until the
+# call returns (sglang/srt/models/deepseek_common/deepseek_weight_loader.py:283 and :438-459), so a
+# bucket boundary between them silently leaves that layer's old weights on the server.
+LOAD_TOGETHER = re.compile(r"^(model\.layers\.\d+)\.self_attn\.(?:q_a_proj|kv_a_proj_with_mqa)\.weight$")
+
+
+def _together_key(e: PlanEntry) -> str | None:
+    for name in e.mapping.hf:
+        m = LOAD_TOGETHER.match(name)
+        if m:
+            return m.group(1)
+    return None
+
+
 def buckets(plan: Sequence[PlanEntry], bucket_bytes: int) -> list[list[PlanEntry]]:
-    """Consecutive plan entries of at most `bucket_bytes` (a larger parameter is a bucket alone)."""
+    """Consecutive plan entries of at most `bucket_bytes` (a larger parameter is a bucket alone),
+    never cut between two entries that must load together (LOAD_TOGETHER): their bucket grows."""
+    keys = [_together_key(e) for e in plan]
+    last = {k: i for i, k in enumerate(keys) if k is not None}
     out: list[list[PlanEntry]] = [[]]
-    size = 0
-    for e in plan:
-        if out[-1] and size + e.nbytes > bucket_bytes:
+    size, uncuttable_until = 0, -1
+    for i, e in enumerate(plan):
+        if out[-1] and size + e.nbytes > bucket_bytes and i > uncuttable_until:
             out.append([])
             size = 0
         out[-1].append(e)
         size += e.nbytes
+        if keys[i] is not None:
+            uncuttable_until = max(uncuttable_until, last[keys[i]])
     return out if out[0] else []
 
 

@@ -5,8 +5,9 @@ Intel AMX/AVX-512 (docs/cpu.md): `SGLANG_USE_CPU_ENGINE=1` makes SGLang import i
 but on such hosts SGLang takes its torch-native paths and never calls a kernel. Every attribute is a
 function raising NotImplementedError naming the op, so a call that does happen fails loudly.
 `sitecustomize.py` replaces two Triton kernels of SGLang's Qwen2-MoE shared-expert gate (Triton
-has no CPU backend) with the same math in torch, and makes the CUDA-only pinning of the
-routed-experts host buffer (--enable-return-routed-experts) a no-op, when SGLang imports them.
+has no CPU backend) with the same math in torch, makes the CUDA-only pinning of the
+routed-experts host buffer (--enable-return-routed-experts) a no-op, and sends DeepSeek-V3's
+multi-latent attention on the torch_native backend to its absorbed path, when SGLang imports them.
 `rollout.server` puts this directory on the child's PYTHONPATH; nothing in this project imports it.
 """
 from pathlib import Path

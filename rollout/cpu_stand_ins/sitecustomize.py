@@ -2,7 +2,7 @@
 
 Python imports `sitecustomize` at start-up from the PYTHONPATH that rollout.server gives CPU server
 children (this directory); it patches a module when SGLang imports it. GPU servers never see this
-directory. The three patches:
+directory. The four patches:
 - Qwen2-MoE's shared-expert gate runs `fused_gate_sigmoid_mul(_add)` from
   sglang.kernels.ops.elementwise.elementwise, a Triton kernel; Triton has no CPU backend, so the
   first /generate crashes. Replaced by the same math in torch: sigmoid(x @ gate_weight) * shared
@@ -11,6 +11,14 @@ directory. The three patches:
   buffer with pin_memory=True, and sglang/srt/mem_cache/pool_host/common.py:147
   (_cuda_host_register) then calls torch.cuda.cudart(): the server dies at start without a GPU.
   Pinning (cudaHostRegister) only speeds up device copies; without CUDA it is skipped.
+- DeepSeek-V2/V3's multi-latent attention takes the MHA path at a prefill without a cached prefix
+  (sglang/srt/models/deepseek_common/attention_backend_handler.py:98-102, the triton handler that
+  an unregistered backend falls back to): it writes the latents into the KV cache and hands the
+  backend keys and values expanded per head, which flash backends attend over directly; the
+  torch_native backend attends over the KV cache instead (layers/attention/torch_native_backend.py
+  forward_extend), where it finds the latents, and fails ("Expected size ... batch2 tensor").
+  torch_native is sent to the absorbed MLA path at every step, which reads the cache as it is
+  written (the log-probs equal transformers' to 2e-6: tests/model_specs/test_deepseek_v3_serving.py).
 - SGLang starts its scheduler and detokenizer processes with the "spawn" start method
   (sglang/srt/entrypoints/engine.py:1995, `mp.set_start_method("spawn", force=True)`), which CUDA
   needs; each child then imports torch and SGLang again, and on 2 CPU cores the three processes'
@@ -40,11 +48,18 @@ def _no_host_register(buffer, registration_granularity_bytes=None):
     return None
 
 
+def _mla_absorbed_on_torch_native(module):
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import (
+        AttnForwardMethod)
+    module.AttentionBackendRegistry.register("torch_native", lambda attn, batch: AttnForwardMethod.MLA)
+
+
 PATCHES = {
     "sglang.kernels.ops.elementwise.elementwise": {
         "fused_gate_sigmoid_mul": fused_gate_sigmoid_mul,
         "fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},
     "sglang.srt.mem_cache.pool_host.common": {"_cuda_host_register": _no_host_register},
+    "sglang.srt.models.deepseek_common.attention_backend_handler": _mla_absorbed_on_torch_native,
 }
 
 
@@ -65,6 +80,9 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
+            if callable(attrs):
+                attrs(module)
+                return
             for attr, value in attrs.items():
                 setattr(module, attr, value)
         spec.loader.exec_module = exec_module

@@ -50,7 +50,7 @@ def _step_and_sync(rank, world, ckpt, url):
                 moved=float((moved - before_lp).abs().max()))
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "glm4_moe", "deepseek_v3"])
 def test_gspo_step_then_sync(arch, tmp_path):
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
     ckpt = convert_hf_to_megatron(tiny_model_dir(arch, 0), tmp_path / "mcore")
