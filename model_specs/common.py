@@ -1,10 +1,11 @@
 """HF config.json -> megatron-core TransformerConfig + layer spec, shared by the decoder families.
 
 What differs between the decoder families (qwen3, qwen3_moe, qwen2, qwen2_moe, glm4_moe,
-deepseek_v3, llama) is their `FamilyTraits` (traits.py); `build_model_spec` does the mapping, from
+deepseek_v3, gpt_oss, llama) is their `FamilyTraits` (traits.py); `build_model_spec` does the mapping, from
 shape.py's fields (the torch-free shape, MoE fields from moe_fields.py, multi-latent attention's
 from mla_fields.py), with rope.py (RoPE / YaRN), moe.py (the expert-bias router) and mla.py
-(megatron's multi-latent attention as transformers computes it). The actor builds a GPTModel from
+(megatron's multi-latent attention as transformers computes it) and sinks.py (gpt-oss's attention
+sinks, sliding windows, biases and clamped SwiGLU). The actor builds a GPTModel from
 the returned `ModelSpec` without knowing which family or backend (TE or local) it came from. This
 package knows HF and megatron-core only: the parallel layout and the machine's adaptations arrive as
 TransformerConfig `overrides` from the caller.
@@ -17,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import quick_gelu
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -24,10 +26,11 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from model_specs.hf_config import HFConfigError, require
 from model_specs.mla import adapt_mla_spec
-from model_specs.moe import use_expert_bias_router
+from model_specs.moe import use_expert_bias_router, use_expert_fc2
 from model_specs.norms import HAVE_TE, replace_local_norms, te_checkpoint_keys
 from model_specs.rope import RopeMapping, rope_mapping
 from model_specs.shape import shape_fields
+from model_specs.sinks import use_sink_attention
 from model_specs.traits import FamilyTraits
 
 
@@ -108,7 +111,13 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     hf = dict(hf)
     fam = traits.name
     kwargs: dict[str, Any] = shape_fields(traits, hf)  # refuses what cannot be mapped, by name
-    use_te = HAVE_TE if transformer_engine is None else bool(transformer_engine)
+    sinks = kwargs.get("softmax_type", "vanilla") != "vanilla"
+    if sinks and transformer_engine:
+        raise HFConfigError(f"{fam}: attention sinks with Transformer Engine's layer spec are not "
+                            "supported: TE keeps the sinks inside its attention, where no test of "
+                            "this project has checked their split over TP ranks (model_specs/"
+                            "sinks.py); set compute.transformer_engine: false (the local spec)")
+    use_te = HAVE_TE and not sinks if transformer_engine is None else bool(transformer_engine)
     if use_te and not HAVE_TE:
         raise HFConfigError("transformer_engine=True, but Transformer Engine does not import here "
                             "(it needs CUDA and cuDNN)")
@@ -120,7 +129,8 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     kwargs.update(
         normalization="RMSNorm",
         layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        activation_func=F.silu,
+        # gpt-oss's clamped SwiGLU: quick_gelu with an offset and a clamp (model_specs/sinks.py)
+        activation_func=quick_gelu if kwargs.get("activation_func_clamp_value") else F.silu,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -147,6 +157,14 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(config_class)}
     if unknown:
         raise HFConfigError(f"unknown TransformerConfig fields in overrides: {sorted(unknown)}")
+    etp = kwargs.get("expert_tensor_parallel_size") or kwargs.get("tensor_model_parallel_size", 1)
+    if kwargs.get("num_moe_experts") and kwargs.get("add_bias_linear") and etp > 1:
+        # megatron asserts it too (transformer_config.py:1590), without naming the way out
+        raise HFConfigError(f"{fam}: expert_tensor_parallel_size={etp} with expert biases is not "
+                            "supported: each expert-TP rank adds the fc2 bias to its partial sum "
+                            "before the sums are reduced (megatron-core mlp.py:247, "
+                            "tensor_parallel/layers.py:1286), so it would count once per rank; "
+                            "set parallel.expert_tensor: 1")
     config = config_class(**kwargs)
     expert_bias = bool(config.moe_router_enable_expert_bias)
 
@@ -158,6 +176,10 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
             spec = use_expert_bias_router(spec)
         if mla:
             spec = adapt_mla_spec(spec, local=not use_te, plain_q_proj=config.q_lora_rank is None)
+        if sinks:
+            spec = use_sink_attention(spec)
+        if config.num_moe_experts and config.add_bias_linear and not use_te:
+            spec = use_expert_fc2(spec)  # expert biases on one expert-TP rank (moe.py)
         return spec if use_te else te_checkpoint_keys(replace_local_norms(spec))
 
     return ModelSpec(

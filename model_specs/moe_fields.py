@@ -12,7 +12,8 @@ SHARED_EXPERTS = (None, "gated", "plain")
 
 
 def moe_config_fields(hf: Mapping[str, Any], family: str, num_layers: int, router: str,
-                      shared_expert: str | None) -> dict[str, Any]:
+                      shared_expert: str | None,
+                      expert_size_field: str = "moe_intermediate_size") -> dict[str, Any]:
     """The TransformerConfig fields of an HF MoE config (see the module docstring)."""
     if router not in ROUTERS or shared_expert not in SHARED_EXPERTS:
         raise ValueError(f"{family}: router={router!r}, shared_expert={shared_expert!r}; expected "
@@ -25,15 +26,20 @@ def moe_config_fields(hf: Mapping[str, Any], family: str, num_layers: int, route
     fields: dict[str, Any] = dict(
         num_moe_experts=experts,
         moe_router_topk=topk,
-        moe_ffn_hidden_size=int(require(hf, "moe_intermediate_size", family)),
+        moe_ffn_hidden_size=int(require(hf, expert_size_field, family)),
         moe_layer_freq=moe_layer_pattern(hf, num_layers),
         # RL fine-tuning: no load-balancing loss by default (it would enter the GSPO gradient).
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
     )
     if router == "softmax":
-        fields.update(moe_router_score_function="softmax",
-                      moe_router_pre_softmax=not bool(hf.get("norm_topk_prob", True)))
+        pre_softmax = not bool(hf.get("norm_topk_prob", True))
+        if topk == 1 and not pre_softmax:
+            raise HFConfigError(f"{family}: num_experts_per_tok=1 with the softmax taken over the "
+                                "top-k is not supported: HF weighs the one expert by 1, megatron-core "
+                                "takes top-1 only after a full softmax "
+                                "(transformer_config.py:1641)")
+        fields.update(moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)
     else:
         fields.update(_sigmoid_router_fields(hf, family, experts, topk))
     if shared_expert == "gated":

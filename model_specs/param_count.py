@@ -6,12 +6,13 @@ built).
 
 Counted as megatron holds the model: embedding, output layer (unless tied), per layer the fused
 q/k/v projection (+ bias), output projection, QK-norm (or multi-latent attention's projections and
-latent norms), the two RMSNorms, then either the dense MLP or the router (+ expert bias), every
-routed expert and the shared expert (+ gate); the final norm. `active` is what one token passes
+latent norms), attention sinks (one per head), the two RMSNorms, then either the dense MLP or the
+router (+ expert bias), every routed expert and the shared expert (+ gate); the final norm. With
+add_bias_linear (gpt-oss) the output projection, the router and every MLP have biases too. `active` is what one token passes
 through: the same, with `moe_router_topk` routed experts per MoE layer instead of all of them.
 Vendors differ on whether the embedding tables count as active (Qwen's published "A3B" / "A22B"
-and DeepSeek-V3's "37B" include them, GLM-4.5's "32B active" does not), hence `embedding` and
-`output` separately.
+and DeepSeek-V3's "37B" include them, GLM-4.5's "32B active" does not, gpt-oss's "5.1B active"
+counts the output layer and not the embedding), hence `embedding` and `output` separately.
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def _attention(c: TransformerConfig | ShapeConfig) -> int:
     n = h * (q + 2 * kv) + q * h                    # linear_qkv + linear_proj
     n += (q + 2 * kv) if c.add_qkv_bias else 0
     n += 2 * d if c.qk_layernorm else 0             # q_layernorm, k_layernorm (per head dim)
+    n += h if c.add_bias_linear else 0              # linear_proj bias
+    n += c.num_attention_heads if c.softmax_type == "learnable" else 0   # sinks
     return n + 2 * h                                # input_layernorm, pre_mlp_layernorm
 
 
@@ -66,7 +69,9 @@ def _mla(c: TransformerConfig | ShapeConfig) -> int:
 
 
 def _mlp(c: TransformerConfig | ShapeConfig, ffn: int) -> int:
-    return (3 if c.gated_linear_unit else 2) * c.hidden_size * ffn
+    gated = 2 if c.gated_linear_unit else 1
+    bias = gated * ffn + c.hidden_size if c.add_bias_linear else 0  # fc1, fc2 biases
+    return (gated + 1) * c.hidden_size * ffn + bias
 
 
 def _moe_layers(c: TransformerConfig | ShapeConfig) -> int:
@@ -86,6 +91,7 @@ def param_count(spec: ModelSpec | ModelShape) -> ParamCount:
     dense = c.num_layers - moe
     per_expert = _mlp(c, c.moe_ffn_hidden_size or 0)
     moe_fixed = experts * h                         # router
+    moe_fixed += experts if c.add_bias_linear else 0  # router bias (gpt-oss)
     moe_fixed += experts if c.moe_router_enable_expert_bias else 0
     if c.moe_shared_expert_intermediate_size:
         moe_fixed += _mlp(c, c.moe_shared_expert_intermediate_size)

@@ -82,9 +82,35 @@ KIMI_K2 = dict(  # Kimi-K2-Instruct (and -Base): DeepSeek-V3's architecture, mod
     rope_theta=50000.0, routed_scaling_factor=2.827, topk_group=1, transformers_version="4.48.3",
     vocab_size=163840,
 )
+# gpt-oss publishes its experts in MXFP4 (`quantization_config`), which the converter dequantizes
+# (gspo_megatron/checkpoint/mxfp4.py); the trainer holds them in bf16, as the planner counts.
+GPT_OSS_120B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn",
+                                                       "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"],
+                            "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                     "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                     "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0",
+    "use_cache": True, "vocab_size": 201088,
+}
+GPT_OSS_20B = dict(GPT_OSS_120B, num_hidden_layers=24, num_local_experts=32,
+                   layer_types=["sliding_attention", "full_attention"] * 12)
 
 BY_NAME: dict[str, dict[str, Any]] = {
     "Qwen3-30B-A3B": QWEN3_30B_A3B, "Qwen3-235B-A22B": QWEN3_235B_A22B,
     "Qwen2-57B-A14B": QWEN2_57B_A14B, "GLM-4.5": GLM_45, "GLM-4.5-Air": GLM_45_AIR,
-    "DeepSeek-V3": DEEPSEEK_V3, "Kimi-K2": KIMI_K2,
+    "DeepSeek-V3": DEEPSEEK_V3, "Kimi-K2": KIMI_K2, "gpt-oss-120b": GPT_OSS_120B,
+    "gpt-oss-20b": GPT_OSS_20B,
 }

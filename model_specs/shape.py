@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from model_specs.gpt_oss_fields import gpt_oss_fields
 from model_specs.hf_config import HFConfigError, load_hf_config, model_dims, require
 from model_specs.mla_fields import mla_fields
 from model_specs.moe_fields import moe_config_fields
@@ -37,6 +38,8 @@ class ShapeConfig:
     kv_channels: int
     gated_linear_unit: bool = False
     add_qkv_bias: bool = False
+    add_bias_linear: bool = True
+    softmax_type: str = "vanilla"
     qk_layernorm: bool = False
     num_moe_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
@@ -88,9 +91,8 @@ def shape_fields(traits: FamilyTraits, hf: Mapping[str, Any]) -> dict[str, Any]:
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method") if isinstance(
             hf["quantization_config"], Mapping) else hf["quantization_config"]
-        raise HFConfigError(f"{fam}: quantization_config (quant_method={method!r}) is not supported: "
-                            "the trainer holds bf16 / fp32 weights; give it a bf16 copy of the model "
-                            "(for DeepSeek-V3's fp8 weights: DeepSeek's inference/fp8_cast_bf16.py)")
+        if not (method == "mxfp4" and traits.experts == "stacked"):
+            _refuse_quantization(fam, method)
     num_layers = int(require(hf, "num_hidden_layers", fam))
     hidden = int(require(hf, "hidden_size", fam))
     heads = int(require(hf, "num_attention_heads", fam))
@@ -106,13 +108,24 @@ def shape_fields(traits: FamilyTraits, hf: Mapping[str, Any]) -> dict[str, Any]:
     if traits.attention == "mla":
         fields.update(mla_fields(hf, fam, heads))  # its own rope; refuses what it cannot map
     else:
+        if traits.attention == "gqa_sinks":
+            fields.update(gpt_oss_fields(hf, fam, num_layers))
         head_dim = int(hf.get("head_dim") or hidden // heads)
         rope_mapping(hf, fam, head_dim, traits.partial_rotary)  # refuses what RoPE cannot map
         qk_norm, qkv_bias = attention_options(traits, hf)
         fields.update(kv_channels=head_dim, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm)
     if traits.moe:
-        fields.update(moe_config_fields(hf, fam, num_layers, traits.router, traits.shared_expert))
+        fields.update(moe_config_fields(hf, fam, num_layers, traits.router, traits.shared_expert,
+                                        traits.expert_size_field))
     return fields
+
+
+def _refuse_quantization(fam: str, method: Any) -> None:
+    # gpt-oss's MXFP4 experts are the exception: the converter dequantizes them on import
+    # (gspo_megatron/checkpoint/mxfp4.py), and the trainer holds bf16 / fp32 from then on
+    raise HFConfigError(f"{fam}: quantization_config (quant_method={method!r}) is not supported: "
+                        "the trainer holds bf16 / fp32 weights; give it a bf16 copy of the model "
+                        "(for DeepSeek-V3's fp8 weights: DeepSeek's inference/fp8_cast_bf16.py)")
 
 
 def model_shape_for(source: str | Path | Mapping[str, Any]) -> ModelShape:

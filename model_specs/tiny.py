@@ -90,5 +90,27 @@ def deepseek_v3(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def gpt_oss(**overrides: Any) -> dict[str, Any]:
+    """A tiny gpt-oss-shaped config for tests: 4 layers alternating a sliding window of 8 tokens
+    and full attention, 4 heads / 2 kv heads (TP2) of 16 channels with biases and sinks, YaRN x4
+    over an original context of 8 positions (truncate false, as published), 8 experts top-4 (EP2)
+    of width 32 with biases, and a SwiGLU clamp of 0.5 (published: 7.0), low enough that a tiny
+    model's activations reach it."""
+    cfg = dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=512, hidden_size=64,
+        intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, hidden_act="silu", max_position_embeddings=32, rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2,
+        attention_bias=True, tie_word_embeddings=False, initializer_range=0.02,
+        num_local_experts=8, num_experts_per_tok=4, swiglu_limit=0.5, router_aux_loss_coef=0.0,
+        output_router_logits=False, torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
 MOONLIGHT = dict(q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1, n_shared_experts=2)
 """deepseek_v3's overrides for Moonlight-16B-A3B's (and DeepSeek-V2-Lite's) shape."""

@@ -38,7 +38,15 @@ class FamilyTraits:
     """The HF class rotates only `partial_rotary_factor` of each head (GLM-4.5)."""
     attention: str = "gqa"
     """"gqa": q, k and v projections of the hidden state (megatron's fused linear_qkv);
-    "mla": DeepSeek's multi-latent attention (mla_fields.py, mla.py)."""
+    "mla": DeepSeek's multi-latent attention (mla_fields.py, mla.py); "gqa_sinks": gpt-oss's
+    GQA with learnable attention sinks, sliding-window layers and a bias on every linear layer
+    (gpt_oss_fields.py, sinks.py)."""
+    experts: str = "per_expert"
+    """How HF stores a layer's routed experts: "per_expert" (`mlp.experts.{e}.gate_proj` ... and
+    the router as `mlp.gate`), or "stacked" (gpt-oss: `mlp.experts.gate_up_proj` [E, h, 2 x ffn]
+    with gate and up interleaved, `down_proj` [E, ffn, h], their biases, and `mlp.router`)."""
+    expert_size_field: str = "moe_intermediate_size"
+    """The HF field of one routed expert's ffn width (gpt-oss: intermediate_size)."""
 
 
 FAMILY_TRAITS: dict[str, FamilyTraits] = {t.name: t for t in (
@@ -76,6 +84,15 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {t.name: t for t in (
     # shared experts. The multi-token-prediction layers are left out as GLM-4.5's are.
     FamilyTraits(name="deepseek_v3", model_types=("deepseek_v3", "kimi_k2"), moe=True,
                  router="sigmoid", shared_expert="plain", attention="mla"),
+    # gpt-oss (GptOssForCausalLM): GQA (head_dim 64) with a bias on q/k/v/o, one learnable
+    # attention sink per head (a logit added to each softmax's denominator), sliding-window
+    # attention on the layers `layer_types` names (alternate ones), YaRN; every layer MoE: a
+    # router with a bias, top-k then softmax over the k logits, experts with biases and a clamped
+    # SwiGLU, (up + 1) * gate * sigmoid(1.702 gate) (gate clamped above, up both sides at
+    # swiglu_limit); experts stacked per layer in the HF files, MXFP4 in the published ones
+    # (dequantized by the converter: gspo_megatron/checkpoint/mxfp4.py).
+    FamilyTraits(name="gpt_oss", model_types=("gpt_oss",), moe=True, attention="gqa_sinks",
+                 experts="stacked", expert_size_field="intermediate_size"),
     # Llama (dense): GQA, no biases (attention_bias / mlp_bias must be false; mlp_bias=true is
     # refused by shape.shape_fields), RoPE without scaling.
     FamilyTraits(name="llama", model_types=("llama",)),
@@ -98,6 +115,8 @@ def attention_options(traits: FamilyTraits, hf: Mapping[str, Any]) -> tuple[bool
     neither (its q/kv norms are the latents', and a bias is refused: mla_fields.py)."""
     if traits.attention == "mla":
         return False, False
+    if traits.attention == "gqa_sinks":
+        return False, True  # attention_bias=false is refused (gpt_oss_fields.py)
     qk_norm = traits.qk_layernorm or bool(traits.qk_norm_field and hf.get(traits.qk_norm_field))
     qkv_bias = bool(hf.get("qkv_bias", traits.qkv_bias)) or bool(hf.get("attention_bias", False))
     return qk_norm, qkv_bias

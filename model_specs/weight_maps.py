@@ -17,6 +17,13 @@ Fused layouts (checked against megatron-core 0.16.1):
   A TP rank holds a contiguous run of whole groups, so the TP shards concatenate along dim 0.
 - `linear_fc1` of a gated MLP (mlp.py, glu): rows [gate; up]. A TP rank holds [gate_r; up_r]
   (apply_swiglu_sharded_factory), so merging TP shards is NOT a plain concatenation.
+- Stacked experts (gpt-oss): one HF tensor holds every expert of a layer along dim 0, so each
+  expert's megatron parameter is one slice of it (`ParamMapping.stacked`): `to_megatron` takes
+  the whole HF tensor and cuts the expert's slice, `to_hf` gives the slice, and `hf_tensors`
+  stacks a layer's slices back into the HF tensor (the converters and the sync hand it every
+  expert of that tensor at once: `together_key`). `gate_up_proj` is [E, h, 2 x ffn] with gate and
+  up interleaved along the last dim (transformers' GptOssExperts._apply_gate: [..., ::2],
+  [..., 1::2]) and transposed against megatron's fc1; `down_proj` is [E, ffn, h], fc2 transposed.
 """
 from __future__ import annotations
 
@@ -33,6 +40,11 @@ from model_specs.traits import attention_options
 
 # The parameter kinds: how a megatron tensor relates to its HF tensors.
 COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
+# One expert's slice of a stacked HF tensor (module docstring): gate_up_proj [E, h, 2f]
+# interleaved, its bias [E, 2f] interleaved, down_proj [E, f, h] (transposed), its bias [E, h].
+STACKED_GATE_UP, STACKED_GATE_UP_BIAS, STACKED_T, STACKED = (
+    "stacked_gate_up", "stacked_gate_up_bias", "stacked_t", "stacked")
+STACKED_KINDS = (STACKED_GATE_UP, STACKED_GATE_UP_BIAS, STACKED_T, STACKED)
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,9 @@ class WeightRule:
     """A condition on the model: 'qkv' (fused q/k/v) or 'mla' + 'mla_q_lora' / 'mla_q_proj'
     (multi-latent attention with or without q's bottleneck), 'qk_norm', 'qkv_bias', 'untied',
     'expert_bias' (sigmoid router), 'shared_expert' + 'shared_expert_gate' (Qwen2-MoE's names),
-    'shared_experts' (GLM-4.5's, DeepSeek-V3's)."""
+    'shared_experts' (GLM-4.5's, DeepSeek-V3's), 'per_expert' / 'stacked_experts' (how HF
+    stores the router and experts: traits.FamilyTraits.experts), 'linear_bias' (a bias on the
+    output projection: gpt-oss), 'sinks' (attention sinks)."""
 
 
 L = "decoder.layers.{layer}."
@@ -92,21 +106,43 @@ RULES: tuple[WeightRule, ...] = (
                scope="layer", when="qk_norm"),
     WeightRule(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",),
                tp_dim=1, scope="layer"),
+    WeightRule(L + "self_attention.linear_proj.bias", (H + "self_attn.o_proj.bias",),
+               scope="layer", when="linear_bias"),
+    # megatron's learnable softmax offset is HF's sinks: one logit per head (model_specs/sinks.py)
+    WeightRule(L + "self_attention.core_attention.softmax_offset", (H + "self_attn.sinks",),
+               tp_dim=0, scope="layer", when="sinks"),
     WeightRule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",),
                scope="layer"),
     WeightRule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
                GATE_UP, tp_dim=0, scope="dense"),
     WeightRule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), tp_dim=1, scope="dense"),
-    WeightRule(L + "mlp.router.weight", (H + "mlp.gate.weight",), scope="moe"),
+    WeightRule(L + "mlp.router.weight", (H + "mlp.gate.weight",), scope="moe", when="per_expert"),
     # megatron keeps the expert bias as a buffer; model_specs.moe.ExpertBiasRouter makes it a
     # frozen parameter under the same name (fp32, as HF keeps e_score_correction_bias).
     WeightRule(L + "mlp.router.expert_bias", (H + "mlp.gate.e_score_correction_bias",),
                scope="moe", when="expert_bias"),
     WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
                (H + "mlp.experts.{expert}.gate_proj.weight", H + "mlp.experts.{expert}.up_proj.weight"),
-               GATE_UP, tp_dim=0, scope="expert"),
+               GATE_UP, tp_dim=0, scope="expert", when="per_expert"),
     WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
-               (H + "mlp.experts.{expert}.down_proj.weight",), tp_dim=1, scope="expert"),
+               (H + "mlp.experts.{expert}.down_proj.weight",), tp_dim=1, scope="expert",
+               when="per_expert"),
+    # gpt-oss: the router (with a bias) and the experts stacked per layer (module docstring)
+    WeightRule(L + "mlp.router.weight", (H + "mlp.router.weight",), scope="moe",
+               when="stacked_experts"),
+    WeightRule(L + "mlp.router.bias", (H + "mlp.router.bias",), scope="moe", when="stacked_experts"),
+    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+               (H + "mlp.experts.gate_up_proj",), STACKED_GATE_UP, tp_dim=0, scope="expert",
+               when="stacked_experts"),
+    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc1.bias",
+               (H + "mlp.experts.gate_up_proj_bias",), STACKED_GATE_UP_BIAS, tp_dim=0,
+               scope="expert", when="stacked_experts"),
+    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+               (H + "mlp.experts.down_proj",), STACKED_T, tp_dim=1, scope="expert",
+               when="stacked_experts"),
+    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc2.bias",
+               (H + "mlp.experts.down_proj_bias",), STACKED, scope="expert",
+               when="stacked_experts"),
     # Shared experts: an MLP over the (expert-independent) TP group, in every MoE layer.
     WeightRule(L + "mlp.shared_experts.linear_fc1.weight",
                (H + "mlp.shared_expert.gate_proj.weight", H + "mlp.shared_expert.up_proj.weight"),
@@ -168,6 +204,11 @@ class ParamMapping:
     def is_expert(self) -> bool:
         return self.expert is not None
 
+    @property
+    def stacked(self) -> bool:
+        """The HF tensor stacks every expert of the layer; this parameter is slice `expert`."""
+        return self.kind in STACKED_KINDS
+
 
 @dataclass(frozen=True)
 class WeightMap:
@@ -215,9 +256,20 @@ class WeightMap:
 
     # ---- conversions of full (TP-merged) tensors ----
     def to_megatron(self, m: ParamMapping, hf_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The megatron tensor of `m` from its whole HF tensors (a stacked one: all experts)."""
         if len(hf_tensors) != len(m.hf):
             raise WeightMapError(f"{m.megatron}: expected {len(m.hf)} HF tensors {m.hf}, "
                                  f"got {len(hf_tensors)}")
+        if m.stacked:
+            stack = hf_tensors[0]
+            if stack.dim() < 2 or stack.shape[0] != self.num_experts:
+                raise WeightMapError(f"{m.hf[0]} has shape {tuple(stack.shape)}, expected "
+                                     f"{self.num_experts} experts along dim 0")
+            part = stack[m.expert]
+            if m.kind in (STACKED_GATE_UP, STACKED_GATE_UP_BIAS):      # [.., 2f] interleaved
+                part = part.transpose(0, 1) if m.kind == STACKED_GATE_UP else part  # [2f, ..]
+                return torch.cat([part[0::2], part[1::2]], dim=0).contiguous()  # [gate; up]
+            return part.transpose(0, 1).contiguous() if m.kind == STACKED_T else part.clone()
         if m.kind == QKV:
             return fuse_qkv(*hf_tensors, self.num_heads, self.num_query_groups, self.head_dim)
         if m.kind == GATE_UP:
@@ -225,7 +277,14 @@ class WeightMap:
         return hf_tensors[0]
 
     def to_hf(self, m: ParamMapping, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """The HF tensors (contiguous) of one full megatron tensor, in the order of `m.hf`."""
+        """The HF tensors (contiguous) of one full megatron tensor, in the order of `m.hf`; for a
+        stacked one the expert's slice (`hf_tensors` stacks them)."""
+        if m.kind in (STACKED_GATE_UP, STACKED_GATE_UP_BIAS):
+            gate, up = torch.chunk(tensor, 2, dim=0)                        # [f, ..] each
+            inter = torch.stack([gate, up], dim=1).reshape(tensor.shape)   # [2f, ..] interleaved
+            return [inter.transpose(0, 1).contiguous() if m.kind == STACKED_GATE_UP else inter]
+        if m.kind == STACKED_T:
+            return [tensor.transpose(0, 1).contiguous()]
         if m.kind == QKV:
             return split_qkv(tensor, self.num_heads, self.num_query_groups, self.head_dim)
         if m.kind == GATE_UP:
@@ -233,8 +292,39 @@ class WeightMap:
         return [tensor.contiguous()]
 
     def hf_shapes(self, m: ParamMapping, megatron_shape: Sequence[int]) -> list[tuple[int, ...]]:
+        """The shapes of `m`'s whole HF tensors (a stacked one with its experts' dim)."""
         meta = torch.empty(tuple(megatron_shape), device="meta")
-        return [tuple(t.shape) for t in self.to_hf(m, meta)]
+        experts = (self.num_experts,) if m.stacked else ()
+        return [experts + tuple(t.shape) for t in self.to_hf(m, meta)]
+
+    def hf_tensors(self, pairs: Sequence[tuple[ParamMapping, torch.Tensor]]
+                   ) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of full megatron tensors, a stacked HF tensor assembled from its
+        experts' slices; every expert of a stacked tensor must be among `pairs` (together_key)."""
+        out: list[tuple[str, torch.Tensor]] = []
+        slices: dict[str, dict[int, torch.Tensor]] = {}
+        for m, tensor in pairs:
+            for name, t in zip(m.hf, self.to_hf(m, tensor)):
+                if not m.stacked:
+                    out.append((name, t))
+                    continue
+                if name not in slices:
+                    slices[name] = {}
+                    out.append((name, None))  # type: ignore[arg-type]  # filled in below
+                slices[name][m.expert] = t
+        for i, (name, t) in enumerate(out):
+            if t is None:
+                got = slices[name]
+                if sorted(got) != list(range(self.num_experts)):
+                    raise WeightMapError(f"{name} stacks {self.num_experts} experts, got experts "
+                                         f"{sorted(got)} only: the caller must pass them together")
+                out[i] = (name, torch.stack([got[e] for e in range(self.num_experts)]))
+        return out
+
+    @staticmethod
+    def together_key(m: ParamMapping) -> str | None:
+        """The HF tensor whose experts' parameters must be converted together (stacked), or None."""
+        return m.hf[0] if m.stacked else None
 
 
 def _mapping(r: WeightRule, layer: int | None = None, expert: int | None = None) -> ParamMapping:
@@ -291,6 +381,10 @@ def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
         flags.add("untied")
     if traits.moe and traits.router == "sigmoid":
         flags.add("expert_bias")
+    if traits.moe:
+        flags.add("stacked_experts" if traits.experts == "stacked" else "per_expert")
+    if traits.attention == "gqa_sinks":
+        flags.update(("linear_bias", "sinks"))
     if traits.moe and traits.shared_expert == "gated":
         flags.update(("shared_expert", "shared_expert_gate"))
     elif traits.moe and traits.shared_expert == "plain":

@@ -28,7 +28,11 @@ bias-shifted expert choice is exercised. deepseek_v3 (DeepSeek-V3 shaped, model_
 deepseek_v3) has multi-latent attention (4 heads, q_lora_rank 24, kv_lora_rank 32, 12 + 8 rope
 q/k channels, 16 v channels), YaRN x4 over 8 original positions with mscale 1.0 / mscale_all_dim
 0.8 (max_position_embeddings 32), and glm4_moe's MoE (random expert bias too); `q_lora_rank=None`
-and `rope_parameters=None` give Moonlight's attention.
+and `rope_parameters=None` give Moonlight's attention. gpt_oss (model_specs/tiny.py's gpt_oss) has
+layers alternating a sliding window of 8 and full attention, YaRN x4 over 8 original positions
+(truncate false), 8 experts top-4 of width 32 and a SwiGLU clamp of 0.5; its attention sinks and
+every bias (q/k/v/o, router, experts: zeros in transformers' init) are drawn at random, so that the
+weight map and the log-prob tests see them.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe", "deepseek_v3")
+ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
 VOCAB_SIZE = 512
 # ChatML, as Qwen models use. <|im_end|> ends a turn and is the EOS token.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -137,6 +141,15 @@ def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
             # DeepSeek's own config class's fields, which transformers does not read and SGLang
             # does (deepseek_v2.py reads moe_layer_freq): as in the published configs
             moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")
+    elif arch == "gpt_oss":
+        cls, extra = transformers.GptOssConfig, dict(
+            max_position_embeddings=32, head_dim=16, intermediate_size=32, num_local_experts=8,
+            num_experts_per_tok=4, sliding_window=8,
+            # layer_types: transformers' default, sliding and full attention alternating
+            attention_bias=True, swiglu_limit=0.5, router_aux_loss_coef=0.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False})
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     return cls(**{**common, **extra, **overrides})
@@ -165,6 +178,10 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, tie_word_embe
             for name, buf in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buf.normal_(0.0, 0.05)
+            if arch == "gpt_oss":  # its biases (zeros at init) and sinks (docstring)
+                for name, param in model.named_parameters():
+                    if name.endswith(("bias", "sinks")):
+                        param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
     finally:
         torch.random.set_rng_state(rng_state)
     model.generation_config = transformers.GenerationConfig(

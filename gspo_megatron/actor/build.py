@@ -31,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from gspo_megatron.actor.settings import Available, ComputeSettings, OptimizerSettings
+from gspo_megatron.actor.weights import mark_expert_params
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.model_chunks import unwrap
@@ -174,6 +175,7 @@ def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
         model.model_type = ModelType.encoder_or_decoder
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        mark_expert_params(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:

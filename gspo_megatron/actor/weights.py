@@ -36,8 +36,22 @@ _GROUPED_EXPERT = re.compile(r"^(.*\.experts\.linear_fc[12]\.(?:weight|bias))(\d
 
 
 def is_expert_param(param: torch.nn.Parameter) -> bool:
-    """megatron marks expert-parallel parameters with allreduce=False (reduced over expert-DP)."""
+    """A routed expert's parameter (split over expert-TP, replicated over expert-DP): megatron's
+    allreduce=False, which mark_expert_params sets in every layout."""
     return not getattr(param, "allreduce", True)
+
+
+def mark_expert_params(model: torch.nn.Module) -> None:
+    """Mark every routed expert's parameter allreduce=False, as megatron marks them only under
+    expert parallelism (tensor_parallel/layers.py and transformer/moe/experts.py: `not (is_expert
+    and expert_parallel)`). With EP 1 and expert-TP < TP the experts are whole on ranks that see
+    different tokens: unmarked, DDP reduced their gradients over the dense data-parallel group
+    instead of the expert one (one GSPO step under TP2 x ETP1 left them 6.6e-4 from one process's)
+    and their full tensors were joined over TP (twice their size). Marked, DDP, the optimizer and
+    the weight sync treat them as under EP; with expert-TP = TP the two groups are the same."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in f".{name}":
+            param.allreduce = False
 
 
 def global_name(model: GPTModel, local_name: str) -> str:

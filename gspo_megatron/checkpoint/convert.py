@@ -10,10 +10,15 @@ family's weight map (model_specs/weight_maps.py), one megatron parameter at a ti
   with a save strategy whose planner resolves each tensor lazily from the HF files at the moment
   torch.distributed.checkpoint writes it, one file per tensor: peak memory is about one parameter.
 - megatron -> HF: see export.py.
+
+gpt-oss's stacked experts: each expert's parameter is a slice of one HF tensor per layer
+(model_specs/weight_maps.py), read once and kept while its experts are written; MXFP4 ones
+(the published checkpoints) are dequantized on reading (mxfp4.py).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,6 +33,7 @@ from tqdm import tqdm
 
 from gspo_megatron.checkpoint.hf_files import HFTensorReader, copy_metadata_files
 from gspo_megatron.checkpoint.model_io import HF_SUBDIR, TorchDcpSaveStrategy, without_extra_state
+from gspo_megatron.checkpoint.mxfp4 import StackedExpertsReader, is_mxfp4
 from gspo_megatron.checkpoint.output_dirs import publish_dir
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides, current_device_is_cpu
 from model_specs import load_hf_config, model_spec_for
@@ -138,6 +144,8 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
     reader = HFTensorReader(hf_dir)
     by_name = wmap.by_megatron_name()
     dtype = dtype or reader.dtype(by_name["embedding.word_embeddings.weight"].hf[0])
+    if any(m.stacked for m in by_name.values()):  # gpt-oss: MXFP4 dequantized, stacks read once
+        reader = StackedExpertsReader(reader, dtype)
     _check_unused_hf(reader, wmap, hf)
     return publish_dir(out_dir, lambda tmp: _write_megatron(hf_dir, tmp, hf, wmap, reader, dtype),
                        field=field, protected={"the HF model": hf_dir}, source=str(hf_dir))
@@ -148,6 +156,10 @@ def _write_megatron(hf_dir: Path, out_dir: Path, hf: dict, wmap: WeightMap, read
     by_name = wmap.by_megatron_name()
     # megatron writes metadata.json last: a checkpoint interrupted before it is not loadable.
     copy_metadata_files(hf_dir, out_dir / HF_SUBDIR)
+    if is_mxfp4(hf):  # the checkpoint holds the dequantized weights (checkpoint/mxfp4.py)
+        config = json.loads((out_dir / HF_SUBDIR / "config.json").read_text())
+        del config["quantization_config"]
+        (out_dir / HF_SUBDIR / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     with single_process_megatron():
         sharded_sd, params = meta_model_state(hf, dtype)
         check_map_covers(wmap, params)

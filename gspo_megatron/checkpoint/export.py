@@ -3,6 +3,11 @@
 The model is described as in convert.py (a meta TP1 GPTModel's sharded state dict); parameters
 are read with dist_checkpointing.load a few at a time (about `batch_bytes`), turned into HF tensors
 by the family's weight map and written into safetensors shards as they arrive.
+
+What is written is the checkpoint's dtype (or `dtype`), never a quantized format: a gpt-oss model
+imported from MXFP4 (checkpoint/mxfp4.py) is exported as bf16 / fp32 experts under the
+unquantized names (`gate_up_proj`, `down_proj`), and its config.json has no quantization_config
+(the converter left it out of the checkpoint's copy).
 """
 from __future__ import annotations
 
@@ -62,12 +67,13 @@ def _write_hf(ckpt_dir: Path, out_dir: Path, hf: dict, wmap, stored_dtype: torch
         mappings = list(wmap.mappings())
         with HFShardWriter(out_dir, max_shard_bytes) as writer, \
                 tqdm(total=len(mappings), desc="exporting to HF", unit="tensor") as bar:
-            for batch in _batches(mappings, params, batch_bytes):
+            for batch in _batches(mappings, params, batch_bytes, wmap.together_key):
                 loaded = _load_params(sharded_sd, [m.megatron for m in batch], ckpt_dir)
-                for m in batch:
-                    for name, t in zip(m.hf, wmap.to_hf(m, loaded.pop(m.megatron))):
-                        writer.add(name, t.to(dtype) if dtype else t)
-                    bar.update(1)
+                pairs = [(m, loaded.pop(m.megatron)) for m in batch]
+                for name, t in wmap.hf_tensors(pairs):  # a stacked tensor from all its experts
+                    writer.add(name, t.to(dtype) if dtype else t)
+                del pairs
+                bar.update(len(batch))
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg["dtype"] = str(dtype or stored_dtype).removeprefix("torch.")  # what the shards hold
     if "torch_dtype" in cfg:  # transformers < 5 spells it so
@@ -75,11 +81,14 @@ def _write_hf(ckpt_dir: Path, out_dir: Path, hf: dict, wmap, stored_dtype: torch
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _batches(mappings, params, batch_bytes: int):
+def _batches(mappings, params, batch_bytes: int, together_key):
+    """Consecutive mappings of about `batch_bytes`, never cut between the experts of one stacked
+    HF tensor (gpt-oss: a layer's gate_up_proj, 4.2 GB in bf16 for gpt-oss-120b, is one batch)."""
     batch, size = [], 0
     for m in mappings:
         nbytes = params[m.megatron].numel() * params[m.megatron].element_size()
-        if batch and size + nbytes > batch_bytes:
+        key = together_key(m)
+        if batch and size + nbytes > batch_bytes and (key is None or key != together_key(batch[-1])):
             yield batch
             batch, size = [], 0
         batch.append(m)

@@ -173,7 +173,7 @@ def _patch_backward_device_literals() -> None:
     """Recomputation (compute.recompute) runs layers' forward again inside autograd's backward,
     where CpuDeviceMode is not active: megatron's causal mask (transformer/utils.py:35, called by
     fusions/fused_softmax.py:327) is then built with device="cuda" and fails. Both names point at
-    a CPU twin (cached like the original)."""
+    a CPU twin (cached like the original), and so do the sliding window's."""
     import functools
 
     from megatron.core.fusions import fused_softmax
@@ -184,6 +184,16 @@ def _patch_backward_device_literals() -> None:
         return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
     utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = get_default_causal_mask
+
+    # the sliding window's mask (gpt-oss; transformer/utils.py:38, fused_softmax.py:322) likewise
+    def get_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool, device="cpu")
+        band = torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]),
+                          diagonal=skv - sq + window_size[1])
+        return ~band
+
+    utils.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
 
 
 def _enter_device_mode() -> None:

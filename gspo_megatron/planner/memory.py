@@ -105,9 +105,12 @@ def _is_moe_layer(c, i: int) -> bool:
 
 
 def _mlp(c, ffn: int) -> int:
-    """fc1 (gated: [2 x ffn, h]) + fc2 ([h, ffn]); megatron MLP, no biases (add_bias_linear off
-    in every mapped family)."""
-    return (3 if c.gated_linear_unit else 2) * c.hidden_size * ffn
+    """fc1 (gated: [2 x ffn, h]) + fc2 ([h, ffn]); with add_bias_linear (gpt-oss) their biases,
+    [2 x ffn] and [h] (an expert's, as its weights, split by ETP: fc2's is whole, but ETP = 1
+    there: model_specs/sinks.py)."""
+    gated = 2 if c.gated_linear_unit else 1
+    bias = gated * ffn + c.hidden_size if c.add_bias_linear else 0
+    return (gated + 1) * c.hidden_size * ffn + bias
 
 
 def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
@@ -115,7 +118,8 @@ def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
 
     attention: attention_params; input and pre-MLP RMSNorm [h] each
     (replicated; TE fuses them into the next linear's layer_norm_weight, the same count).
-    MoE (moe_layer.py): router [E, h] replicated (the expert bias is a buffer, router.py:172);
+    MoE (moe_layer.py): router [E, h] (+ bias [E] with add_bias_linear) replicated (the expert
+    bias is a buffer, router.py:172);
     E / EP local experts of fc1 + fc2 split by ETP; a shared expert split by TP, its gate [1, h].
     Dense MLP split by TP.
     """
@@ -123,7 +127,7 @@ def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
     dense = attention_params(c, tp) + 2 * h
     expert = 0
     if _is_moe_layer(c, i):
-        dense += c.num_moe_experts * h
+        dense += c.num_moe_experts * (h + 1 if c.add_bias_linear else h)
         if c.moe_shared_expert_intermediate_size:
             dense += _mlp(c, c.moe_shared_expert_intermediate_size) // tp
             dense += h if c.moe_shared_expert_gate else 0
@@ -135,7 +139,8 @@ def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
 
 def attention_params(c, tp: int) -> int:
     """One rank's attention weights. GQA: linear_qkv [(q + 2 kv) / TP, h] (+ bias), linear_proj
-    [h, q / TP], q/k layernorm [head_dim] each. Multi-latent attention (model_specs/mla.py): the
+    [h, q / TP] (+ bias [h] with add_bias_linear), q/k layernorm [head_dim] each, sinks [heads /
+    TP] (gpt-oss: model_specs/sinks.py). Multi-latent attention (model_specs/mla.py): the
     down-projections [q_lora, h] and [kv_lora + rope, h] and the latents' norms whole on every
     rank (in both specs), the up-projections (or q_proj) and linear_proj split by heads."""
     h, n = c.hidden_size, c.num_attention_heads
@@ -150,6 +155,8 @@ def attention_params(c, tp: int) -> int:
     q, kv = n * d, (c.num_query_groups or n) * d
     out = h * (q + 2 * kv) // tp + q * h // tp
     out += (q + 2 * kv) // tp if c.add_qkv_bias else 0
+    out += h if c.add_bias_linear else 0
+    out += n // tp if c.softmax_type == "learnable" else 0
     return out + (2 * d if c.qk_layernorm else 0)
 
 

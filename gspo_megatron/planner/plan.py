@@ -83,7 +83,6 @@ def load_model(name_or_path: str) -> dict[str, Any]:
 # Models asked for by name whose family model_specs does not map: named as unsupported, not as a
 # missing file (a config.json of any family is refused by its model_type, model_specs/traits.py).
 UNSUPPORTED = tuple((re.compile(p, re.IGNORECASE), f) for p, f in (
-    (r"gpt-?oss", "gpt_oss"),
     (r"mixtral", "mixtral"), (r"llama-?4", "llama4"), (r"dbrx", "dbrx"), (r"grok", "grok"),
     (r"minimax", "minimax"), (r"ernie", "ernie4_5_moe"), (r"phi-?3\.5-?moe|phimoe", "phimoe"),
 ))

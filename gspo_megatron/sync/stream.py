@@ -98,6 +98,11 @@ LOAD_TOGETHER = re.compile(r"^(model\.layers\.\d+)\.self_attn\.(?:q_a_proj|kv_a_
 
 
 def _together_key(e: PlanEntry) -> str | None:
+    """What `e` must share a bucket with: the other experts of its stacked HF tensor (gpt-oss:
+    one tensor per layer holds every expert, WeightMap.together_key), or LOAD_TOGETHER's partner."""
+    stacked = WeightMap.together_key(e.mapping)
+    if stacked is not None:
+        return stacked
     for name in e.mapping.hf:
         m = LOAD_TOGETHER.match(name)
         if m:
@@ -143,8 +148,6 @@ def stream_hf_weights(chunks: Sequence[torch.nn.Module], wmap: WeightMap,
                 received.append((e.mapping, full))
             elif rank == e.owner:
                 dist.send(full.contiguous(), dst=0)
-        out: list[tuple[str, torch.Tensor]] = []
-        for m, full in received:
-            out.extend(zip(m.hf, wmap.to_hf(m, full)))
+        out = wmap.hf_tensors(received) if rank == 0 else []
         del received
         yield out

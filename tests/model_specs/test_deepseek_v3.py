@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
+from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, make_batch,
+                           run_cases, valid)
 from fixtures_models import transformers_log_probs
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
@@ -29,24 +31,12 @@ from model_specs.tiny import MOONLIGHT, deepseek_v3
 from model_specs.weight_maps import weight_map_for
 from tools.make_tiny_model import make_tiny_model
 
-ROWS, SEQ, TOL = 6, 20, 1e-5
 # initializer_range 0.1 (transformers' default 0.02 leaves attention almost uniform in a model this
 # small, and YaRN's effect on the log-probs under 1e-3)
 MODELS = {"v3": dict(initializer_range=0.1),
           "moonlight": dict(initializer_range=0.1, q_lora_rank=None, rope_parameters=None, n_group=1,
                             topk_group=1, n_shared_experts=2)}
 LAYOUTS = {"tp2": dict(tensor=2), "pp2": dict(pipeline=2), "ep2": dict(expert=2)}
-
-
-def make_batch():
-    from gspo_megatron.actor.batch import TrainBatch
-
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.tensor([20, 13, 20, 7, 16, 20])
-    t = torch.arange(SEQ)[None]
-    tokens = torch.where(t < lengths[:, None], torch.randint(3, 512, (ROWS, SEQ), generator=g), 0)
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=(t >= 1) & (t < lengths[:, None]),
-                      advantages=torch.randn(ROWS, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -222,35 +212,6 @@ def test_hf_megatron_hf_is_bit_exact(tiny, ckpts, tmp_path):
 
 
 # ---------------------------------------------------------------- log-probs
-def _log_probs(rank, world, cases):
-    """Per case (name, HF dir, layout kwargs, megatron checkpoint): the Actor's old log-probs of
-    make_batch(), on rank 0 the weight sync's stream of the model (HF names, full tensors), then
-    one GSPO step: its metrics and (rank 0) the parameters after it. Adam with eps = 10 makes the
-    update ~ gradient / 10, so that a wrong gradient shows in the parameters (test_actor_layouts)."""
-    from megatron.core import parallel_state as ps
-
-    from gspo_megatron.actor.actor import Actor
-    from gspo_megatron.actor.settings import OptimizerSettings
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import build_plan, stream_hf_weights
-
-    out = {}
-    for name, hf_dir, layout, ckpt in cases:
-        optimizer = OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0,
-                                      use_distributed_optimizer=layout.get("expert", 1) > 1)
-        with Actor(hf_dir, ParallelLayout(**layout), micro_batch_size=2, optimizer=optimizer) as actor:
-            actor.load_weights(ckpt)
-            shard = actor.shard(make_batch())
-            old, _ = actor.compute_old_log_probs(shard)
-            keep = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
-            out[name] = (shard.global_rows.numpy(), old.numpy()) if keep else None
-            wmap = weight_map_for(actor.spec.hf_config)
-            streamed = list(stream_hf_weights(actor.chunks, wmap, build_plan(actor.chunks, wmap), 1 << 16))
-            out[f"{name}/stream"] = {k: v for b in streamed for k, v in b} if rank == 0 else None
-            shard.old_log_probs = old
-            out[f"{name}/step"] = actor.train_step(shard)
-            out[f"{name}/after"] = actor.full_state_dict(to_all_ranks=False)
-    return out
 
 
 def _transformers_log_probs(hf_dir: Path, zero_expert_bias: bool = False, **config_changes):
@@ -264,21 +225,17 @@ def _transformers_log_probs(hf_dir: Path, zero_expert_bias: bool = False, **conf
                                   zero_bias if zero_expert_bias else None, **config_changes)
 
 
-def _valid() -> torch.Tensor:
-    return make_batch().loss_mask  # [ROWS, SEQ]: the positions that have a log-prob
-
-
 @pytest.fixture(scope="module")
 def one_process(tiny, ckpts):
     cases = [(name, str(tiny[name]), {}, str(ckpts[name])) for name in MODELS]
-    return run_distributed(_log_probs, 1, (cases,), timeout=600)[0]
+    return run_distributed(run_cases, 1, (cases,), timeout=600)[0]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_one_process_log_probs_equal_transformers(tiny, one_process, name):
     got = gather_row_values([one_process[name]], ROWS, SEQ)
     want = _transformers_log_probs(tiny[name])
-    err = float((got - want)[_valid()].abs().max())
+    err = float((got - want)[valid()].abs().max())
     print(f"{name}: max |megatron - transformers| log-prob {err:.3g}")
     assert err <= TOL
     original = load_file(tiny[name] / "model.safetensors")
@@ -299,7 +256,7 @@ def test_what_the_v3_match_rests_on(tiny, one_process, change):
     megatron computes each of them."""
     got = gather_row_values([one_process["v3"]], ROWS, SEQ)
     other = _transformers_log_probs(tiny["v3"], **change)
-    diff = float((got - other)[_valid()].abs().max())
+    diff = float((got - other)[valid()].abs().max())
     print(f"v3 against transformers with {change}: {diff:.3g}")
     assert diff > 1e-3
 
@@ -328,25 +285,6 @@ def test_layouts_on_two_ranks_equal_one_process(tiny, ckpts, one_process):
     tensor bit-exactly, and a GSPO step leaves the one-process parameters."""
     cases = [(f"{name}/{lay}", str(tiny[name]), layout, str(ckpts[name]))
              for lay, layout in LAYOUTS.items() for name in MODELS]
-    ranks = run_distributed(_log_probs, 2, (cases,), timeout=600)
-    valid = _valid()
-    for case, *_ in cases:
-        name = case.split("/")[0]
-        got = gather_row_values([r[case] for r in ranks], ROWS, SEQ)
-        want = gather_row_values([one_process[name]], ROWS, SEQ)
-        err = float((got - want)[valid].abs().max())
-        original = load_file(tiny[name] / "model.safetensors")
-        streamed = ranks[0][f"{case}/stream"]
-        after, reference = ranks[0][f"{case}/after"], one_process[f"{name}/after"]
-        assert sorted(after) == sorted(reference)
-        errs = {k: float((after[k] - reference[k]).abs().max()) for k in reference}
-        step_err = max(errs.values())
-        worst = sorted(errs, key=errs.get, reverse=True)[:4]
-        print(f"{case}: max |layout - one process| log-prob {err:.3g}, parameter after a GSPO step "
-              f"{step_err:.3g}")
-        assert err <= TOL and step_err <= TOL, (case, {k: errs[k] for k in worst})
-        assert sorted(streamed) == sorted(original)
-        assert all(torch.equal(streamed[k], t) for k, t in original.items()), case
-        for key in ("loss", "grad_norm"):
-            assert ranks[0][f"{case}/step"][key] == pytest.approx(one_process[f"{name}/step"][key],
-                                                                  rel=TOL, abs=TOL)
+    ranks = run_distributed(run_cases, 2, (cases,), timeout=600)
+    for case, hf_dir, *_ in cases:
+        assert_layout_equals_one_process(ranks, case, one_process, case.split("/")[0], Path(hf_dir))

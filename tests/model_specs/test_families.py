@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
+from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, make_batch,
+                           run_cases, valid)
 from fixtures_models import transformers_log_probs
 from model_specs import HFConfigError, model_spec_for
 from model_specs.tiny import glm4_moe, qwen2_moe
@@ -25,18 +27,6 @@ from model_specs.weight_maps import weight_map_for
 from tools.make_tiny_model import make_tiny_model
 
 ARCHS = ("qwen2_moe", "glm4_moe")
-ROWS, SEQ, TOL = 6, 20, 1e-5
-
-
-def make_batch():
-    from gspo_megatron.actor.batch import TrainBatch
-
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.tensor([20, 13, 20, 7, 16, 20])
-    t = torch.arange(SEQ)[None]
-    tokens = torch.where(t < lengths[:, None], torch.randint(3, 512, (ROWS, SEQ), generator=g), 0)
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=(t >= 1) & (t < lengths[:, None]),
-                      advantages=torch.randn(ROWS, generator=g))
 
 
 @pytest.fixture(scope="module")
@@ -173,41 +163,6 @@ def test_hf_megatron_hf_is_bit_exact(tiny, ckpts, tmp_path, arch):
 
 
 # ---------------------------------------------------------------- log-probs
-def _log_probs(rank, world, cases):
-    """Per case (name, HF dir, layout kwargs, megatron checkpoint): the Actor's old log-probs of
-    make_batch(), on rank 0 the weight sync's stream of the model (HF names, full tensors), then
-    one GSPO step: its metrics and (rank 0) the parameters after it. Adam with eps = 10 makes the
-    update ~ gradient / 10, so that a wrong gradient shows in the parameters (test_actor_layouts)."""
-    from megatron.core import parallel_state as ps
-
-    from gspo_megatron.actor.actor import Actor
-    from gspo_megatron.actor.settings import OptimizerSettings
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import build_plan, stream_hf_weights
-
-    out = {}
-    for name, hf_dir, layout, ckpt in cases:
-        optimizer = OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0,
-                                      use_distributed_optimizer=layout.get("expert", 1) > 1)
-        actor = Actor(hf_dir, ParallelLayout(**layout), micro_batch_size=2, optimizer=optimizer)
-        actor.load_weights(ckpt)
-        shard = actor.shard(make_batch())
-        old, _ = actor.compute_old_log_probs(shard)
-        keep = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
-        out[name] = (shard.global_rows.numpy(), old.numpy()) if keep else None
-        wmap = weight_map_for(actor.spec.hf_config)
-        plan = build_plan(actor.chunks, wmap)
-        streamed = list(stream_hf_weights(actor.chunks, wmap, plan, 1 << 16))
-        out[f"{name}/stream"] = {k: v for b in streamed for k, v in b} if rank == 0 else None
-        shard.old_log_probs = old
-        out[f"{name}/step"] = actor.train_step(shard)
-        out[f"{name}/after"] = actor.full_state_dict(to_all_ranks=False)
-    return out
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def _transformers_log_probs(hf_dir: Path, zero_expert_bias: bool = False,
@@ -224,14 +179,10 @@ def _transformers_log_probs(hf_dir: Path, zero_expert_bias: bool = False,
                                   zero_bias if zero_expert_bias else None, **config_changes)
 
 
-def _valid() -> torch.Tensor:
-    return make_batch().loss_mask  # [ROWS, SEQ]: the positions that have a log-prob
-
-
 @pytest.fixture(scope="module")
 def one_process(tiny, ckpts):
     cases = [(arch, str(tiny[arch]), {}, str(ckpts[arch])) for arch in ARCHS]
-    return run_distributed(_log_probs, 1, (cases,), timeout=600)[0]
+    return run_distributed(run_cases, 1, (cases,), timeout=600)[0]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -239,8 +190,7 @@ def test_one_process_log_probs_equal_transformers(tiny, one_process, arch):
     results = one_process
     got = gather_row_values([results[arch]], ROWS, SEQ)
     want = _transformers_log_probs(tiny[arch])
-    valid = _valid()
-    err = float((got - want)[valid].abs().max())
+    err = float((got - want)[valid()].abs().max())
     print(f"{arch}: max |megatron - transformers| log-prob {err:.3g}")
     assert err <= TOL
     original = load_file(tiny[arch] / "model.safetensors")
@@ -274,7 +224,7 @@ def test_glm4_moe_routing_features_are_what_the_match_rests_on(tiny, one_process
     1e-5 match above shows megatron computes each of them."""
     got = gather_row_values([one_process["glm4_moe"]], ROWS, SEQ)
     other = _transformers_log_probs(tiny["glm4_moe"], **change)
-    assert float((got - other)[_valid()].abs().max()) > 1e-3
+    assert float((got - other)[valid()].abs().max()) > 1e-3
 
 
 @pytest.mark.slow
@@ -283,24 +233,7 @@ def test_layouts_on_two_ranks_equal_one_process(tiny, ckpts, one_process, layout
     """TP2 (sequence parallel, shared experts split over TP) and EP2 x DP2 (experts across ranks,
     distributed optimizer) on real gloo ranks: the one-process log-probs, the sync streams every
     HF tensor bit-exactly, and a GSPO step leaves the one-process parameters."""
-    results = one_process
     cases = [(arch, str(tiny[arch]), layout, str(ckpts[arch])) for arch in ARCHS]
-    ranks = run_distributed(_log_probs, 2, (cases,), timeout=600)
-    valid = _valid()
+    ranks = run_distributed(run_cases, 2, (cases,), timeout=600)
     for arch in ARCHS:
-        got = gather_row_values([r[arch] for r in ranks], ROWS, SEQ)
-        want = gather_row_values([results[arch]], ROWS, SEQ)
-        err = float((got - want)[valid].abs().max())
-        print(f"{arch} {layout}: max |layout - one process| log-prob {err:.3g}")
-        assert err <= TOL
-        original = load_file(tiny[arch] / "model.safetensors")
-        streamed = ranks[0][f"{arch}/stream"]
-        assert sorted(streamed) == sorted(original)
-        assert all(torch.equal(streamed[k], t) for k, t in original.items())
-        step_err = _max_diff(ranks[0][f"{arch}/after"], results[f"{arch}/after"])
-        print(f"{arch} {layout}: max |layout - one process| parameter after a GSPO step "
-              f"{step_err:.3g}")
-        assert step_err <= TOL
-        for key in ("loss", "grad_norm"):
-            assert ranks[0][f"{arch}/step"][key] == pytest.approx(results[f"{arch}/step"][key],
-                                                                  rel=TOL, abs=TOL)
+        assert_layout_equals_one_process(ranks, arch, one_process, arch, tiny[arch])

@@ -8,7 +8,9 @@ as active), GLM-4.5 355B / 32B and GLM-4.5-Air 106B / 12B (Zhipu's active counts
 embedding tables out, and neither count includes the multi-token-prediction layer), DeepSeek-V3
 671B / 37B (the model without its 14B multi-token-prediction layer, embedding tables active: 685B
 on the hub with it), Kimi-K2 1.04T / 32.6B (its technical report, arXiv 2507.20534; the model
-card rounds them to 1T / 32B).
+card rounds them to 1T / 32B), gpt-oss-120b 116.8B / 5.1B and gpt-oss-20b 20.9B / 3.6B (OpenAI's
+model card: active counts the output layer, not the embedding table; the experts dequantized from
+MXFP4, as the trainer holds them).
 """
 from __future__ import annotations
 
@@ -17,27 +19,30 @@ import torch
 
 from model_specs import load_hf_config, model_spec_for
 from model_specs.param_count import param_count
-from model_specs.published import (DEEPSEEK_V3, GLM_45, GLM_45_AIR, KIMI_K2, QWEN2_57B_A14B,
-                                    QWEN3_30B_A3B, QWEN3_235B_A22B)
+from model_specs.published import (DEEPSEEK_V3, GLM_45, GLM_45_AIR, GPT_OSS_20B, GPT_OSS_120B,
+                                    KIMI_K2, QWEN2_57B_A14B, QWEN3_30B_A3B, QWEN3_235B_A22B)
 
-# name: (config, published total, published active, active counts the embedding tables)
+# name: (config, published total, published active, the tables active counts: "both", "none" or
+# "output")
 PUBLISHED = {
-    "Qwen3-30B-A3B": (QWEN3_30B_A3B, 30.5e9, 3.3e9, True),
-    "Qwen3-235B-A22B": (QWEN3_235B_A22B, 235e9, 22e9, True),
-    "Qwen2-57B-A14B": (QWEN2_57B_A14B, 57e9, 14e9, True),
-    "GLM-4.5": (GLM_45, 355e9, 32e9, False),
-    "GLM-4.5-Air": (GLM_45_AIR, 106e9, 12e9, False),
-    "DeepSeek-V3": (DEEPSEEK_V3, 671e9, 37e9, True),
-    "Kimi-K2": (KIMI_K2, 1.04e12, 32.6e9, True),
+    "Qwen3-30B-A3B": (QWEN3_30B_A3B, 30.5e9, 3.3e9, "both"),
+    "Qwen3-235B-A22B": (QWEN3_235B_A22B, 235e9, 22e9, "both"),
+    "Qwen2-57B-A14B": (QWEN2_57B_A14B, 57e9, 14e9, "both"),
+    "GLM-4.5": (GLM_45, 355e9, 32e9, "none"),
+    "GLM-4.5-Air": (GLM_45_AIR, 106e9, 12e9, "none"),
+    "DeepSeek-V3": (DEEPSEEK_V3, 671e9, 37e9, "both"),
+    "Kimi-K2": (KIMI_K2, 1.04e12, 32.6e9, "both"),
+    "gpt-oss-120b": (GPT_OSS_120B, 116.8e9, 5.1e9, "output"),
+    "gpt-oss-20b": (GPT_OSS_20B, 20.9e9, 3.6e9, "output"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_counts_are_the_published_ones(name):
-    config, total, active, embeddings_active = PUBLISHED[name]
+    config, total, active, tables = PUBLISHED[name]
     counts = param_count(model_spec_for(config))
-    got_active = counts.active if embeddings_active else \
-        counts.active - counts.embedding - counts.output
+    got_active = counts.active - (0 if tables == "both" else counts.embedding) - \
+        (counts.output if tables == "none" else 0)
     print(f"{name}: {counts.total / 1e9:.2f}B total (published {total / 1e9:g}B), "
           f"{got_active / 1e9:.2f}B active (published {active / 1e9:g}B)")
     assert counts.total == pytest.approx(total, rel=0.02)
@@ -66,6 +71,11 @@ def test_published_configs_map_as_the_models_are_described():
     assert (ds.moe_router_num_groups, ds.moe_router_group_topk, ds.moe_router_topk) == (8, 4, 8)
     assert ds.moe_router_topk_scaling_factor == 2.5 and ds.moe_shared_expert_intermediate_size == 2048
     assert (ds.rope_type, ds.rotary_scaling_factor, ds.mscale, ds.mscale_all_dim) == ("yarn", 40, 1.0, 1.0)
+    oss = model_spec_for(GPT_OSS_120B).config
+    assert oss.num_moe_experts == 128 and oss.moe_router_topk == 4 and oss.moe_ffn_hidden_size == 2880
+    assert oss.window_size == (127, 0) and oss.window_attn_skip_freq == [1, 0] * 18
+    assert oss.activation_func_clamp_value == 7.0 and oss.softmax_type == "learnable"
+    assert oss.yarn_rotary_scaling_factor == 32.0 and not oss.yarn_correction_range_round_to_int
     kimi = model_spec_for(KIMI_K2)
     assert kimi.family == "deepseek_v3" and kimi.config.moe_router_num_groups is None
     assert kimi.config.num_moe_experts == 384 and kimi.config.moe_layer_freq[:2] == [0, 1]
@@ -73,7 +83,7 @@ def test_published_configs_map_as_the_models_are_described():
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe",
-                                  "deepseek_v3", "moonlight"])
+                                  "deepseek_v3", "moonlight", "gpt_oss"])
 def test_count_equals_the_built_models_parameters(arch, tmp_path):
     """param_count against a GPTModel built on the meta device from each tiny family model, and
     with tied embeddings for the dense ones (moonlight: deepseek_v3 without q's bottleneck)."""

@@ -147,6 +147,21 @@ def test_plan_deepseek_v3_on_h100s_fits_on_256_not_128():
     assert any(ln.startswith("| TP") and ln.endswith("| fits |") for ln in big.stdout.splitlines())
 
 
+def test_plan_gpt_oss_120b_fits_on_32_not_8_and_20b_on_8():
+    """gpt-oss-120b (116.8B, the experts dequantized to bf16) with Adam needs about 2.1 TB of
+    weights, gradients and optimizer state: not 8 x 80 GiB, 32 of them hold it. gpt-oss-20b fits
+    on 8. Every layout has expert-TP 1 (expert biases: model_specs/sinks.py)."""
+    common = ("examples/qwen3_235b_a22b.yaml", "--gpu-memory", "80GiB", "--gpus-per-node", "8",
+              "--top", "200", "--all")
+    small = _plan(*common, "--model", "gpt-oss-120b", "--gpus", "8")
+    assert small.returncode == 1 and "no layout fits 8 x 80.0 GiB" in small.stderr, small.stderr
+    for model, gpus in (("gpt-oss-120b", "32"), ("gpt-oss-20b", "8")):
+        proc = _plan(*common, "--model", model, "--gpus", gpus)
+        assert proc.returncode == 0, proc.stderr
+        rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| TP")]
+        assert any(ln.endswith("| fits |") for ln in rows) and all("xETP1x" in ln for ln in rows)
+
+
 @pytest.mark.parametrize("args, message", [
     (("--gpus", "8", "--gpu-memory", "80 gigs"), "--gpu-memory '80 gigs': expected a size such as 80GiB"),
     (("--gpus", "0"), "--gpus 0: expected >= 1"),
@@ -156,7 +171,7 @@ def test_plan_deepseek_v3_on_h100s_fits_on_256_not_128():
     (("--gpus", "8", "--model", "Qwen9-1T"), "--model 'Qwen9-1T': not a published model"),
     (("--gpus", "8", "--model", "Mixtral-8x7B"), "--model 'Mixtral-8x7B': the mixtral family is not "
                                                  "supported yet (supported: deepseek_v3, glm4_moe, "),
-    (("--gpus", "8", "--model", "gpt-oss-120b"), "--model 'gpt-oss-120b': the gpt_oss family is not supported"),
+    (("--gpus", "8", "--model", "Llama-4-Scout"), "--model 'Llama-4-Scout': the llama4 family is not supported"),
 ])
 def test_bad_input_gets_one_line(args, message):
     model = () if "--model" in args else ("--model", "tiny-qwen3-moe")

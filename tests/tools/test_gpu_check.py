@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_gpu_check_cpu_smoke(tmp_path, arch):
     proc = subprocess.run([sys.executable, "tools/gpu_check.py", "--cpu-smoke", "--out", str(tmp_path),
                            "--arch", arch],

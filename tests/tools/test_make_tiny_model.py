@@ -50,6 +50,13 @@ def test_loads_and_runs(arch):
                 cfg.v_head_dim) == (24, 32, 12, 8, 16)
         assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.max_position_embeddings == 32
         assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().max() > 0  # drawn
+    elif arch == "gpt_oss":  # sinks, a window of 8, YaRN x4 over 8, every bias drawn
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.sliding_window) == (4, 2, 8)
+        assert cfg.layer_types == ["sliding_attention", "full_attention"]
+        assert cfg.rope_parameters["rope_type"] == "yarn" and cfg.max_position_embeddings == 32
+        assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.swiglu_limit) == (8, 4, 0.5)
+        assert model.model.layers[0].self_attn.sinks.abs().max() > 0.1
+        assert model.model.layers[0].mlp.experts.down_proj_bias.abs().max() > 0
     else:
         assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
         assert cfg.max_position_embeddings >= 2048

@@ -1,0 +1,95 @@
+"""What every model family's tests run (test_families.py, test_deepseek_v3.py, test_gpt_oss.py):
+one batch, the Actor's log-probs, the weight sync's stream and one GSPO step per case, and the
+comparison of a layout on gloo ranks with one process.
+
+    cases = [(name, hf_dir, layout kwargs, megatron checkpoint), ...]
+    one = run_distributed(run_cases, 1, (cases,))[0]            # {name: ..., name/stream, /step, /after}
+    ranks = run_distributed(run_cases, 2, (layout_cases,))
+    assert_layout_equals_one_process(ranks, case, one, name, hf_dir)
+
+Adam with eps = 10 makes a step's update about gradient / 10, so that a wrong gradient under a
+layout shows in the parameters after it even where the log-probs agree (it did: MLA's rope key
+under TP2, gpt-oss's expert biases under TP2 x EP2, experts without EP under TP2 x ETP1).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from distributed import gather_row_values
+
+ROWS, SEQ, TOL = 6, 20, 1e-5
+
+
+def make_batch():
+    from gspo_megatron.actor.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([20, 13, 20, 7, 16, 20])
+    t = torch.arange(SEQ)[None]
+    tokens = torch.where(t < lengths[:, None], torch.randint(3, 512, (ROWS, SEQ), generator=g), 0)
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=(t >= 1) & (t < lengths[:, None]),
+                      advantages=torch.randn(ROWS, generator=g))
+
+
+def valid() -> torch.Tensor:
+    return make_batch().loss_mask  # [ROWS, SEQ]: the positions that have a log-prob
+
+
+def run_cases(rank, world, cases, bucket_bytes: int = 1 << 16):
+    """Per case (name, HF dir, layout kwargs, megatron checkpoint): the Actor's old log-probs of
+    make_batch(), on rank 0 the weight sync's stream of the model (HF names, full tensors) in
+    buckets of `bucket_bytes`, then one GSPO step: its metrics and (rank 0) the parameters after."""
+    from megatron.core import parallel_state as ps
+
+    from gspo_megatron.actor.actor import Actor
+    from gspo_megatron.actor.settings import OptimizerSettings
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.sync import build_plan, stream_hf_weights
+    from model_specs.weight_maps import weight_map_for
+
+    out = {}
+    for name, hf_dir, layout, ckpt in cases:
+        optimizer = OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0,
+                                      use_distributed_optimizer=layout.get("expert", 1) > 1)
+        with Actor(hf_dir, ParallelLayout(**layout), micro_batch_size=2, optimizer=optimizer) as actor:
+            actor.load_weights(ckpt)
+            shard = actor.shard(make_batch())
+            old, _ = actor.compute_old_log_probs(shard)
+            keep = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
+            out[name] = (shard.global_rows.numpy(), old.numpy()) if keep else None
+            wmap = weight_map_for(actor.spec.hf_config)
+            plan = build_plan(actor.chunks, wmap)
+            streamed = list(stream_hf_weights(actor.chunks, wmap, plan, bucket_bytes))
+            out[f"{name}/stream"] = {k: v for b in streamed for k, v in b} if rank == 0 else None
+            shard.old_log_probs = old
+            out[f"{name}/step"] = actor.train_step(shard)
+            out[f"{name}/after"] = actor.full_state_dict(to_all_ranks=False)
+    return out
+
+
+def assert_layout_equals_one_process(ranks: list[dict], case: str, one: dict, name: str,
+                                     hf_dir: Path) -> None:
+    """Case `case` of a layout run on `ranks` against `name` of the one-process run: log-probs and
+    the parameters after the step within TOL, loss and grad norm too, and the sync's stream equal
+    to the HF file bit for bit."""
+    got = gather_row_values([r[case] for r in ranks], ROWS, SEQ)
+    want = gather_row_values([one[name]], ROWS, SEQ)
+    err = float((got - want)[valid()].abs().max())
+    after, reference = ranks[0][f"{case}/after"], one[f"{name}/after"]
+    assert sorted(after) == sorted(reference)
+    errs = {k: float((after[k] - reference[k]).abs().max()) for k in reference}
+    step_err = max(errs.values())
+    print(f"{case}: max |layout - one process| log-prob {err:.3g}, parameter after a GSPO step "
+          f"{step_err:.3g}")
+    worst = sorted(errs, key=errs.get, reverse=True)[:4]
+    assert err <= TOL and step_err <= TOL, (case, {k: errs[k] for k in worst})
+    original = load_file(Path(hf_dir) / "model.safetensors")
+    streamed = ranks[0][f"{case}/stream"]
+    assert sorted(streamed) == sorted(original)
+    assert all(torch.equal(streamed[k], t) for k, t in original.items()), case
+    for key in ("loss", "grad_norm"):
+        assert ranks[0][f"{case}/step"][key] == pytest.approx(one[f"{name}/step"][key], rel=TOL, abs=TOL)
