@@ -331,9 +331,11 @@ def test_the_tests_budget_counts_from_the_start_of_the_call(monkeypatch):
     from rollout.rewards import code_reward
     slow = "import time\ntime.sleep(0.3)\nprint(int(input()) + 1)\n"
     monkeypatch.setattr(code_reward, "extract_program", lambda text: time.sleep(1.0) or slow)
-    reward = CodeReward(CodeSandboxSettings(tests_budget_s=2.0))
+    # 3 s left after the extraction: room for the first tests on a loaded machine (with 1 s left
+    # no test finished next to a busy suite), not for all 20 (6 s)
+    reward = CodeReward(CodeSandboxSettings(tests_budget_s=4.0))
     reward.sandbox.probe()
-    row = {"answer": {"inputs": [f"{i}\n" for i in range(10)], "outputs": [f"{i + 1}\n" for i in range(10)]}}
+    row = {"answer": {"inputs": [f"{i}\n" for i in range(20)], "outputs": [f"{i + 1}\n" for i in range(20)]}}
     t0 = time.monotonic()
     assert 0 < reward.score(row, "a slow program") < 1
-    assert time.monotonic() - t0 < 2.0 + 0.4
+    assert time.monotonic() - t0 < 4.0 + 0.4
