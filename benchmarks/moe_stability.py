@@ -1,7 +1,7 @@
 """GSPO against GRPO on a MoE whose routing moves, over seeds: the paper's claim (arXiv 2507.18071
 §5.3) measured (docs/moe_stability.md).
 
-    .venv/bin/python benchmarks/moe_stability.py                    # the default experiment, ~90 min on 2 cores
+    .venv/bin/python benchmarks/moe_stability.py                    # the default experiment: 20-30 min a seed on 2 cores
     .venv/bin/python benchmarks/moe_stability.py --plot             # + docs/img/moe_stability_*.png
     .venv/bin/python benchmarks/moe_stability.py --seeds 1 --steps 3 --runs gspo grpo   # a smoke run
     .venv/bin/python benchmarks/moe_stability.py --model /models/Qwen3-30B-A3B \\
