@@ -35,6 +35,22 @@ def make_batch():
                       advantages=torch.randn(ROWS, generator=g))
 
 
+def hf_log_probs(hf_dir: Path, zero_expert_bias: bool = False, **config_changes) -> torch.Tensor:
+    """[ROWS, SEQ] log p(token t | tokens < t) from transformers (fp32) on make_batch(), NaN where
+    undefined; zero_expert_bias: the e_score_correction_bias buffers set to 0 (GLM-4.5,
+    DeepSeek-V3); config_changes: the HF config changed (the controls)."""
+    from fixtures_models import transformers_log_probs
+
+    def zero_bias(model):
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+
+    batch = make_batch()
+    return transformers_log_probs(hf_dir, batch.tokens, batch.lengths,
+                                  zero_bias if zero_expert_bias else None, **config_changes)
+
+
 def valid() -> torch.Tensor:
     return make_batch().loss_mask  # [ROWS, SEQ]: the positions that have a log-prob
 

@@ -22,9 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
-from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, make_batch,
+from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, hf_log_probs,
                            run_cases, valid)
-from fixtures_models import transformers_log_probs
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
 from model_specs.tiny import MOONLIGHT, deepseek_v3
@@ -214,17 +213,6 @@ def test_hf_megatron_hf_is_bit_exact(tiny, ckpts, tmp_path):
 # ---------------------------------------------------------------- log-probs
 
 
-def _transformers_log_probs(hf_dir: Path, zero_expert_bias: bool = False, **config_changes):
-    def zero_bias(model):
-        for buf_name, buf in model.named_buffers():
-            if buf_name.endswith("e_score_correction_bias"):
-                buf.zero_()
-
-    batch = make_batch()
-    return transformers_log_probs(hf_dir, batch.tokens, batch.lengths,
-                                  zero_bias if zero_expert_bias else None, **config_changes)
-
-
 @pytest.fixture(scope="module")
 def one_process(tiny, ckpts):
     cases = [(name, str(tiny[name]), {}, str(ckpts[name])) for name in MODELS]
@@ -234,7 +222,7 @@ def one_process(tiny, ckpts):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_one_process_log_probs_equal_transformers(tiny, one_process, name):
     got = gather_row_values([one_process[name]], ROWS, SEQ)
-    want = _transformers_log_probs(tiny[name])
+    want = hf_log_probs(tiny[name])
     err = float((got - want)[valid()].abs().max())
     print(f"{name}: max |megatron - transformers| log-prob {err:.3g}")
     assert err <= TOL
@@ -255,7 +243,7 @@ def test_what_the_v3_match_rests_on(tiny, one_process, change):
     without one of the router's features is far from megatron's answer, so the 1e-5 match shows
     megatron computes each of them."""
     got = gather_row_values([one_process["v3"]], ROWS, SEQ)
-    other = _transformers_log_probs(tiny["v3"], **change)
+    other = hf_log_probs(tiny["v3"], **change)
     diff = float((got - other)[valid()].abs().max())
     print(f"v3 against transformers with {change}: {diff:.3g}")
     assert diff > 1e-3

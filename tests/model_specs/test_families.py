@@ -18,9 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
-from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, make_batch,
+from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, hf_log_probs,
                            run_cases, valid)
-from fixtures_models import transformers_log_probs
 from model_specs import HFConfigError, model_spec_for
 from model_specs.tiny import glm4_moe, qwen2_moe
 from model_specs.weight_maps import weight_map_for
@@ -165,20 +164,6 @@ def test_hf_megatron_hf_is_bit_exact(tiny, ckpts, tmp_path, arch):
 # ---------------------------------------------------------------- log-probs
 
 
-def _transformers_log_probs(hf_dir: Path, zero_expert_bias: bool = False,
-                            **config_changes) -> torch.Tensor:
-    """[ROWS, SEQ] log p(token t | tokens < t) from transformers (fp32) on make_batch(), NaN where
-    undefined; zero_expert_bias: GLM's e_score_correction_bias buffers set to 0."""
-    def zero_bias(model):
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.zero_()
-
-    batch = make_batch()
-    return transformers_log_probs(hf_dir, batch.tokens, batch.lengths,
-                                  zero_bias if zero_expert_bias else None, **config_changes)
-
-
 @pytest.fixture(scope="module")
 def one_process(tiny, ckpts):
     cases = [(arch, str(tiny[arch]), {}, str(ckpts[arch])) for arch in ARCHS]
@@ -189,7 +174,7 @@ def one_process(tiny, ckpts):
 def test_one_process_log_probs_equal_transformers(tiny, one_process, arch):
     results = one_process
     got = gather_row_values([results[arch]], ROWS, SEQ)
-    want = _transformers_log_probs(tiny[arch])
+    want = hf_log_probs(tiny[arch])
     err = float((got - want)[valid()].abs().max())
     print(f"{arch}: max |megatron - transformers| log-prob {err:.3g}")
     assert err <= TOL
@@ -223,7 +208,7 @@ def test_glm4_moe_routing_features_are_what_the_match_rests_on(tiny, one_process
     """transformers without one of the router's features is far from megatron's answer, so the
     1e-5 match above shows megatron computes each of them."""
     got = gather_row_values([one_process["glm4_moe"]], ROWS, SEQ)
-    other = _transformers_log_probs(tiny["glm4_moe"], **change)
+    other = hf_log_probs(tiny["glm4_moe"], **change)
     assert float((got - other)[valid()].abs().max()) > 1e-3
 
 
