@@ -53,7 +53,6 @@ What megatron-core needs here:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -66,6 +65,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import (MLASelfAttention,
                                                               MLASelfAttentionSubmodules)
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from model_specs.spec_rewrite import rewrite_spec
 
 
 def fix_have_te() -> bool:
@@ -139,24 +140,15 @@ def adapt_mla_spec(spec: Any, *, local: bool, plain_q_proj: bool) -> Any:
     LocalMLACoreAttention in the local spec (`local`) and no q_layernorm with q_lora_rank null
     (`plain_q_proj`)."""
     def adapt(s: Any) -> Any:
-        if isinstance(s, ModuleSpec) and s.module is MLASelfAttention:
-            sub = s.submodules
-            if local:
-                if sub.core_attention is not DotProductAttention:
-                    raise ValueError(f"MLA spec has core attention {sub.core_attention}, expected "
-                                     "megatron's local DotProductAttention")
-                sub = dataclasses.replace(sub, core_attention=LocalMLACoreAttention)
-            if plain_q_proj:
-                sub = dataclasses.replace(sub, q_layernorm=IdentityOp)
-            return dataclasses.replace(s, submodules=sub, module=AdaptedMLASelfAttention)
-        if isinstance(s, list):
-            return [adapt(x) for x in s]
-        if isinstance(s, ModuleSpec):
-            return dataclasses.replace(s, submodules=adapt(s.submodules))
-        if isinstance(s, functools.partial):  # megatron-core 0.19 builds some modules as partials
-            return functools.partial(s.func, *s.args, **{k: adapt(v) for k, v in s.keywords.items()})
-        if dataclasses.is_dataclass(s) and not isinstance(s, type):
-            return dataclasses.replace(s, **{f.name: adapt(getattr(s, f.name))
-                                             for f in dataclasses.fields(s) if f.init})
-        return s
-    return adapt(spec)
+        if not (isinstance(s, ModuleSpec) and s.module is MLASelfAttention):
+            return None
+        sub = s.submodules
+        if local:
+            if sub.core_attention is not DotProductAttention:
+                raise ValueError(f"MLA spec has core attention {sub.core_attention}, expected "
+                                 "megatron's local DotProductAttention")
+            sub = dataclasses.replace(sub, core_attention=LocalMLACoreAttention)
+        if plain_q_proj:
+            sub = dataclasses.replace(sub, q_layernorm=IdentityOp)
+        return dataclasses.replace(s, submodules=sub, module=AdaptedMLASelfAttention)
+    return rewrite_spec(spec, adapt)

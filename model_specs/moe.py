@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -64,7 +63,8 @@ from megatron.core.tensor_parallel.layers import (RowParallelLinear,
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.spec_utils import ModuleSpec
+
+from model_specs.spec_rewrite import rewrite_spec
 
 
 class ExpertBiasRouter(TopKRouter):
@@ -100,22 +100,13 @@ class ExpertBiasRouter(TopKRouter):
 
 def use_expert_bias_router(spec: Any) -> Any:
     """A copy of a block / layer spec whose MoE layers build ExpertBiasRouter."""
-    if isinstance(spec, MoESubmodules):
-        if spec.router is not TopKRouter:
-            raise ValueError(f"MoE spec has router {spec.router}, expected megatron's TopKRouter")
-        return dataclasses.replace(spec, router=ExpertBiasRouter)
-    if isinstance(spec, list):
-        return [use_expert_bias_router(s) for s in spec]
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, submodules=use_expert_bias_router(spec.submodules))
-    if isinstance(spec, functools.partial):  # megatron-core 0.19 builds some modules as partials
-        kwargs = {k: use_expert_bias_router(v) for k, v in spec.keywords.items()}
-        return functools.partial(spec.func, *spec.args, **kwargs)
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: use_expert_bias_router(getattr(spec, f.name))
-                   for f in dataclasses.fields(spec) if f.init}
-        return dataclasses.replace(spec, **changes)
-    return spec
+    def router(s: Any) -> Any:
+        if not isinstance(s, MoESubmodules):
+            return None
+        if s.router is not TopKRouter:
+            raise ValueError(f"MoE spec has router {s.router}, expected megatron's TopKRouter")
+        return dataclasses.replace(s, router=ExpertBiasRouter)
+    return rewrite_spec(spec, router)
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
@@ -136,32 +127,8 @@ class ExpertRowParallelLinear(RowParallelLinear):
 def use_expert_fc2(spec: Any) -> Any:
     """A copy of a local block / layer spec whose routed experts' fc2 is ExpertRowParallelLinear
     (shared experts and dense MLPs keep theirs)."""
-    if isinstance(spec, MoESubmodules):
-        return dataclasses.replace(spec, experts=_swap_row_parallel(spec.experts))
-    if isinstance(spec, list):
-        return [use_expert_fc2(s) for s in spec]
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, submodules=use_expert_fc2(spec.submodules))
-    if isinstance(spec, functools.partial):
-        kwargs = {k: use_expert_fc2(v) for k, v in spec.keywords.items()}
-        return functools.partial(spec.func, *spec.args, **kwargs)
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: use_expert_fc2(getattr(spec, f.name))
-                   for f in dataclasses.fields(spec) if f.init}
-        return dataclasses.replace(spec, **changes)
-    return spec
+    def fc2(s: Any) -> Any:
+        return ExpertRowParallelLinear if s is RowParallelLinear else None
 
-
-def _swap_row_parallel(spec: Any) -> Any:
-    if spec is RowParallelLinear:
-        return ExpertRowParallelLinear
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, submodules=_swap_row_parallel(spec.submodules))
-    if isinstance(spec, functools.partial):
-        kwargs = {k: _swap_row_parallel(v) for k, v in spec.keywords.items()}
-        return functools.partial(spec.func, *spec.args, **kwargs)
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _swap_row_parallel(getattr(spec, f.name))
-                   for f in dataclasses.fields(spec) if f.init}
-        return dataclasses.replace(spec, **changes)
-    return spec
+    return rewrite_spec(spec, lambda s: dataclasses.replace(s, experts=rewrite_spec(s.experts, fc2))
+                        if isinstance(s, MoESubmodules) else None)

@@ -19,6 +19,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from model_specs.spec_rewrite import rewrite_spec
+
 
 def _have_transformer_engine() -> bool:
     try:
@@ -53,18 +55,7 @@ class SequenceParallelTorchNorm:
 
 def replace_local_norms(spec: Any) -> Any:
     """A copy of a (block / layer / submodule) spec with WrappedTorchNorm swapped for ours."""
-    if spec is WrappedTorchNorm:
-        return SequenceParallelTorchNorm
-    if isinstance(spec, list):
-        return [replace_local_norms(s) for s in spec]
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=replace_local_norms(spec.module),
-                                   submodules=replace_local_norms(spec.submodules))
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: replace_local_norms(getattr(spec, f.name))
-                   for f in dataclasses.fields(spec) if f.init}
-        return dataclasses.replace(spec, **changes)
-    return spec
+    return rewrite_spec(spec, lambda s: SequenceParallelTorchNorm if s is WrappedTorchNorm else None)
 
 
 def te_checkpoint_keys(spec: Any) -> Any:

@@ -34,14 +34,13 @@ the clamped SwiGLU, each against transformers' modeling_gpt_oss.py (the fields: 
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
+
+from model_specs.spec_rewrite import rewrite_spec
 
 
 class SinkDotProductAttention(DotProductAttention):
@@ -56,18 +55,4 @@ class SinkDotProductAttention(DotProductAttention):
 
 def use_sink_attention(spec: Any) -> Any:
     """A copy of a local block / layer spec whose core attention is SinkDotProductAttention."""
-    if spec is DotProductAttention:
-        return SinkDotProductAttention
-    if isinstance(spec, list):
-        return [use_sink_attention(s) for s in spec]
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=use_sink_attention(spec.module),
-                                   submodules=use_sink_attention(spec.submodules))
-    if isinstance(spec, functools.partial):  # megatron-core 0.19 builds some modules as partials
-        kwargs = {k: use_sink_attention(v) for k, v in spec.keywords.items()}
-        return functools.partial(use_sink_attention(spec.func), *spec.args, **kwargs)
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: use_sink_attention(getattr(spec, f.name))
-                   for f in dataclasses.fields(spec) if f.init}
-        return dataclasses.replace(spec, **changes)
-    return spec
+    return rewrite_spec(spec, lambda s: SinkDotProductAttention if s is DotProductAttention else None)
