@@ -204,7 +204,7 @@ def test_wrong_scale_is_caught(reference):
         _check_layout(reference, 2, dict(), wrong_scale=True)
 
 
-# --- token-budget micro-batches (issue: policy-update throughput) ---------------------------------
+# --- token-budget micro-batches (policy-update throughput) ---------------------------------
 # Rows grouped longest first up to 48 computed tokens (rows are 6-24 tokens long): micro-batches of
 # different row counts and lengths, a different count per DP rank before agreement. The result
 # must still equal one process with one micro-batch (the padded path), and the budget must hold.
