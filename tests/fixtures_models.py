@@ -74,6 +74,18 @@ def transformers_log_probs(hf_dir: Path, tokens, lengths, edit_model=None, **con
     return out
 
 
+def assert_same_hf_weights(a: Path, b: Path, context: object = "") -> None:
+    """The HF model folders `a` and `b` hold the same tensors (model.safetensors), bit for bit and
+    dtype for dtype; `context` goes into the message (a round trip's drawn sizes, the model)."""
+    import torch
+    from safetensors.torch import load_file
+
+    x, y = load_file(Path(a) / "model.safetensors"), load_file(Path(b) / "model.safetensors")
+    assert sorted(x) == sorted(y), context
+    for k, t in x.items():
+        assert y[k].dtype == t.dtype and torch.equal(y[k], t), (context, k)
+
+
 WARM_PROMPTS = Path(__file__).resolve().parents[1] / "examples" / "data" / "larger_digit.jsonl"
 
 

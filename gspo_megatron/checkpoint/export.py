@@ -28,6 +28,7 @@ from gspo_megatron.checkpoint.hf_files import HFShardWriter, copy_metadata_files
 from gspo_megatron.checkpoint.output_dirs import publish_dir
 from gspo_megatron.checkpoint.model_io import (HF_SUBDIR, check_is_checkpoint, check_matches,
                                                checkpoint_hf_config)
+from model_specs.weight_batches import weight_batches
 from model_specs.weight_maps import WeightMapError, weight_map_for
 
 
@@ -65,9 +66,14 @@ def _write_hf(ckpt_dir: Path, out_dir: Path, hf: dict, wmap, stored_dtype: torch
         check_matches(sharded_sd, ckpt_dir)
         copy_metadata_files(ckpt_dir / HF_SUBDIR, out_dir)
         mappings = list(wmap.mappings())
+
+        def nbytes(m):
+            return params[m.megatron].numel() * params[m.megatron].element_size()
+
         with HFShardWriter(out_dir, max_shard_bytes) as writer, \
                 tqdm(total=len(mappings), desc="exporting to HF", unit="tensor") as bar:
-            for batch in _batches(mappings, params, batch_bytes, wmap.together_key):
+            # never cut between the experts of one stacked HF tensor (gpt-oss: wmap.together_key)
+            for batch in weight_batches(mappings, nbytes, batch_bytes, wmap.together_key):
                 loaded = _load_params(sharded_sd, [m.megatron for m in batch], ckpt_dir)
                 pairs = [(m, loaded.pop(m.megatron)) for m in batch]
                 for name, t in wmap.hf_tensors(pairs):  # a stacked tensor from all its experts
@@ -81,20 +87,6 @@ def _write_hf(ckpt_dir: Path, out_dir: Path, hf: dict, wmap, stored_dtype: torch
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def _batches(mappings, params, batch_bytes: int, together_key):
-    """Consecutive mappings of about `batch_bytes`, never cut between the experts of one stacked
-    HF tensor (gpt-oss: a layer's gate_up_proj, 4.2 GB in bf16 for gpt-oss-120b, is one batch)."""
-    batch, size = [], 0
-    for m in mappings:
-        nbytes = params[m.megatron].numel() * params[m.megatron].element_size()
-        key = together_key(m)
-        if batch and size + nbytes > batch_bytes and (key is None or key != together_key(batch[-1])):
-            yield batch
-            batch, size = [], 0
-        batch.append(m)
-        size += nbytes
-    if batch:
-        yield batch
 
 
 def _load_params(sharded_sd: dict[str, Any], names: list[str], ckpt_dir: Path) -> dict:

@@ -27,6 +27,7 @@ from megatron.core import parallel_state as ps
 from gspo_megatron.actor.weights import (full_tensor_over_tp, is_expert_param, named_parameters_global,
                                          owns_full_copy)
 from gspo_megatron.parallel.comm import comm_device
+from model_specs.weight_batches import weight_batches
 from model_specs.weight_maps import ParamMapping, WeightMap, WeightMapError
 
 
@@ -112,20 +113,8 @@ def _together_key(e: PlanEntry) -> str | None:
 
 def buckets(plan: Sequence[PlanEntry], bucket_bytes: int) -> list[list[PlanEntry]]:
     """Consecutive plan entries of at most `bucket_bytes` (a larger parameter is a bucket alone),
-    never cut between two entries that must load together (LOAD_TOGETHER): their bucket grows."""
-    keys = [_together_key(e) for e in plan]
-    last = {k: i for i, k in enumerate(keys) if k is not None}
-    out: list[list[PlanEntry]] = [[]]
-    size, uncuttable_until = 0, -1
-    for i, e in enumerate(plan):
-        if out[-1] and size + e.nbytes > bucket_bytes and i > uncuttable_until:
-            out.append([])
-            size = 0
-        out[-1].append(e)
-        size += e.nbytes
-        if keys[i] is not None:
-            uncuttable_until = max(uncuttable_until, last[keys[i]])
-    return out if out[0] else []
+    never cut between two entries that must load together (_together_key): their bucket grows."""
+    return list(weight_batches(plan, lambda e: e.nbytes, bucket_bytes, _together_key))
 
 
 @torch.no_grad()

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fixtures_models import assert_same_hf_weights
 from tools.make_tiny_model import make_tiny_model
 
 
@@ -27,12 +27,6 @@ def random_sizes(seed: int) -> dict:
                 sliding_window=rng.randint(2, 16))
 
 
-def _same(a: Path, b: Path) -> bool:
-    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    return sorted(x) == sorted(y) and all(y[k].dtype == t.dtype and torch.equal(y[k], t)
-                                          for k, t in x.items())
-
-
 @pytest.mark.parametrize("seed", [2, 3, 4])
 def test_round_trip_is_bit_exact_at_sizes_drawn_at_random(tmp_path, seed):
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
@@ -42,7 +36,7 @@ def test_round_trip_is_bit_exact_at_sizes_drawn_at_random(tmp_path, seed):
     hf_dir = make_tiny_model("gpt_oss", tmp_path / "hf", seed=seed, **sizes)
     back = convert_megatron_to_hf(convert_hf_to_megatron(hf_dir, tmp_path / "mcore"), tmp_path / "back",
                                   batch_bytes=1 << 10)
-    assert _same(hf_dir, back), sizes
+    assert_same_hf_weights(hf_dir, back, sizes)
 
 
 def _random_mxfp4(g: torch.Generator, experts: int, rows: int, cols: int):

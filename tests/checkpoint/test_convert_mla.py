@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
+from fixtures_models import assert_same_hf_weights
 from tools.make_tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,12 +32,6 @@ def random_sizes(seed: int) -> dict:
                 n_group=1, topk_group=1, num_hidden_layers=3, rope_parameters=None)
 
 
-def _same(a: Path, b: Path) -> bool:
-    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    return sorted(x) == sorted(y) and all(y[k].dtype == t.dtype and torch.equal(y[k], t)
-                                          for k, t in x.items())
-
-
 @pytest.mark.parametrize("seed", [2, 3, 4])
 def test_round_trip_is_bit_exact_at_sizes_drawn_at_random(tmp_path, seed):
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
@@ -47,7 +40,7 @@ def test_round_trip_is_bit_exact_at_sizes_drawn_at_random(tmp_path, seed):
     sizes = random_sizes(seed)
     hf_dir = make_tiny_model("deepseek_v3", tmp_path / "hf", seed=seed, **sizes)
     back = convert_megatron_to_hf(convert_hf_to_megatron(hf_dir, tmp_path / "mcore"), tmp_path / "back")
-    assert _same(hf_dir, back), sizes
+    assert_same_hf_weights(hf_dir, back, sizes)
 
 
 @pytest.mark.slow  # two converter processes
@@ -58,4 +51,4 @@ def test_the_command_lines_round_trip_a_drawn_model(tmp_path):
                                     check=True, timeout=300)
     run("tools/convert_hf_to_megatron.py", "--hf", str(hf_dir), "--out", str(tmp_path / "m"))
     run("tools/convert_megatron_to_hf.py", "--megatron", str(tmp_path / "m"), "--out", str(tmp_path / "back"))
-    assert _same(hf_dir, tmp_path / "back"), sizes
+    assert_same_hf_weights(hf_dir, tmp_path / "back", sizes)

@@ -87,6 +87,19 @@ def run_cases(rank, world, cases, bucket_bytes: int = 1 << 16):
     return out
 
 
+def moved_by_the_step(hf_dir: Path, after: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per megatron parameter, max |after - before| of a step that started from the HF model's
+    weights (`after`: a run_cases case's parameters after its step, every parameter present)."""
+    from model_specs import model_spec_for
+    from model_specs.weight_maps import weight_map_for
+
+    wmap = weight_map_for(model_spec_for(hf_dir).hf_config)
+    hf = load_file(Path(hf_dir) / "model.safetensors")
+    before = {m.megatron: wmap.to_megatron(m, [hf[n] for n in m.hf]) for m in wmap.mappings()}
+    assert sorted(after) == sorted(before)
+    return {k: float((after[k] - t).abs().max()) for k, t in before.items()}
+
+
 def assert_layout_equals_one_process(ranks: list[dict], case: str, one: dict, name: str,
                                      hf_dir: Path) -> None:
     """Case `case` of a layout run on `ranks` against `name` of the one-process run: log-probs and

@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
 from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, hf_log_probs,
-                           run_cases, valid)
+                           moved_by_the_step, run_cases, valid)
+from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
 from model_specs.tiny import MOONLIGHT, deepseek_v3
@@ -203,11 +204,7 @@ def test_hf_megatron_hf_is_bit_exact(tiny, ckpts, tmp_path):
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
 
     for name in MODELS:
-        out = convert_megatron_to_hf(ckpts[name], tmp_path / name)
-        a, b = load_file(tiny[name] / "model.safetensors"), load_file(out / "model.safetensors")
-        assert sorted(a) == sorted(b)
-        for k, t in a.items():
-            assert b[k].dtype == t.dtype and torch.equal(b[k], t), (name, k)
+        assert_same_hf_weights(tiny[name], convert_megatron_to_hf(ckpts[name], tmp_path / name), name)
 
 
 # ---------------------------------------------------------------- log-probs
@@ -251,12 +248,7 @@ def test_what_the_v3_match_rests_on(tiny, one_process, change):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_a_gspo_step_trains_everything_but_the_expert_bias(tiny, one_process, name):
-    wmap = weight_map_for(model_spec_for(tiny[name]).hf_config)
-    hf = load_file(tiny[name] / "model.safetensors")
-    before = {m.megatron: wmap.to_megatron(m, [hf[n] for n in m.hf]) for m in wmap.mappings()}
-    after = one_process[f"{name}/after"]
-    assert sorted(after) == sorted(before)
-    moved = {k: float((after[k] - t).abs().max()) for k, t in before.items()}
+    moved = moved_by_the_step(tiny[name], one_process[f"{name}/after"])
     for k, m in moved.items():
         if k.endswith("expert_bias"):
             assert m == 0.0, k  # moe_router_bias_update_rate = 0: frozen

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
 from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, hf_log_probs,
-                           run_cases, valid)
+                           moved_by_the_step, run_cases, valid)
+from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.tiny import glm4_moe, qwen2_moe
 from model_specs.weight_maps import weight_map_for
@@ -154,11 +155,7 @@ def test_glm4_moe_mtp_layers_of_published_checkpoints_are_ignored():
 def test_hf_megatron_hf_is_bit_exact(tiny, ckpts, tmp_path, arch):
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
 
-    out = convert_megatron_to_hf(ckpts[arch], tmp_path / "hf")
-    a, b = load_file(tiny[arch] / "model.safetensors"), load_file(out / "model.safetensors")
-    assert sorted(a) == sorted(b)
-    for k, t in a.items():
-        assert b[k].dtype == t.dtype and torch.equal(b[k], t), k
+    assert_same_hf_weights(tiny[arch], convert_megatron_to_hf(ckpts[arch], tmp_path / "hf"), arch)
 
 
 # ---------------------------------------------------------------- log-probs
@@ -186,12 +183,7 @@ def test_one_process_log_probs_equal_transformers(tiny, one_process, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_gspo_step_trains_everything_but_the_expert_bias(tiny, one_process, arch):
-    wmap = weight_map_for(model_spec_for(tiny[arch]).hf_config)
-    hf = load_file(tiny[arch] / "model.safetensors")
-    before = {m.megatron: wmap.to_megatron(m, [hf[n] for n in m.hf]) for m in wmap.mappings()}
-    after = one_process[f"{arch}/after"]
-    assert sorted(after) == sorted(before)
-    moved = {name: float((after[name] - t).abs().max()) for name, t in before.items()}
+    moved = moved_by_the_step(tiny[arch], one_process[f"{arch}/after"])
     for name, m in moved.items():
         if name.endswith("expert_bias"):
             assert m == 0.0, name  # moe_router_bias_update_rate = 0: frozen

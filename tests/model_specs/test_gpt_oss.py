@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from distributed import gather_row_values, run_distributed
 from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, make_batch,
-                           run_cases, valid)
-from fixtures_models import transformers_log_probs
+                           moved_by_the_step, run_cases, valid)
+from fixtures_models import assert_same_hf_weights, transformers_log_probs
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
 from model_specs.tiny import gpt_oss
@@ -199,10 +199,7 @@ def test_hf_megatron_hf_is_bit_exact(tiny, ckpt, tmp_path):
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
 
     out = convert_megatron_to_hf(ckpt, tmp_path / "back", batch_bytes=4096)  # stacks cut by batch
-    a, b = load_file(tiny / "model.safetensors"), load_file(out / "model.safetensors")
-    assert sorted(a) == sorted(b)
-    for k, t in a.items():
-        assert b[k].dtype == t.dtype and torch.equal(b[k], t), k
+    assert_same_hf_weights(tiny, out)
 
 
 # ---------------------------------------------------------------- log-probs
@@ -276,12 +273,7 @@ def test_what_the_match_rests_on(tiny, one_process, control):
 
 
 def test_a_gspo_step_trains_sinks_biases_and_experts(tiny, one_process):
-    wmap = weight_map_for(model_spec_for(tiny).hf_config)
-    hf = load_file(tiny / "model.safetensors")
-    before = {m.megatron: wmap.to_megatron(m, [hf[n] for n in m.hf]) for m in wmap.mappings()}
-    after = one_process[f"{NAME}/after"]
-    assert sorted(after) == sorted(before)
-    moved = {k: float((after[k] - t).abs().max()) for k, t in before.items()}
+    moved = moved_by_the_step(tiny, one_process[f"{NAME}/after"])
     for k, m in moved.items():
         if k.endswith(("softmax_offset", "bias")) or ".router." in k or ".self_attention." in k:
             assert m > 0.0, k

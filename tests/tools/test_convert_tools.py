@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fixtures_models import tiny_model_dir
+from fixtures_models import assert_same_hf_weights, tiny_model_dir
 from gspo_megatron.checkpoint import CheckpointMismatchError, check_layout_fits
 from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
 from gspo_megatron.checkpoint.export import convert_megatron_to_hf
@@ -22,20 +22,13 @@ from model_specs.weight_maps import WeightMapError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _assert_same_weights(a: Path, b: Path) -> None:
-    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert sorted(x) == sorted(y)
-    for k in x:
-        assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
-
-
 @pytest.mark.parametrize("arch,tie", [("qwen2", False), ("llama", True), ("qwen3", False)])
 def test_one_process_round_trip_is_bit_exact(tmp_path, arch, tie):
     src = tiny_model_dir(arch, seed=5, tie=tie)
     ckpt = convert_hf_to_megatron(src, tmp_path / "mcore")
     assert (ckpt / "metadata.json").is_file() and (ckpt / "hf" / "tokenizer.json").is_file()
     out = convert_megatron_to_hf(ckpt, tmp_path / "hf")
-    _assert_same_weights(src, out)
+    assert_same_hf_weights(src, out)
     assert (out / "tokenizer_config.json").read_text() == (src / "tokenizer_config.json").read_text()
 
 
