@@ -152,6 +152,13 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
                                 "sequence parallelism (parallel.sequence_parallel: true or unset): "
                                 "without it each rank keeps only its heads' share of the shared "
                                 "rope key's gradient (model_specs/mla.py)")
+    if kwargs.get("activation_func_clamp_value") is not None:
+        # gpt-oss's clamped SwiGLU runs unfused: megatron's fused bias-activation path takes
+        # quick_gelu only with per-token scales (mlp.py:171-206, "Only support fusion of gelu and
+        # swiglu" otherwise), and TransformerConfig refuses the fusion for activations.quick_gelu
+        # (transformer_config.py:1485, which compares with fused_bias_geglu.quick_gelu); the CUDA
+        # defaults turn the fusion on (actor/settings.py)
+        kwargs["bias_activation_fusion"] = False
     config_class = MLATransformerConfig if mla else \
         YarnTransformerConfig if rope.position_embedding_type == "yarn" else TransformerConfig
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(config_class)}

@@ -291,3 +291,30 @@ def test_layouts_on_two_ranks_equal_one_process(tiny, ckpt, one_process):
     ranks = run_distributed(run_cases, 2, (cases, 1 << 12), timeout=600)
     for case, *_ in cases:
         assert_layout_equals_one_process(ranks, case, one_process, NAME, tiny)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cuda", "cuda+te", "cuda+te+apex"])
+def test_each_machine_profile_resolves_to_the_local_spec_or_names_the_setting(profile):
+    """What a run's default compute settings give gpt-oss on each machine (the actor's own
+    spec_for_layout, megatron's TransformerConfig checks included): the local spec without TE;
+    with TE (a GPU node's default) the one line naming compute.transformer_engine: false, with
+    which the local spec is built. The bias-activation fusion that CUDA's defaults turn on is off
+    (model_specs/common.py): left on, every CUDA profile failed in TransformerConfig."""
+    from gspo_megatron.actor.build import spec_for_layout
+    from gspo_megatron.actor.settings import ComputeSettings
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from test_settings_machine_profiles import PROFILES
+
+    available = PROFILES[profile]
+    if not available.transformer_engine:
+        spec = spec_for_layout(gpt_oss(), ParallelLayout(), available=available)
+        assert not spec.transformer_engine and not spec.config.bias_activation_fusion
+        return
+    with pytest.raises(HFConfigError, match="compute.transformer_engine: false"):
+        spec_for_layout(gpt_oss(), ParallelLayout(), available=available)
+    # the RoPE and permute fusions that the TE profiles turn on import TE in TransformerConfig,
+    # which is not installed here
+    spec = spec_for_layout(gpt_oss(), ParallelLayout(), available=available,
+                           compute=ComputeSettings(transformer_engine=False),
+                           overrides={"apply_rope_fusion": False, "moe_permute_fusion": False})
+    assert not spec.transformer_engine and not spec.config.bias_activation_fusion
