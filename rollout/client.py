@@ -223,6 +223,11 @@ class SGLangClient(WeightUpdates):
                                   f"num_experts_per_tok)") from None
         return self._layout
 
+    def served_dtype(self) -> str:
+        """The dtype the server holds its weights in, as a torch name ("bfloat16", "float32"), or
+        "auto" (the model's config decides). From /server_info's launch arguments."""
+        return str(self._json("GET", "/server_info", timeout_s=30).get("dtype", "auto"))
+
     def weight_version(self) -> str:
         """The version string of the weights the server holds ("default" until the first update)."""
         return str(self.model_info()["weight_version"])

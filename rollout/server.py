@@ -123,6 +123,11 @@ def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
         cmd += ["--max-total-tokens", str(config.max_total_tokens)]
     if config.return_routed_experts and "--enable-return-routed-experts" not in config.extra_args:
         cmd.append("--enable-return-routed-experts")
+    if "--custom-weight-loader" not in config.extra_args:
+        # the project's loader (weight deltas, checksums, read-back): chosen per request by
+        # load_format, so registering it changes nothing else
+        from rollout.weight_delta import LOADER
+        cmd += ["--custom-weight-loader", LOADER]
     cmd += list(config.extra_args)
     return ManagedProcess(f"{config.role} (port {port})", cmd, env, f"http://{config.host}:{port}",
                           log_dir / f"sglang-{port}.log", "/health", config.startup_timeout_s,

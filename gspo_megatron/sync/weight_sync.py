@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron import GspoError
+from gspo_megatron.sync.owner_pass import CHECK_FIRST_DELTAS, PassPlan, SenderState, run_pass
+from gspo_megatron.sync.owners import assign_senders
 from gspo_megatron.sync.stream import build_plan, buckets, stream_hf_weights
 from gspo_megatron.sync.transports import Transport
 from model_specs.weight_maps import weight_map_for
@@ -47,6 +49,11 @@ def _unreachable(error: BaseException | None) -> bool:
     return _in_chain(error, (ServerUnavailable, ConnectionError))
 
 
+def _begin_session_of(client) -> None:
+    from gspo_megatron.sync.transports import _begin_session
+    _begin_session(client)
+
+
 class WeightSyncError(GspoError, RuntimeError):
     """A sync that did not complete; the servers are paused and marked stale. no_server: because
     no server was left to take it (rollout/health.py; the trainer waits for one, trainer.py)."""
@@ -62,8 +69,17 @@ class WeightSync:
 
     def __init__(self, chunks: Sequence[torch.nn.Module], hf_config: Mapping[str, Any],
                  transport: Transport | None, pool=None, *, bucket_bytes: int = 256 << 20,
-                 pause_mode: str = "retract") -> None:
+                 pause_mode: str = "retract", senders: str = "owners", delta: bool = True) -> None:
+        if senders not in ("owners", "rank0"):
+            raise ValueError(f"senders={senders!r}: expected 'owners' or 'rank0'")
         self.chunks = list(chunks)
+        self.hf_config = dict(hf_config)
+        self.senders, self.delta = senders, delta
+        self._owner_state = SenderState()
+        self._delta_ready = False  # the servers in sync hold what the encoders' bases say
+        self._deltas_sent = 0
+        self._mode: str | None = None
+        self._served_dtype: str | None = None
         self.wmap = weight_map_for(hf_config)
         self.transport, self.pool = transport, pool
         self.bucket_bytes, self.pause_mode = bucket_bytes, pause_mode
@@ -84,6 +100,14 @@ class WeightSync:
                              "every sync needs a new version")
         if self._plan is None:
             self._plan = build_plan(self.chunks, self.wmap)
+            self._sender_of = assign_senders(self._plan)
+        if self._mode is None:
+            mode = [("owners" if self.senders == "owners" and getattr(self.transport, "name", "") == "tensor"
+                     else "rank0") if self.rank == 0 else None]
+            dist.broadcast_object_list(mode, src=0)
+            self._mode = mode[0]
+        if self._mode == "owners":
+            return self._sync_owners(version)
         n_buckets = len(buckets(self._plan, self.bucket_bytes))
         start = time.perf_counter()
         # A server lost part-way leaves the others with part of the weights: the sync runs again
@@ -116,7 +140,150 @@ class WeightSync:
         self.stale, self.version = False, version
         seconds = time.perf_counter() - start
         return {"seconds": seconds, "bytes": float(sent), "buckets": float(n_buckets),
-                "gb_per_s": sent / seconds / 1e9 if seconds > 0 else 0.0, "attempts": float(attempt)}
+                "gb_per_s": sent / seconds / 1e9 if seconds > 0 else 0.0, "attempts": float(attempt),
+                "rank0_bytes": float(sent), "senders": 1.0, "changed_fraction": 1.0,
+                "full_syncs": float(len(self.pool.sync_clients())) if self.rank == 0 else 0.0,
+                "checksum_mismatches": 0.0}
+
+    # --- every owner sends (the tensor transport) ---------------------------------------------
+    def _served(self) -> str:
+        """The servers' dtype (rank 0): their launch argument, else the model config's."""
+        if self._served_dtype is None:
+            got = {c.served_dtype() for c in self.pool.sync_clients()}
+            got = {self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
+                   if d == "auto" else d for d in got}
+            if len(got) != 1:
+                raise WeightSyncError(f"the servers serve different dtypes {sorted(got)}: one sync "
+                                      "cannot be bit-exact for all of them")
+            self._served_dtype = str(got.pop()).removeprefix("torch.")
+        return self._served_dtype
+
+    def _targets(self, repair: list[str] | None) -> dict[str, str]:
+        """Rank 0: which servers get this pass, and how: a delta where the server is live and
+        reports the version every encoder's base holds, else the full weights."""
+        from rollout.health import LIVE
+        if repair:
+            return {u: "full" for u in repair}
+        clients = self.pool.sync_clients()
+        if not clients:
+            from rollout.client_errors import NoServerLeft
+            raise NoServerLeft(f"no server is left to take the weights ({self.pool.summary()})")
+        versions = self.pool.weight_versions() if self.delta and self._delta_ready else {}
+        return {c.url: "delta" if (self.delta and self._delta_ready and self.pool.status(c.url) == LIVE
+                                   and versions.get(c.url) == self.version) else "full"
+                for c in clients}
+
+    def _sync_owners(self, version: str) -> dict[str, float]:
+        """Collective: rank 0 pauses and opens the servers' sessions, every owner sends its own
+        buckets (owner_pass.run_pass), rank 0 checks, repairs a checksum mismatch with a full
+        pass to that server, sets the version, closes the sessions, continues generation."""
+        from rollout.client_errors import NoServerLeft
+        start = time.perf_counter()
+        totals = {"bytes": 0, "rank0_bytes": 0, "elements": 0, "changed": 0, "buckets": 0,
+                  "senders": set(), "full": 0, "mismatches": 0}
+        attempt, repair, self._repaired = 0, None, False
+        while True:
+            attempt += 1
+            message: list = [None, None, False]
+            if self.rank == 0:
+                try:
+                    targets = self._targets(repair)
+                    if repair is None:
+                        self.pool.pause_generation(self.pause_mode)
+                        self.pool.for_each(_begin_session_of)
+                    check = any(m == "full" for m in targets.values()) or self._deltas_sent < CHECK_FIRST_DELTAS
+                    message[0] = PassPlan(version, targets, check, self._served())
+                except Exception as e:  # noqa: BLE001 - reported on every rank below
+                    message[1:] = [f"{type(e).__name__}: {e}", _in_chain(e, (NoServerLeft,))]
+            dist.broadcast_object_list(message, src=0)
+            plan, error, no_server = message
+            outcomes: list = [None] * dist.get_world_size()
+            if plan is not None:
+                mine = run_pass(self._owner_state, self.chunks, self.wmap, self._plan, self._sender_of,
+                                self.bucket_bytes, plan)
+                dist.all_gather_object(outcomes, mine)
+            verdict: list = [None, None, False, False]  # error, repair urls, retry, no_server
+            if self.rank == 0:
+                verdict = self._judge(plan, error, no_server, outcomes, totals, attempt)
+            dist.broadcast_object_list(verdict, src=0)
+            error, repair, retry, no_server = verdict
+            if error is not None:
+                # some server may hold part of this version: every sender's base is void
+                if self._owner_state.encoder is not None:
+                    self._owner_state.encoder.invalidate()
+                self._delta_ready = False
+                if retry:
+                    repair = None
+                    continue
+                self.stale = True
+                raise WeightSyncError(f"weight sync to version {version} (every owner sending, "
+                                      f"tensor) failed: {error}. The servers are left paused and may "
+                                      "hold a mix of old and new weights; sync again before "
+                                      "generating.", no_server=no_server)
+            if not repair:
+                break
+        self.stale, self.version, self._delta_ready = False, version, True
+        if plan is not None and any(m == "delta" for m in plan.targets.values()):
+            self._deltas_sent += 1
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "bytes": float(totals["bytes"]), "buckets": float(totals["buckets"]),
+                "gb_per_s": totals["bytes"] / seconds / 1e9 if seconds > 0 else 0.0,
+                "attempts": float(attempt), "rank0_bytes": float(totals["rank0_bytes"]),
+                "senders": float(len(totals["senders"])),
+                "changed_fraction": totals["changed"] / max(1, totals["elements"]),
+                "full_syncs": float(totals["full"]), "checksum_mismatches": float(totals["mismatches"])}
+
+    def _judge(self, plan, error, no_server, outcomes, totals, attempt) -> list:
+        """Rank 0, after a pass: [error, repair urls, retry, no_server]. A server lost part-way is
+        taken out and the sync runs again (full) on the others, at most once per server; a
+        checksum mismatch gets that server a full pass (once); otherwise the version is set."""
+        if plan is not None:
+            for o in outcomes:
+                if o.sent_bytes:
+                    totals["senders"].add(o.rank)
+                totals["bytes"] += o.sent_bytes
+                totals["rank0_bytes"] += o.sent_bytes if o.rank == 0 else 0
+                totals["buckets"] += o.buckets
+                totals["elements"] += o.elements
+                totals["changed"] += o.changed
+            totals["full"] += sum(m == "full" for m in plan.targets.values())
+            failed = [o for o in outcomes if o.error is not None]
+            if failed and error is None:
+                error = f"rank {failed[0].rank}: {failed[0].error}"
+            lost = sorted({u for o in outcomes for u in o.lost})
+            for url in lost:
+                self.pool.take_out(url, f"lost during a weight sync: {error}")
+            if error is not None:
+                retry = bool(lost) and attempt <= len(self.pool.clients) and bool(self.pool.sync_clients())
+                return [error, None, retry, not self.pool.sync_clients()]
+            wrong = sorted({u for o in outcomes for u in o.mismatched})
+            totals["mismatches"] += sum(len(v) for o in outcomes for v in o.mismatched.values())
+            if wrong:
+                if self._repaired:
+                    return [f"servers {wrong} still differ from the trainer after a full sync "
+                            f"({totals['mismatches']} tensors)", None, False, False]
+                self._repaired = True
+                return [None, wrong, False, False]
+        if error is not None:
+            return [error, None, False, no_server]
+        try:
+            self._finish_owners(plan.version)
+        except Exception as e:  # noqa: BLE001 - reported on every rank
+            return [f"{type(e).__name__}: {e}", None, False, False]
+        return [None, None, False, False]
+
+    def _finish_owners(self, version: str) -> None:
+        from rollout.weight_delta import LOADER
+        self.pool.for_each(lambda c: c.update_weights_from_tensor(
+            [], weight_version=version, flush_cache=True, load_format=LOADER))
+        self.pool.for_each(lambda c: c.end_weight_update())
+        served = self.pool.weight_versions()
+        wrong = {url: v for url, v in served.items() if v != version}
+        if wrong:
+            raise WeightSyncError(f"servers report weight versions {wrong} after the update, "
+                                  f"expected {version!r}")
+        self.pool.synced(version)
+        self.pool.continue_generation()
 
     def _attempt(self, version: str, n_buckets: int) -> tuple[int, BaseException | None]:
         """One pass: pause and begin (rank 0), stream every bucket (every rank), finish (rank 0).

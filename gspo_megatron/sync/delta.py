@@ -1,0 +1,99 @@
+"""What a sender puts on the wire for each server: the whole tensor (a full sync), or only the
+elements that changed since the version the server holds (a delta sync), in the dtype the server
+serves, in rollout/weight_delta.py's payload format.
+
+    enc = DeltaEncoder(torch.bfloat16)                 # one per sender, kept across syncs
+    parts = enc.encode(bucket, delta=True, check=...)  # {"full": payload, "delta": payload}
+    enc.stats                                          # elements, changed, bytes per mode
+
+The sender keeps the last values it sent of its own HF tensors (`base`, in the served dtype, on
+the host: model bytes in the served dtype / number of senders per sender; docs/sync.md gives the
+figures at Qwen3-30B-A3B's and Qwen3-235B-A22B's shapes) and compares bit patterns, so an update
+below the served dtype's resolution sends nothing, and -0.0 / NaN payloads compare exactly. Per
+tensor the cheapest of three forms goes: the changed values with their flat indices (int32, or
+int64 past 2**31 elements), the changed values with a bitmask of the changed elements (1 bit per
+element: cheaper once more than 1 in 32 changed), or the whole tensor (in bf16, once more than
+about 15/16 changed). `base` describes the servers only after a sync that
+succeeded everywhere: WeightSync sends a full sync after any failure (invalidate()).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from rollout.weight_delta import PART, checksum, pack_bits
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(_INT[t.element_size()])
+
+
+class DeltaEncoder:
+    def __init__(self, served_dtype: torch.dtype) -> None:
+        self.dtype = served_dtype
+        self.base: dict[str, torch.Tensor] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"elements": 0, "changed": 0, "full_bytes": 0, "delta_bytes": 0,
+                      "checked": 0}
+
+    def invalidate(self) -> None:
+        """The servers may not hold `base` any more: the next encode must be full everywhere."""
+        self.base.clear()
+
+    def base_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.base.values())
+
+    def encode(self, bucket: Sequence[tuple[str, torch.Tensor]], *, delta: bool, full: bool,
+               check: Sequence[str] = ()) -> dict[str, list[tuple[str, torch.Tensor]]]:
+        """The payloads of one bucket: "full" (every tensor whole) if `full`, "delta" (changed
+        elements since `base`) if `delta`; `check`: names whose checksum the server verifies.
+        Updates `base` to the bucket's values (call once per bucket and sync)."""
+        out: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        if full:
+            out["full"] = []
+        if delta:
+            out["delta"] = []
+        check = set(check)
+        for name, tensor in bucket:
+            new = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous()
+            shape = torch.tensor(list(new.shape), dtype=torch.int64)
+            extra = []
+            if name in check:
+                extra = [(name + PART + "shape", shape), (name + PART + "sum", torch.tensor([checksum(new)]))]
+                self.stats["checked"] += 1
+            nbytes = new.numel() * new.element_size()
+            self.stats["elements"] += new.numel()
+            if full:
+                out["full"] += [(name, new)] + extra
+                self.stats["full_bytes"] += nbytes
+            if delta:
+                old = self.base.get(name)
+                if old is None or old.shape != new.shape:
+                    raise KeyError(f"no base for {name} {tuple(new.shape)}: a delta needs a full "
+                                   "sync of this sender first")
+                mask = _bits(new) != _bits(old)
+                changed = mask.nonzero().reshape(-1)
+                self.stats["changed"] += changed.numel()
+                idx_dtype = torch.int32 if new.numel() < (1 << 31) else torch.int64
+                values = changed.numel() * new.element_size()
+                as_idx = changed.numel() * idx_dtype.itemsize
+                as_bits = (new.numel() + 7) // 8
+                if values + min(as_idx, as_bits) >= nbytes:
+                    out["delta"] += [(name, new)] + extra
+                    self.stats["delta_bytes"] += nbytes
+                elif changed.numel():
+                    where = ((PART + "idx", changed.to(idx_dtype)) if as_idx <= as_bits
+                             else (PART + "bits", pack_bits(mask)))
+                    out["delta"] += [(name + where[0], where[1]),
+                                     (name + PART + "val", new.reshape(-1)[changed])]
+                    out["delta"] += extra or [(name + PART + "shape", shape)]
+                    self.stats["delta_bytes"] += values + min(as_idx, as_bits)
+                elif extra:
+                    out["delta"] += extra
+            self.base[name] = new
+        return out

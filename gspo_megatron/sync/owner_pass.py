@@ -1,0 +1,142 @@
+"""One pass of an every-owner weight sync (the tensor transport): each sender rank encodes its own
+buckets (owners.stream_owned, delta.DeltaEncoder) and posts them to every server itself, through
+the project's loader (rollout/weight_delta.py); rank 0 only coordinates (weight_sync.py).
+
+    plan = PassPlan(version, targets={url: "full" | "delta"}, check_all=..., dtype="bfloat16")
+    outcome = run_pass(sender_state, chunks, wmap, plan_entries, senders, bucket_bytes, plan)
+
+Each sender posts to the servers from one thread per server, so a slow server does not hold the
+others up; the servers apply each request whole and in arrival order, and nothing is served
+before rank 0 sets the version and continues generation after every sender is done.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from gspo_megatron.sync.delta import DeltaEncoder
+from gspo_megatron.sync.owners import stream_owned
+from rollout.weight_delta import LOADER, PART, path_tensor
+
+# Delta syncs whose every sent tensor is checked by the servers; later ones check a sample.
+CHECK_FIRST_DELTAS = 3
+SAMPLE_ONE_IN = 8
+
+
+@dataclass
+class PassPlan:
+    version: str
+    targets: dict[str, str]          # url -> "full" | "delta"
+    check_all: bool
+    dtype: str
+
+
+@dataclass
+class Outcome:
+    """One rank's view of the pass (gathered on rank 0)."""
+
+    rank: int
+    sent_bytes: int = 0
+    buckets: int = 0
+    elements: int = 0
+    changed: int = 0
+    checked: int = 0
+    error: str | None = None
+    lost: list[str] = field(default_factory=list)
+    mismatched: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _payload_bytes(payload: Sequence[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for n, t in payload if not n.startswith(PART))
+
+
+def sampled(name: str, version: str) -> bool:
+    return zlib.crc32(f"{version}:{name}".encode()) % SAMPLE_ONE_IN == 0
+
+
+class SenderState:
+    """What a rank keeps between syncs: its encoder (base values) and its HTTP clients."""
+
+    def __init__(self) -> None:
+        self.encoder: DeltaEncoder | None = None
+        self.clients: dict = {}
+
+    def client(self, url: str):
+        from rollout.client import SGLangClient
+        if url not in self.clients:
+            self.clients[url] = SGLangClient(url, retries=0)
+        return self.clients[url]
+
+
+def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], bucket_bytes: int,
+             p: PassPlan) -> Outcome:
+    """Every rank: stream its part, post its buckets to the servers. Never raises for a server's
+    failure: it stops posting and reports it (the caller gathers the outcomes)."""
+    from rollout.client import ServerUnavailable
+    rank = dist.get_rank()
+    dtype = getattr(torch, p.dtype)
+    if state.encoder is None or state.encoder.dtype != dtype:
+        state.encoder = DeltaEncoder(dtype)
+    enc = state.encoder
+    enc.reset_stats()
+    out = Outcome(rank)
+    modes = set(p.targets.values())
+    scratch = Path(tempfile.mkdtemp(prefix="gspo-sync-report-"))
+    try:
+        with ThreadPoolExecutor(max(1, len(p.targets))) as threads:
+            for i, bucket in enumerate(stream_owned(chunks, wmap, plan, senders, bucket_bytes)):
+                if out.error is not None:
+                    continue  # keep walking: the other ranks' gathers and sends need this rank
+                check = [n for n, _ in bucket if p.check_all or sampled(n, p.version)]
+                try:
+                    parts = enc.encode(bucket, delta="delta" in modes, full="full" in modes, check=check)
+                except KeyError as e:
+                    out.error = f"KeyError: {e}"
+                    continue
+                out.buckets += 1
+                futures = {}
+                for url, mode in p.targets.items():
+                    report = scratch / f"{i}-{len(futures)}.json"
+                    payload = parts[mode] + [(PART + "report", path_tensor(report))]
+                    futures[url] = threads.submit(_post, state.client(url), payload, report)
+                    out.sent_bytes += _payload_bytes(parts[mode])
+                for url, f in futures.items():
+                    try:
+                        wrong = f.result()
+                    except ServerUnavailable as e:
+                        out.error, out.lost = f"ServerUnavailable: {e}", out.lost + [url]
+                    except Exception as e:  # noqa: BLE001 - reported to rank 0
+                        out.error = f"{type(e).__name__}: {e}"
+                    else:
+                        if wrong:
+                            out.mismatched.setdefault(url, []).extend(wrong)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    out.elements, out.changed, out.checked = (enc.stats["elements"], enc.stats["changed"],
+                                              enc.stats["checked"])
+    if out.error is not None:
+        enc.invalidate()
+    return out
+
+
+def _post(client, payload, report: Path) -> list[str]:
+    """One request; the loader's report: the names whose checksum differed. A loader error
+    (it cannot raise, rollout/weight_delta.py) is raised here."""
+    client.update_weights_from_tensor(payload, load_format=LOADER, flush_cache=False)
+    try:
+        got = json.loads(report.read_text())
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"{client.url}: the weight loader wrote no report ({e}): is "
+                           f"{LOADER} registered (--custom-weight-loader)?") from None
+    if got.get("error"):
+        raise RuntimeError(f"{client.url}: the weight loader failed: {got['error']}")
+    return list(got.get("mismatched", []))

@@ -1,0 +1,285 @@
+"""The project's SGLang weight loader (registered with `--custom-weight-loader`, chosen per
+/update_weights_from_tensor request by `load_format=LOADER`): applies the trainer's weight
+deltas, verifies checksums, and reads the served weights back in HF layout.
+
+SGLang's own loaders take whole HF tensors (`model.load_weights([(hf_name, tensor)])`) and place
+them into the server's fused, TP-sharded parameters (qkv_proj, gate_up_proj, experts.w13_weight,
+...). A delta is a few elements of an HF tensor, so this loader first finds where each HF element
+lives on this server, with the model's own load_weights: it swaps the candidate parameters' data for
+float64 tensors full of NaN, loads float64 tensors whose elements are their own positions
+(`probe`), reads back which server element received which HF element, and restores the
+parameters. Then the changed elements are written in place (bit for bit: they arrive in the
+served dtype). This holds for loaders that place elements (copy, slice, transpose, concatenate:
+every family we serve); a loader that computes on values makes the probe fail with a named error
+(non-integer or missing positions), and the trainer falls back to full syncs.
+
+The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART separates):
+    N                  the whole tensor (a dense update: loaded by the model's own load_weights)
+    N|idx, N|val       flat indices (int32/int64) and their new values: a sparse update
+    N|bits, N|val      the same with a bitmask of the changed elements (pack_bits) for indices
+    N|shape            int64 [ndim]: N's shape (sparse updates and checks)
+    N|sum              int64 [1]: checksum(N) as the trainer computed it: verified after applying
+    |export            uint8 path: write the listed names' served values (N|shape entries) there
+    |report            uint8 path: write what happened there, as JSON (REPORT_KEYS)
+Nothing here may raise: SGLang calls a custom loader outside any try (model_runner_components/
+weight_updater.py:374-376), so an exception kills the scheduler. Errors and checksum mismatches
+go to the report file instead (the tensor transport runs on the servers' machine, so the sender
+reads it after the call): the trainer counts a mismatch and sends that server a full sync.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import torch
+
+LOADER = "rollout.weight_delta.load"
+PART = "|"
+_MOD = (1 << 31) - 1
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class NotPositional(RuntimeError):
+    """The model's loader does not place HF elements one to one: deltas cannot be applied."""
+
+
+def checksum(values: torch.Tensor, flat_index: torch.Tensor | None = None) -> int:
+    """A position-weighted sum of the elements' bit patterns, mod 2**31 - 1: equal on the trainer
+    and on the server only when every element is bit-identical (to the odds of a 31-bit hash).
+    values: the tensor (flat_index None: positions 0..n-1) or some of its elements at flat_index."""
+    v = values.detach().reshape(-1)
+    bits = v.view(_INT_VIEW[v.element_size()]).to(torch.int64)
+    bits = bits & ((1 << (8 * v.element_size())) - 1) if v.element_size() < 8 else bits
+    idx = (torch.arange(v.numel(), device=v.device) if flat_index is None
+           else flat_index.to(device=v.device, dtype=torch.int64))
+    weight = (idx * 40503 + 17) % 65521 + 1
+    return int((((bits % _MOD + 1) * weight) % _MOD).sum().item() % _MOD)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A flat bool mask as uint8, 8 elements a byte, element 8*i + j in bit j of byte i."""
+    m = mask.reshape(-1)
+    pad = (-m.numel()) % 8
+    if pad:
+        m = torch.cat([m, m.new_zeros(pad)])
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=m.device))
+    return (m.view(-1, 8).to(torch.int32) * weights).sum(1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat indices of the set bits of pack_bits' output."""
+    bits = (packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32, device=packed.device)) & 1
+    return bits.reshape(-1)[:numel].nonzero().reshape(-1)
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _candidates(model: torch.nn.Module, layer: int | None) -> list[tuple[str, torch.nn.Parameter]]:
+    """The server parameters an HF tensor of `layer` (None: outside the layers) can land in."""
+    out = []
+    for name, p in model.named_parameters():
+        if _layer_of(name) == layer:
+            out.append((name, p))
+    return out
+
+
+class Placement:
+    """Where one HF tensor's elements are on this server: per parameter, the flat positions and
+    the HF flat index each holds."""
+
+    def __init__(self, numel: int):
+        self.numel = numel
+        self.parts: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
+
+    def held(self) -> int:
+        return sum(int(h.numel()) for _, _, h in self.parts)
+
+
+@torch.no_grad()
+def probe(model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> dict[str, Placement]:
+    """The placement of each HF tensor of `shapes` (one layer's tensors at a time), found with
+    the model's own load_weights on float64 position tensors (see the module docstring)."""
+    by_layer: dict[int | None, list[str]] = defaultdict(list)
+    for name in shapes:
+        by_layer[_layer_of(name)].append(name)
+    out: dict[str, Placement] = {}
+    for layer, names in by_layer.items():
+        params = _candidates(model, layer)
+        device = params[0][1].device if params else torch.device("cpu")
+        offsets, tensors, start = {}, [], 0
+        for n in names:
+            numel = math.prod(shapes[n])
+            offsets[n] = (start, numel)
+            tensors.append((n, torch.arange(start, start + numel, dtype=torch.float64,
+                                            device=device).reshape(tuple(shapes[n]))))
+            start += numel
+        if start >= 1 << 53:
+            raise NotPositional(f"layer {layer}: {start} elements are too many for a float64 probe")
+        saved = [(p, p.data) for _, p in params]
+        try:
+            for p, data in saved:
+                p.data = torch.full(data.shape, math.nan, dtype=torch.float64, device=data.device)
+            model.load_weights(tensors)
+            found = []
+            for (pname, p), (_, data) in zip(params, saved):
+                flat = p.data.reshape(-1)
+                pos = (~torch.isnan(flat)).nonzero().reshape(-1)
+                if pos.numel():
+                    found.append((pname, p, pos, flat[pos]))
+        finally:
+            for p, data in saved:
+                p.data = data
+        for n in names:
+            lo, numel = offsets[n]
+            out[n] = Placement(numel)
+        for pname, p, pos, vals in found:
+            if not torch.equal(vals, vals.floor()) or vals.min() < 0 or vals.max() >= start:
+                raise NotPositional(f"the loader computes on values for {pname} (not a placement)")
+            for n in names:
+                lo, numel = offsets[n]
+                mine = (vals >= lo) & (vals < lo + numel)
+                if mine.any():
+                    out[n].parts.append((p, pos[mine], (vals[mine] - lo).to(torch.int64)))
+    return out
+
+
+def _tp_size() -> int:
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_world_size
+        return get_tensor_model_parallel_world_size()
+    except Exception:  # noqa: BLE001 - outside an SGLang server (tests): one rank
+        return 1
+
+
+@torch.no_grad()
+def served_values(place: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+    """(HF flat indices, values) of the elements this rank holds, each index once, sorted."""
+    idx = torch.cat([h for _, _, h in place.parts]) if place.parts else torch.empty(0, dtype=torch.int64)
+    vals = (torch.cat([p.data.reshape(-1)[pos] for p, pos, _ in place.parts]) if place.parts
+            else torch.empty(0))
+    order = torch.argsort(idx)
+    idx, vals = idx[order], vals[order]
+    keep = torch.ones_like(idx, dtype=torch.bool)
+    keep[1:] = idx[1:] != idx[:-1]
+    return idx[keep], vals[keep]
+
+
+@torch.no_grad()
+def apply_sparse(place: Placement, idx: torch.Tensor, vals: torch.Tensor) -> None:
+    """Write vals at HF flat indices idx into every server element that holds them."""
+    idx = idx.to(torch.int64)
+    for p, pos, hf in place.parts:
+        lut = torch.full((place.numel,), -1, dtype=torch.int64, device=pos.device)
+        lut[hf.to(pos.device)] = pos
+        where = lut[idx.to(pos.device)]
+        ok = where >= 0
+        if ok.any():
+            flat = p.data.view(-1)
+            flat[where[ok]] = vals.to(device=flat.device, dtype=flat.dtype)[ok.to(vals.device)]
+
+
+def _group(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
+    entries: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    order: list[str] = []
+    for name, t in named:
+        base, _, part = name.rpartition(PART) if PART in name else (name, "", "dense")
+        if base not in entries:
+            order.append(base)
+        entries[base][part] = t
+    return entries, order
+
+
+def _path(t: torch.Tensor | None) -> str | None:
+    return None if t is None else bytes(t.to(torch.uint8).tolist()).decode()
+
+
+def path_tensor(path: str) -> torch.Tensor:
+    """A file path as the payload carries it (|export, |report)."""
+    return torch.tensor(list(str(path).encode()), dtype=torch.uint8)
+
+
+def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """The custom weight loader (module docstring). Called by SGLang on every TP rank; writes
+    {"mismatched": [names], "unchecked": n, "checked": n, "error": str | None} to |report (rank 0)."""
+    import json
+    import logging
+    import traceback
+    entries, order = _group(named_tensors)
+    meta = entries.pop("", {})
+    report = {"mismatched": [], "checked": 0, "unchecked": 0, "error": None}
+    try:
+        _load(model, entries, [n for n in order if n != ""], _path(meta.get("export")), report)
+    except Exception as e:  # noqa: BLE001 - reported, never raised (module docstring)
+        report["error"] = f"{type(e).__name__}: {e}"
+        logging.getLogger(__name__).error("gspo weight loader: %s", traceback.format_exc())
+    path = _path(meta.get("report"))
+    if path is not None and _rank() == 0:
+        with open(path + ".tmp", "w") as f:
+            json.dump(report, f)
+        import os
+        os.replace(path + ".tmp", path)
+
+
+@torch.no_grad()
+def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], order: list[str],
+          export: str | None, report: dict) -> None:
+    dense = [(n, entries[n]["dense"]) for n in order if "dense" in entries[n]]
+    if dense:
+        model.load_weights(dense)
+    shapes = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items() if "shape" in e}
+    places = probe(model, shapes) if shapes else {}
+    for n in order:
+        e = entries[n]
+        if "idx" in e:
+            apply_sparse(places[n], e["idx"], e["val"])
+        elif "bits" in e:
+            apply_sparse(places[n], unpack_bits(e["bits"], places[n].numel), e["val"])
+    if places:
+        # The probe went through load_weights, which may derive tensors from what it loaded
+        # (DeepSeek's w_kc / w_vc from kv_b_proj); the sparse writes bypass it: derive them again
+        # from the parameters as they are now.
+        from sglang.srt.model_loader.loader import post_load_weights
+        post_load_weights(model)
+    for n in order:
+        e = entries[n]
+        if "sum" not in e:
+            continue
+        idx, vals = served_values(places[n])
+        if idx.numel() != places[n].numel:
+            if _tp_size() == 1:
+                raise NotPositional(f"{n}: the server holds {idx.numel()} of its "
+                                    f"{places[n].numel} elements after loading")
+            report["unchecked"] += 1  # a TP shard: not checkable on this rank alone
+            continue
+        report["checked"] += 1
+        if checksum(vals, idx) != int(e["sum"].reshape(-1)[0]):
+            report["mismatched"].append(n)
+    if export is not None and _rank() == 0:
+        _export(export, shapes, places)
+
+
+def _rank() -> int:
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _export(path: str, shapes: dict[str, Sequence[int]], places: dict[str, Placement]) -> None:
+    """The served values of `shapes`' tensors in HF layout, as safetensors (tests compare them
+    with the trainer's tensors bit for bit). Elements this rank does not hold are NaN."""
+    from safetensors.torch import save_file
+    out = {}
+    for n, shape in shapes.items():
+        idx, vals = served_values(places[n])
+        full = torch.full((math.prod(shape),), math.nan, dtype=vals.dtype if vals.numel() else torch.float32)
+        full[idx.cpu()] = vals.cpu()
+        out[n] = full.reshape(tuple(shape))
+    save_file(out, path)

@@ -1,0 +1,126 @@
+"""Every owner sends its own weights, and after the first sync only what changed: a real bf16
+SGLang server (tiny Qwen3-MoE) takes a full sync then 20 delta syncs, each after a GSPO step, from
+4 trainer ranks; after the last, the served tensors (read back through the project's loader,
+rollout/weight_delta.py) equal the trainer's in the served dtype bit for bit, under PP2 x EP2 and
+TP2 x EP2. Rank 0 sends only what it owns; the server verifies checksums; a weight changed on the
+server behind the trainer's back is caught by the next delta's checksum, and that server gets a
+full sync in the same call.
+
+One server for the module; one spawn of 4 ranks per layout.
+"""
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from fixtures_models import tiny_model_dir
+from fixtures_servers import launch_tiny_server
+from test_weight_sync_sglang import _gspo_step
+
+pytestmark = pytest.mark.slow
+DELTAS = 20
+
+
+def served_hf_tensors(client, shapes: dict[str, tuple[int, ...]], path: str) -> dict[str, torch.Tensor]:
+    """The server's own values of these HF tensors, read back in HF layout (weight_delta.load)."""
+    from safetensors.torch import load_file
+
+    from rollout.weight_delta import LOADER, PART, path_tensor
+    payload = [(n + PART + "shape", torch.tensor(list(s))) for n, s in shapes.items()]
+    client.begin_weight_update()
+    try:
+        client.update_weights_from_tensor(payload + [(PART + "export", path_tensor(path))],
+                                          load_format=LOADER, flush_cache=False)
+    finally:
+        client.end_weight_update()
+    return load_file(path)
+
+
+def _trainer_hf(actor, hf) -> dict[str, torch.Tensor] | None:
+    from gspo_megatron.sync import build_plan, stream_hf_weights
+    from model_specs.weight_maps import weight_map_for
+    wmap = weight_map_for(hf)
+    out = {n: t for b in stream_hf_weights(actor.chunks, wmap, build_plan(actor.chunks, wmap), 1 << 30)
+           for n, t in b}
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt):
+    from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
+    from gspo_megatron.checkpoint import checkpoint_hf_config
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.sync import TensorTransport, WeightSync
+    from rollout.pool import ServerPool
+
+    hf = checkpoint_hf_config(ckpt)
+    # lr 1e-5: most bf16 weights move by less than their resolution per step (a sparse delta)
+    actor = Actor(hf, ParallelLayout(**layout_kw), micro_batch_size=2,
+                  optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
+    actor.load_weights(ckpt)
+    pool = ServerPool([url]) if rank == 0 else None
+    sync = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool,
+                      bucket_bytes=64_000)
+    reports = [sync.sync(version="full")]
+    for step in range(1, DELTAS + 1):
+        _gspo_step(actor, seed=step)
+        if step == 2 and corrupt and rank == 0:
+            # The server's embedding changes behind the trainer's back (its version label
+            # stays): the next delta's checksum must catch it and send that server everything.
+            from safetensors.torch import load_file
+            embed = load_file(glob.glob(f"{hf_path}/*.safetensors")[0])["model.embed_tokens.weight"]
+            c = pool.clients[0]
+            c.begin_weight_update()
+            c.update_weights_from_tensor([("model.embed_tokens.weight", embed + 1.0)], flush_cache=False)
+            c.end_weight_update()
+        reports.append(sync.sync(version=f"delta{step}"))
+    mine = _trainer_hf(actor, hf)
+    if rank != 0:
+        return None
+    served = served_hf_tensors(pool.clients[0], {n: tuple(t.shape) for n, t in mine.items()},
+                               f"{scratch}/served.safetensors")
+    differ = [n for n, t in mine.items() if not torch.equal(served[n], t.to(torch.bfloat16))]
+    return dict(reports=reports, differ=differ, n=len(mine), version=pool.clients[0].weight_version())
+
+
+@pytest.fixture(scope="module")
+def bf16_moe_server():
+    with launch_tiny_server("qwen3_moe", dtype="bfloat16") as group:
+        yield group
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline=2, expert=2), dict(tensor=2, expert=2)],
+                         ids=["pp2-ep2", "tp2-ep2"])
+def test_delta_syncs_bit_exact(layout, bf16_moe_server, tmp_path):
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+    from rollout.pool import ServerPool
+    hf_dir = tiny_model_dir("qwen3_moe", 0)
+    ckpt = convert_hf_to_megatron(hf_dir, tmp_path / "mcore")
+    url = bf16_moe_server.server_urls[0]
+    try:
+        corrupt = layout.get("pipeline") == 2
+        results = run_distributed(_body, 4, (str(ckpt), url, layout, str(tmp_path), str(hf_dir),
+                                             corrupt), timeout=900)
+    finally:
+        pool = ServerPool([url])
+        pool.continue_generation()
+        pool.update_weights_from_disk(str(hf_dir), weight_version="default")
+    r = results[0]
+    corrupt = layout.get("pipeline") == 2
+    full, deltas = r["reports"][0], r["reports"][1:]
+    changed = [d["changed_fraction"] for d in deltas]
+    print(f"{layout}: full sync {full['bytes'] / 1e6:.2f} MB from {full['senders']:.0f} senders "
+          f"(rank 0 {full['rank0_bytes'] / 1e6:.2f} MB); deltas {min(d['bytes'] for d in deltas) / 1e6:.3f}-"
+          f"{max(d['bytes'] for d in deltas) / 1e6:.3f} MB, changed {min(changed):.3f}-{max(changed):.3f}")
+    assert r["differ"] == [], f"served tensors differ from the trainer's: {r['differ'][:5]}"
+    assert r["version"] == f"delta{DELTAS}"
+    repaired = [i for i, d in enumerate(deltas, start=1) if d["full_syncs"]]
+    assert full["full_syncs"] == 1 and repaired == ([2] if corrupt else [])
+    if corrupt:
+        assert deltas[1]["checksum_mismatches"] >= 1 and deltas[1]["attempts"] == 2
+    assert sum(d["checksum_mismatches"] for d in r["reports"]) == (deltas[1]["checksum_mismatches"] if corrupt else 0)
+    assert full["senders"] >= 2 and full["rank0_bytes"] < full["bytes"]
+    assert all(0 < d["bytes"] < full["bytes"] / 2 for i, d in enumerate(deltas, start=1) if i not in repaired)
+    assert 0 < min(changed) and max(changed) < 0.5
