@@ -1,27 +1,101 @@
-"""Weight-sync time and throughput per transport, next to a plain safetensors write + read of the
-same bytes on this machine.
+"""Weight sync: today's path (everything through trainer rank 0, every tensor every time) against
+every owner sending its own tensors, whole and as deltas after real GSPO steps, on 4 trainer ranks
+(gloo) and a real bf16 CPU SGLang server; then a projection to Qwen3-30B-A3B and Qwen3-235B-A22B.
 
-    python benchmarks/sync.py                          # small Qwen3-MoE (~110 MB fp32), CPU
-    python benchmarks/sync.py --hidden 1024 --layers 8 --experts 16 --bucket-mb 128
+    python benchmarks/sync.py                                 # PP2 x EP2, Qwen3-MoE hidden 512, 4 layers
+    python benchmarks/sync.py --layout tp2ep2 --repeats 5     # TP2 x EP2
+    python benchmarks/sync.py --lrs 1e-3 1e-6 --steps 5       # the main job's and the paper's LR
 
-One trainer process (TP1; the stream's gathers are exercised by the tests, not here) and one real
-SGLang server started for the run. Each transport syncs `--repeats` times (a new weight version
-each time); the table gives the median. "safetensors write+read" is save_file of the full HF state
-dict into the same directory the disk transport uses, then load_file of it; "stream only" is the
-trainer side without any transport (gather to rank 0 + HF layout).
+Rows: "rank 0, full" (sync.senders=rank0), "owners, full" (senders=owners, delta off), and per
+learning rate "owners, delta @ LR": the median over `--steps` syncs, each after one GSPO step
+(random prompts, fixed advantages) at that LR, after a first full sync. Bytes are what the senders
+put on the wire (bf16, as served; today's path sends the trainer's dtype, fp32 on CPU and bf16 on
+GPU, so its row gives its bytes in bf16 terms, half of what it sent here: the comparison is of
+the path, not of the dtype); "rank 0 MB" what trainer rank 0 sent itself. CPU seconds are
+noisy and the server shares the 2 cores with 4 trainer ranks: compare rows of one run. The last
+line:
+    sync: rank-0 GiB <old> -> <new>, total GiB <old> -> <new>, seconds <old> -> <new>, bit-identical <yes|no>
+(old: rank 0 full; new: owners, delta at the smallest LR; bit-identical: the served tensors read
+back after the last delta sync equal the trainer's in bf16).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+LAYOUTS = {"pp2ep2": dict(pipeline=2, expert=2), "tp2ep2": dict(tensor=2, expert=2)}
+# Projection: bf16 weights, every owner sending over its own NIC, the servers' NICs the same.
+GBPS_PER_GPU = 25.0  # GB/s: one 400 Gb/s NIC per H100 at about half of line rate end to end
+PROJECTED = [  # (model, parameters, trainer layout, senders = PP x EP, server GPUs, peers' figures)
+    ("Qwen3-30B-A3B", 30.5e9, "PP1 x EP8 (8 GPUs)", 8, 8,
+     "verl full 32.2 s / delta 7.1 s; miles P2P 2.16 s; NeMo-RL 0.74-1.0 s"),
+    ("Qwen3-235B-A22B", 235e9, "PP4 x EP8 (32 GPUs)", 32, 16,
+     "verl full 246-266 s / delta_sharded 11.4-14.9 s; miles P2P 3.16 s (NCCL bcast 10.75 s)"),
+]
+
+
+def _step(actor, seed: int) -> None:
+    import torch
+
+    from gspo_megatron.actor.batch import TrainBatch
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, 500, (4, 32), generator=g)
+    batch = TrainBatch(tokens=tokens, lengths=torch.full((4,), 32),
+                       loss_mask=torch.arange(32)[None].expand(4, 32) >= 8,
+                       advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    batch.old_log_probs, _ = actor.compute_old_log_probs(batch)
+    actor.train_step(batch)
+
+
+def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, fulls, scratch):
+    import torch
+
+    from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
+    from gspo_megatron.checkpoint import checkpoint_hf_config
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync.stream import hf_state_dict
+    from model_specs.weight_maps import weight_map_for
+    from rollout.pool import ServerPool
+
+    hf = checkpoint_hf_config(ckpt)
+    actor = Actor(hf, ParallelLayout(**layout), micro_batch_size=2,
+                  optimizer=OptimizerSettings(lr=lr, clip_grad=0.0), loss=LossSettings(name="gspo"))
+    actor.load_weights(ckpt)
+    pool = ServerPool([url]) if rank == 0 else None
+    transport = TensorTransport(pool) if rank == 0 else None
+
+    def make(**kw):
+        return WeightSync(actor.chunks, hf, transport, pool, bucket_bytes=bucket_bytes, **kw)
+    out = {}
+    if fulls:
+        for name, kw in (("rank 0, full", dict(senders="rank0")),
+                         ("owners, full", dict(senders="owners", delta=False))):
+            sync = make(**kw)
+            out[name] = [sync.sync(version=f"{name}-{lr}-{i}") for i in range(repeats)]
+    sync = make(senders="owners", delta=True)
+    sync.sync(version=f"first-{lr}")
+    reports = []
+    for i in range(steps):
+        _step(actor, seed=i + 1)
+        reports.append(sync.sync(version=f"delta-{lr}-{i}"))
+    out[f"owners, delta @ lr {lr:g}"] = reports
+    mine = hf_state_dict(actor.chunks, weight_map_for(hf))
+    if rank != 0:
+        return None
+    served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
+                                            f"{scratch}/served-{lr}.safetensors")
+    out["bit_identical"] = all(torch.equal(served[n], t.to(torch.bfloat16)) for n, t in mine.items())
+    out["params"] = sum(t.numel() for t in mine.values())
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,98 +103,82 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--bucket-mb", type=float, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--transports", default="disk,tensor,distributed")
-    p.add_argument("--model", help="an HF Qwen3-MoE folder to sync instead of making one (--hidden ... ignored)")
-    p.add_argument("--url", help="with --model: an SGLang server already serving it (its weights are replaced)")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="pp2ep2")
+    p.add_argument("--bucket-mb", type=float, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="full syncs per full row")
+    p.add_argument("--steps", type=int, default=3, help="GSPO steps (and delta syncs) per LR")
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1e-6],
+                   help="learning rates of the delta rows (default: the main job's, the paper's)")
     args = p.parse_args(argv)
-    if args.url and not args.model:
-        p.error("--url needs --model (the model the server serves)")
 
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from gspo_megatron.actor.actor import Actor
-    from gspo_megatron.checkpoint.hf_files import copy_metadata_files
-    from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import (DiskTransport, DistributedTransport, TensorTransport,
-                                    WeightSync, build_plan, stream_hf_weights)
-    from model_specs import load_hf_config
-    from model_specs.hf_config import normalize_hf_config
-    from model_specs.weight_maps import weight_map_for
+    from distributed import run_distributed
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
     from rollout.pool import ServerPool
     from rollout.server import ServerConfig, ServerGroup
     from tools.make_tiny_model import make_tiny_model
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from distributed import free_port
-
     work = Path(tempfile.mkdtemp(prefix="gspo-bench-sync-"))
     h = args.hidden
-    if args.model:
-        model_dir = Path(args.model)
-    else:
-        model_dir = make_tiny_model("qwen3_moe", work / "hf", seed=0, hidden_size=h,
-                                    intermediate_size=2 * h, moe_intermediate_size=h // 2,
-                                    num_hidden_layers=args.layers, num_experts=args.experts,
-                                    num_attention_heads=8, num_key_value_heads=4, head_dim=h // 8)
-    hf = normalize_hf_config(load_hf_config(model_dir))
-    h, args.layers, args.experts = hf["hidden_size"], hf["num_hidden_layers"], hf["num_experts"]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    actor = Actor(hf, ParallelLayout())
-    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    model_dir = make_tiny_model("qwen3_moe", work / "hf", seed=0, hidden_size=h,
+                                intermediate_size=2 * h, moe_intermediate_size=h // 2,
+                                num_hidden_layers=args.layers, num_experts=args.experts,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=h // 8)
+    ckpt = convert_hf_to_megatron(model_dir, work / "mcore")
+    layout = LAYOUTS[args.layout]
+    rows, identical, params = {}, [], 0
+    with ServerGroup.launch(ServerConfig(model_path=str(model_dir), device="cpu", dtype="bfloat16",
+                                         startup_timeout_s=600)) as group:
+        url = group.server_urls[0]
+        for i, lr in enumerate(args.lrs):
+            got = run_distributed(_body, 4, (str(ckpt), url, layout, lr, args.repeats, args.steps,
+                                             int(args.bucket_mb * (1 << 20)), i == 0, str(work)),
+                                  timeout=3600)[0]
+            identical.append(got.pop("bit_identical"))
+            for r in got.get("rank 0, full", []):  # fp32 on the wire here: in bf16 terms
+                r["bytes"], r["rank0_bytes"] = r["bytes"] / 2, r["rank0_bytes"] / 2
+            params = got.pop("params")
+            rows.update(got)
+        ServerPool([url]).close()
 
-    rows = []
-    group = (ServerGroup.attach([args.url]) if args.url else
-             ServerGroup.launch(ServerConfig(model_path=str(model_dir), device="cpu", startup_timeout_s=600)))
-    with group:
-        pool = ServerPool(group.server_urls)
-        makers = {
-            "disk": lambda: DiskTransport(pool, work / "disk", model_dir),
-            "tensor": lambda: TensorTransport(pool),
-            "distributed": lambda: DistributedTransport(pool, "127.0.0.1", free_port()),
-        }
-        for name in args.transports.split(","):
-            transport = makers[name]()
-            sync = WeightSync(actor.chunks, hf, transport, pool, bucket_bytes=bucket_bytes)
-            reports = [sync.sync(version=f"{name}-{i}") for i in range(args.repeats)]
-            transport.close()
-            seconds = statistics.median(r["seconds"] for r in reports)
-            nbytes = reports[0]["bytes"]
-            rows.append((f"sync: {name}", nbytes, seconds, int(reports[0]["buckets"])))
-        pool.close()
-
-    # The stream alone (gather + HF layout, no server), then the same bytes through plain
-    # safetensors on the same disk.
-    wmap = weight_map_for(hf)
-    plan = build_plan(actor.chunks, wmap)
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        full = {n: t for bucket in stream_hf_weights(actor.chunks, wmap, plan, bucket_bytes)
-                for n, t in bucket}
-        times.append(time.perf_counter() - start)
-    nbytes = sum(t.numel() * t.element_size() for t in full.values())
-    rows.append(("stream only (no server)", nbytes, statistics.median(times), rows[0][3]))
-    copy_metadata_files(model_dir, work / "plain")
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        save_file(full, str(work / "plain" / "model.safetensors"))
-        loaded = load_file(str(work / "plain" / "model.safetensors"))
-        times.append(time.perf_counter() - start)
-        del loaded
-    rows.append(("safetensors write+read", nbytes, statistics.median(times), 1))
-
-    print(f"\nQwen3-MoE hidden {h}, {args.layers} layers, {args.experts} experts; "
-          f"{nbytes / 1e6:.1f} MB ({torch.get_num_threads()} threads); bucket {args.bucket_mb} MB; "
-          f"median of {args.repeats}\n")
-    print(f"| {'what':<24} | {'MB':>8} | {'seconds':>8} | {'GB/s':>6} | {'buckets':>7} |")
-    print(f"|{'-' * 26}|{'-' * 10}|{'-' * 10}|{'-' * 8}|{'-' * 9}|")
-    for what, b, s, n in rows:
-        print(f"| {what:<24} | {b / 1e6:>8.1f} | {s:>8.3f} | {b / s / 1e9:>6.3f} | {n:>7} |")
+    def med(name, key):
+        return statistics.median(r[key] for r in rows[name])
+    print(f"\nQwen3-MoE hidden {h}, {args.layers} layers, {args.experts} experts: {params / 1e6:.1f} M "
+          f"parameters, {params * 2 / 1e6:.1f} MB in bf16; {args.layout.upper()} on 4 gloo ranks; one "
+          f"bf16 CPU SGLang server; bucket {args.bucket_mb} MB; medians\n")
+    print(f"| {'sync':<26} | {'senders':>7} | {'rank 0 MB':>9} | {'total MB':>8} | {'changed':>7} | "
+          f"{'seconds':>7} | {'stream s':>8} | {'encode s':>8} | {'post s':>7} |")
+    print(f"|{'-' * 28}|{'-' * 9}|{'-' * 11}|{'-' * 10}|{'-' * 9}|{'-' * 9}|{'-' * 10}|{'-' * 10}|{'-' * 9}|")
+    for name in rows:
+        parts = " | ".join(f"{med(name, k):>{w}.3f}" if k in rows[name][0] else f"{'':>{w}}"
+                           for k, w in (("stream_seconds", 8), ("encode_seconds", 8), ("post_seconds", 7)))
+        print(f"| {name:<26} | {med(name, 'senders'):>7.0f} | {med(name, 'rank0_bytes') / 1e6:>9.2f} | "
+              f"{med(name, 'bytes') / 1e6:>8.2f} | {med(name, 'changed_fraction'):>7.4f} | "
+              f"{med(name, 'seconds'):>7.3f} | {parts} |")
+    old, new = "rank 0, full", f"owners, delta @ lr {min(args.lrs):g}"
+    full_owners = med("owners, full", "bytes")
+    changed = med(new, "changed_fraction")
+    per_element = min(2.0, changed * 2 + min(4 * changed, 0.125))  # bytes per bf16 element
+    print(f"\nProjection (bf16, {GBPS_PER_GPU:g} GB/s per sending GPU and per server GPU, the changed "
+          f"fraction measured above at lr {min(args.lrs):g}: {changed:.4f} -> {per_element:.3f} bytes per "
+          f"element):\n")
+    print(f"| {'model':<16} | {'GB':>5} | {'trainer layout':<20} | {'rank 0 s':>8} | {'owners s':>8} | "
+          f"{'delta s':>7} | peers (published) |")
+    print(f"|{'-' * 18}|{'-' * 7}|{'-' * 22}|{'-' * 10}|{'-' * 10}|{'-' * 9}|{'-' * 19}|")
+    for model, n, lay, senders, servers, peers in PROJECTED:
+        gb = n * 2 / 1e9
+        owners = max(gb / senders, gb / servers) / GBPS_PER_GPU
+        delta = owners * per_element / 2
+        print(f"| {model:<16} | {gb:>5.0f} | {lay:<20} | {gb / GBPS_PER_GPU:>8.1f} | {owners:>8.2f} | "
+              f"{delta:>7.2f} | {peers} |")
+    gib = 1 << 30
+    print(f"\nfull sync by every owner: {full_owners / 1e6:.2f} MB; deltas at lr "
+          f"{' / '.join(f'{lr:g}' for lr in args.lrs)}: "
+          + ", ".join(f"{med(f'owners, delta @ lr {lr:g}', 'bytes') / full_owners:.3f} of it"
+                      for lr in args.lrs))
+    print(f"sync: rank-0 GiB {med(old, 'rank0_bytes') / gib:.4f} -> {med(new, 'rank0_bytes') / gib:.4f}, "
+          f"total GiB {med(old, 'bytes') / gib:.4f} -> {med(new, 'bytes') / gib:.4f}, seconds "
+          f"{med(old, 'seconds'):.3f} -> {med(new, 'seconds'):.3f}, bit-identical "
+          f"{'yes' if all(identical) else 'no'}")
     shutil.rmtree(work, ignore_errors=True)
 
 

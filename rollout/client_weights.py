@@ -82,6 +82,23 @@ class WeightUpdates:
         return self._checked("/update_weights_from_distributed", payload, timeout_s=timeout_s,
                              retry="connect")
 
+    def served_tensors(self, shapes: dict[str, Sequence[int]], path: str) -> dict[str, Any]:
+        """The values the server holds of these HF tensors (name -> shape), read back in HF layout
+        by the project's loader (rollout/weight_delta.py) into a safetensors file at `path` (on
+        this machine: the server writes it) and returned. For checks: it probes every tensor."""
+        import torch
+        from safetensors.torch import load_file
+
+        from rollout.weight_delta import LOADER, PART, path_tensor
+        payload = [(n + PART + "shape", torch.tensor([int(x) for x in s])) for n, s in shapes.items()]
+        self.begin_weight_update()
+        try:
+            self.update_weights_from_tensor(payload + [(PART + "export", path_tensor(path))],
+                                            load_format=LOADER, flush_cache=False)
+        finally:
+            self.end_weight_update()
+        return load_file(path)
+
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._checked("/destroy_weights_update_group", {"group_name": group_name},
                              timeout_s=60, retry="connect")

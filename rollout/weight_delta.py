@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
@@ -80,38 +81,66 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _candidates(model: torch.nn.Module, layer: int | None) -> list[tuple[str, torch.nn.Parameter]]:
-    """The server parameters an HF tensor of `layer` (None: outside the layers) can land in."""
-    out = []
-    for name, p in model.named_parameters():
-        if _layer_of(name) == layer:
-            out.append((name, p))
-    return out
+@dataclass
+class Part:
+    """Some of an HF tensor's elements in one server parameter: HF flat indices lo..hi-1 at the
+    parameter's flat positions offset+lo..offset+hi-1 (a block: `pos` and `hf` None), or at the
+    explicit positions `pos` holding the HF indices `hf`."""
+
+    param: str
+    shape: tuple[int, ...]
+    offset: int = 0
+    lo: int = 0
+    hi: int = 0
+    pos: torch.Tensor | None = None
+    hf: torch.Tensor | None = None
 
 
+@dataclass
 class Placement:
-    """Where one HF tensor's elements are on this server: per parameter, the flat positions and
-    the HF flat index each holds."""
+    """Where one HF tensor's elements are on this server."""
 
-    def __init__(self, numel: int):
-        self.numel = numel
-        self.parts: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]] = []
+    numel: int
+    parts: list[Part] = field(default_factory=list)
 
     def held(self) -> int:
-        return sum(int(h.numel()) for _, _, h in self.parts)
+        return sum(p.hi - p.lo if p.pos is None else int(p.hf.numel()) for p in self.parts)
+
+
+# HF name -> its placement when every part is a block (a few integers): probed once per server
+# process. Where a loader scatters (explicit positions) the probe runs at every use instead,
+# rather than keeping 8-16 bytes per element on the server.
+_PLACEMENTS: dict[str, Placement] = {}
+
+
+def _as_parts(pname: str, shape: tuple[int, ...], pos: torch.Tensor, hf: torch.Tensor) -> Part:
+    order = torch.argsort(hf)
+    pos, hf = pos[order], hf[order]
+    lo, hi = int(hf[0]), int(hf[-1]) + 1
+    offset = int(pos[0]) - lo
+    if hi - lo == hf.numel() and torch.equal(pos - hf, torch.full_like(pos, offset)):
+        return Part(pname, shape, offset, lo, hi)
+    return Part(pname, shape, pos=pos, hf=hf)
 
 
 @torch.no_grad()
 def probe(model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> dict[str, Placement]:
-    """The placement of each HF tensor of `shapes` (one layer's tensors at a time), found with
-    the model's own load_weights on float64 position tensors (see the module docstring)."""
-    by_layer: dict[int | None, list[str]] = defaultdict(list)
-    for name in shapes:
-        by_layer[_layer_of(name)].append(name)
+    """The placement of each HF tensor of `shapes`, found with the model's own load_weights on
+    float64 position tensors, one layer's tensors at a time (module docstring); block placements
+    come from _PLACEMENTS after the first time."""
+    params = dict(model.named_parameters())
     out: dict[str, Placement] = {}
+    by_layer: dict[int | None, list[str]] = defaultdict(list)
+    for name, shape in shapes.items():
+        known = _PLACEMENTS.get(name)
+        if known is not None and known.numel == math.prod(shape) and all(
+                tuple(params[p.param].shape) == p.shape for p in known.parts if p.param in params):
+            out[name] = known
+        else:
+            by_layer[_layer_of(name)].append(name)
     for layer, names in by_layer.items():
-        params = _candidates(model, layer)
-        device = params[0][1].device if params else torch.device("cpu")
+        candidates = [(n, p) for n, p in params.items() if _layer_of(n) == layer]
+        device = candidates[0][1].device if candidates else torch.device("cpu")
         offsets, tensors, start = {}, [], 0
         for n in names:
             numel = math.prod(shapes[n])
@@ -121,31 +150,33 @@ def probe(model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> dict[str,
             start += numel
         if start >= 1 << 53:
             raise NotPositional(f"layer {layer}: {start} elements are too many for a float64 probe")
-        saved = [(p, p.data) for _, p in params]
+        saved = [(p, p.data) for _, p in candidates]
+        found = []
         try:
             for p, data in saved:
                 p.data = torch.full(data.shape, math.nan, dtype=torch.float64, device=data.device)
             model.load_weights(tensors)
-            found = []
-            for (pname, p), (_, data) in zip(params, saved):
+            for pname, p in candidates:
                 flat = p.data.reshape(-1)
                 pos = (~torch.isnan(flat)).nonzero().reshape(-1)
                 if pos.numel():
-                    found.append((pname, p, pos, flat[pos]))
+                    found.append((pname, tuple(p.shape), pos, flat[pos]))
         finally:
             for p, data in saved:
                 p.data = data
         for n in names:
-            lo, numel = offsets[n]
-            out[n] = Placement(numel)
-        for pname, p, pos, vals in found:
+            out[n] = Placement(offsets[n][1])
+        for pname, shape, pos, vals in found:
             if not torch.equal(vals, vals.floor()) or vals.min() < 0 or vals.max() >= start:
                 raise NotPositional(f"the loader computes on values for {pname} (not a placement)")
             for n in names:
                 lo, numel = offsets[n]
                 mine = (vals >= lo) & (vals < lo + numel)
                 if mine.any():
-                    out[n].parts.append((p, pos[mine], (vals[mine] - lo).to(torch.int64)))
+                    out[n].parts.append(_as_parts(pname, shape, pos[mine], (vals[mine] - lo).to(torch.int64)))
+        for n in names:
+            if all(p.pos is None for p in out[n].parts):
+                _PLACEMENTS[n] = out[n]
     return out
 
 
@@ -158,11 +189,21 @@ def _tp_size() -> int:
 
 
 @torch.no_grad()
-def served_values(place: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+def served_values(place: Placement, params: dict[str, torch.nn.Parameter]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(HF flat indices, values) of the elements this rank holds, each index once, sorted."""
-    idx = torch.cat([h for _, _, h in place.parts]) if place.parts else torch.empty(0, dtype=torch.int64)
-    vals = (torch.cat([p.data.reshape(-1)[pos] for p, pos, _ in place.parts]) if place.parts
-            else torch.empty(0))
+    idx, vals = [], []
+    for part in place.parts:
+        flat = params[part.param].data.reshape(-1)
+        if part.pos is None:
+            idx.append(torch.arange(part.lo, part.hi, device=flat.device))
+            vals.append(flat[part.offset + part.lo:part.offset + part.hi])
+        else:
+            idx.append(part.hf.to(flat.device))
+            vals.append(flat[part.pos.to(flat.device)])
+    if not idx:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0)
+    idx, vals = torch.cat(idx), torch.cat(vals)
     order = torch.argsort(idx)
     idx, vals = idx[order], vals[order]
     keep = torch.ones_like(idx, dtype=torch.bool)
@@ -171,17 +212,21 @@ def served_values(place: Placement) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def apply_sparse(place: Placement, idx: torch.Tensor, vals: torch.Tensor) -> None:
+def apply_sparse(place: Placement, params: dict[str, torch.nn.Parameter], idx: torch.Tensor,
+                 vals: torch.Tensor) -> None:
     """Write vals at HF flat indices idx into every server element that holds them."""
-    idx = idx.to(torch.int64)
-    for p, pos, hf in place.parts:
-        lut = torch.full((place.numel,), -1, dtype=torch.int64, device=pos.device)
-        lut[hf.to(pos.device)] = pos
-        where = lut[idx.to(pos.device)]
+    for part in place.parts:
+        flat = params[part.param].data.view(-1)
+        i, v = idx.to(device=flat.device, dtype=torch.int64), vals.to(device=flat.device, dtype=flat.dtype)
+        if part.pos is None:
+            ok = (i >= part.lo) & (i < part.hi)
+            flat[part.offset + i[ok]] = v[ok]
+            continue
+        lut = torch.full((place.numel,), -1, dtype=torch.int64, device=flat.device)
+        lut[part.hf.to(flat.device)] = part.pos.to(flat.device)
+        where = lut[i]
         ok = where >= 0
-        if ok.any():
-            flat = p.data.view(-1)
-            flat[where[ok]] = vals.to(device=flat.device, dtype=flat.dtype)[ok.to(vals.device)]
+        flat[where[ok]] = v[ok]
 
 
 def _group(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
@@ -234,12 +279,13 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
         model.load_weights(dense)
     shapes = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items() if "shape" in e}
     places = probe(model, shapes) if shapes else {}
+    params = dict(model.named_parameters())
     for n in order:
         e = entries[n]
         if "idx" in e:
-            apply_sparse(places[n], e["idx"], e["val"])
+            apply_sparse(places[n], params, e["idx"], e["val"])
         elif "bits" in e:
-            apply_sparse(places[n], unpack_bits(e["bits"], places[n].numel), e["val"])
+            apply_sparse(places[n], params, unpack_bits(e["bits"], places[n].numel), e["val"])
     if places:
         # The probe went through load_weights, which may derive tensors from what it loaded
         # (DeepSeek's w_kc / w_vc from kv_b_proj); the sparse writes bypass it: derive them again
@@ -250,7 +296,7 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
         e = entries[n]
         if "sum" not in e:
             continue
-        idx, vals = served_values(places[n])
+        idx, vals = served_values(places[n], params)
         if idx.numel() != places[n].numel:
             if _tp_size() == 1:
                 raise NotPositional(f"{n}: the server holds {idx.numel()} of its "
@@ -261,7 +307,7 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
         if checksum(vals, idx) != int(e["sum"].reshape(-1)[0]):
             report["mismatched"].append(n)
     if export is not None and _rank() == 0:
-        _export(export, shapes, places)
+        _export(export, shapes, places, params)
 
 
 def _rank() -> int:
@@ -272,13 +318,14 @@ def _rank() -> int:
         return 0
 
 
-def _export(path: str, shapes: dict[str, Sequence[int]], places: dict[str, Placement]) -> None:
+def _export(path: str, shapes: dict[str, Sequence[int]], places: dict[str, Placement],
+            params: dict[str, torch.nn.Parameter]) -> None:
     """The served values of `shapes`' tensors in HF layout, as safetensors (tests compare them
     with the trainer's tensors bit for bit). Elements this rank does not hold are NaN."""
     from safetensors.torch import save_file
     out = {}
     for n, shape in shapes.items():
-        idx, vals = served_values(places[n])
+        idx, vals = served_values(places[n], params)
         full = torch.full((math.prod(shape),), math.nan, dtype=vals.dtype if vals.numel() else torch.float32)
         full[idx.cpu()] = vals.cpu()
         out[n] = full.reshape(tuple(shape))

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from gspo_megatron.planner.sync_time import SYNC_CHANGED, SYNC_GBPS
+
 GPU_KINDS = ("a100", "h100", "h200")  # plan.GPUS
 
 
@@ -23,6 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "prompts_per_step x group_size x max_new_tokens / mini_batches)")
     p.add_argument("--layout", help="fix some layout fields, e.g. tensor=4,pipeline=8")
     p.add_argument("--top", type=int, default=10, help="fitting layouts to print")
+    p.add_argument("--sync-gbps", type=float, default=SYNC_GBPS, metavar="GB/S",
+                   help=f"weight-sync bandwidth per sending GPU, and per server GPU, in GB/s (default "
+                   f"{SYNC_GBPS:g}: one 400 Gb/s NIC per H100 at about half of line rate end to end)")
+    p.add_argument("--server-gpus", type=int, metavar="N", help="server GPUs that ingest the weights "
+                   "(default: --gpus, a colocated or equal-size rollout fleet)")
+    p.add_argument("--sync-changed", type=float, default=SYNC_CHANGED, metavar="FRACTION",
+                   help=f"fraction of the elements that change per step in the served dtype, for the delta "
+                   f"sync (default {SYNC_CHANGED:g}; benchmarks/sync.py measures well below this at the "
+                   "paper's learning rate 1e-6): put a run's measured sync/changed_fraction here")
     p.add_argument("--all", action="store_true", help="also print the layouts that do not fit, with why")
     p.add_argument("--check", action="store_true", help="run the chosen layout (--layout, else the "
                    "config's parallel section) for two steps and print predicted against measured")

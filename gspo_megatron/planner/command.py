@@ -2,6 +2,7 @@
 
     gspo-megatron plan CONFIG --gpus N [--gpu h100] [--gpu-memory 80GiB] [--nodes M]
                        [--model NAME|DIR] [--tokens N] [--layout tensor=4,pipeline=8] [--all]
+                       [--sync-gbps 25] [--server-gpus N] [--sync-changed 0.05]
     gspo-megatron plan CONFIG --gpus 2 --model tiny-qwen3-moe --layout tensor=2 --check
 
 The arguments are arguments.py's (imported by the CLI before torch is).
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from gspo_megatron.planner.memory import GiB, MemorySettings
 from gspo_megatron.planner.plan import GPUS, PlanError, load_model, parse_memory, plan, table
+from gspo_megatron.planner.sync_time import SyncSettings, delta_bytes_per_element
 from rollout.ports import free_port
 
 
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     capacity = parse_memory(args.gpu_memory) if args.gpu_memory else gpu.memory
     if args.nodes is not None and (args.nodes < 1 or args.gpus % args.nodes):
         raise PlanError(f"--nodes {args.nodes}: expected a divisor of --gpus {args.gpus}")
+    sync = sync_settings(args)
     per_node = args.gpus_per_node or (args.gpus // args.nodes if args.nodes else min(8, args.gpus))
     cfg = load_config(args.config, args.overrides)
     hf = load_model(args.model or cfg.model.hf_path)
@@ -61,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         return check(args, fixed or _config_layout(cfg))
     rows, refused = plan(hf, args.gpus, gpu, capacity, per_node, s, step_tokens,
-                         mean_len=min(r.max_new_tokens, s.max_tokens) / 2, fixed=fixed)
+                         mean_len=min(r.max_new_tokens, s.max_tokens) / 2, fixed=fixed, sync=sync)
     if not rows:
         first = max(refused.values(), key=lambda v: v[0])[1] if refused else "none to try"
         raise PlanError(f"no valid layout of {args.gpus} GPUs{' with --layout ' + args.layout if fixed else ''}: {first}")
@@ -71,7 +74,13 @@ def run(args: argparse.Namespace) -> int:
           f"{' (distributed)' if s.use_distributed_optimizer else ''}, recompute {s.recompute}, "
           f"{s.max_tokens} tokens per micro-batch, {step_tokens} tokens per step")
     print(f"{len(rows)} valid layouts, {fits} fit; estimates: memory of the fullest pipeline stage, "
-          "step time from FLOPs and communication (gspo_megatron/planner/plan.py)\n")
+          "step time from FLOPs and communication (gspo_megatron/planner/plan.py)")
+    total = rows[0].sync.total_bytes
+    print(f"weight sync: {total / 1e9:.1f} GB in bf16, {sync.gbps:g} GB/s per sending GPU and per server "
+          f"GPU, {sync.server_gpus} server GPUs; sync s: a full sync, every owner (senders = PP x EP) "
+          f"sending its own; delta s: {sync.changed:g} of the elements changed "
+          f"({delta_bytes_per_element(sync.changed):.3f} B each); rank0 s: a full sync through rank 0 "
+          "(gspo_megatron/planner/sync_time.py)\n")
     if not fits:  # nothing fits: the nearest layouts and why, and a failing exit (a script must not go on)
         nearest = sorted(rows, key=lambda r: r.memory.total())[:args.top if args.all else 5]
         print(table(nearest, capacity, s, True, 0))
@@ -88,6 +97,18 @@ def run(args: argparse.Namespace) -> int:
               f"more memory per GPU, fewer tokens per micro-batch (--tokens) or recompute", file=sys.stderr)
         return 1
     return 0
+
+
+def sync_settings(args: argparse.Namespace) -> SyncSettings:
+    """The weight-sync flags, checked; the server GPUs default to the trainer's."""
+    if not args.sync_gbps > 0:
+        raise PlanError(f"--sync-gbps {args.sync_gbps:g}: expected GB/s > 0")
+    if args.server_gpus is not None and args.server_gpus < 1:
+        raise PlanError(f"--server-gpus {args.server_gpus}: expected >= 1")
+    if not 0 <= args.sync_changed <= 1:
+        raise PlanError(f"--sync-changed {args.sync_changed:g}: expected a fraction in [0, 1]")
+    return SyncSettings(gbps=args.sync_gbps, server_gpus=args.server_gpus or args.gpus,
+                        changed=args.sync_changed)
 
 
 def _config_layout(cfg) -> dict:

@@ -16,7 +16,8 @@ budget that fits, and a step-time estimate:
                 tokens / TP x top-k x h bytes x (EP - 1) / EP, NVLink inside a node, else the network
     DP        = gradient all-reduce 2 (DP - 1) / DP x gradient bytes, over the network when DP
                 spans nodes
-and step = compute + bubble + TP + EP + DP (no overlap assumed).
+and step = compute + bubble + TP + EP + DP (no overlap assumed). The weight sync's senders and
+seconds (full, delta, through rank 0) are sync_time.py's.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from typing import Any
 
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.planner.memory import GiB, MemorySettings, RankMemory, head_width, rank_memory, with_tokens
+from gspo_megatron.planner.sync_time import SyncEstimate, SyncSettings, sync_time
 from gspo_megatron import InputError
 
 
@@ -125,6 +127,7 @@ class Row:
     tokens_s: float = 0.0
     verdict: str = ""
     fits: bool = False
+    sync: SyncEstimate | None = None
 
 
 def candidate_layouts(dims: dict, world: int, gpus_per_node: int, fixed: dict,
@@ -189,9 +192,10 @@ def step_time(spec, layout: ParallelLayout, world: int, s: MemorySettings, gpu: 
 
 
 def plan(hf: dict, world: int, gpu: Gpu, capacity: int, gpus_per_node: int, s: MemorySettings,
-         step_tokens: int, mean_len: float, fixed: dict | None = None) -> tuple[list[Row], dict[str, list]]:
-    """Every valid layout with its memory, largest budget, estimated step time and verdict;
-    fitting ones first, by estimated tokens/s."""
+         step_tokens: int, mean_len: float, fixed: dict | None = None, sync: SyncSettings | None = None,
+         ) -> tuple[list[Row], dict[str, list]]:
+    """Every valid layout with its memory, largest budget, estimated step time, weight-sync time
+    and verdict; fitting ones first, by estimated tokens/s."""
     from model_specs.shape import model_dims_for, model_shape_for
     dims = model_dims_for(hf)
     # The shape (torch-free) is all the estimates read; the layout's own fields are the layout's.
@@ -203,7 +207,8 @@ def plan(hf: dict, world: int, gpu: Gpu, capacity: int, gpus_per_node: int, s: M
         dp = layout.data_parallel(world)
         settings = dataclasses.replace(s, num_microbatches=max(1, -(-step_tokens // (dp * s.max_tokens))))
         mem = rank_memory(spec, layout, world, settings)
-        row = Row(layout, name, mem, max_tokens=mem.max_tokens_that_fit(capacity))
+        row = Row(layout, name, mem, max_tokens=mem.max_tokens_that_fit(capacity),
+                  sync=sync_time(spec, layout, world, sync or SyncSettings()))
         static = mem.static() + mem.overhead
         if static > capacity:
             row.verdict = (f"cannot hold the weights, gradients and optimizer state: "
@@ -227,17 +232,21 @@ def plan(hf: dict, world: int, gpu: Gpu, capacity: int, gpus_per_node: int, s: M
 def table(rows: list[Row], capacity: int, s: MemorySettings, show_all: bool, top: int) -> str:
     shown = [r for r in rows if r.fits][:top] + ([r for r in rows if not r.fits] if show_all else [])
     head = ("| layout | stage | weights | grads | optimizer | activations | log-probs | overhead | total GiB "
-            "| left GiB (SGLang KV, colocated) | max tokens | est. step s | est. tokens/s | verdict |")
-    lines = [head, "|" + "---|" * 14]
+            "| left GiB (SGLang KV, colocated) | max tokens | est. step s | est. tokens/s "
+            "| senders | sync s | delta s | rank0 s | verdict |")
+    lines = [head, "|" + "---|" * 18]
     for r in shown:
         m = r.memory
         g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
         left = g(max(capacity - m.total(), 0))
         est = (f"{r.step_s:.2f} | {r.tokens_s:,.0f}") if r.tokens_s else "- | -"
+        y = r.sync
+        sync = f"{y.senders} | {y.sync_s:.2f} | {y.delta_s:.3f} | {y.rank0_s:.1f}" if y else "- | - | - | -"
         lines.append(f"| {r.name} | {m.stage} | {g(m.weights)} | {g(m.gradients)} | {g(m.optimizer)} | "
                      f"{g(m.activations)} | {g(m.log_probs)} | {g(m.overhead)} | {g(m.total())} | {left} | "
-                     f"{r.max_tokens} | {est} | {r.verdict} |")
+                     f"{r.max_tokens} | {est} | {sync} | {r.verdict} |")
     return "\n".join(lines)
 
 
-__all__ = ["GPUS", "Gpu", "PlanError", "parse_memory", "load_model", "plan", "table", "with_tokens"]
+__all__ = ["GPUS", "Gpu", "PlanError", "SyncSettings", "parse_memory", "load_model", "plan", "table",
+           "with_tokens"]

@@ -94,4 +94,9 @@ def sync_metrics(report: dict[str, float]) -> dict[str, float]:
     if report.get("deferred"):
         return {}
     return {"perf/sync_gb_per_s": report["gb_per_s"], "sync/gb": report["bytes"] / 1e9,
+            "sync/bytes": report["bytes"], "sync/rank0_bytes": report["rank0_bytes"],
+            "sync/senders": report["senders"], "sync/changed_fraction": report["changed_fraction"],
+            "sync/full_syncs": report["full_syncs"],
+            "sync/checksum_mismatches": report["checksum_mismatches"],
+            "sync/seconds": report["seconds"],
             "sync/buckets": report["buckets"], "sync/attempts": report["attempts"]}

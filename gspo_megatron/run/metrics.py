@@ -117,7 +117,18 @@ TAGS = {
     "routing/replay_mismatch": "with moe.replay: replayed sets that differ from SGLang's (a "
                                "self-check: always 0)",
     "time/routing_drift": "seconds of the forward-only routing drift pass (moe.drift)",
-    "sync/gb": "GB of HF-named tensors sent per sync",
+    "sync/gb": "GB of HF-named tensors sent per sync, by every sender to every server",
+    "sync/bytes": "the same in bytes",
+    "sync/rank0_bytes": "bytes trainer rank 0 sent itself (every owner sends its own: "
+                        "sync.senders=owners)",
+    "sync/senders": "trainer ranks that sent weights in the sync",
+    "sync/changed_fraction": "elements of the sent tensors that differ, in the served dtype, from "
+                             "the previous sync (1 for a full sync or sync.senders=rank0)",
+    "sync/full_syncs": "servers that got every tensor whole (the first sync, a server back, "
+                       "after a failure, or a checksum mismatch); the others got deltas",
+    "sync/checksum_mismatches": "tensors a server found different from the trainer's after "
+                                "applying a delta (that server then gets a full sync)",
+    "sync/seconds": "seconds of the weight sync, pause to continue",
     "sync/buckets": "transfer buckets per sync (sync.bucket_mb each at most)",
     "sync/attempts": "passes of the weight sync: above 1 when a server was lost part-way and the "
                      "sync ran again on the others (distributed transport)",

@@ -103,7 +103,8 @@ def build_sync(cfg: RunConfig, actor, driver: Driver | None):
                                    sync_dir=lambda: Path(cfg.sync.dir) if cfg.sync.dir else scratch_dir(cfg, "sync"),
                                    master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"))
     return WeightSync(actor.chunks, load_hf_config(cfg.model.hf_path), transport,
-                      driver.pool if driver else None, bucket_bytes=cfg.sync.bucket_mb << 20)
+                      driver.pool if driver else None, bucket_bytes=cfg.sync.bucket_mb << 20,
+                      senders=cfg.sync.senders, delta=cfg.sync.delta)
 
 
 def share_cpu_with_servers(cfg) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class Outcome:
     elements: int = 0
     changed: int = 0
     checked: int = 0
+    stream_s: float = 0.0   # gathering and converting this rank's tensors (and waiting for peers)
+    encode_s: float = 0.0   # served dtype, deltas, checksums
+    post_s: float = 0.0     # waiting for the servers to take the buckets
     error: str | None = None
     lost: list[str] = field(default_factory=list)
     mismatched: dict[str, list[str]] = field(default_factory=dict)
@@ -93,7 +97,11 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
     scratch = Path(tempfile.mkdtemp(prefix="gspo-sync-report-"))
     try:
         with ThreadPoolExecutor(max(1, len(p.targets))) as threads:
+            mark = time.perf_counter()
             for i, bucket in enumerate(stream_owned(chunks, wmap, plan, senders, bucket_bytes)):
+                now = time.perf_counter()
+                out.stream_s += now - mark
+                mark = now
                 if out.error is not None:
                     continue  # keep walking: the other ranks' gathers and sends need this rank
                 check = [n for n, _ in bucket if p.check_all or sampled(n, p.version)]
@@ -103,6 +111,9 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                     out.error = f"KeyError: {e}"
                     continue
                 out.buckets += 1
+                now = time.perf_counter()
+                out.encode_s += now - mark
+                mark = now
                 futures = {}
                 for url, mode in p.targets.items():
                     report = scratch / f"{i}-{len(futures)}.json"
@@ -119,6 +130,10 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                     else:
                         if wrong:
                             out.mismatched.setdefault(url, []).extend(wrong)
+                now = time.perf_counter()
+                out.post_s += now - mark
+                mark = now
+            out.stream_s += time.perf_counter() - mark
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out.elements, out.changed, out.checked = (enc.stats["elements"], enc.stats["changed"],

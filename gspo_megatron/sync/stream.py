@@ -140,3 +140,10 @@ def stream_hf_weights(chunks: Sequence[torch.nn.Module], wmap: WeightMap,
         out = wmap.hf_tensors(received) if rank == 0 else []
         del received
         yield out
+
+
+def hf_state_dict(chunks: Sequence[torch.nn.Module], wmap: WeightMap) -> dict[str, torch.Tensor] | None:
+    """Collective: every HF tensor of the live model on global rank 0 (None elsewhere)."""
+    plan = build_plan(chunks, wmap)
+    out = {n: t for bucket in stream_hf_weights(chunks, wmap, plan, 1 << 62) for n, t in bucket}
+    return out if dist.get_rank() == 0 else None

@@ -180,7 +180,8 @@ class WeightSync:
         from rollout.client_errors import NoServerLeft
         start = time.perf_counter()
         totals = {"bytes": 0, "rank0_bytes": 0, "elements": 0, "changed": 0, "buckets": 0,
-                  "senders": set(), "full": 0, "mismatches": 0}
+                  "senders": set(), "full": 0, "mismatches": 0, "stream_s": 0.0, "encode_s": 0.0,
+                  "post_s": 0.0}
         attempt, repair, self._repaired = 0, None, False
         while True:
             attempt += 1
@@ -231,7 +232,9 @@ class WeightSync:
                 "attempts": float(attempt), "rank0_bytes": float(totals["rank0_bytes"]),
                 "senders": float(len(totals["senders"])),
                 "changed_fraction": totals["changed"] / max(1, totals["elements"]),
-                "full_syncs": float(totals["full"]), "checksum_mismatches": float(totals["mismatches"])}
+                "full_syncs": float(totals["full"]), "checksum_mismatches": float(totals["mismatches"]),
+                "stream_seconds": totals["stream_s"], "encode_seconds": totals["encode_s"],
+                "post_seconds": totals["post_s"]}
 
     def _judge(self, plan, error, no_server, outcomes, totals, attempt) -> list:
         """Rank 0, after a pass: [error, repair urls, retry, no_server]. A server lost part-way is
@@ -246,6 +249,8 @@ class WeightSync:
                 totals["buckets"] += o.buckets
                 totals["elements"] += o.elements
                 totals["changed"] += o.changed
+                for k in ("stream_s", "encode_s", "post_s"):  # the slowest sender's
+                    totals[k] = max(totals[k], getattr(o, k))
             totals["full"] += sum(m == "full" for m in plan.targets.values())
             failed = [o for o in outcomes if o.error is not None]
             if failed and error is None:

@@ -24,35 +24,13 @@ pytestmark = pytest.mark.slow
 DELTAS = 20
 
 
-def served_hf_tensors(client, shapes: dict[str, tuple[int, ...]], path: str) -> dict[str, torch.Tensor]:
-    """The server's own values of these HF tensors, read back in HF layout (weight_delta.load)."""
-    from safetensors.torch import load_file
-
-    from rollout.weight_delta import LOADER, PART, path_tensor
-    payload = [(n + PART + "shape", torch.tensor(list(s))) for n, s in shapes.items()]
-    client.begin_weight_update()
-    try:
-        client.update_weights_from_tensor(payload + [(PART + "export", path_tensor(path))],
-                                          load_format=LOADER, flush_cache=False)
-    finally:
-        client.end_weight_update()
-    return load_file(path)
-
-
-def _trainer_hf(actor, hf) -> dict[str, torch.Tensor] | None:
-    from gspo_megatron.sync import build_plan, stream_hf_weights
-    from model_specs.weight_maps import weight_map_for
-    wmap = weight_map_for(hf)
-    out = {n: t for b in stream_hf_weights(actor.chunks, wmap, build_plan(actor.chunks, wmap), 1 << 30)
-           for n, t in b}
-    return out if torch.distributed.get_rank() == 0 else None
-
-
 def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync.stream import hf_state_dict
+    from model_specs.weight_maps import weight_map_for
     from rollout.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
@@ -76,11 +54,11 @@ def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt):
             c.update_weights_from_tensor([("model.embed_tokens.weight", embed + 1.0)], flush_cache=False)
             c.end_weight_update()
         reports.append(sync.sync(version=f"delta{step}"))
-    mine = _trainer_hf(actor, hf)
+    mine = hf_state_dict(actor.chunks, weight_map_for(hf))
     if rank != 0:
         return None
-    served = served_hf_tensors(pool.clients[0], {n: tuple(t.shape) for n, t in mine.items()},
-                               f"{scratch}/served.safetensors")
+    served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
+                                            f"{scratch}/served.safetensors")
     differ = [n for n, t in mine.items() if not torch.equal(served[n], t.to(torch.bfloat16))]
     return dict(reports=reports, differ=differ, n=len(mine), version=pool.clients[0].weight_version())
 
