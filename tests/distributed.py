@@ -15,6 +15,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import time
 import traceback
 from typing import Any, Callable
 
@@ -48,8 +49,18 @@ def _worker(fn, rank, world_size, port, args, results, env) -> None:
             torch.distributed.destroy_process_group()
 
 
+class RankDied(RuntimeError):
+    """Ranks that ended without a result (exit codes), with the results of the others that gave
+    one within `after_death` seconds of the first death (the rest are killed)."""
+
+    def __init__(self, exit_codes: dict[int, int], results: dict[int, Any]):
+        super().__init__(f"ranks {sorted(exit_codes)} died (exit codes {exit_codes})")
+        self.exit_codes, self.results = exit_codes, results
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
-                    timeout: float = 300.0, env: dict[str, str] | None = None) -> list[Any]:
+                    timeout: float = 300.0, env: dict[str, str] | None = None,
+                    after_death: float = 60.0) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -59,17 +70,30 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    died: dict[int, int] = {}  # rank -> exit code, for a rank that ended without a result
+    deadline = time.monotonic() + timeout
     try:
-        while len(out) < world_size:
+        while len(out) + len(died) < world_size:
             try:
-                rank, ok, value = results.get(timeout=timeout)
+                rank, ok, value = results.get(timeout=0.5)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - set(out))
-                raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout} s "
-                                   "(a hung collective?)") from None
+                for r, p in enumerate(procs):
+                    # a rank that reported exits 0 (its result may still be in the pipe)
+                    if r not in out and r not in died and p.exitcode not in (None, 0):
+                        died[r] = p.exitcode  # killed (SIGKILL: -9), or crashed
+                        deadline = min(deadline, time.monotonic() + after_death)
+                if died and time.monotonic() > deadline:
+                    break  # the others wait on the dead rank (gloo has no timeout here)
+                if not died and time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(out) - set(died))
+                    raise TimeoutError(f"ranks {missing} of {world_size} gave no result within "
+                                       f"{timeout} s (a hung collective?)") from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        if died:
+            raise RankDied(died, out)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -102,3 +102,185 @@ def test_delta_syncs_bit_exact(layout, bf16_moe_server, tmp_path):
     assert full["senders"] >= 2 and full["rank0_bytes"] < full["bytes"]
     assert all(0 < d["bytes"] < full["bytes"] / 2 for i, d in enumerate(deltas, start=1) if i not in repaired)
     assert 0 < min(changed) and max(changed) < 0.5
+
+
+def _sender_killed(rank, world, ckpt, url, scratch):
+    """EP2 on 2 ranks: a full sync, a delta sync, then rank 1 is SIGKILLed after its first
+    request of the next delta sync (rank 0 then waits on it in a collective: a real job's
+    launcher would end it)."""
+    import os
+    import signal
+
+    from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
+    from gspo_megatron.checkpoint import checkpoint_hf_config
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.sync import TensorTransport, WeightSync, owner_pass
+    from rollout.pool import ServerPool
+
+    hf = checkpoint_hf_config(ckpt)
+    actor = Actor(hf, ParallelLayout(expert=2), micro_batch_size=2,
+                  optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
+    actor.load_weights(ckpt)
+    pool = ServerPool([url]) if rank == 0 else None
+    sync = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool,
+                      bucket_bytes=20_000)
+    sync.sync(version="full")
+    _gspo_step(actor, seed=1)
+    sync.sync(version="delta1")
+    _gspo_step(actor, seed=2)
+    if rank == 1:
+        post = owner_pass._post
+
+        def post_then_die(*args):
+            out = post(*args)
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-sync: its other buckets never leave
+            return out
+        owner_pass._post = post_then_die
+    sync.sync(version="delta2")
+    return None
+
+
+def _fresh_job(rank, world, ckpt, url, scratch):
+    """A new trainer job after the crash: its first sync is full and un-pauses the server."""
+    from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
+    from gspo_megatron.checkpoint import checkpoint_hf_config
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync.stream import hf_state_dict
+    from model_specs.weight_maps import weight_map_for
+    from rollout.pool import ServerPool
+
+    hf = checkpoint_hf_config(ckpt)
+    actor = Actor(hf, ParallelLayout(expert=2), micro_batch_size=2,
+                  optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
+    actor.load_weights(ckpt)
+    _gspo_step(actor, seed=7)
+    pool = ServerPool([url]) if rank == 0 else None
+    report = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool,
+                        bucket_bytes=20_000).sync(version="restarted")
+    mine = hf_state_dict(actor.chunks, weight_map_for(hf))
+    if rank != 0:
+        return None
+    served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
+                                            f"{scratch}/served.safetensors")
+    gen = pool.generate([5, 7, 9], {"max_new_tokens": 2})
+    return dict(report=report, differ=[n for n, t in mine.items()
+                                       if not torch.equal(served[n], t.to(torch.bfloat16))],
+                labels=sorted(set(gen.weight_versions)))
+
+
+def test_a_sender_killed_mid_delta_never_leaves_a_mix_served(bf16_moe_server, tmp_path):
+    from distributed import RankDied
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+    from rollout.client import SGLangClient
+    from rollout.pool import ServerPool
+    hf_dir = tiny_model_dir("qwen3_moe", 0)
+    ckpt = convert_hf_to_megatron(hf_dir, tmp_path / "mcore")
+    url = bf16_moe_server.server_urls[0]
+    try:
+        with pytest.raises(RankDied) as died:
+            run_distributed(_sender_killed, 2, (str(ckpt), url, str(tmp_path)), timeout=600,
+                            after_death=10)
+        assert died.value.exit_codes == {1: -9}
+        # the server still says delta1 and serves nothing (paused, perhaps holding a mix)
+        client = SGLangClient(url, timeout_s=5, retries=0)
+        version = client.weight_version()
+        with pytest.raises(Exception) as no_answer:
+            client.generate([5, 7, 9], {"max_new_tokens": 2})
+        again = run_distributed(_fresh_job, 2, (str(ckpt), url, str(tmp_path)), timeout=600)[0]
+    finally:
+        pool = ServerPool([url])
+        pool.continue_generation()
+        pool.update_weights_from_disk(str(hf_dir), weight_version="default")
+    print(f"sender killed mid-delta: the server kept version {version} and answered no request "
+          f"({type(no_answer.value).__name__}); the next job's full sync: "
+          f"{again['report']['bytes'] / 1e6:.2f} MB, bit-exact")
+    assert version == "delta1"
+    assert again["differ"] == [] and again["labels"] == ["restarted"]
+    assert again["report"]["full_syncs"] == 1
+
+
+def _server_killed(rank, world, ckpt, live_url, scratch):
+    """EP2 on 2 ranks, two servers: the victim is SIGKILLed after a delta sync, the health
+    monitor restarts it; the sync while it is out goes to the live server alone (a delta), the
+    first sync after it is back gives it everything and the live server a delta, the next gives
+    both deltas."""
+    from fixtures_servers import launch_tiny_server
+    from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
+    from gspo_megatron.checkpoint import checkpoint_hf_config
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync.stream import hf_state_dict
+    from model_specs.weight_maps import weight_map_for
+    from rollout.health import LIVE, REJOINING, HealthMonitor, ServerHealthSettings
+    from rollout.pool import ServerPool
+    from test_weight_sync_server_lost import _wait_for
+
+    hf = checkpoint_hf_config(ckpt)
+    actor = Actor(hf, ParallelLayout(expert=2), micro_batch_size=2,
+                  optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
+    actor.load_weights(ckpt)
+    lines: list[str] = []
+    group = launch_tiny_server("qwen3_moe", dtype="bfloat16") if rank == 0 else None
+    pool = monitor = None
+    if rank == 0:
+        group.__enter__()
+        victim, victim_url = group.servers[0], group.server_urls[0]
+        pool = ServerPool([live_url, victim_url], retries=1, backoff_s=0.1, log=lines.append)
+        monitor = HealthMonitor(pool, ServerHealthSettings(server_health_interval_s=0.5,
+                                                           server_health_timeout_s=10.0,
+                                                           server_max_restarts=2),
+                                launched=group.launched(), log=lines.append).start()
+    try:
+        sync = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool,
+                          bucket_bytes=20_000)
+        reports = {"v0": sync.sync(version="v0")}
+        _gspo_step(actor, seed=1)
+        reports["d1"] = sync.sync(version="d1")
+        if rank == 0:
+            victim.kill()
+            _wait_for(lambda: pool.status(victim_url) != LIVE, 60, "victim taken out", lines)
+        _gspo_step(actor, seed=2)
+        reports["d2"] = sync.sync(version="d2")  # the live server alone
+        if rank == 0:
+            _wait_for(lambda: pool.status(victim_url) == REJOINING, 300, "victim restarted", lines)
+        _gspo_step(actor, seed=3)
+        reports["d3"] = sync.sync(version="d3")  # back: everything to it, a delta to the other
+        _gspo_step(actor, seed=4)
+        reports["d4"] = sync.sync(version="d4")
+        mine = hf_state_dict(actor.chunks, weight_map_for(hf))
+        if rank != 0:
+            return None
+        differ = {}
+        for c in pool.clients:
+            served = c.served_tensors({n: t.shape for n, t in mine.items()},
+                                      f"{scratch}/served-{c.url.rsplit(':', 1)[1]}.safetensors")
+            differ[c.url] = [n for n, t in mine.items() if not torch.equal(served[n], t.to(torch.bfloat16))]
+        return dict(reports=reports, differ=differ, versions=pool.weight_versions(),
+                    victim=pool.status(victim_url), lines=lines)
+    finally:
+        if rank == 0:
+            monitor.close()
+            pool.close()
+            group.__exit__(None, None, None)
+
+
+def test_a_server_killed_comes_back_with_a_full_sync_then_deltas(bf16_moe_server, tmp_path):
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+    from rollout.health import LIVE
+    from rollout.pool import ServerPool
+    hf_dir = tiny_model_dir("qwen3_moe", 0)
+    ckpt = convert_hf_to_megatron(hf_dir, tmp_path / "mcore")
+    url = bf16_moe_server.server_urls[0]
+    try:
+        r = run_distributed(_server_killed, 2, (str(ckpt), url, str(tmp_path)), timeout=900)[0]
+    finally:
+        pool = ServerPool([url])
+        pool.continue_generation()
+        pool.update_weights_from_disk(str(hf_dir), weight_version="default")
+    rep, log = r["reports"], "\n".join(r["lines"])
+    print("full syncs per sync:", {v: x["full_syncs"] for v, x in rep.items()},
+          "bytes:", {v: round(x["bytes"] / 1e6, 3) for v, x in rep.items()})
+    assert [rep[v]["full_syncs"] for v in ("v0", "d1", "d2", "d3", "d4")] == [2, 0, 0, 1, 0], (rep, log)
+    assert r["victim"] == LIVE and set(r["versions"].values()) == {"d4"}, (r["versions"], log)
+    assert all(d == [] for d in r["differ"].values()), r["differ"]

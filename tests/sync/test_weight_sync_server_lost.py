@@ -169,8 +169,10 @@ def _body(rank, world, ckpt, live_url, disk_root, port):
                 load.start()
                 killer = _KillAt(transports[name], victim)
                 try:
-                    report = WeightSync(actor.chunks, hf, killer, pool, bucket_bytes=100_000).sync(
-                        version=f"v{step}-{name}")
+                    # through rank 0: _KillAt counts the transport's buckets (every owner
+                    # sending: test_weight_sync_owners.py)
+                    report = WeightSync(actor.chunks, hf, killer, pool, bucket_bytes=100_000,
+                                        senders="rank0").sync(version=f"v{step}-{name}")
                 finally:
                     stop.set()
                     load.join(timeout=120)
