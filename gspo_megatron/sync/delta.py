@@ -32,8 +32,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeltaEncoder:
-    def __init__(self, served_dtype: torch.dtype) -> None:
-        self.dtype = served_dtype
+    def __init__(self, served_dtype: torch.dtype, keep_base: bool = True) -> None:
+        self.dtype, self.keep_base = served_dtype, keep_base
         self.base: dict[str, torch.Tensor] = {}
         self.reset_stats()
 
@@ -95,5 +95,6 @@ class DeltaEncoder:
                     self.stats["delta_bytes"] += values + min(as_idx, as_bits)
                 elif extra:
                     out["delta"] += extra
-            self.base[name] = new
+            if self.keep_base:
+                self.base[name] = new
         return out

@@ -1,6 +1,8 @@
-"""One pass of an every-owner weight sync (the tensor transport): each sender rank encodes its own
-buckets (owners.stream_owned, delta.DeltaEncoder) and posts them to every server itself, through
-the project's loader (rollout/weight_delta.py); rank 0 only coordinates (weight_sync.py).
+"""One pass of an every-owner weight sync: each sender rank encodes its own buckets
+(owners.stream_owned, delta.DeltaEncoder) and delivers them itself; rank 0 only coordinates
+(weight_sync.py). Tensor transport: posted to every server through the project's loader
+(rollout/weight_delta.py), whole or as deltas. Disk transport: written as the sender's own
+safetensors shards of the version's folder (whole), which rank 0 indexes and has the servers load.
 
     plan = PassPlan(version, targets={url: "full" | "delta"}, check_all=..., dtype="bfloat16")
     outcome = run_pass(sender_state, chunks, wmap, plan_entries, senders, bucket_bytes, plan)
@@ -39,6 +41,8 @@ class PassPlan:
     targets: dict[str, str]          # url -> "full" | "delta"
     check_all: bool
     dtype: str
+    keep_base: bool = True           # senders keep what they sent (delta syncs to come)
+    disk_dir: str | None = None      # disk transport: the version's folder
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Outcome:
     error: str | None = None
     lost: list[str] = field(default_factory=list)
     mismatched: dict[str, list[str]] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # disk: HF name -> shard file
 
 
 def _payload_bytes(payload: Sequence[tuple[str, torch.Tensor]]) -> int:
@@ -88,8 +93,8 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
     from rollout.client import ServerUnavailable
     rank = dist.get_rank()
     dtype = getattr(torch, p.dtype)
-    if state.encoder is None or state.encoder.dtype != dtype:
-        state.encoder = DeltaEncoder(dtype)
+    if state.encoder is None or state.encoder.dtype != dtype or state.encoder.keep_base != p.keep_base:
+        state.encoder = DeltaEncoder(dtype, keep_base=p.keep_base)
     enc = state.encoder
     enc.reset_stats()
     out = Outcome(rank)
@@ -114,6 +119,15 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                 now = time.perf_counter()
                 out.encode_s += now - mark
                 mark = now
+                if p.disk_dir is not None:
+                    try:
+                        _write_shard(p.disk_dir, rank, i, parts["full"], out)
+                    except OSError as e:
+                        out.error = f"{type(e).__name__}: {e}"
+                    now = time.perf_counter()
+                    out.post_s += now - mark
+                    mark = now
+                    continue
                 futures = {}
                 for url, mode in p.targets.items():
                     report = scratch / f"{i}-{len(futures)}.json"
@@ -141,6 +155,16 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
     if out.error is not None:
         enc.invalidate()
     return out
+
+
+def _write_shard(folder: str, rank: int, i: int, payload, out: Outcome) -> None:
+    """A sender's bucket as a shard of the version's folder (a file system the servers read)."""
+    from safetensors.torch import save_file
+    name = f"model-r{rank:05d}-{i:05d}.safetensors"
+    tensors = {n: t for n, t in payload if PART not in n}
+    save_file(tensors, f"{folder}/{name}", metadata={"format": "pt"})
+    out.files.update({n: name for n in tensors})
+    out.sent_bytes += _payload_bytes(list(tensors.items()))
 
 
 def _post(client, payload, report: Path) -> list[str]:

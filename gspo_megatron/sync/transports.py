@@ -85,8 +85,16 @@ class DiskTransport:
         self._total = 0
         self._current: Path | None = None
 
+    def folder(self, version: str) -> Path:
+        """The version's folder (every owner writes its own shards there: sync.senders=owners)."""
+        return self.root / f"weights-{version}"
+
+    def adopt(self, weight_map: dict[str, str], total: int) -> None:
+        """The shards the owners wrote into the version's folder, for finish()'s index."""
+        self._weight_map, self._total = dict(weight_map), int(total)
+
     def begin(self, version: str) -> None:
-        self._dir = self.root / f"weights-{version}"
+        self._dir = self.folder(version)
         if self._dir.exists():
             shutil.rmtree(self._dir)
         copy_metadata_files(self.metadata_dir, self._dir)

@@ -49,6 +49,11 @@ def _unreachable(error: BaseException | None) -> bool:
     return _in_chain(error, (ServerUnavailable, ConnectionError))
 
 
+# The transports every owner sends through itself (the others go through rank 0), and whether
+# they can send deltas.
+OWNER_TRANSPORTS = {"tensor": True, "disk": False}
+
+
 def _begin_session_of(client) -> None:
     from gspo_megatron.sync.transports import _begin_session
     _begin_session(client)
@@ -102,7 +107,7 @@ class WeightSync:
             self._plan = build_plan(self.chunks, self.wmap)
             self._sender_of = assign_senders(self._plan)
         if self._mode is None:
-            mode = [("owners" if self.senders == "owners" and getattr(self.transport, "name", "") == "tensor"
+            mode = [("owners" if self.senders == "owners" and getattr(self.transport, "name", "") in OWNER_TRANSPORTS
                      else "rank0") if self.rank == 0 else None]
             dist.broadcast_object_list(mode, src=0)
             self._mode = mode[0]
@@ -158,7 +163,7 @@ class WeightSync:
             self._served_dtype = str(got.pop()).removeprefix("torch.")
         return self._served_dtype
 
-    def _targets(self, repair: list[str] | None) -> dict[str, str]:
+    def _targets(self, repair: list[str] | None, delta: bool) -> dict[str, str]:
         """Rank 0: which servers get this pass, and how: a delta where the server is live and
         reports the version every encoder's base holds, else the full weights."""
         from rollout.health import LIVE
@@ -168,8 +173,9 @@ class WeightSync:
         if not clients:
             from rollout.client_errors import NoServerLeft
             raise NoServerLeft(f"no server is left to take the weights ({self.pool.summary()})")
-        versions = self.pool.weight_versions() if self.delta and self._delta_ready else {}
-        return {c.url: "delta" if (self.delta and self._delta_ready and self.pool.status(c.url) == LIVE
+        delta = delta and self._delta_ready
+        versions = self.pool.weight_versions() if delta else {}
+        return {c.url: "delta" if (delta and self.pool.status(c.url) == LIVE
                                    and versions.get(c.url) == self.version) else "full"
                 for c in clients}
 
@@ -188,12 +194,19 @@ class WeightSync:
             message: list = [None, None, False]
             if self.rank == 0:
                 try:
-                    targets = self._targets(repair)
+                    disk = self.transport.name == "disk"
+                    delta = self.delta and OWNER_TRANSPORTS[self.transport.name]
+                    targets = self._targets(repair, delta)
                     if repair is None:
                         self.pool.pause_generation(self.pause_mode)
-                        self.pool.for_each(_begin_session_of)
-                    check = any(m == "full" for m in targets.values()) or self._deltas_sent < CHECK_FIRST_DELTAS
-                    message[0] = PassPlan(version, targets, check, self._served())
+                        if disk:
+                            self.transport.begin(version)
+                        else:
+                            self.pool.for_each(_begin_session_of)
+                    check = not disk and (any(m == "full" for m in targets.values())
+                                          or self._deltas_sent < CHECK_FIRST_DELTAS)
+                    message[0] = PassPlan(version, targets, check, self._served(), keep_base=delta,
+                                          disk_dir=str(self.transport.folder(version)) if disk else None)
                 except Exception as e:  # noqa: BLE001 - reported on every rank below
                     message[1:] = [f"{type(e).__name__}: {e}", _in_chain(e, (NoServerLeft,))]
             dist.broadcast_object_list(message, src=0)
@@ -259,6 +272,7 @@ class WeightSync:
             for url in lost:
                 self.pool.take_out(url, f"lost during a weight sync: {error}")
             if error is not None:
+                self._abort(plan.version)  # disk: the half-written folder goes
                 retry = bool(lost) and attempt <= len(self.pool.clients) and bool(self.pool.sync_clients())
                 return [error, None, retry, not self.pool.sync_clients()]
             wrong = sorted({u for o in outcomes for u in o.mismatched})
@@ -272,7 +286,12 @@ class WeightSync:
         if error is not None:
             return [error, None, False, no_server]
         try:
-            self._finish_owners(plan.version)
+            if plan.disk_dir is not None:
+                self.transport.adopt({n: f for o in outcomes for n, f in o.files.items()},
+                                     sum(o.sent_bytes for o in outcomes))
+                self._finish(plan.version)  # the index, /update_weights_from_disk, checks
+            else:
+                self._finish_owners(plan.version)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             return [f"{type(e).__name__}: {e}", None, False, False]
         return [None, None, False, False]

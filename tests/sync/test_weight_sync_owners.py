@@ -10,6 +10,7 @@ One server for the module; one spawn of 4 ranks per layout.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 
 import pytest
@@ -63,6 +64,22 @@ def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt):
     return dict(reports=reports, differ=differ, n=len(mine), version=pool.clients[0].weight_version())
 
 
+@contextlib.contextmanager
+def _checkpoint_then_restore(server, tmp_path):
+    """The seed-0 tiny Qwen3-MoE as a megatron checkpoint and the module server's URL; after the
+    block the server serves the seed-0 weights again, generating."""
+    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
+    from rollout.pool import ServerPool
+    hf_dir = tiny_model_dir("qwen3_moe", 0)
+    url = server.server_urls[0]
+    try:
+        yield str(convert_hf_to_megatron(hf_dir, tmp_path / "mcore")), url
+    finally:
+        pool = ServerPool([url])
+        pool.continue_generation()
+        pool.update_weights_from_disk(str(hf_dir), weight_version="default")
+
+
 @pytest.fixture(scope="module")
 def bf16_moe_server():
     with launch_tiny_server("qwen3_moe", dtype="bfloat16") as group:
@@ -72,19 +89,10 @@ def bf16_moe_server():
 @pytest.mark.parametrize("layout", [dict(pipeline=2, expert=2), dict(tensor=2, expert=2)],
                          ids=["pp2-ep2", "tp2-ep2"])
 def test_delta_syncs_bit_exact(layout, bf16_moe_server, tmp_path):
-    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
-    from rollout.pool import ServerPool
-    hf_dir = tiny_model_dir("qwen3_moe", 0)
-    ckpt = convert_hf_to_megatron(hf_dir, tmp_path / "mcore")
-    url = bf16_moe_server.server_urls[0]
-    try:
-        corrupt = layout.get("pipeline") == 2
-        results = run_distributed(_body, 4, (str(ckpt), url, layout, str(tmp_path), str(hf_dir),
-                                             corrupt), timeout=900)
-    finally:
-        pool = ServerPool([url])
-        pool.continue_generation()
-        pool.update_weights_from_disk(str(hf_dir), weight_version="default")
+    corrupt = layout.get("pipeline") == 2
+    with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
+        results = run_distributed(_body, 4, (ckpt, url, layout, str(tmp_path),
+                                             str(tiny_model_dir("qwen3_moe", 0)), corrupt), timeout=900)
     r = results[0]
     corrupt = layout.get("pipeline") == 2
     full, deltas = r["reports"][0], r["reports"][1:]
@@ -171,15 +179,10 @@ def _fresh_job(rank, world, ckpt, url, scratch):
 
 def test_a_sender_killed_mid_delta_never_leaves_a_mix_served(bf16_moe_server, tmp_path):
     from distributed import RankDied
-    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
     from rollout.client import SGLangClient
-    from rollout.pool import ServerPool
-    hf_dir = tiny_model_dir("qwen3_moe", 0)
-    ckpt = convert_hf_to_megatron(hf_dir, tmp_path / "mcore")
-    url = bf16_moe_server.server_urls[0]
-    try:
+    with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
         with pytest.raises(RankDied) as died:
-            run_distributed(_sender_killed, 2, (str(ckpt), url, str(tmp_path)), timeout=600,
+            run_distributed(_sender_killed, 2, (ckpt, url, str(tmp_path)), timeout=600,
                             after_death=10)
         assert died.value.exit_codes == {1: -9}
         # the server still says delta1 and serves nothing (paused, perhaps holding a mix)
@@ -187,11 +190,7 @@ def test_a_sender_killed_mid_delta_never_leaves_a_mix_served(bf16_moe_server, tm
         version = client.weight_version()
         with pytest.raises(Exception) as no_answer:
             client.generate([5, 7, 9], {"max_new_tokens": 2})
-        again = run_distributed(_fresh_job, 2, (str(ckpt), url, str(tmp_path)), timeout=600)[0]
-    finally:
-        pool = ServerPool([url])
-        pool.continue_generation()
-        pool.update_weights_from_disk(str(hf_dir), weight_version="default")
+        again = run_distributed(_fresh_job, 2, (ckpt, url, str(tmp_path)), timeout=600)[0]
     print(f"sender killed mid-delta: the server kept version {version} and answered no request "
           f"({type(no_answer.value).__name__}); the next job's full sync: "
           f"{again['report']['bytes'] / 1e6:.2f} MB, bit-exact")
@@ -266,21 +265,55 @@ def _server_killed(rank, world, ckpt, live_url, scratch):
 
 
 def test_a_server_killed_comes_back_with_a_full_sync_then_deltas(bf16_moe_server, tmp_path):
-    from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
     from rollout.health import LIVE
-    from rollout.pool import ServerPool
-    hf_dir = tiny_model_dir("qwen3_moe", 0)
-    ckpt = convert_hf_to_megatron(hf_dir, tmp_path / "mcore")
-    url = bf16_moe_server.server_urls[0]
-    try:
-        r = run_distributed(_server_killed, 2, (str(ckpt), url, str(tmp_path)), timeout=900)[0]
-    finally:
-        pool = ServerPool([url])
-        pool.continue_generation()
-        pool.update_weights_from_disk(str(hf_dir), weight_version="default")
+    with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
+        r = run_distributed(_server_killed, 2, (ckpt, url, str(tmp_path)), timeout=900)[0]
     rep, log = r["reports"], "\n".join(r["lines"])
     print("full syncs per sync:", {v: x["full_syncs"] for v, x in rep.items()},
           "bytes:", {v: round(x["bytes"] / 1e6, 3) for v, x in rep.items()})
     assert [rep[v]["full_syncs"] for v in ("v0", "d1", "d2", "d3", "d4")] == [2, 0, 0, 1, 0], (rep, log)
     assert r["victim"] == LIVE and set(r["versions"].values()) == {"d4"}, (r["versions"], log)
     assert all(d == [] for d in r["differ"].values()), r["differ"]
+
+
+def _disk_sync(rank, world, ckpt, url, scratch):
+    from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
+    from gspo_megatron.checkpoint import checkpoint_hf_config
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.sync import DiskTransport, WeightSync
+    from gspo_megatron.sync.stream import hf_state_dict
+    from model_specs.weight_maps import weight_map_for
+    from rollout.pool import ServerPool
+
+    hf = checkpoint_hf_config(ckpt)
+    actor = Actor(hf, ParallelLayout(pipeline=2, expert=2), micro_batch_size=2,
+                  optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
+    actor.load_weights(ckpt)
+    pool = ServerPool([url]) if rank == 0 else None
+    transport = DiskTransport(pool, f"{scratch}/disk", f"{ckpt}/hf") if rank == 0 else None
+    sync = WeightSync(actor.chunks, hf, transport, pool, bucket_bytes=20_000)
+    reports = [sync.sync(version="disk0")]
+    _gspo_step(actor, seed=1)
+    reports.append(sync.sync(version="disk1"))
+    mine = hf_state_dict(actor.chunks, weight_map_for(hf))
+    if rank != 0:
+        return None
+    served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
+                                            f"{scratch}/served.safetensors")
+    import os
+    return dict(reports=reports, version=pool.clients[0].weight_version(),
+                folders=sorted(os.listdir(f"{scratch}/disk")),
+                differ=[n for n, t in mine.items() if not torch.equal(served[n], t.to(torch.bfloat16))])
+
+
+def test_disk_every_owner_writes_its_shards(bf16_moe_server, tmp_path):
+    """PP2 x EP2 through the disk transport: the 4 owners write their own shards of the version's
+    folder, rank 0 indexes them and has the server load it; whole tensors every time."""
+    with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
+        r = run_distributed(_disk_sync, 4, (ckpt, url, str(tmp_path)), timeout=600)[0]
+    full, second = r["reports"]
+    print(f"disk, every owner: {full['bytes'] / 1e6:.2f} MB from {full['senders']:.0f} senders "
+          f"(rank 0 {full['rank0_bytes'] / 1e6:.2f} MB)")
+    assert r["differ"] == [] and r["version"] == "disk1" and r["folders"] == ["weights-disk1"]
+    assert full["senders"] == 4 and full["rank0_bytes"] < full["bytes"] / 2
+    assert second["full_syncs"] == 1 and second["bytes"] == full["bytes"]

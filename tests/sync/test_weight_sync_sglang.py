@@ -109,7 +109,9 @@ def _body(rank, world, ckpt, url, disk_root, port):
     # A sync that fails part-way: every rank raises, the server keeps its old label and stays
     # paused (stale) until the next complete sync.
     failing = _DiskFullTransport(DiskTransport(pool, disk_root, f"{ckpt}/hf")) if rank == 0 else None
-    sync = WeightSync(actor.chunks, hf, failing, pool, bucket_bytes=100_000)
+    # through rank 0: the failing transport counts its buckets (every owner sending fails in
+    # test_weight_sync_owners.py)
+    sync = WeightSync(actor.chunks, hf, failing, pool, bucket_bytes=100_000, senders="rank0")
     with pytest.raises(WeightSyncError, match="No space left on device.*left paused"):
         sync.sync(version="step4-broken")
     assert sync.stale
