@@ -7,11 +7,12 @@ every owner sending its own tensors, whole and as deltas after real GSPO steps, 
     python benchmarks/sync.py --lrs 1e-3 1e-6 --steps 5       # the main job's and the paper's LR
 
 Rows: "rank 0, full" (sync.senders=rank0), "owners, full" (senders=owners, delta off), and per
-learning rate "owners, delta @ LR": the median over `--steps` syncs, each after one GSPO step
-(random prompts, fixed advantages) at that LR, after a first full sync. Bytes are what the senders
+learning rate the delta syncs of every owner, each after one GSPO step (random prompts, fixed
+advantages) at that LR, after a first full sync: "delta, all checked" the first 3 (the server
+verifies every tensor sent), "delta" the others (a sample verified). Bytes are what the senders
 put on the wire (bf16, as served; today's path sends the trainer's dtype, fp32 on CPU and bf16 on
-GPU, so its row gives its bytes in bf16 terms, half of what it sent here: the comparison is of
-the path, not of the dtype); "rank 0 MB" what trainer rank 0 sent itself. CPU seconds are
+GPU, so its row gives its bytes in the served dtype's terms, half of what it sent here for a bf16
+server: the comparison is of the path, not of the dtype); "rank 0 MB" what trainer rank 0 sent itself. CPU seconds are
 noisy and the server shares the 2 cores with 4 trainer ranks: compare rows of one run. The last
 line:
     sync: rank-0 GiB <old> -> <new>, total GiB <old> -> <new>, seconds <old> -> <new>, bit-identical <yes|no>
@@ -62,6 +63,7 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync.owner_pass import CHECK_FIRST_DELTAS
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
     from rollout.pool import ServerPool
@@ -87,13 +89,18 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     for i in range(steps):
         _step(actor, seed=i + 1)
         reports.append(sync.sync(version=f"delta-{lr}-{i}"))
-    out[f"owners, delta @ lr {lr:g}"] = reports
+    # the first deltas verify every tensor they send on the server, the later ones a sample
+    out[f"delta, all checked, lr {lr:g}"] = reports[:CHECK_FIRST_DELTAS]
+    if reports[CHECK_FIRST_DELTAS:]:
+        out[f"delta, lr {lr:g}"] = reports[CHECK_FIRST_DELTAS:]
     mine = hf_state_dict(actor.chunks, weight_map_for(hf))
     if rank != 0:
         return None
     served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
                                             f"{scratch}/served-{lr}.safetensors")
-    out["bit_identical"] = all(torch.equal(served[n], t.to(torch.bfloat16)) for n, t in mine.items())
+    dtype = next(iter(served.values())).dtype  # what the server serves
+    out["bit_identical"] = all(torch.equal(served[n], t.to(dtype)) for n, t in mine.items())
+    out["dtype"] = str(dtype).removeprefix("torch.")
     out["params"] = sum(t.numel() for t in mine.values())
     return out
 
@@ -106,36 +113,48 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="pp2ep2")
     p.add_argument("--bucket-mb", type=float, default=16)
     p.add_argument("--repeats", type=int, default=3, help="full syncs per full row")
-    p.add_argument("--steps", type=int, default=3, help="GSPO steps (and delta syncs) per LR")
+    p.add_argument("--steps", type=int, default=6, help="GSPO steps (and delta syncs) per LR")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1e-6],
                    help="learning rates of the delta rows (default: the main job's, the paper's)")
+    p.add_argument("--model", help="an HF Qwen3-MoE folder to sync instead of making one (--hidden ... ignored)")
+    p.add_argument("--url", help="with --model: an SGLang server already serving it (its weights are "
+                                 "replaced; its dtype is what the sync compares in)")
     args = p.parse_args(argv)
+    if args.url and not args.model:
+        p.error("--url needs --model (the model the server serves)")
 
     from distributed import run_distributed
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
     from rollout.pool import ServerPool
     from rollout.server import ServerConfig, ServerGroup
+    from model_specs import load_hf_config
+    from model_specs.hf_config import normalize_hf_config
     from tools.make_tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="gspo-bench-sync-"))
     h = args.hidden
-    model_dir = make_tiny_model("qwen3_moe", work / "hf", seed=0, hidden_size=h,
-                                intermediate_size=2 * h, moe_intermediate_size=h // 2,
-                                num_hidden_layers=args.layers, num_experts=args.experts,
-                                num_attention_heads=8, num_key_value_heads=4, head_dim=h // 8)
+    model_dir = Path(args.model) if args.model else make_tiny_model(
+        "qwen3_moe", work / "hf", seed=0, hidden_size=h, intermediate_size=2 * h,
+        moe_intermediate_size=h // 2, num_hidden_layers=args.layers, num_experts=args.experts,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=h // 8)
+    hf = normalize_hf_config(load_hf_config(model_dir))
+    h, args.layers, args.experts = hf["hidden_size"], hf["num_hidden_layers"], hf["num_experts"]
     ckpt = convert_hf_to_megatron(model_dir, work / "mcore")
     layout = LAYOUTS[args.layout]
     rows, identical, params = {}, [], 0
-    with ServerGroup.launch(ServerConfig(model_path=str(model_dir), device="cpu", dtype="bfloat16",
-                                         startup_timeout_s=600)) as group:
+    with (ServerGroup.attach([args.url]) if args.url else
+          ServerGroup.launch(ServerConfig(model_path=str(model_dir), device="cpu", dtype="bfloat16",
+                                          startup_timeout_s=600))) as group:
         url = group.server_urls[0]
         for i, lr in enumerate(args.lrs):
             got = run_distributed(_body, 4, (str(ckpt), url, layout, lr, args.repeats, args.steps,
                                              int(args.bucket_mb * (1 << 20)), i == 0, str(work)),
                                   timeout=3600)[0]
             identical.append(got.pop("bit_identical"))
-            for r in got.get("rank 0, full", []):  # fp32 on the wire here: in bf16 terms
-                r["bytes"], r["rank0_bytes"] = r["bytes"] / 2, r["rank0_bytes"] / 2
+            dtype = got.pop("dtype")
+            scale = {"float32": 1.0, "bfloat16": 0.5, "float16": 0.5}[dtype]
+            for r in got.get("rank 0, full", []):  # fp32 (the trainer's) on the wire: served terms
+                r["bytes"], r["rank0_bytes"] = r["bytes"] * scale, r["rank0_bytes"] * scale
             params = got.pop("params")
             rows.update(got)
         ServerPool([url]).close()
@@ -144,17 +163,18 @@ def main(argv: list[str] | None = None) -> None:
         return statistics.median(r[key] for r in rows[name])
     print(f"\nQwen3-MoE hidden {h}, {args.layers} layers, {args.experts} experts: {params / 1e6:.1f} M "
           f"parameters, {params * 2 / 1e6:.1f} MB in bf16; {args.layout.upper()} on 4 gloo ranks; one "
-          f"bf16 CPU SGLang server; bucket {args.bucket_mb} MB; medians\n")
-    print(f"| {'sync':<26} | {'senders':>7} | {'rank 0 MB':>9} | {'total MB':>8} | {'changed':>7} | "
+          f"{dtype} CPU SGLang server; bucket {args.bucket_mb} MB; medians\n")
+    print(f"| {'sync':<28} | {'senders':>7} | {'rank 0 MB':>9} | {'total MB':>8} | {'changed':>7} | "
           f"{'seconds':>7} | {'stream s':>8} | {'encode s':>8} | {'post s':>7} |")
-    print(f"|{'-' * 28}|{'-' * 9}|{'-' * 11}|{'-' * 10}|{'-' * 9}|{'-' * 9}|{'-' * 10}|{'-' * 10}|{'-' * 9}|")
+    print(f"|{'-' * 30}|{'-' * 9}|{'-' * 11}|{'-' * 10}|{'-' * 9}|{'-' * 9}|{'-' * 10}|{'-' * 10}|{'-' * 9}|")
     for name in rows:
         parts = " | ".join(f"{med(name, k):>{w}.3f}" if k in rows[name][0] else f"{'':>{w}}"
                            for k, w in (("stream_seconds", 8), ("encode_seconds", 8), ("post_seconds", 7)))
-        print(f"| {name:<26} | {med(name, 'senders'):>7.0f} | {med(name, 'rank0_bytes') / 1e6:>9.2f} | "
+        print(f"| {name:<28} | {med(name, 'senders'):>7.0f} | {med(name, 'rank0_bytes') / 1e6:>9.2f} | "
               f"{med(name, 'bytes') / 1e6:>8.2f} | {med(name, 'changed_fraction'):>7.4f} | "
               f"{med(name, 'seconds'):>7.3f} | {parts} |")
-    old, new = "rank 0, full", f"owners, delta @ lr {min(args.lrs):g}"
+    old = "rank 0, full"
+    new = next(k for k in (f"delta, lr {min(args.lrs):g}", f"delta, all checked, lr {min(args.lrs):g}") if k in rows)
     full_owners = med("owners, full", "bytes")
     changed = med(new, "changed_fraction")
     per_element = min(2.0, changed * 2 + min(4 * changed, 0.125))  # bytes per bf16 element
@@ -173,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     gib = 1 << 30
     print(f"\nfull sync by every owner: {full_owners / 1e6:.2f} MB; deltas at lr "
           f"{' / '.join(f'{lr:g}' for lr in args.lrs)}: "
-          + ", ".join(f"{med(f'owners, delta @ lr {lr:g}', 'bytes') / full_owners:.3f} of it"
+          + ", ".join(f"{med(f'delta, all checked, lr {lr:g}', 'bytes') / full_owners:.3f} of it"
                       for lr in args.lrs))
     print(f"sync: rank-0 GiB {med(old, 'rank0_bytes') / gib:.4f} -> {med(new, 'rank0_bytes') / gib:.4f}, "
           f"total GiB {med(old, 'bytes') / gib:.4f} -> {med(new, 'bytes') / gib:.4f}, seconds "

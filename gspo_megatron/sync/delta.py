@@ -51,7 +51,7 @@ class DeltaEncoder:
     def encode(self, bucket: Sequence[tuple[str, torch.Tensor]], *, delta: bool, full: bool,
                check: Sequence[str] = ()) -> dict[str, list[tuple[str, torch.Tensor]]]:
         """The payloads of one bucket: "full" (every tensor whole) if `full`, "delta" (changed
-        elements since `base`) if `delta`; `check`: names whose checksum the server verifies.
+        elements since `base`) if `delta`; `check`: names whose checksum a delta server verifies.
         Updates `base` to the bucket's values (call once per bucket and sync)."""
         out: dict[str, list[tuple[str, torch.Tensor]]] = {}
         if full:
@@ -63,13 +63,13 @@ class DeltaEncoder:
             new = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous()
             shape = torch.tensor(list(new.shape), dtype=torch.int64)
             extra = []
-            if name in check:
+            if delta and name in check:
                 extra = [(name + PART + "shape", shape), (name + PART + "sum", torch.tensor([checksum(new)]))]
                 self.stats["checked"] += 1
             nbytes = new.numel() * new.element_size()
             self.stats["elements"] += new.numel()
-            if full:
-                out["full"] += [(name, new)] + extra
+            if full:  # SGLang's own load: checked where deltas are (they bypass it)
+                out["full"] += [(name, new)]
                 self.stats["full_bytes"] += nbytes
             if delta:
                 old = self.base.get(name)

@@ -203,8 +203,7 @@ class WeightSync:
                             self.transport.begin(version)
                         else:
                             self.pool.for_each(_begin_session_of)
-                    check = not disk and (any(m == "full" for m in targets.values())
-                                          or self._deltas_sent < CHECK_FIRST_DELTAS)
+                    check = not disk and self._deltas_sent < CHECK_FIRST_DELTAS
                     message[0] = PassPlan(version, targets, check, self._served(), keep_base=delta,
                                           disk_dir=str(self.transport.folder(version)) if disk else None)
                 except Exception as e:  # noqa: BLE001 - reported on every rank below

@@ -89,8 +89,10 @@ SMOKE = {
     "rollout.py": (lambda url: ["--url", url, "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1"],
                    lambda out: _line(out, r"\s+1\s+\d+\s+\d+\s+\d+")),
     # the session's server: its weights are replaced by the sync (the module restores them)
-    "sync.py": (lambda url: ["--model", _tiny_moe(), "--url", url, "--repeats", "1", "--transports", "disk"],
-                lambda out: len(_rows(out, "sync: disk")) == 1 and len(_rows(out, "safetensors")) == 1),
+    "sync.py": (lambda url: ["--model", _tiny_moe(), "--url", url, "--repeats", "1", "--steps", "1",
+                             "--lrs", "1e-6"],
+                lambda out: len(_rows(out, "delta, all checked, lr 1e-06")) == 1
+                and _line(out, r"sync: rank-0 GiB [0-9.]+ -> [0-9.]+, .* bit-identical yes$")),
 }
 
 
