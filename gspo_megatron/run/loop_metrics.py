@@ -98,5 +98,4 @@ def sync_metrics(report: dict[str, float]) -> dict[str, float]:
             "sync/senders": report["senders"], "sync/changed_fraction": report["changed_fraction"],
             "sync/full_syncs": report["full_syncs"],
             "sync/checksum_mismatches": report["checksum_mismatches"],
-            "sync/seconds": report["seconds"],
             "sync/buckets": report["buckets"], "sync/attempts": report["attempts"]}

@@ -128,7 +128,6 @@ TAGS = {
                        "after a failure, or a checksum mismatch); the others got deltas",
     "sync/checksum_mismatches": "tensors a server found different from the trainer's after "
                                 "applying a delta (that server then gets a full sync)",
-    "sync/seconds": "seconds of the weight sync, pause to continue",
     "sync/buckets": "transfer buckets per sync (sync.bucket_mb each at most)",
     "sync/attempts": "passes of the weight sync: above 1 when a server was lost part-way and the "
                      "sync ran again on the others (distributed transport)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import tempfile
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,10 +18,17 @@ BENCHMARKS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
 
 
 def _run(args: list[str], timeout: float = 600) -> str:
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    # Output to files, not pipes: a benchmark's helper processes (run_distributed's spawn context)
+    # inherit them, and a pipe is read until every holder has closed it, so run() would wait on
+    # them past the benchmark's own exit.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env(), stdout=out, stderr=err,
+                              text=True, timeout=timeout)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    return stdout
 
 
 def _rows(text: str, first_cell: str) -> list[str]:
