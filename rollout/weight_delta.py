@@ -11,7 +11,8 @@ float64 tensors full of NaN, loads float64 tensors whose elements are their own 
 parameters. Then the changed elements are written in place (bit for bit: they arrive in the
 served dtype). This holds for loaders that place elements (copy, slice, transpose, concatenate:
 every family we serve); a loader that computes on values makes the probe fail with a named error
-(non-integer or missing positions), and the trainer falls back to full syncs.
+(non-integer or missing positions), which the sync reports and fails with, rather than serve
+something else.
 
 The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART separates):
     N                  the whole tensor (a dense update: loaded by the model's own load_weights)
@@ -20,7 +21,7 @@ The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART s
     N|shape            int64 [ndim]: N's shape (sparse updates and checks)
     N|sum              int64 [1]: checksum(N) as the trainer computed it: verified after applying
     |export            uint8 path: write the listed names' served values (N|shape entries) there
-    |report            uint8 path: write what happened there, as JSON (REPORT_KEYS)
+    |report            uint8 path: write what happened there, as JSON (load's docstring)
 Nothing here may raise: SGLang calls a custom loader outside any try (model_runner_components/
 weight_updater.py:374-376), so an exception kills the scheduler. Errors and checksum mismatches
 go to the report file instead (the tensor transport runs on the servers' machine, so the sender
@@ -28,8 +29,12 @@ reads it after the call): the trainer counts a mismatch and sends that server a 
 """
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import re
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -43,6 +48,12 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as signed integers of the same width, flat: equal exactly when the
+    elements are bit-identical (-0.0 and NaN payloads included)."""
+    return t.reshape(-1).view(_INT_VIEW[t.element_size()])
+
+
 class NotPositional(RuntimeError):
     """The model's loader does not place HF elements one to one: deltas cannot be applied."""
 
@@ -52,7 +63,7 @@ def checksum(values: torch.Tensor, flat_index: torch.Tensor | None = None) -> in
     and on the server only when every element is bit-identical (to the odds of a 31-bit hash).
     values: the tensor (flat_index None: positions 0..n-1) or some of its elements at flat_index."""
     v = values.detach().reshape(-1)
-    bits = v.view(_INT_VIEW[v.element_size()]).to(torch.int64)
+    bits = bit_pattern(v).to(torch.int64)
     bits = bits & ((1 << (8 * v.element_size())) - 1) if v.element_size() < 8 else bits
     idx = (torch.arange(v.numel(), device=v.device) if flat_index is None
            else flat_index.to(device=v.device, dtype=torch.int64))
@@ -102,9 +113,6 @@ class Placement:
 
     numel: int
     parts: list[Part] = field(default_factory=list)
-
-    def held(self) -> int:
-        return sum(p.hi - p.lo if p.pos is None else int(p.hf.numel()) for p in self.parts)
 
 
 # HF name -> its placement when every part is a block (a few integers): probed once per server
@@ -180,12 +188,14 @@ def probe(model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> dict[str,
     return out
 
 
-def _tp_size() -> int:
+def _tp_rank_and_size() -> tuple[int, int]:
+    """This server rank's place in its TP group."""
     try:
-        from sglang.srt.distributed import get_tensor_model_parallel_world_size
-        return get_tensor_model_parallel_world_size()
+        from sglang.srt.distributed import (get_tensor_model_parallel_rank,
+                                            get_tensor_model_parallel_world_size)
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except Exception:  # noqa: BLE001 - outside an SGLang server (tests): one rank
-        return 1
+        return 0, 1
 
 
 @torch.no_grad()
@@ -252,9 +262,6 @@ def path_tensor(path: str) -> torch.Tensor:
 def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """The custom weight loader (module docstring). Called by SGLang on every TP rank; writes
     {"mismatched": [names], "unchecked": n, "checked": n, "error": str | None} to |report (rank 0)."""
-    import json
-    import logging
-    import traceback
     entries, order = _group(named_tensors)
     meta = entries.pop("", {})
     report = {"mismatched": [], "checked": 0, "unchecked": 0, "error": None}
@@ -264,10 +271,9 @@ def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor
         report["error"] = f"{type(e).__name__}: {e}"
         logging.getLogger(__name__).error("gspo weight loader: %s", traceback.format_exc())
     path = _path(meta.get("report"))
-    if path is not None and _rank() == 0:
+    if path is not None and _tp_rank_and_size()[0] == 0:
         with open(path + ".tmp", "w") as f:
             json.dump(report, f)
-        import os
         os.replace(path + ".tmp", path)
 
 
@@ -298,7 +304,7 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
             continue
         idx, vals = served_values(places[n], params)
         if idx.numel() != places[n].numel:
-            if _tp_size() == 1:
+            if _tp_rank_and_size()[1] == 1:
                 raise NotPositional(f"{n}: the server holds {idx.numel()} of its "
                                     f"{places[n].numel} elements after loading")
             report["unchecked"] += 1  # a TP shard: not checkable on this rank alone
@@ -306,16 +312,8 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
         report["checked"] += 1
         if checksum(vals, idx) != int(e["sum"].reshape(-1)[0]):
             report["mismatched"].append(n)
-    if export is not None and _rank() == 0:
+    if export is not None and _tp_rank_and_size()[0] == 0:
         _export(export, shapes, places, params)
-
-
-def _rank() -> int:
-    try:
-        from sglang.srt.distributed import get_tensor_model_parallel_rank
-        return get_tensor_model_parallel_rank()
-    except Exception:  # noqa: BLE001
-        return 0
 
 
 def _export(path: str, shapes: dict[str, Sequence[int]], places: dict[str, Placement],

@@ -4,7 +4,7 @@ serves, in rollout/weight_delta.py's payload format.
 
     enc = DeltaEncoder(torch.bfloat16)                 # one per sender, kept across syncs
     parts = enc.encode(bucket, delta=True, check=...)  # {"full": payload, "delta": payload}
-    enc.stats                                          # elements, changed, bytes per mode
+    enc.stats                                          # elements, changed, checked
 
 The sender keeps the last values it sent of its own HF tensors (`base`, in the served dtype, on
 the host: model bytes in the served dtype / number of senders per sender; docs/sync.md gives the
@@ -22,13 +22,7 @@ from typing import Sequence
 
 import torch
 
-from rollout.weight_delta import PART, checksum, pack_bits
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(_INT[t.element_size()])
+from rollout.weight_delta import PART, bit_pattern, checksum, pack_bits
 
 
 class DeltaEncoder:
@@ -38,15 +32,11 @@ class DeltaEncoder:
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        self.stats = {"elements": 0, "changed": 0, "full_bytes": 0, "delta_bytes": 0,
-                      "checked": 0}
+        self.stats = {"elements": 0, "changed": 0, "checked": 0}
 
     def invalidate(self) -> None:
         """The servers may not hold `base` any more: the next encode must be full everywhere."""
         self.base.clear()
-
-    def base_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.base.values())
 
     def encode(self, bucket: Sequence[tuple[str, torch.Tensor]], *, delta: bool, full: bool,
                check: Sequence[str] = ()) -> dict[str, list[tuple[str, torch.Tensor]]]:
@@ -70,13 +60,12 @@ class DeltaEncoder:
             self.stats["elements"] += new.numel()
             if full:  # SGLang's own load: checked where deltas are (they bypass it)
                 out["full"] += [(name, new)]
-                self.stats["full_bytes"] += nbytes
             if delta:
                 old = self.base.get(name)
                 if old is None or old.shape != new.shape:
                     raise KeyError(f"no base for {name} {tuple(new.shape)}: a delta needs a full "
                                    "sync of this sender first")
-                mask = _bits(new) != _bits(old)
+                mask = bit_pattern(new) != bit_pattern(old)
                 changed = mask.nonzero().reshape(-1)
                 self.stats["changed"] += changed.numel()
                 idx_dtype = torch.int32 if new.numel() < (1 << 31) else torch.int64
@@ -85,14 +74,12 @@ class DeltaEncoder:
                 as_bits = (new.numel() + 7) // 8
                 if values + min(as_idx, as_bits) >= nbytes:
                     out["delta"] += [(name, new)] + extra
-                    self.stats["delta_bytes"] += nbytes
                 elif changed.numel():
                     where = ((PART + "idx", changed.to(idx_dtype)) if as_idx <= as_bits
                              else (PART + "bits", pack_bits(mask)))
                     out["delta"] += [(name + where[0], where[1]),
                                      (name + PART + "val", new.reshape(-1)[changed])]
                     out["delta"] += extra or [(name + PART + "shape", shape)]
-                    self.stats["delta_bytes"] += values + min(as_idx, as_bits)
                 elif extra:
                     out["delta"] += extra
             if self.keep_base:

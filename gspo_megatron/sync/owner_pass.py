@@ -100,13 +100,17 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
     out = Outcome(rank)
     modes = set(p.targets.values())
     scratch = Path(tempfile.mkdtemp(prefix="gspo-sync-report-"))
+    mark = [time.perf_counter()]
+
+    def lap(phase: str) -> None:
+        """The time since the last lap goes to out.<phase>."""
+        now = time.perf_counter()
+        setattr(out, phase, getattr(out, phase) + now - mark[0])
+        mark[0] = now
     try:
         with ThreadPoolExecutor(max(1, len(p.targets))) as threads:
-            mark = time.perf_counter()
             for i, bucket in enumerate(stream_owned(chunks, wmap, plan, senders, bucket_bytes)):
-                now = time.perf_counter()
-                out.stream_s += now - mark
-                mark = now
+                lap("stream_s")
                 if out.error is not None:
                     continue  # keep walking: the other ranks' gathers and sends need this rank
                 check = [n for n, _ in bucket if p.check_all or sampled(n, p.version)]
@@ -116,17 +120,13 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                     out.error = f"KeyError: {e}"
                     continue
                 out.buckets += 1
-                now = time.perf_counter()
-                out.encode_s += now - mark
-                mark = now
+                lap("encode_s")
                 if p.disk_dir is not None:
                     try:
                         _write_shard(p.disk_dir, rank, i, parts["full"], out)
                     except OSError as e:
                         out.error = f"{type(e).__name__}: {e}"
-                    now = time.perf_counter()
-                    out.post_s += now - mark
-                    mark = now
+                    lap("post_s")
                     continue
                 futures = {}
                 for url, mode in p.targets.items():
@@ -144,10 +144,8 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                     else:
                         if wrong:
                             out.mismatched.setdefault(url, []).extend(wrong)
-                now = time.perf_counter()
-                out.post_s += now - mark
-                mark = now
-            out.stream_s += time.perf_counter() - mark
+                lap("post_s")
+            lap("stream_s")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out.elements, out.changed, out.checked = (enc.stats["elements"], enc.stats["changed"],

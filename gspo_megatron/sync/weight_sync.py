@@ -54,11 +54,6 @@ def _unreachable(error: BaseException | None) -> bool:
 OWNER_TRANSPORTS = {"tensor": True, "disk": False}
 
 
-def _begin_session_of(client) -> None:
-    from gspo_megatron.sync.transports import _begin_session
-    _begin_session(client)
-
-
 class WeightSyncError(GspoError, RuntimeError):
     """A sync that did not complete; the servers are paused and marked stale. no_server: because
     no server was left to take it (rollout/health.py; the trainer waits for one, trainer.py)."""
@@ -188,7 +183,8 @@ class WeightSync:
         totals = {"bytes": 0, "rank0_bytes": 0, "elements": 0, "changed": 0, "buckets": 0,
                   "senders": set(), "full": 0, "mismatches": 0, "stream_s": 0.0, "encode_s": 0.0,
                   "post_s": 0.0}
-        attempt, repair, self._repaired = 0, None, False
+        attempt, repair = 0, None
+        totals["repaired"] = False
         while True:
             attempt += 1
             message: list = [None, None, False]
@@ -199,10 +195,7 @@ class WeightSync:
                     targets = self._targets(repair, delta)
                     if repair is None:
                         self.pool.pause_generation(self.pause_mode)
-                        if disk:
-                            self.transport.begin(version)
-                        else:
-                            self.pool.for_each(_begin_session_of)
+                        self.transport.begin(version)  # the sessions (tensor), the folder (disk)
                     check = not disk and self._deltas_sent < CHECK_FIRST_DELTAS
                     message[0] = PassPlan(version, targets, check, self._served(), keep_base=delta,
                                           disk_dir=str(self.transport.folder(version)) if disk else None)
@@ -229,8 +222,8 @@ class WeightSync:
                     repair = None
                     continue
                 self.stale = True
-                raise WeightSyncError(f"weight sync to version {version} (every owner sending, "
-                                      f"tensor) failed: {error}. The servers are left paused and may "
+                raise WeightSyncError(f"weight sync to version {version} (every owner sending) "
+                                      f"failed: {error}. The servers are left paused and may "
                                       "hold a mix of old and new weights; sync again before "
                                       "generating.", no_server=no_server)
             if not repair:
@@ -277,36 +270,25 @@ class WeightSync:
             wrong = sorted({u for o in outcomes for u in o.mismatched})
             totals["mismatches"] += sum(len(v) for o in outcomes for v in o.mismatched.values())
             if wrong:
-                if self._repaired:
+                if totals["repaired"]:
                     return [f"servers {wrong} still differ from the trainer after a full sync "
                             f"({totals['mismatches']} tensors)", None, False, False]
-                self._repaired = True
+                totals["repaired"] = True
                 return [None, wrong, False, False]
         if error is not None:
             return [error, None, False, no_server]
         try:
-            if plan.disk_dir is not None:
+            if plan.disk_dir is not None:  # finish() writes the index of every owner's shards
                 self.transport.adopt({n: f for o in outcomes for n, f in o.files.items()},
                                      sum(o.sent_bytes for o in outcomes))
-                self._finish(plan.version)  # the index, /update_weights_from_disk, checks
-            else:
-                self._finish_owners(plan.version)
+            else:  # the version, set by a last empty request through the project's loader
+                from rollout.weight_delta import LOADER
+                self.pool.for_each(lambda c: c.update_weights_from_tensor(
+                    [], weight_version=plan.version, flush_cache=True, load_format=LOADER))
+            self._finish(plan.version)
         except Exception as e:  # noqa: BLE001 - reported on every rank
             return [f"{type(e).__name__}: {e}", None, False, False]
         return [None, None, False, False]
-
-    def _finish_owners(self, version: str) -> None:
-        from rollout.weight_delta import LOADER
-        self.pool.for_each(lambda c: c.update_weights_from_tensor(
-            [], weight_version=version, flush_cache=True, load_format=LOADER))
-        self.pool.for_each(lambda c: c.end_weight_update())
-        served = self.pool.weight_versions()
-        wrong = {url: v for url, v in served.items() if v != version}
-        if wrong:
-            raise WeightSyncError(f"servers report weight versions {wrong} after the update, "
-                                  f"expected {version!r}")
-        self.pool.synced(version)
-        self.pool.continue_generation()
 
     def _attempt(self, version: str, n_buckets: int) -> tuple[int, BaseException | None]:
         """One pass: pause and begin (rank 0), stream every bucket (every rank), finish (rank 0).
