@@ -144,6 +144,21 @@ def test_pause_and_continue(victim_server):
 
 
 @pytest.mark.slow
+def _settled_generate_counts(logs, total=None, bound_s=20.0):
+    """Each server's count of "POST /generate" access-log lines, once the logs have settled: a
+    line can reach the file after its reply reached us (seen in CI: the router's readiness probe
+    landed inside the window, one of the six outside it, [2, 4])."""
+    deadline = time.monotonic() + bound_s
+    counts = [p.read_text().count("POST /generate") for p in logs]
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = [p.read_text().count("POST /generate") for p in logs]
+        if again == counts and (total is None or sum(counts) >= total):
+            break
+        counts = again
+    return counts
+
+
 def test_router_spreads_generate(qwen3_server, victim_server):
     import tempfile
     from pathlib import Path
@@ -154,12 +169,12 @@ def test_router_spreads_generate(qwen3_server, victim_server):
         group = ServerGroup(urls, router.url)
         pool = ServerPool(group.server_urls, router_url=group.router_url)
         logs = [p.log_path for p in qwen3_server.servers + victim_server.servers]
-        before = [p.read_text().count("POST /generate") for p in logs]
+        before = _settled_generate_counts(logs)
         for _ in range(6):
             # ignore_eos: a sampled EOS would end a completion early (seen once in CI: [2])
             out = pool.generate([1, 2, 3], {"max_new_tokens": 2, "ignore_eos": True})
             assert len(out.output_ids) == 2
-        after = [p.read_text().count("POST /generate") for p in logs]
+        after = _settled_generate_counts(logs, total=sum(before) + 6)
         assert [a - b for a, b in zip(after, before)] == [3, 3]
     finally:
         router.stop()
