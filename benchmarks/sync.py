@@ -5,6 +5,7 @@ every owner sending its own tensors, whole and as deltas after real GSPO steps, 
     python benchmarks/sync.py                                 # PP2 x EP2, Qwen3-MoE hidden 512, 4 layers
     python benchmarks/sync.py --layout tp2ep2 --repeats 5     # TP2 x EP2
     python benchmarks/sync.py --lrs 1e-3 1e-6 --steps 5       # the main job's and the paper's LR
+    python benchmarks/sync.py --transport distributed         # broadcast over weights-update groups
 
 Rows: "rank 0, full" (sync.senders=rank0), "owners, full" (senders=owners, delta off), and per
 learning rate the delta syncs of every owner, each after one GSPO step (random prompts, fixed
@@ -56,13 +57,13 @@ def _step(actor, seed: int) -> None:
     actor.train_step(batch)
 
 
-def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, fulls, scratch):
+def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, fulls, scratch, transport_name):
     import torch
 
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync import DistributedTransport, TensorTransport, WeightSync
     from gspo_megatron.sync.owner_pass import CHECK_FIRST_DELTAS
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
@@ -73,7 +74,11 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
                   optimizer=OptimizerSettings(lr=lr, clip_grad=0.0), loss=LossSettings(name="gspo"))
     actor.load_weights(ckpt)
     pool = ServerPool([url]) if rank == 0 else None
-    transport = TensorTransport(pool) if rank == 0 else None
+    transport = None
+    if rank == 0:
+        from rollout.ports import free_port
+        transport = (TensorTransport(pool) if transport_name == "tensor" else
+                     DistributedTransport(pool, "127.0.0.1", free_port()))
 
     def make(**kw):
         return WeightSync(actor.chunks, hf, transport, pool, bucket_bytes=bucket_bytes, **kw)
@@ -116,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=6, help="GSPO steps (and delta syncs) per LR")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1e-6],
                    help="learning rates of the delta rows (default: the main job's, the paper's)")
+    p.add_argument("--transport", choices=["tensor", "distributed"], default="tensor",
+                   help="tensor: shared memory (servers on the trainer's machine); distributed: "
+                        "broadcast over weights-update groups (rank 0's one, or one per sender and server)")
     p.add_argument("--model", help="an HF Qwen3-MoE folder to sync instead of making one (--hidden ... ignored)")
     p.add_argument("--url", help="with --model: an SGLang server already serving it (its weights are "
                                  "replaced; its dtype is what the sync compares in)")
@@ -148,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         url = group.server_urls[0]
         for i, lr in enumerate(args.lrs):
             got = run_distributed(_body, 4, (str(ckpt), url, layout, lr, args.repeats, args.steps,
-                                             int(args.bucket_mb * (1 << 20)), i == 0, str(work)),
+                                             int(args.bucket_mb * (1 << 20)), i == 0, str(work),
+                                             args.transport),
                                   timeout=3600)[0]
             identical.append(got.pop("bit_identical"))
             dtype = got.pop("dtype")
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         return statistics.median(r[key] for r in rows[name])
     print(f"\nQwen3-MoE hidden {h}, {args.layers} layers, {args.experts} experts: {params / 1e6:.1f} M "
           f"parameters, {params * 2 / 1e6:.1f} MB in bf16; {args.layout.upper()} on 4 gloo ranks; one "
-          f"{dtype} CPU SGLang server; bucket {args.bucket_mb} MB; medians\n")
+          f"{dtype} CPU SGLang server; {args.transport} transport; bucket {args.bucket_mb} MB; medians\n")
     print(f"| {'sync':<28} | {'senders':>7} | {'rank 0 MB':>9} | {'total MB':>8} | {'changed':>7} | "
           f"{'seconds':>7} | {'stream s':>8} | {'encode s':>8} | {'post s':>7} |")
     print(f"|{'-' * 30}|{'-' * 9}|{'-' * 11}|{'-' * 10}|{'-' * 9}|{'-' * 9}|{'-' * 10}|{'-' * 10}|{'-' * 9}|")

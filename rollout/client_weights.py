@@ -66,19 +66,22 @@ class WeightUpdates:
                                         shapes: Sequence[Sequence[int]],
                                         group_name: str = "weight_update_group",
                                         weight_version: str | None = None, *, flush_cache: bool = True,
-                                        timeout_s: float = 600.0) -> dict:
+                                        load_format: str | None = None, timeout_s: float = 600.0) -> dict:
         """Receive tensors by broadcast from rank 0 of the weights-update group.
 
         BLOCKS until the trainer has broadcast every tensor, in this order, so call it from a
         thread. dtypes are torch names without "torch." ("float32", "bfloat16"). Must be inside
         begin/end_weight_update; check that begin succeeded BEFORE broadcasting, or the trainer
-        hangs in broadcast until the collective's timeout.
+        hangs in broadcast until the collective's timeout. load_format "flattened_bucket": one
+        broadcast of the tensors' bytes concatenated in this order, each at an offset that is a
+        multiple of its element size (SGLang's weight_sync/tensor_bucket.py FlattenedTensorBucket).
         """
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}, {len(dtypes)}, {len(shapes)}")
         payload = _drop_none(names=list(names), dtypes=[str(d).replace("torch.", "") for d in dtypes],
                              shapes=[list(map(int, s)) for s in shapes], group_name=group_name,
-                             flush_cache=flush_cache, weight_version=weight_version)
+                             flush_cache=flush_cache, weight_version=weight_version,
+                             load_format=load_format)
         return self._checked("/update_weights_from_distributed", payload, timeout_s=timeout_s,
                              retry="connect")
 

@@ -22,10 +22,18 @@ The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART s
     N|sum              int64 [1]: checksum(N) as the trainer computed it: verified after applying
     |export            uint8 path: write the listed names' served values (N|shape entries) there
     |report            uint8 path: write what happened there, as JSON (load's docstring)
+    |reply             uint8 group name: broadcast the report over that weights-update group
 Nothing here may raise: SGLang calls a custom loader outside any try (model_runner_components/
 weight_updater.py:374-376), so an exception kills the scheduler. Errors and checksum mismatches
-go to the report file instead (the tensor transport runs on the servers' machine, so the sender
-reads it after the call): the trainer counts a mismatch and sends that server a full sync.
+go to the report instead: a file for the tensor transport (it runs on the servers' machine, so
+the sender reads it after the call), a broadcast back to the sender for the distributed one. The
+trainer counts a mismatch and sends that server a full sync.
+
+The distributed transport has no custom-loader hook in SGLang: /update_weights_from_distributed
+receives the tensors and hands them to `model.load_weights` (model_runner_components/
+weight_updater.py:324-338). So the first call of this loader (every sync ends with one, the
+version's) routes the model's load_weights (`route_load_weights`): a list with a PART name is
+this loader's payload, anything else goes to the model's own load_weights untouched.
 """
 from __future__ import annotations
 
@@ -163,7 +171,7 @@ def probe(model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> dict[str,
         try:
             for p, data in saved:
                 p.data = torch.full(data.shape, math.nan, dtype=torch.float64, device=data.device)
-            model.load_weights(tensors)
+            _own_load_weights(model)(tensors)
             for pname, p in candidates:
                 flat = p.data.reshape(-1)
                 pos = (~torch.isnan(flat)).nonzero().reshape(-1)
@@ -259,9 +267,30 @@ def path_tensor(path: str) -> torch.Tensor:
     return torch.tensor(list(str(path).encode()), dtype=torch.uint8)
 
 
+def route_load_weights(model: torch.nn.Module) -> None:
+    """Make `model.load_weights` hand this loader's payloads (a list with a PART name) to load();
+    idempotent. The model's own load_weights stays at `model.gspo_own_load_weights`."""
+    if getattr(model, "gspo_own_load_weights", None) is not None:
+        return
+    own = model.load_weights
+
+    def load_weights(weights):
+        if isinstance(weights, list) and any(PART in n for n, _ in weights):
+            return load(model, weights)
+        return own(weights)  # HF names, or the disk loader's iterator (not consumed here)
+    model.gspo_own_load_weights = own
+    model.load_weights = load_weights
+
+
+def _own_load_weights(model: torch.nn.Module):
+    return getattr(model, "gspo_own_load_weights", None) or model.load_weights
+
+
 def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """The custom weight loader (module docstring). Called by SGLang on every TP rank; writes
-    {"mismatched": [names], "unchecked": n, "checked": n, "error": str | None} to |report (rank 0)."""
+    {"mismatched": [names], "unchecked": n, "checked": n, "error": str | None} to |report (rank 0)
+    or broadcasts it over the |reply group (from TP rank 0, group rank 1)."""
+    route_load_weights(model)
     entries, order = _group(named_tensors)
     meta = entries.pop("", {})
     report = {"mismatched": [], "checked": 0, "unchecked": 0, "error": None}
@@ -275,6 +304,31 @@ def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor
         with open(path + ".tmp", "w") as f:
             json.dump(report, f)
         os.replace(path + ".tmp", path)
+    group = _path(meta.get("reply"))
+    if group is not None:
+        try:
+            _reply(group, report)
+        except Exception:  # noqa: BLE001 - the sender's wait fails (bounded), naming no report
+            logging.getLogger(__name__).error("gspo weight loader reply: %s", traceback.format_exc())
+
+
+def _reply(group_name: str, report: dict) -> None:
+    """The report, broadcast from group rank 1 (this server's TP rank 0) over the named
+    weights-update group: its length, then its JSON bytes. Every server rank of the group joins."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+    pg = next((g for g, n in _world.pg_names.items() if n == group_name), None)
+    if pg is None:
+        raise LookupError(f"no weights-update group named {group_name!r} on this server")
+    # pg_map holds each group's backend by name (the group is outside torch's default world)
+    device = (torch.device("cuda", torch.cuda.current_device()) if _world.pg_map[pg][0] == "nccl"
+              else torch.device("cpu"))
+    data = torch.tensor(list(json.dumps(report).encode()), dtype=torch.uint8, device=device)
+    n = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(n, group_src=1, group=pg)
+    if pg.rank() != 1:
+        data = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, group_src=1, group=pg)
 
 
 @torch.no_grad()
@@ -282,7 +336,7 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
           export: str | None, report: dict) -> None:
     dense = [(n, entries[n]["dense"]) for n in order if "dense" in entries[n]]
     if dense:
-        model.load_weights(dense)
+        _own_load_weights(model)(dense)
     shapes = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items() if "shape" in e}
     places = probe(model, shapes) if shapes else {}
     params = dict(model.named_parameters())

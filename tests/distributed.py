@@ -51,11 +51,18 @@ def _worker(fn, rank, world_size, port, args, results, env) -> None:
 
 class RankDied(RuntimeError):
     """Ranks that ended without a result (exit codes), with the results of the others that gave
-    one within `after_death` seconds of the first death (the rest are killed)."""
+    one within `after_death` seconds of the first death (the rest are killed), and the tracebacks
+    of those that failed because of it (a collective with the dead rank: gloo's "Connection closed
+    by peer")."""
 
-    def __init__(self, exit_codes: dict[int, int], results: dict[int, Any]):
+    def __init__(self, exit_codes: dict[int, int], results: dict[int, Any],
+                 failures: dict[int, str] | None = None):
         super().__init__(f"ranks {sorted(exit_codes)} died (exit codes {exit_codes})")
-        self.exit_codes, self.results = exit_codes, results
+        self.exit_codes, self.results, self.failures = exit_codes, results, failures or {}
+
+
+def _dead(procs, skip) -> dict[int, int]:
+    return {r: p.exitcode for r, p in enumerate(procs) if r not in skip and p.exitcode not in (None, 0)}
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
@@ -71,17 +78,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
         p.start()
     out: dict[int, Any] = {}
     died: dict[int, int] = {}  # rank -> exit code, for a rank that ended without a result
+    failed: dict[int, str] = {}  # rank -> traceback, for a rank that failed after a death
     deadline = time.monotonic() + timeout
     try:
-        while len(out) + len(died) < world_size:
+        while len(out) + len(died) + len(failed) < world_size:
             try:
                 rank, ok, value = results.get(timeout=0.5)
             except queue.Empty:
-                for r, p in enumerate(procs):
-                    # a rank that reported exits 0 (its result may still be in the pipe)
-                    if r not in out and r not in died and p.exitcode not in (None, 0):
-                        died[r] = p.exitcode  # killed (SIGKILL: -9), or crashed
-                        deadline = min(deadline, time.monotonic() + after_death)
+                # a rank that reported exits 0 (its result may still be in the pipe)
+                for r, code in _dead(procs, set(out) | set(died) | set(failed)).items():
+                    died[r] = code  # killed (SIGKILL: -9), or crashed
+                    deadline = min(deadline, time.monotonic() + after_death)
                 if died and time.monotonic() > deadline:
                     break  # the others wait on the dead rank (gloo has no timeout here)
                 if not died and time.monotonic() > deadline:
@@ -90,10 +97,21 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
                                        f"{timeout} s (a hung collective?)") from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+                # a failure caused by another rank's death: a killed rank is reaped within moments
+                wait_until = time.monotonic() + 2.0
+                while True:
+                    died.update(_dead(procs, set(out) | set(failed) | {rank}))
+                    if died or time.monotonic() >= wait_until:
+                        break
+                    time.sleep(0.05)
+                if not died:
+                    raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+                failed[rank] = value
+                deadline = min(deadline, time.monotonic() + after_death)
+                continue
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
         if died:
-            raise RankDied(died, out)
+            raise RankDied(died, out, failed)
     finally:
         for p in procs:
             p.join(timeout=10)

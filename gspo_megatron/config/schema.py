@@ -175,10 +175,11 @@ class SyncConfig:
     """Size bound of one transfer bucket (per sender)."""
     senders: Literal["owners", "rank0"] = "owners"
     """owners: every rank that owns full tensors sends its own to the servers, concurrently
-    (transports tensor and disk; distributed sends from rank 0 still). rank0: everything through
+    (distributed: over a weights-update group per sender and server). rank0: everything through
     trainer rank 0."""
     delta: bool = True
-    """With senders=owners and transport tensor: after a server's first full sync send only the
+    """With senders=owners and transport tensor or distributed: after a server's first full sync
+    send only the
     elements that changed, in the served dtype (each sender keeps its last sent values on the
     host: model bytes in that dtype / senders), applied and checksummed by the project's SGLang
     loader (docs/sync.md)."""

@@ -1,15 +1,24 @@
 """One pass of an every-owner weight sync: each sender rank encodes its own buckets
 (owners.stream_owned, delta.DeltaEncoder) and delivers them itself; rank 0 only coordinates
 (weight_sync.py). Tensor transport: posted to every server through the project's loader
-(rollout/weight_delta.py), whole or as deltas. Disk transport: written as the sender's own
-safetensors shards of the version's folder (whole), which rank 0 indexes and has the servers load.
+(rollout/weight_delta.py), whole or as deltas. Distributed transport: broadcast over a
+weights-update group of this sender and that server alone (one per sender and server, made on
+first use), whole (SGLang's own load) or as deltas (the project's loader, which broadcasts its
+checksum report back over the group); nothing passes through a shared file system or shared
+memory, so senders and servers may sit on different machines. Disk transport: written as the
+sender's own safetensors shards of the version's folder (whole), which rank 0 indexes and has the
+servers load.
 
     plan = PassPlan(version, targets={url: "full" | "delta"}, check_all=..., dtype="bfloat16")
     outcome = run_pass(sender_state, chunks, wmap, plan_entries, senders, bucket_bytes, plan)
 
 Each sender posts to the servers from one thread per server, so a slow server does not hold the
 others up; the servers apply each request whole and in arrival order, and nothing is served
-before rank 0 sets the version and continues generation after every sender is done.
+before rank 0 sets the version and continues generation after every sender is done. A group of
+its own per sender and server is what keeps the distributed transport free of deadlock: a server
+takes one request at a time, and each queued request waits only on its own sender, who posted it
+and is broadcasting it (one group spanning several servers would wait on all of them at once,
+each of them busy with another sender's request).
 """
 from __future__ import annotations
 
@@ -27,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from gspo_megatron.sync.delta import DeltaEncoder
+from gspo_megatron.sync.owner_groups import OwnerGroups
 from gspo_megatron.sync.owners import stream_owned
 from rollout.weight_delta import LOADER, PART, path_tensor
 
@@ -43,6 +53,10 @@ class PassPlan:
     dtype: str
     keep_base: bool = True           # senders keep what they sent (delta syncs to come)
     disk_dir: str | None = None      # disk transport: the version's folder
+    transport: str = "tensor"
+    server_tp: dict[str, int] = field(default_factory=dict)  # distributed: each server's TP size
+    regroup: list[str] = field(default_factory=list)  # distributed: servers to make a new group with
+    timeout_s: float = 300.0         # distributed: a group's join and each broadcast
 
 
 @dataclass
@@ -73,11 +87,13 @@ def sampled(name: str, version: str) -> bool:
 
 
 class SenderState:
-    """What a rank keeps between syncs: its encoder (base values) and its HTTP clients."""
+    """What a rank keeps between syncs: its encoder (base values), its HTTP clients and, for the
+    distributed transport, its weights-update group with each server (owner_groups.py)."""
 
     def __init__(self) -> None:
         self.encoder: DeltaEncoder | None = None
         self.clients: dict = {}
+        self.groups = OwnerGroups()
 
     def client(self, url: str):
         from rollout.client import SGLangClient
@@ -107,6 +123,8 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
         now = time.perf_counter()
         setattr(out, phase, getattr(out, phase) + now - mark[0])
         mark[0] = now
+    if p.transport == "distributed" and rank in set(senders):
+        out.lost, out.error = state.groups.ensure(state.client, p)
     try:
         with ThreadPoolExecutor(max(1, len(p.targets))) as threads:
             for i, bucket in enumerate(stream_owned(chunks, wmap, plan, senders, bucket_bytes)):
@@ -130,9 +148,13 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                     continue
                 futures = {}
                 for url, mode in p.targets.items():
-                    report = scratch / f"{i}-{len(futures)}.json"
-                    payload = parts[mode] + [(PART + "report", path_tensor(report))]
-                    futures[url] = threads.submit(_post, state.client(url), payload, report)
+                    if p.transport == "distributed":
+                        futures[url] = threads.submit(state.groups.post, state.client(url), parts[mode],
+                                                      mode == "delta", p.timeout_s)
+                    else:
+                        report = scratch / f"{i}-{len(futures)}.json"
+                        payload = parts[mode] + [(PART + "report", path_tensor(report))]
+                        futures[url] = threads.submit(_post, state.client(url), payload, report)
                     out.sent_bytes += _payload_bytes(parts[mode])
                 for url, f in futures.items():
                     try:

@@ -1,5 +1,7 @@
-"""How full HF-named tensors reach the SGLang servers (TRANSPORTS: the table, by name). Used on
-trainer rank 0 only.
+"""How full HF-named tensors reach the SGLang servers through trainer rank 0 (TRANSPORTS: the
+table, by name; sync.senders=rank0). With senders=owners (the default) every owner sends itself
+(owner_pass.py; the distributed transport's groups: owner_groups.py), and rank 0 uses only the
+transport's sessions or folder, and its finish().
 
     transport.begin(version)              # before the first bucket
     transport.send(bucket, final=False)   # [(hf_name, tensor), ...], in stream order
@@ -137,7 +139,7 @@ class TensorTransport:
         self.pool = pool
 
     def begin(self, version: str) -> None:
-        self.pool.for_each(_begin_session)
+        self.pool.for_each(begin_session)
 
     def send(self, bucket: Bucket, final: bool, version: str) -> None:
         # The version is set with the last bucket only: a failure before it leaves the old label.
@@ -151,7 +153,7 @@ class TensorTransport:
         pass
 
 
-def _begin_session(client) -> None:
+def begin_session(client) -> None:
     """begin_weight_update; a session left open by a sync that failed between begin and end is
     ended first: SGLang refuses a second one (scheduler_components/weight_updater.py:309-315), so
     without this a failed tensor or distributed sync would block every later one."""
@@ -260,7 +262,7 @@ class DistributedTransport:
         self._ensure_group()
         # Must succeed before any broadcast: a server outside begin/end answers 400 to the update
         # and never joins the broadcast (docs/cpu.md).
-        self.pool.for_each(_begin_session)
+        self.pool.for_each(begin_session)
 
     def send(self, bucket: Bucket, final: bool, version: str) -> None:
         # The weights-update group is not one of torch's registered groups (comm_device cannot

@@ -3,17 +3,20 @@
     sync = WeightSync(chunks, hf_config, transport=TensorTransport(pool), pool=pool)  # every rank
     report = sync.sync(version=step)     # collective; pool/transport are used on rank 0 only
 
-One sync, on trainer rank 0: pause generation on every server (running requests are retracted and
-re-run with the new weights), stream the weights (stream.py) through the transport, set the new
-weight version with the last piece, check that every server reports it, continue generation.
+One sync (senders="owners", the default, _sync_owners): rank 0 pauses generation on every server
+(running requests are retracted and re-run with the new weights) and opens their update sessions;
+every owner sends its own buckets, whole or as deltas (owner_pass.py, through any transport);
+rank 0 judges the senders' outcomes, sets the new version, checks that every server reports it,
+continues generation. With senders="rank0" (_attempt) rank 0 alone streams the weights
+(stream.py) through the transport and sets the version with the last piece.
 The servers are the pool's live and rejoining ones (rollout/health.py): a server that came back
-after a failure gets the weights here and serves only after its version checked out; a server that
-cannot be reached during the sync is taken out of service and the sync goes on with the others.
-The distributed transport's broadcast fails instead: its servers still there may hold part of the
-new weights, so the whole sync runs again (every rank streams again) on a new group of the servers
-there are, at most once per server. No server left to take the weights:
+after a failure gets the weights here and serves only after its version checked out. A server
+lost part-way (every-owner passes, and the rank-0 distributed broadcast) is taken out, and since
+the servers still there may hold part of the new weights the whole sync runs again (every rank
+streams again) on the servers there are, at most once per server; through rank 0 the tensor and
+disk transports just go on with the others. No server left to take the weights:
 WeightSyncError(no_server=True), and the trainer waits for one (trainer.sync_weights).
-The other ranks only take part in the stream. If anything else fails part-way, the transport
+If anything else fails part-way, the transport
 undoes what would stop the next sync (Transport.abort), the servers are LEFT PAUSED (they may
 hold a mix of old and new weights, so they must not generate), `stale` is set, and every rank
 raises WeightSyncError; a later successful sync (all weights are sent each time) un-pauses them.
@@ -30,7 +33,7 @@ from gspo_megatron import GspoError
 from gspo_megatron.sync.owner_pass import CHECK_FIRST_DELTAS, PassPlan, SenderState, run_pass
 from gspo_megatron.sync.owners import assign_senders
 from gspo_megatron.sync.stream import build_plan, buckets, stream_hf_weights
-from gspo_megatron.sync.transports import Transport
+from gspo_megatron.sync.transports import Transport, begin_session
 from model_specs.weight_maps import weight_map_for
 
 
@@ -49,9 +52,9 @@ def _unreachable(error: BaseException | None) -> bool:
     return _in_chain(error, (ServerUnavailable, ConnectionError))
 
 
-# The transports every owner sends through itself (the others go through rank 0), and whether
-# they can send deltas.
-OWNER_TRANSPORTS = {"tensor": True, "disk": False}
+# The transports every owner sends through itself (all of them, with sync.senders=owners), and
+# whether they can send deltas.
+OWNER_TRANSPORTS = {"tensor": True, "distributed": True, "disk": False}
 
 
 class WeightSyncError(GspoError, RuntimeError):
@@ -145,7 +148,7 @@ class WeightSync:
                 "full_syncs": float(len(self.pool.sync_clients())) if self.rank == 0 else 0.0,
                 "checksum_mismatches": 0.0}
 
-    # --- every owner sends (the tensor transport) ---------------------------------------------
+    # --- every owner sends (tensor, distributed and disk transports) ---------------------------------------------
     def _served(self) -> str:
         """The servers' dtype (rank 0): their launch argument, else the model config's."""
         if self._served_dtype is None:
@@ -179,6 +182,7 @@ class WeightSync:
         buckets (owner_pass.run_pass), rank 0 checks, repairs a checksum mismatch with a full
         pass to that server, sets the version, closes the sessions, continues generation."""
         from rollout.client_errors import NoServerLeft
+        from rollout.health import LIVE
         start = time.perf_counter()
         totals = {"bytes": 0, "rank0_bytes": 0, "elements": 0, "changed": 0, "buckets": 0,
                   "senders": set(), "full": 0, "mismatches": 0, "stream_s": 0.0, "encode_s": 0.0,
@@ -195,10 +199,19 @@ class WeightSync:
                     targets = self._targets(repair, delta)
                     if repair is None:
                         self.pool.pause_generation(self.pause_mode)
-                        self.transport.begin(version)  # the sessions (tensor), the folder (disk)
+                        if self.transport.name == "distributed":  # the senders make their groups
+                            self.pool.for_each(begin_session)
+                        else:  # the sessions (tensor), the folder (disk)
+                            self.transport.begin(version)
                     check = not disk and self._deltas_sent < CHECK_FIRST_DELTAS
-                    message[0] = PassPlan(version, targets, check, self._served(), keep_base=delta,
-                                          disk_dir=str(self.transport.folder(version)) if disk else None)
+                    message[0] = PassPlan(
+                        version, targets, check, self._served(), keep_base=delta,
+                        disk_dir=str(self.transport.folder(version)) if disk else None,
+                        transport=self.transport.name,
+                        server_tp=dict(getattr(self.transport, "tp_size_of", {})),
+                        # a server that came back holds none of the senders' groups
+                        regroup=[u for u in targets if self.pool.status(u) != LIVE],
+                        timeout_s=float(getattr(self.transport, "timeout_s", 300.0)))
                 except Exception as e:  # noqa: BLE001 - reported on every rank below
                     message[1:] = [f"{type(e).__name__}: {e}", _in_chain(e, (NoServerLeft,))]
             dist.broadcast_object_list(message, src=0)

@@ -25,11 +25,17 @@ pytestmark = pytest.mark.slow
 DELTAS = 20
 
 
-def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt):
+def _transport(name, pool):
+    from gspo_megatron.sync import DistributedTransport, TensorTransport
+    from rollout.ports import free_port
+    return TensorTransport(pool) if name == "tensor" else DistributedTransport(pool, "127.0.0.1", free_port())
+
+
+def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt, transport):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
     from rollout.pool import ServerPool
@@ -40,7 +46,7 @@ def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt):
                   optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
     actor.load_weights(ckpt)
     pool = ServerPool([url]) if rank == 0 else None
-    sync = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool,
+    sync = WeightSync(actor.chunks, hf, _transport(transport, pool) if rank == 0 else None, pool,
                       bucket_bytes=64_000)
     reports = [sync.sync(version="full")]
     for step in range(1, DELTAS + 1):
@@ -86,18 +92,19 @@ def bf16_moe_server():
         yield group
 
 
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
 @pytest.mark.parametrize("layout", [dict(pipeline=2, expert=2), dict(tensor=2, expert=2)],
                          ids=["pp2-ep2", "tp2-ep2"])
-def test_delta_syncs_bit_exact(layout, bf16_moe_server, tmp_path):
+def test_delta_syncs_bit_exact(layout, transport, bf16_moe_server, tmp_path):
     corrupt = layout.get("pipeline") == 2
     with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
         results = run_distributed(_body, 4, (ckpt, url, layout, str(tmp_path),
-                                             str(tiny_model_dir("qwen3_moe", 0)), corrupt), timeout=900)
+                                             str(tiny_model_dir("qwen3_moe", 0)), corrupt, transport),
+                                  timeout=900)
     r = results[0]
-    corrupt = layout.get("pipeline") == 2
     full, deltas = r["reports"][0], r["reports"][1:]
     changed = [d["changed_fraction"] for d in deltas]
-    print(f"{layout}: full sync {full['bytes'] / 1e6:.2f} MB from {full['senders']:.0f} senders "
+    print(f"{layout} {transport}: full sync {full['bytes'] / 1e6:.2f} MB from {full['senders']:.0f} senders "
           f"(rank 0 {full['rank0_bytes'] / 1e6:.2f} MB); deltas {min(d['bytes'] for d in deltas) / 1e6:.3f}-"
           f"{max(d['bytes'] for d in deltas) / 1e6:.3f} MB, changed {min(changed):.3f}-{max(changed):.3f}")
     assert r["differ"] == [], f"served tensors differ from the trainer's: {r['differ'][:5]}"
@@ -112,17 +119,18 @@ def test_delta_syncs_bit_exact(layout, bf16_moe_server, tmp_path):
     assert 0 < min(changed) and max(changed) < 0.5
 
 
-def _sender_killed(rank, world, ckpt, url, scratch):
+def _sender_killed(rank, world, ckpt, url, scratch, transport):
     """EP2 on 2 ranks: a full sync, a delta sync, then rank 1 is SIGKILLed after its first
     request of the next delta sync (rank 0 then waits on it in a collective: a real job's
-    launcher would end it)."""
+    launcher would end it). Distributed: the server is left waiting in a receive from the dead
+    sender, or in its next request."""
     import os
     import signal
 
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import TensorTransport, WeightSync, owner_pass
+    from gspo_megatron.sync import WeightSync, owner_groups, owner_pass
     from rollout.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
@@ -130,30 +138,32 @@ def _sender_killed(rank, world, ckpt, url, scratch):
                   optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
     actor.load_weights(ckpt)
     pool = ServerPool([url]) if rank == 0 else None
-    sync = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool,
+    sync = WeightSync(actor.chunks, hf, _transport(transport, pool) if rank == 0 else None, pool,
                       bucket_bytes=20_000)
     sync.sync(version="full")
     _gspo_step(actor, seed=1)
     sync.sync(version="delta1")
     _gspo_step(actor, seed=2)
     if rank == 1:
-        post = owner_pass._post
+        where, attr = ((owner_pass, "_post") if transport == "tensor" else
+                       (owner_groups.OwnerGroups, "post"))
+        post = getattr(where, attr)
 
         def post_then_die(*args):
             out = post(*args)
             os.kill(os.getpid(), signal.SIGKILL)  # mid-sync: its other buckets never leave
             return out
-        owner_pass._post = post_then_die
+        setattr(where, attr, post_then_die)
     sync.sync(version="delta2")
     return None
 
 
-def _fresh_job(rank, world, ckpt, url, scratch):
+def _fresh_job(rank, world, ckpt, url, scratch, transport):
     """A new trainer job after the crash: its first sync is full and un-pauses the server."""
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
     from rollout.pool import ServerPool
@@ -164,7 +174,7 @@ def _fresh_job(rank, world, ckpt, url, scratch):
     actor.load_weights(ckpt)
     _gspo_step(actor, seed=7)
     pool = ServerPool([url]) if rank == 0 else None
-    report = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool,
+    report = WeightSync(actor.chunks, hf, _transport(transport, pool) if rank == 0 else None, pool,
                         bucket_bytes=20_000).sync(version="restarted")
     mine = hf_state_dict(actor.chunks, weight_map_for(hf))
     if rank != 0:
@@ -177,12 +187,13 @@ def _fresh_job(rank, world, ckpt, url, scratch):
                 labels=sorted(set(gen.weight_versions)))
 
 
-def test_a_sender_killed_mid_delta_never_leaves_a_mix_served(bf16_moe_server, tmp_path):
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
+def test_a_sender_killed_mid_delta_never_leaves_a_mix_served(transport, bf16_moe_server, tmp_path):
     from distributed import RankDied
     from rollout.client import SGLangClient
     with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
         with pytest.raises(RankDied) as died:
-            run_distributed(_sender_killed, 2, (ckpt, url, str(tmp_path)), timeout=600,
+            run_distributed(_sender_killed, 2, (ckpt, url, str(tmp_path), transport), timeout=600,
                             after_death=10)
         assert died.value.exit_codes == {1: -9}
         # the server still says delta1 and serves nothing (paused, perhaps holding a mix)
@@ -190,7 +201,7 @@ def test_a_sender_killed_mid_delta_never_leaves_a_mix_served(bf16_moe_server, tm
         version = client.weight_version()
         with pytest.raises(Exception) as no_answer:
             client.generate([5, 7, 9], {"max_new_tokens": 2})
-        again = run_distributed(_fresh_job, 2, (ckpt, url, str(tmp_path)), timeout=600)[0]
+        again = run_distributed(_fresh_job, 2, (ckpt, url, str(tmp_path), transport), timeout=600)[0]
     print(f"sender killed mid-delta: the server kept version {version} and answered no request "
           f"({type(no_answer.value).__name__}); the next job's full sync: "
           f"{again['report']['bytes'] / 1e6:.2f} MB, bit-exact")
@@ -200,15 +211,16 @@ def test_a_sender_killed_mid_delta_never_leaves_a_mix_served(bf16_moe_server, tm
 
 
 def _server_killed(rank, world, ckpt, live_url, scratch):
-    """EP2 on 2 ranks, two servers: the victim is SIGKILLed after a delta sync, the health
-    monitor restarts it; the sync while it is out goes to the live server alone (a delta), the
-    first sync after it is back gives it everything and the live server a delta, the next gives
-    both deltas."""
+    """EP2 on 2 ranks, two servers, the distributed transport: the victim is SIGKILLed after a
+    delta sync, the health monitor restarts it; the sync while it is out goes to the live server
+    alone (a delta), the first sync after it is back gives it everything (each sender over a new
+    group with it) and the live server a delta, the next gives both deltas. The tensor transport
+    takes the same decisions (WeightSync._targets) with nothing of its own to remake."""
     from fixtures_servers import launch_tiny_server
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import TensorTransport, WeightSync
+    from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
     from rollout.health import LIVE, REJOINING, HealthMonitor, ServerHealthSettings
@@ -231,8 +243,8 @@ def _server_killed(rank, world, ckpt, live_url, scratch):
                                                            server_max_restarts=2),
                                 launched=group.launched(), log=lines.append).start()
     try:
-        sync = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool,
-                          bucket_bytes=20_000)
+        sync = WeightSync(actor.chunks, hf, _transport("distributed", pool) if rank == 0 else None,
+                          pool, bucket_bytes=20_000)
         reports = {"v0": sync.sync(version="v0")}
         _gspo_step(actor, seed=1)
         reports["d1"] = sync.sync(version="d1")

@@ -1,0 +1,119 @@
+"""The delta path without a server: DeltaEncoder's payloads applied by the project's SGLang loader
+(rollout/weight_delta.py) to a toy model whose load_weights places HF tensors the way SGLang's do
+(two HF tensors stacked into one fused parameter, one transposed), bit for bit; a checksum catches
+a weight changed behind the sender's back; the routing of the model's load_weights hands the
+loader's payloads to it and everything else to the model untouched (the disk loader's iterator
+unconsumed). The real servers' side: tests/sync/test_weight_sync_owners.py."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from gspo_megatron.sync.delta import DeltaEncoder
+from rollout.weight_delta import (PART, checksum, load, pack_bits, path_tensor, route_load_weights,
+                                  unpack_bits)
+
+Q, K, W = "model.layers.0.q.weight", "model.layers.0.k.weight", "model.layers.0.w.weight"
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16), requires_grad=False)
+        self.w = torch.nn.Parameter(torch.zeros(3, 5, dtype=torch.bfloat16), requires_grad=False)
+
+
+class _Toy(torch.nn.Module):
+    """q [2, 4] and k [4, 4] stacked into qkv; w [5, 3] stored transposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer()])
+        self.seen: list = []
+
+    def load_weights(self, weights):
+        self.seen.append(weights)
+        layer = self.layers[0]
+        for name, t in weights:
+            if name == Q:
+                layer.qkv.data[:2].copy_(t)
+            elif name == K:
+                layer.qkv.data[2:].copy_(t)
+            elif name == W:
+                layer.w.data.copy_(t.t())
+            else:
+                raise KeyError(name)
+
+
+def _served(model: _Toy) -> dict[str, torch.Tensor]:
+    layer = model.layers[0]
+    return {Q: layer.qkv.data[:2].clone(), K: layer.qkv.data[2:].clone(), W: layer.w.data.t().clone()}
+
+
+def _apply(model, payload, tmp_path) -> dict:
+    report = tmp_path / "report.json"
+    load(model, list(payload) + [(PART + "report", path_tensor(str(report)))])
+    return json.loads(report.read_text())
+
+
+def test_deltas_applied_bit_for_bit_and_a_changed_weight_caught(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    weights = {Q: torch.randn(2, 4, generator=g), K: torch.randn(4, 4, generator=g),
+               W: torch.randn(5, 3, generator=g)}
+    model = _Toy()
+    enc = DeltaEncoder(torch.bfloat16)
+    full = enc.encode(list(weights.items()), delta=False, full=True)["full"]
+    model.load_weights(full)
+    for step in range(3):
+        # a few elements move by more than bf16's resolution, the rest by far less
+        weights = {n: t + 1e-6 for n, t in weights.items()}
+        weights[Q][0, step] += 0.5
+        weights[W][step + 1, 2] -= 0.25
+        weights[K][3, 3] = -0.0 if step == 1 else weights[K][3, 3]
+        payload = enc.encode(list(weights.items()), delta=True, full=False, check=[Q, K, W])["delta"]
+        sent = {n.rpartition(PART)[0] or n for n, _ in payload}
+        assert {Q, W} <= sent
+        got = _apply(model, payload, tmp_path)
+        assert got == {"mismatched": [], "checked": 3, "unchecked": 0, "error": None}, got
+        served = _served(model)
+        for n, t in weights.items():
+            assert torch.equal(served[n].view(torch.int16), t.to(torch.bfloat16).view(torch.int16)), (step, n)
+    # behind the sender's back: the next delta's checksum names the tensor
+    model.layers[0].w.data[0, 0] += 1.0
+    weights[Q][1, 1] += 0.5
+    payload = enc.encode(list(weights.items()), delta=True, full=False, check=[Q, K, W])["delta"]
+    got = _apply(model, payload, tmp_path)
+    assert got["mismatched"] == [W] and got["error"] is None
+
+
+def test_routing_hands_the_loaders_payloads_to_it_and_the_rest_untouched(tmp_path):
+    model = _Toy()
+    route_load_weights(model)
+    route_load_weights(model)  # idempotent
+    t = torch.ones(2, 4)
+    stream = iter([(Q, t)])  # the disk loader's iterator: passed on as it is
+    model.load_weights(stream)
+    assert model.seen[-1] is stream
+    model.load_weights([(Q, t)])
+    assert model.seen[-1] == [(Q, t)]
+    before = len(model.seen)
+    report = tmp_path / "r.json"
+    model.load_weights([(K, torch.full((4, 4), 2.0)), (PART + "report", path_tensor(str(report)))])
+    # through the loader: the dense tensor reached the model's own load_weights, the report was written
+    assert [n for n, _ in model.seen[before]] == [K]
+    assert json.loads(report.read_text())["error"] is None
+    assert torch.equal(model.layers[0].qkv.data[2:], torch.full((4, 4), 2.0, dtype=torch.bfloat16))
+
+
+def test_bits_and_checksums():
+    mask = torch.zeros(37, dtype=torch.bool)
+    mask[[0, 7, 8, 36]] = True
+    assert unpack_bits(pack_bits(mask), 37).tolist() == [0, 7, 8, 36]
+    x = torch.tensor([0.0, 1.0, 2.0], dtype=torch.bfloat16)
+    y = x.clone()
+    y[0] = -0.0  # equal as numbers, not as bits
+    assert checksum(x) != checksum(y)
+    assert checksum(x[1:], torch.tensor([1, 2])) == checksum(torch.tensor([9.0, 1.0, 2.0], dtype=torch.bfloat16)[1:],
+                                                           torch.tensor([1, 2]))
+    assert checksum(x[[2, 1]], torch.tensor([1, 2])) != checksum(x[1:], torch.tensor([1, 2]))
