@@ -196,13 +196,14 @@ class WeightSync:
                 try:
                     disk = self.transport.name == "disk"
                     delta = self.delta and OWNER_TRANSPORTS[self.transport.name]
-                    targets = self._targets(repair, delta)
                     if repair is None:
                         self.pool.pause_generation(self.pause_mode)
                         if self.transport.name == "distributed":  # the senders make their groups
                             self.pool.for_each(begin_session)
                         else:  # the sessions (tensor), the folder (disk)
                             self.transport.begin(version)
+                    # after the pause and the sessions: a server they took out is no target
+                    targets = self._targets(repair, delta)
                     check = not disk and self._deltas_sent < CHECK_FIRST_DELTAS
                     message[0] = PassPlan(
                         version, targets, check, self._served(), keep_base=delta,
