@@ -23,6 +23,8 @@ The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART s
     |export            uint8 path: write the listed names' served values (N|shape entries) there
     |report            uint8 path: write what happened there, as JSON (load's docstring)
     |reply             uint8 group name: broadcast the report over that weights-update group
+    |flat=[[n, dtype, shape, offset], ...]   uint8: the entries above as one buffer (flatten():
+                       the tensor transport shares one tensor per request, not hundreds)
 Nothing here may raise: SGLang calls a custom loader outside any try (model_runner_components/
 weight_updater.py:374-376), so an exception kills the scheduler. Errors and checksum mismatches
 go to the report instead: a file for the tensor transport (it runs on the servers' machine, so
@@ -262,6 +264,40 @@ def _path(t: torch.Tensor | None) -> str | None:
     return None if t is None else bytes(t.to(torch.uint8).tolist()).decode()
 
 
+FLAT = PART + "flat="
+
+
+def flatten(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A payload as one (name, uint8 tensor) pair: each entry's name, dtype, shape and byte offset
+    in the name (JSON), the bytes concatenated, each entry at a multiple of 8 (for its view)."""
+    meta, chunks, offset = [], [], 0
+    for name, t in named:
+        pad = (-offset) % 8
+        if pad:
+            chunks.append(torch.zeros(pad, dtype=torch.uint8))
+            offset += pad
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        meta.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+        chunks.append(data)
+        offset += data.numel()
+    buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return [(FLAT + json.dumps(meta), buf)]
+
+
+def unflatten(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """flatten()'s entries back (views of the buffer); other entries as they are."""
+    out = []
+    for name, t in named:
+        if not name.startswith(FLAT):
+            out.append((name, t))
+            continue
+        for entry, dtype, shape, offset in json.loads(name[len(FLAT):]):
+            dt = getattr(torch, dtype)
+            size = math.prod(shape) * dt.itemsize
+            out.append((entry, t[offset:offset + size].view(dt).reshape(shape)))
+    return out
+
+
 def path_tensor(path: str) -> torch.Tensor:
     """A file path as the payload carries it (|export, |report)."""
     return torch.tensor(list(str(path).encode()), dtype=torch.uint8)
@@ -291,7 +327,7 @@ def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor
     {"mismatched": [names], "unchecked": n, "checked": n, "error": str | None} to |report (rank 0)
     or broadcasts it over the |reply group (from TP rank 0, group rank 1)."""
     route_load_weights(model)
-    entries, order = _group(named_tensors)
+    entries, order = _group(unflatten(named_tensors))
     meta = entries.pop("", {})
     report = {"mismatched": [], "checked": 0, "unchecked": 0, "error": None}
     try:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from gspo_megatron.sync.delta import DeltaEncoder
 from gspo_megatron.sync.owner_groups import OwnerGroups
 from gspo_megatron.sync.owners import stream_owned
-from rollout.weight_delta import LOADER, PART, path_tensor
+from rollout.weight_delta import LOADER, PART, flatten, path_tensor
 
 # Delta syncs whose every sent tensor is checked by the servers; later ones check a sample.
 CHECK_FIRST_DELTAS = 3
@@ -153,7 +153,7 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                                                       mode == "delta", p.timeout_s)
                     else:
                         report = scratch / f"{i}-{len(futures)}.json"
-                        payload = parts[mode] + [(PART + "report", path_tensor(report))]
+                        payload = flatten(parts[mode] + [(PART + "report", path_tensor(report))])
                         futures[url] = threads.submit(_post, state.client(url), payload, report)
                     out.sent_bytes += _payload_bytes(parts[mode])
                 for url, f in futures.items():

@@ -11,8 +11,8 @@ import json
 import torch
 
 from gspo_megatron.sync.delta import DeltaEncoder
-from rollout.weight_delta import (PART, checksum, load, pack_bits, path_tensor, route_load_weights,
-                                  unpack_bits)
+from rollout.weight_delta import (PART, checksum, flatten, load, pack_bits, path_tensor,
+                                  route_load_weights, unflatten, unpack_bits)
 
 Q, K, W = "model.layers.0.q.weight", "model.layers.0.k.weight", "model.layers.0.w.weight"
 
@@ -51,9 +51,10 @@ def _served(model: _Toy) -> dict[str, torch.Tensor]:
     return {Q: layer.qkv.data[:2].clone(), K: layer.qkv.data[2:].clone(), W: layer.w.data.t().clone()}
 
 
-def _apply(model, payload, tmp_path) -> dict:
+def _apply(model, payload, tmp_path, flat=False) -> dict:
     report = tmp_path / "report.json"
-    load(model, list(payload) + [(PART + "report", path_tensor(str(report)))])
+    payload = list(payload) + [(PART + "report", path_tensor(str(report)))]
+    load(model, flatten(payload) if flat else payload)
     return json.loads(report.read_text())
 
 
@@ -74,7 +75,7 @@ def test_deltas_applied_bit_for_bit_and_a_changed_weight_caught(tmp_path):
         payload = enc.encode(list(weights.items()), delta=True, full=False, check=[Q, K, W])["delta"]
         sent = {n.rpartition(PART)[0] or n for n, _ in payload}
         assert {Q, W} <= sent
-        got = _apply(model, payload, tmp_path)
+        got = _apply(model, payload, tmp_path, flat=step % 2 == 1)  # as the tensor transport sends it
         assert got == {"mismatched": [], "checked": 3, "unchecked": 0, "error": None}, got
         served = _served(model)
         for n, t in weights.items():
@@ -104,6 +105,18 @@ def test_routing_hands_the_loaders_payloads_to_it_and_the_rest_untouched(tmp_pat
     assert [n for n, _ in model.seen[before]] == [K]
     assert json.loads(report.read_text())["error"] is None
     assert torch.equal(model.layers[0].qkv.data[2:], torch.full((4, 4), 2.0, dtype=torch.bfloat16))
+
+
+def test_flatten_round_trip():
+    named = [("a", torch.arange(3, dtype=torch.int64)), ("b|bits", torch.tensor([5], dtype=torch.uint8)),
+             ("c", torch.tensor([[1.5, -0.0]], dtype=torch.bfloat16)), ("d", torch.tensor(7, dtype=torch.int32)),
+             ("e", torch.tensor([True, False]))]
+    [(name, buf)] = flatten(named)
+    back = unflatten([(name, buf), ("plain", torch.ones(1))])
+    assert [n for n, _ in back] == ["a", "b|bits", "c", "d", "e", "plain"]
+    for (_, t), (_, u) in zip(named, back):
+        assert t.dtype == u.dtype and t.shape == u.shape
+        assert torch.equal(t.reshape(-1).view(torch.uint8), u.reshape(-1).view(torch.uint8))
 
 
 def test_bits_and_checksums():
