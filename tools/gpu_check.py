@@ -17,7 +17,9 @@ before and after one SGD step, same tolerance, with a one-segment control (_pack
 spec (bit-exact), 6. the checkpoint exported to HF and compared bit-exactly with the trained
 weights, and the untrained conversion exported and compared with the original HF file,
 7. (TE, 2+ GPUs) context parallelism: CP2 against CP1 in bf16, log-probs and one GSPO step
-(tools/gpu_check_cp.py; a SKIP row with one GPU), 8. the fused log-prob benchmark in bf16 (GPU only).
+(tools/gpu_check_cp.py; a SKIP row with one GPU), 8. (GPU) megatron's optimizer offload against
+the optimizer on the GPU, two bf16 GSPO steps (tools/gpu_check_offload.py), 9. the fused log-prob
+benchmark in bf16 (GPU only).
 Prints the tables last; exits 1 if any row fails.
 """
 from __future__ import annotations
@@ -247,6 +249,9 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
     if "te" in specs and device == "cuda":
         from tools.gpu_check_cp import cp_row
         rows.append(cp_row(out, hf_dir, mcore, batch))
+    if device == "cuda":  # megatron's optimizer offload: CUDA streams, no CPU path
+        from tools.gpu_check_offload import offload_row
+        rows.append(offload_row(hf_dir, mcore, batch))
     return rows
 
 
@@ -275,7 +280,7 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         result = "PASS" if r["ok"] else "FAIL"
-        if r["spec"] == "te CP2":  # its own table (gpu_check_cp.table)
+        if r["spec"] in ("te CP2", "offload"):  # their own lines (gpu_check_cp.table, gpu_check_offload)
             continue
         if r["spec"] == "conversion":
             lines.append(f"| HF -> megatron -> HF | fp32 | - | - | - | - | {r['untrained_export']:.1e} | - | {result} |")
@@ -323,6 +328,9 @@ def main() -> int:
         if r["spec"] == "te CP2":
             from tools.gpu_check_cp import table as cp_table
             print("\ncontext parallelism (TE spec):\n" + cp_table(r))
+        if r["spec"] == "offload":
+            from tools.gpu_check_offload import describe
+            print("\n" + describe(r))
     if device == "cuda" and not args.no_bench:
         print("\nfused log-prob benchmark (bf16):", flush=True)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "logprobs_memory.py"), "--device", "cuda",

@@ -216,13 +216,25 @@ def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimizerSe
         raise ValueError(f"use_distributed_optimizer={settings.use_distributed_optimizer} but the "
                          f"model chunks were built with "
                          f"{chunks[0].ddp_config.use_distributed_optimizer}")
+    offload = {}
+    if settings.optimizer_cpu_offload:
+        if not torch.cuda.is_available():
+            raise ValueError("train.optimizer_cpu_offload: true needs CUDA GPUs (megatron's "
+                             "HybridDeviceOptimizer copies gradients to the host and weights back on "
+                             "CUDA streams); on a CPU everything is on the host already: set it false")
+        # as megatron's --optimizer-cpu-offload --use-precision-aware-optimizer
+        # --overlap-cpu-optimizer-d2h-h2d (optimizer_config.py: the precision-aware optimizer with
+        # offload skips TE's FusedAdam check; optimizer/__init__.py builds HybridDeviceOptimizer)
+        offload = dict(optimizer_cpu_offload=True,
+                       optimizer_offload_fraction=settings.optimizer_offload_fraction,
+                       use_precision_aware_optimizer=True, overlap_cpu_optimizer_d2h_h2d=True)
     opt_config = OptimizerConfig(
         optimizer=settings.optimizer, lr=settings.lr, min_lr=settings.min_lr,
         weight_decay=settings.weight_decay, adam_beta1=settings.adam_beta1,
         adam_beta2=settings.adam_beta2, adam_eps=settings.adam_eps,
         sgd_momentum=settings.sgd_momentum, clip_grad=settings.clip_grad,
         use_distributed_optimizer=settings.use_distributed_optimizer,
-        params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16,
+        params_dtype=config.params_dtype, bf16=config.bf16, fp16=config.fp16, **offload,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
     config.grad_scale_func = optimizer.scale_loss

@@ -45,6 +45,15 @@ class OptimizerSettings:
     """Shard optimizer state (and the gradient reduce-scatter) over data-parallel ranks (ZeRO-1)."""
     grad_reduce_in_fp32: bool = True
     """Accumulate and all-reduce gradients in fp32 when the model is bf16/fp16."""
+    optimizer_cpu_offload: bool = False
+    """Keep Adam's state and fp32 main weights (this fraction of them: optimizer_offload_fraction)
+    in host memory and step them on the CPU: megatron's HybridDeviceOptimizer, with the
+    precision-aware optimizer, gradients copied to the host and weights back on side streams
+    (overlap_cpu_optimizer_d2h_h2d). What a model of DeepSeek-V3's size needs on 128 H100s
+    (`gspo-megatron plan`). CUDA only (the optimizer moves state between a GPU and its host); needs
+    use_distributed_optimizer."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the share of the optimizer's parameters stepped on the host."""
 
     def __post_init__(self) -> None:
         # Errors read "field=value: expected ..." so that the config can prefix its section.
@@ -54,6 +63,13 @@ class OptimizerSettings:
             # megatron-core's DistributedOptimizer asserts Adam (checkpointing requirements).
             raise ValueError(f"use_distributed_optimizer=True needs optimizer='adam', got "
                              f"{self.optimizer!r}")
+        if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
+            # megatron-core builds HybridDeviceOptimizer only inside the distributed optimizer
+            # (optimizer/__init__.py; the precision-aware optimizer asserts it, optimizer_config.py)
+            raise ValueError("optimizer_cpu_offload=True needs use_distributed_optimizer=True")
+        if not 0.0 < self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(f"optimizer_offload_fraction={self.optimizer_offload_fraction!r}: "
+                             "expected a fraction in (0, 1]")
         if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
             raise ValueError(f"lr_decay_steps={self.lr_decay_steps!r}: expected >= 1 or null")
 

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from gspo_megatron.planner.sync_time import SYNC_CHANGED, SYNC_GBPS
 
 GPU_KINDS = ("a100", "h100", "h200")  # plan.GPUS
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "qwen3_235b_a22b.yaml")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML run config: dtype, optimizer, token budget, recompute, rollout sizes")
+    p.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
+                   help="YAML run config: dtype, optimizer, token budget, recompute, rollout sizes "
+                   f"(default {DEFAULT_CONFIG}: the paper's batch on H100 nodes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config field (repeatable)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
@@ -34,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"fraction of the elements that change per step in the served dtype, for the delta "
                    f"sync (default {SYNC_CHANGED:g}; benchmarks/sync.py measures well below this at the "
                    "paper's learning rate 1e-6): put a run's measured sync/changed_fraction here")
+    p.add_argument("--host-memory", help="host memory per node, for the optimizer offload's state "
+                   "(default 2TB: an 8-GPU H100 node)")
     p.add_argument("--all", action="store_true", help="also print the layouts that do not fit, with why")
     p.add_argument("--check", action="store_true", help="run the chosen layout (--layout, else the "
                    "config's parallel section) for two steps and print predicted against measured")

@@ -1,6 +1,6 @@
 """The `gspo-megatron plan` command: arguments, the run config's settings, the printed plan.
 
-    gspo-megatron plan CONFIG --gpus N [--gpu h100] [--gpu-memory 80GiB] [--nodes M]
+    gspo-megatron plan [CONFIG] --gpus N [--gpu h100] [--gpu-memory 80GiB] [--nodes M] [--host-memory 2TB]
                        [--model NAME|DIR] [--tokens N] [--layout tensor=4,pipeline=8] [--all]
                        [--sync-gbps 25] [--server-gpus N] [--sync-changed 0.05]
     gspo-megatron plan CONFIG --gpus 2 --model tiny-qwen3-moe --layout tensor=2 --check
@@ -10,6 +10,7 @@ The arguments are arguments.py's (imported by the CLI before torch is).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 from gspo_megatron.planner.memory import GiB, MemorySettings
-from gspo_megatron.planner.plan import GPUS, PlanError, load_model, parse_memory, plan, table
+from gspo_megatron.planner.plan import GPUS, HOST_MEMORY, PlanError, load_model, parse_memory, plan, table
 from gspo_megatron.planner.sync_time import SyncSettings, delta_bytes_per_element
 from rollout.ports import free_port
 
@@ -40,6 +41,7 @@ def settings_from(cfg, tokens: int | None) -> MemorySettings:
         params_dtype=cfg.model.dtype,
         optimizer=t.optimizer, sgd_momentum=t.sgd_momentum,
         use_distributed_optimizer=t.use_distributed_optimizer, grad_reduce_in_fp32=t.grad_reduce_in_fp32,
+        optimizer_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
         max_tokens=tokens or t.max_tokens_per_micro_batch or 16384, recompute=c.recompute,
         recompute_modules=modules)
 
@@ -63,8 +65,23 @@ def run(args: argparse.Namespace) -> int:
     fixed = _layout_fields(args.layout)
     if args.check:
         return check(args, fixed or _config_layout(cfg))
-    rows, refused = plan(hf, args.gpus, gpu, capacity, per_node, s, step_tokens,
-                         mean_len=min(r.max_new_tokens, s.max_tokens) / 2, fixed=fixed, sync=sync)
+    host = parse_memory(args.host_memory, "--host-memory") if args.host_memory else HOST_MEMORY
+
+    def plan_with(settings):
+        return plan(hf, args.gpus, gpu, capacity, per_node, settings, step_tokens,
+                    mean_len=min(r.max_new_tokens, settings.max_tokens) / 2, fixed=fixed, sync=sync,
+                    host_memory=host)
+    rows, refused = plan_with(s)
+    offered = None
+    if rows and not any(x.fits for x in rows) and not s.optimizer_offload_fraction and s.optimizer == "adam":
+        # Nothing fits with the optimizer on the GPUs: what fits with it on the host (how DeepSeek-V3
+        # and Kimi-K2 train on 128 H100s), said as the settings that give it.
+        offered = dataclasses.replace(s, use_distributed_optimizer=True, optimizer_offload_fraction=1.0)
+        with_offload = plan_with(offered)[0]
+        if any(x.fits for x in with_offload):
+            rows, s = with_offload, offered
+        else:
+            offered = None
     if not rows:
         first = max(refused.values(), key=lambda v: v[0])[1] if refused else "none to try"
         raise PlanError(f"no valid layout of {args.gpus} GPUs{' with --layout ' + args.layout if fixed else ''}: {first}")
@@ -73,6 +90,14 @@ def run(args: argparse.Namespace) -> int:
           f"{per_node} per node): {cfg.model.dtype}, {s.optimizer}"
           f"{' (distributed)' if s.use_distributed_optimizer else ''}, recompute {s.recompute}, "
           f"{s.max_tokens} tokens per micro-batch, {step_tokens} tokens per step")
+    if offered is not None:
+        print("nothing fits with the optimizer's state on the GPUs; these fit with it on the host: "
+              "set train.use_distributed_optimizer: true and train.optimizer_cpu_offload: true "
+              "(GPU only; docs/performance.md)")
+    if s.optimizer_offload_fraction:
+        print(f"optimizer offload: {s.optimizer_offload_fraction:.0%} of each rank's optimizer state on the "
+              f"host (of {host / GiB:.0f} GiB per node: --host-memory), stepped there; est. step s includes the copies and the "
+              "host's Adam (gspo_megatron/planner/plan.py offload_time)")
     print(f"{len(rows)} valid layouts, {fits} fit; estimates: memory of the fullest pipeline stage, "
           "step time from FLOPs and communication (gspo_megatron/planner/plan.py)")
     total = rows[0].sync.total_bytes
@@ -83,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
           "(gspo_megatron/planner/sync_time.py)\n")
     if not fits:  # nothing fits: the nearest layouts and why, and a failing exit (a script must not go on)
         nearest = sorted(rows, key=lambda r: r.memory.total())[:args.top if args.all else 5]
-        print(table(nearest, capacity, s, True, 0))
+        print(table(nearest, capacity, s, True, 0, per_node))
     else:
-        print(table(rows, capacity, s, args.all, args.top))
+        print(table(rows, capacity, s, args.all, args.top, per_node))
     if refused:
         top = sorted(refused.values(), key=lambda v: -v[0])[:5]
         print("\nrefused by the layout validation (count, an example): " +

@@ -39,6 +39,9 @@ class MemorySettings:
     """train.use_distributed_optimizer: optimizer state sharded over data parallel (ZeRO-1)."""
     grad_reduce_in_fp32: bool = True
     """train.grad_reduce_in_fp32."""
+    optimizer_offload_fraction: float = 0.0
+    """train.optimizer_cpu_offload's train.optimizer_offload_fraction (0: no offload): that share of
+    the optimizer's parameters keeps its state on the host (host_bytes)."""
     max_tokens: int = 16384
     """Tokens one train micro-batch computes (train.max_tokens_per_micro_batch)."""
     num_microbatches: int = 8
@@ -78,6 +81,10 @@ class RankMemory:
     overhead: int
     activation_bytes_per_token: float
     """activations / max_tokens: what one more token of budget costs."""
+    host: int = 0
+    """Host memory the rank's offloaded optimizer holds (host_bytes)."""
+    offloaded_params: int = 0
+    """Parameters the host steps for this rank (optimizer offload)."""
 
     def static(self) -> int:
         return self.weights + self.gradients + self.optimizer
@@ -201,7 +208,8 @@ def _optimizer_bytes_per_param(s: MemorySettings) -> int:
 
 def static_bytes(spec: Model, layout: ParallelLayout, world: int, s: MemorySettings,
                  pp_rank: int) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer state) bytes of a rank of stage `pp_rank`.
+    """(weights, gradients, optimizer state on the GPU) bytes of a rank of stage `pp_rank`; with
+    optimizer offload the offloaded share's state is on the host instead (offloaded_params).
 
     Gradients: DDP's contiguous grad buffer, fp32 with grad_reduce_in_fp32 or fp32 weights
     (distributed/param_and_grad_buffer.py), one per parameter. The distributed optimizer keeps
@@ -211,14 +219,33 @@ def static_bytes(spec: Model, layout: ParallelLayout, world: int, s: MemorySetti
     dense, expert = stage_params(spec, layout, pp_rank)
     p_bytes = s.param_bytes
     g_bytes = 4 if (s.grad_reduce_in_fp32 or s.params_dtype == "float32") else p_bytes
-    per = _optimizer_bytes_per_param(s)
-    if s.use_distributed_optimizer:
-        dp_cp = world // (layout.tensor * layout.pipeline)
-        edp = world // (layout.etp * layout.expert * layout.pipeline)
-        optimizer = per * (-(-dense // dp_cp) + -(-expert // edp))
-    else:
-        optimizer = per * (dense + expert)
-    return (dense + expert) * p_bytes, (dense + expert) * g_bytes, optimizer
+    optimizer = _optimizer_bytes_per_param(s) * optimizer_params(dense, expert, layout, world, s)
+    return (dense + expert) * p_bytes, (dense + expert) * g_bytes, int(optimizer * (1 - s.optimizer_offload_fraction))
+
+
+def optimizer_params(dense: int, expert: int, layout: ParallelLayout, world: int, s: MemorySettings) -> int:
+    """The parameters whose optimizer state a rank holds: its shard with the distributed optimizer,
+    dense parameters over data parallel x context parallel (intra_dp_cp group), experts over the
+    expert-data-parallel group (world / (ETP x EP x PP)); else all of its own."""
+    if not s.use_distributed_optimizer:
+        return dense + expert
+    dp_cp = world // (layout.tensor * layout.pipeline)
+    edp = world // (layout.etp * layout.expert * layout.pipeline)
+    return -(-dense // dp_cp) + -(-expert // edp)
+
+
+# Host bytes per offloaded parameter: its fp32 main weight, Adam's exp_avg and exp_avg_sq (fp32),
+# and the fp32 copy of its gradient the GPU sends down each step (megatron-core
+# optimizer/cpu_offloading/hybrid_optimizer.py: param_update_in_fp32, cpu_copy_map_grad).
+HOST_BYTES_PER_OFFLOADED_PARAM = 16
+
+
+def offloaded_params(spec: Model, layout: ParallelLayout, world: int, s: MemorySettings, pp_rank: int) -> int:
+    """Parameters of a rank of stage `pp_rank` the host steps (optimizer offload), 0 without."""
+    if not s.optimizer_offload_fraction:
+        return 0
+    dense, expert = stage_params(spec, layout, pp_rank)
+    return int(optimizer_params(dense, expert, layout, world, s) * s.optimizer_offload_fraction)
 
 
 # --- activations ----------------------------------------------------------------------------------
@@ -320,9 +347,11 @@ def stage_memory(spec: Model, layout: ParallelLayout, world: int, s: MemorySetti
     per_token += max(layer_activation_bytes(spec, layout, plain, i) for i in layers) / layout.context
     per_token += spec.config.hidden_size * 4 / layout.context  # the stage's input/output hidden
     logp = int(log_prob_bytes(spec, layout, s)) if r == layout.pipeline - 1 else 0
+    off = offloaded_params(spec, layout, world, s, r)
     return RankMemory(stage=r, weights=weights, gradients=grads, optimizer=opt,
                       activations=int(per_token * s.max_tokens), log_probs=logp,
-                      overhead=s.overhead_bytes, activation_bytes_per_token=per_token)
+                      overhead=s.overhead_bytes, activation_bytes_per_token=per_token,
+                      host=off * HOST_BYTES_PER_OFFLOADED_PARAM, offloaded_params=off)
 
 
 def rank_memory(spec: Model, layout: ParallelLayout, world: int, s: MemorySettings) -> RankMemory:

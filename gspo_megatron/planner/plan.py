@@ -16,8 +16,13 @@ budget that fits, and a step-time estimate:
                 tokens / TP x top-k x h bytes x (EP - 1) / EP, NVLink inside a node, else the network
     DP        = gradient all-reduce 2 (DP - 1) / DP x gradient bytes, over the network when DP
                 spans nodes
-and step = compute + bubble + TP + EP + DP (no overlap assumed). The weight sync's senders and
-seconds (full, delta, through rank 0) are sync_time.py's.
+    offload   = with train.optimizer_cpu_offload, the larger of the gradients down and weights
+                up over PCIe (8 B per offloaded parameter at PCIE_GBS) and the host's Adam over the
+                node's offloaded parameters (28 B each read or written at HOST_GBS): megatron
+                overlaps the copies with the CPU steps
+and step = compute + bubble + TP + EP + DP + offload (no other overlap assumed). The offloaded
+state must fit the node's host memory (--host-memory). The weight sync's senders and seconds
+(full, delta, through rank 0) are sync_time.py's.
 """
 from __future__ import annotations
 
@@ -47,15 +52,21 @@ class Gpu:
 
 GPUS = {"h100": Gpu(80 * GiB, 989.0, 450.0, 50.0), "h200": Gpu(141 * 10**9, 989.0, 450.0, 50.0),
         "a100": Gpu(80 * GiB, 312.0, 300.0, 25.0)}
+# Optimizer offload (estimates, not measured here): a GPU's PCIe Gen5 x16 link moves about 25 GB/s
+# each way end to end from pinned memory (half of its 64 GB/s); the host's Adam is bound by memory
+# bandwidth, about 200 GB/s of a two-socket node's 300-600 GB/s peak with 8 processes sharing it.
+PCIE_GBS = 25.0
+HOST_GBS = 200.0
+HOST_MEMORY = 2 * 10**12  # an 8-GPU H100 node (DGX H100: 2 TB)
 # The share of the peak the GEMMs of an MoE step reach (a calibration constant: a hand-tuned H100
 # run reached 22.8% MFU end to end, docs/results.md; megatron reports ~47% for Mixtral-scale MoE).
 GEMM_EFFICIENCY = 0.45
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, flag: str = "--gpu-memory") -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(GiB|GB|MiB|MB|TiB|TB)\s*", text)
     if not m:
-        raise PlanError(f"--gpu-memory {text!r}: expected a size such as 80GiB, 141GB or 81920MiB")
+        raise PlanError(f"{flag} {text!r}: expected a size such as 80GiB, 141GB or 81920MiB")
     unit = {"GiB": 2**30, "GB": 10**9, "MiB": 2**20, "MB": 10**6, "TiB": 2**40, "TB": 10**12}[m.group(2)]
     return int(float(m.group(1)) * unit)
 
@@ -188,12 +199,18 @@ def step_time(spec, layout: ParallelLayout, world: int, s: MemorySettings, gpu: 
     if dp > 1:
         bw = link if world <= gpus_per_node else gpu.network_gbs * 1e9
         dp_s = 2 * (dp - 1) / dp * mem.gradients / bw
-    return compute + bubble + tp + ep + dp_s
+    return compute + bubble + tp + ep + dp_s + offload_time(mem, gpus_per_node)
+
+
+def offload_time(mem: RankMemory, gpus_per_node: int) -> float:
+    """Seconds the optimizer offload adds to a step (module docstring), 0 without."""
+    return max(mem.offloaded_params * 8 / (PCIE_GBS * 1e9),
+               mem.offloaded_params * gpus_per_node * 28 / (HOST_GBS * 1e9))
 
 
 def plan(hf: dict, world: int, gpu: Gpu, capacity: int, gpus_per_node: int, s: MemorySettings,
          step_tokens: int, mean_len: float, fixed: dict | None = None, sync: SyncSettings | None = None,
-         ) -> tuple[list[Row], dict[str, list]]:
+         host_memory: int = HOST_MEMORY) -> tuple[list[Row], dict[str, list]]:
     """Every valid layout with its memory, largest budget, estimated step time, weight-sync time
     and verdict; fitting ones first, by estimated tokens/s."""
     from model_specs.shape import model_dims_for, model_shape_for
@@ -210,7 +227,11 @@ def plan(hf: dict, world: int, gpu: Gpu, capacity: int, gpus_per_node: int, s: M
         row = Row(layout, name, mem, max_tokens=mem.max_tokens_that_fit(capacity),
                   sync=sync_time(spec, layout, world, sync or SyncSettings()))
         static = mem.static() + mem.overhead
-        if static > capacity:
+        host = mem.host * min(gpus_per_node, world)
+        if host > host_memory:
+            row.verdict = (f"the offloaded optimizer needs {host / GiB:.0f} GiB of host memory per node "
+                           f"> {host_memory / GiB:.0f} GiB")
+        elif static > capacity:
             row.verdict = (f"cannot hold the weights, gradients and optimizer state: "
                            f"{mem.static() / GiB:.1f} GiB + {mem.overhead / GiB:.1f} GiB overhead > {capacity / GiB:.1f} GiB")
         elif mem.total() > capacity:
@@ -229,12 +250,14 @@ def plan(hf: dict, world: int, gpu: Gpu, capacity: int, gpus_per_node: int, s: M
     return rows, refused
 
 
-def table(rows: list[Row], capacity: int, s: MemorySettings, show_all: bool, top: int) -> str:
+def table(rows: list[Row], capacity: int, s: MemorySettings, show_all: bool, top: int,
+          gpus_per_node: int = 8) -> str:
     shown = [r for r in rows if r.fits][:top] + ([r for r in rows if not r.fits] if show_all else [])
+    offload = s.optimizer_offload_fraction > 0
     head = ("| layout | stage | weights | grads | optimizer | activations | log-probs | overhead | total GiB "
             "| left GiB (SGLang KV, colocated) | max tokens | est. step s | est. tokens/s "
-            "| senders | sync s | delta s | rank0 s | verdict |")
-    lines = [head, "|" + "---|" * 18]
+            "| senders | sync s | delta s | rank0 s |" + (" host GiB per node |" if offload else "") + " verdict |")
+    lines = [head, "|" + "---|" * (19 if offload else 18)]
     for r in shown:
         m = r.memory
         g = lambda b: f"{b / GiB:.1f}"  # noqa: E731
@@ -244,7 +267,8 @@ def table(rows: list[Row], capacity: int, s: MemorySettings, show_all: bool, top
         sync = f"{y.senders} | {y.sync_s:.2f} | {y.delta_s:.3f} | {y.rank0_s:.1f}" if y else "- | - | - | -"
         lines.append(f"| {r.name} | {m.stage} | {g(m.weights)} | {g(m.gradients)} | {g(m.optimizer)} | "
                      f"{g(m.activations)} | {g(m.log_probs)} | {g(m.overhead)} | {g(m.total())} | {left} | "
-                     f"{r.max_tokens} | {est} | {sync} | {r.verdict} |")
+                     f"{r.max_tokens} | {est} | {sync} |"
+                     + (f" {m.host * gpus_per_node / GiB:.0f} |" if offload else "") + f" {r.verdict} |")
     return "\n".join(lines)
 
 

@@ -50,3 +50,15 @@ def test_distributed_optimizer_needs_adam():
         OptimizerSettings(optimizer="sgd", use_distributed_optimizer=True)
     with pytest.raises(ValueError, match="optimizer must be 'adam' or 'sgd', got 'lion'"):
         OptimizerSettings(optimizer="lion")
+
+
+def test_optimizer_offload_needs_the_distributed_optimizer_and_a_fraction():
+    from gspo_megatron.actor.settings import OptimizerSettings
+
+    with pytest.raises(ValueError, match="optimizer_cpu_offload=True needs use_distributed_optimizer=True"):
+        OptimizerSettings(optimizer_cpu_offload=True)
+    with pytest.raises(ValueError, match=r"optimizer_offload_fraction=1.5: expected a fraction in \(0, 1\]"):
+        OptimizerSettings(use_distributed_optimizer=True, optimizer_cpu_offload=True,
+                          optimizer_offload_fraction=1.5)
+    OptimizerSettings(use_distributed_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+

@@ -130,21 +130,52 @@ def test_plan_qwen3_235b_on_64_h100s_lists_the_published_layout():
     assert any(ln.startswith("| TP1xPP1") for ln in cannot)
 
 
-def test_plan_deepseek_v3_on_h100s_fits_on_256_not_128():
-    """DeepSeek-V3 with Adam holds at least 16 bytes per parameter however it is split (bf16
-    weights, bf16 or fp32 gradients, fp32 moments and main weights): 671e9 x 16 B = 10.7 TB, more
-    than 128 x 80 GiB (11.0e12 B less the overheads) and less than 256. The plan says so: no
-    layout of 128 holds the static memory, 256 have some that fit."""
-    common = ("examples/qwen3_235b_a22b.yaml", "--model", "DeepSeek-V3", "--gpu-memory", "80GiB",
-              "--gpus-per-node", "8", "--top", "200", "--all")
-    small = _plan(*common, "--gpus", "128")
-    rows = [ln for ln in small.stdout.splitlines() if ln.startswith("| TP")]
-    assert small.returncode == 1 and "no layout fits 128 x 80.0 GiB" in small.stderr, small.stderr
+def test_plan_deepseek_v3_and_kimi_k2_on_128_h100s_fit_with_the_optimizer_on_the_host():
+    """DeepSeek-V3 with Adam holds at least 16 bytes per parameter on the GPUs however it is split
+    (bf16 weights, bf16 or fp32 gradients, fp32 moments and main weights): 671e9 x 16 B = 10.7 TB,
+    more than 128 x 80 GiB. With the optimizer's state on the host (megatron's offload, as the
+    peers train it on 128 H100s) layouts fit: the plan says nothing fits without it, lists those,
+    and the host holds 16 B per parameter of a node's shards (under the 2 TB of an H100 node). With
+    too little host memory nothing fits at all; 256 GPUs fit without offload."""
+    from gspo_megatron.planner.memory import GiB
+    common = ("--gpu-memory", "80GiB", "--gpus-per-node", "8", "--top", "200")
+    for model, gb_params in (("DeepSeek-V3", 671), ("Kimi-K2", 1027)):
+        proc = _plan(*common, "--model", model, "--gpus", "128")  # the default config
+        assert proc.returncode == 0, proc.stderr
+        out = proc.stdout
+        assert "nothing fits with the optimizer's state on the GPUs" in out
+        assert "train.optimizer_cpu_offload: true" in out
+        rows = [ln.split(" | ") for ln in out.splitlines() if ln.startswith("| TP") and ln.endswith("| fits |")]
+        assert rows, out
+        # GiB per node: 16 B x 8 shards of 1/128 of the parameters = about 1 B per parameter
+        host = [float(r[-2]) for r in rows]
+        assert all(0.9 * gb_params * 1e9 / GiB < h < 2e12 / GiB for h in host), (model, host)
+    starved = _plan(*common, "--model", "DeepSeek-V3", "--gpus", "128", "--host-memory", "100GB", "--all")
+    assert starved.returncode == 1 and "no layout fits 128 x 80.0 GiB" in starved.stderr, starved.stderr
+    rows = [ln for ln in starved.stdout.splitlines() if ln.startswith("| TP")]
     assert rows and all("cannot hold the weights, gradients and optimizer state" in ln for ln in rows)
-    big = _plan(*common, "--gpus", "256")
+    big = _plan(*common, "--model", "DeepSeek-V3", "--gpus", "256")
     assert big.returncode == 0, big.stderr
-    print(big.stdout[:1500])
+    assert "optimizer offload" not in big.stdout
     assert any(ln.startswith("| TP") and ln.endswith("| fits |") for ln in big.stdout.splitlines())
+
+
+def test_offload_moves_its_share_of_the_optimizer_to_the_host():
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.planner.memory import HOST_BYTES_PER_OFFLOADED_PARAM, MemorySettings, rank_memory
+    from model_specs.published import BY_NAME
+    from model_specs.shape import model_shape_for
+    spec = model_shape_for(dict(BY_NAME["DeepSeek-V3"]))
+    layout = ParallelLayout(tensor=8, pipeline=16, expert=8, expert_tensor=1, last_stage_layers=1)
+    on_gpu = rank_memory(spec, layout, 128, MemorySettings(use_distributed_optimizer=True))
+    half = rank_memory(spec, layout, 128, MemorySettings(use_distributed_optimizer=True,
+                                                          optimizer_offload_fraction=0.5))
+    assert on_gpu.host == 0 and on_gpu.offloaded_params == 0
+    assert abs(half.optimizer - on_gpu.optimizer / 2) <= 16
+    params = on_gpu.optimizer // 12  # Adam: 12 B per parameter of the shard
+    assert abs(half.offloaded_params - params / 2) <= 1
+    assert half.host == half.offloaded_params * HOST_BYTES_PER_OFFLOADED_PARAM
+    assert (half.weights, half.gradients) == (on_gpu.weights, on_gpu.gradients)
 
 
 def test_plan_gpt_oss_120b_fits_on_32_not_8_and_20b_on_8():
