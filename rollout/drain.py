@@ -27,9 +27,13 @@ def drain(pool: Any, in_flight: dict[Future, Sample], timeout_s: float, abandon:
     try:
         while in_flight:
             if aborting is None or not aborting.is_alive():
-                aborting = threading.Thread(target=_abort_all, args=(pool,), daemon=True,
-                                            name="rollout-abort")
-                aborting.start()
+                thread = threading.Thread(target=_abort_all, args=(pool,), daemon=True,
+                                          name="rollout-abort")
+                thread.start()
+                # kept only once started: a signal's exception inside start() would otherwise
+                # leave the finally's join() raising "cannot join thread before it is started"
+                # in place of the signal's exit (the second-signal test met it)
+                aborting = thread
             done, _ = wait(list(in_flight), timeout=1.0)
             for f in done:
                 sample = in_flight.pop(f)

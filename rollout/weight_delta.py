@@ -2,17 +2,8 @@
 /update_weights_from_tensor request by `load_format=LOADER`): applies the trainer's weight
 deltas, verifies checksums, and reads the served weights back in HF layout.
 
-SGLang's own loaders take whole HF tensors (`model.load_weights([(hf_name, tensor)])`) and place
-them into the server's fused, TP-sharded parameters (qkv_proj, gate_up_proj, experts.w13_weight,
-...). A delta is a few elements of an HF tensor, so this loader first finds where each HF element
-lives on this server, with the model's own load_weights: it swaps the candidate parameters' data for
-float64 tensors full of NaN, loads float64 tensors whose elements are their own positions
-(`probe`), reads back which server element received which HF element, and restores the
-parameters. Then the changed elements are written in place (bit for bit: they arrive in the
-served dtype). This holds for loaders that place elements (copy, slice, transpose, concatenate:
-every family we serve); a loader that computes on values makes the probe fail with a named error
-(non-integer or missing positions), which the sync reports and fails with, rather than serve
-something else.
+Where each HF element lives on this server (a delta is a few elements of an HF tensor) is
+rollout/weight_placement.py's probe.
 
 The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART separates):
     N                  the whole tensor (a dense update: loaded by the model's own load_weights)
@@ -22,7 +13,7 @@ The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART s
     N|sum              int64 [1]: checksum(N) as the trainer computed it: verified after applying
     |export            uint8 path: write the listed names' served values (N|shape entries) there
     |report            uint8 path: write what happened there, as JSON (load's docstring)
-    |reply             uint8 group name: broadcast the report over that weights-update group
+    |reply=G           uint8 [1]: broadcast the report over the weights-update group named G
     |flat=[[n, dtype, shape, offset], ...]   uint8: the entries above as one buffer (flatten():
                        the tensor transport shares one tensor per request, not hundreds)
 Nothing here may raise: SGLang calls a custom loader outside any try (model_runner_components/
@@ -43,18 +34,19 @@ import json
 import logging
 import math
 import os
-import re
 import traceback
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
+from rollout.weight_placement import (NotPositional, Placement, apply_sparse, own_load_weights, probe,
+                                      served_values)
+
 LOADER = "rollout.weight_delta.load"
 PART = "|"
+REPLY = PART + "reply="  # + the group's name
 _MOD = (1 << 31) - 1
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -62,10 +54,6 @@ def bit_pattern(t: torch.Tensor) -> torch.Tensor:
     """The tensor's elements as signed integers of the same width, flat: equal exactly when the
     elements are bit-identical (-0.0 and NaN payloads included)."""
     return t.reshape(-1).view(_INT_VIEW[t.element_size()])
-
-
-class NotPositional(RuntimeError):
-    """The model's loader does not place HF elements one to one: deltas cannot be applied."""
 
 
 def checksum(values: torch.Tensor, flat_index: torch.Tensor | None = None) -> int:
@@ -97,107 +85,6 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return bits.reshape(-1)[:numel].nonzero().reshape(-1)
 
 
-def _layer_of(name: str) -> int | None:
-    m = _LAYER.search(name)
-    return int(m.group(1)) if m else None
-
-
-@dataclass
-class Part:
-    """Some of an HF tensor's elements in one server parameter: HF flat indices lo..hi-1 at the
-    parameter's flat positions offset+lo..offset+hi-1 (a block: `pos` and `hf` None), or at the
-    explicit positions `pos` holding the HF indices `hf`."""
-
-    param: str
-    shape: tuple[int, ...]
-    offset: int = 0
-    lo: int = 0
-    hi: int = 0
-    pos: torch.Tensor | None = None
-    hf: torch.Tensor | None = None
-
-
-@dataclass
-class Placement:
-    """Where one HF tensor's elements are on this server."""
-
-    numel: int
-    parts: list[Part] = field(default_factory=list)
-
-
-# HF name -> its placement when every part is a block (a few integers): probed once per server
-# process. Where a loader scatters (explicit positions) the probe runs at every use instead,
-# rather than keeping 8-16 bytes per element on the server.
-_PLACEMENTS: dict[str, Placement] = {}
-
-
-def _as_parts(pname: str, shape: tuple[int, ...], pos: torch.Tensor, hf: torch.Tensor) -> Part:
-    order = torch.argsort(hf)
-    pos, hf = pos[order], hf[order]
-    lo, hi = int(hf[0]), int(hf[-1]) + 1
-    offset = int(pos[0]) - lo
-    if hi - lo == hf.numel() and torch.equal(pos - hf, torch.full_like(pos, offset)):
-        return Part(pname, shape, offset, lo, hi)
-    return Part(pname, shape, pos=pos, hf=hf)
-
-
-@torch.no_grad()
-def probe(model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> dict[str, Placement]:
-    """The placement of each HF tensor of `shapes`, found with the model's own load_weights on
-    float64 position tensors, one layer's tensors at a time (module docstring); block placements
-    come from _PLACEMENTS after the first time."""
-    params = dict(model.named_parameters())
-    out: dict[str, Placement] = {}
-    by_layer: dict[int | None, list[str]] = defaultdict(list)
-    for name, shape in shapes.items():
-        known = _PLACEMENTS.get(name)
-        if known is not None and known.numel == math.prod(shape) and all(
-                tuple(params[p.param].shape) == p.shape for p in known.parts if p.param in params):
-            out[name] = known
-        else:
-            by_layer[_layer_of(name)].append(name)
-    for layer, names in by_layer.items():
-        candidates = [(n, p) for n, p in params.items() if _layer_of(n) == layer]
-        device = candidates[0][1].device if candidates else torch.device("cpu")
-        offsets, tensors, start = {}, [], 0
-        for n in names:
-            numel = math.prod(shapes[n])
-            offsets[n] = (start, numel)
-            tensors.append((n, torch.arange(start, start + numel, dtype=torch.float64,
-                                            device=device).reshape(tuple(shapes[n]))))
-            start += numel
-        if start >= 1 << 53:
-            raise NotPositional(f"layer {layer}: {start} elements are too many for a float64 probe")
-        saved = [(p, p.data) for _, p in candidates]
-        found = []
-        try:
-            for p, data in saved:
-                p.data = torch.full(data.shape, math.nan, dtype=torch.float64, device=data.device)
-            _own_load_weights(model)(tensors)
-            for pname, p in candidates:
-                flat = p.data.reshape(-1)
-                pos = (~torch.isnan(flat)).nonzero().reshape(-1)
-                if pos.numel():
-                    found.append((pname, tuple(p.shape), pos, flat[pos]))
-        finally:
-            for p, data in saved:
-                p.data = data
-        for n in names:
-            out[n] = Placement(offsets[n][1])
-        for pname, shape, pos, vals in found:
-            if not torch.equal(vals, vals.floor()) or vals.min() < 0 or vals.max() >= start:
-                raise NotPositional(f"the loader computes on values for {pname} (not a placement)")
-            for n in names:
-                lo, numel = offsets[n]
-                mine = (vals >= lo) & (vals < lo + numel)
-                if mine.any():
-                    out[n].parts.append(_as_parts(pname, shape, pos[mine], (vals[mine] - lo).to(torch.int64)))
-        for n in names:
-            if all(p.pos is None for p in out[n].parts):
-                _PLACEMENTS[n] = out[n]
-    return out
-
-
 def _tp_rank_and_size() -> tuple[int, int]:
     """This server rank's place in its TP group."""
     try:
@@ -206,47 +93,6 @@ def _tp_rank_and_size() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except Exception:  # noqa: BLE001 - outside an SGLang server (tests): one rank
         return 0, 1
-
-
-@torch.no_grad()
-def served_values(place: Placement, params: dict[str, torch.nn.Parameter]
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(HF flat indices, values) of the elements this rank holds, each index once, sorted."""
-    idx, vals = [], []
-    for part in place.parts:
-        flat = params[part.param].data.reshape(-1)
-        if part.pos is None:
-            idx.append(torch.arange(part.lo, part.hi, device=flat.device))
-            vals.append(flat[part.offset + part.lo:part.offset + part.hi])
-        else:
-            idx.append(part.hf.to(flat.device))
-            vals.append(flat[part.pos.to(flat.device)])
-    if not idx:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0)
-    idx, vals = torch.cat(idx), torch.cat(vals)
-    order = torch.argsort(idx)
-    idx, vals = idx[order], vals[order]
-    keep = torch.ones_like(idx, dtype=torch.bool)
-    keep[1:] = idx[1:] != idx[:-1]
-    return idx[keep], vals[keep]
-
-
-@torch.no_grad()
-def apply_sparse(place: Placement, params: dict[str, torch.nn.Parameter], idx: torch.Tensor,
-                 vals: torch.Tensor) -> None:
-    """Write vals at HF flat indices idx into every server element that holds them."""
-    for part in place.parts:
-        flat = params[part.param].data.view(-1)
-        i, v = idx.to(device=flat.device, dtype=torch.int64), vals.to(device=flat.device, dtype=flat.dtype)
-        if part.pos is None:
-            ok = (i >= part.lo) & (i < part.hi)
-            flat[part.offset + i[ok]] = v[ok]
-            continue
-        lut = torch.full((place.numel,), -1, dtype=torch.int64, device=flat.device)
-        lut[part.hf.to(flat.device)] = part.pos.to(flat.device)
-        where = lut[i]
-        ok = where >= 0
-        flat[where[ok]] = v[ok]
 
 
 def _group(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
@@ -318,14 +164,10 @@ def route_load_weights(model: torch.nn.Module) -> None:
     model.load_weights = load_weights
 
 
-def _own_load_weights(model: torch.nn.Module):
-    return getattr(model, "gspo_own_load_weights", None) or model.load_weights
-
-
 def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """The custom weight loader (module docstring). Called by SGLang on every TP rank; writes
     {"mismatched": [names], "unchecked": n, "checked": n, "error": str | None} to |report (rank 0)
-    or broadcasts it over the |reply group (from TP rank 0, group rank 1)."""
+    or broadcasts it over the |reply= group (from TP rank 0, group rank 1)."""
     route_load_weights(model)
     entries, order = _group(unflatten(named_tensors))
     meta = entries.pop("", {})
@@ -340,7 +182,8 @@ def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor
         with open(path + ".tmp", "w") as f:
             json.dump(report, f)
         os.replace(path + ".tmp", path)
-    group = _path(meta.get("reply"))
+    key = REPLY.removeprefix(PART)  # "|reply=G" groups as the meta entry "reply=G"
+    group = next((k.removeprefix(key) for k in meta if k.startswith(key)), None)
     if group is not None:
         try:
             _reply(group, report)
@@ -372,7 +215,7 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
           export: str | None, report: dict) -> None:
     dense = [(n, entries[n]["dense"]) for n in order if "dense" in entries[n]]
     if dense:
-        _own_load_weights(model)(dense)
+        own_load_weights(model)(dense)
     shapes = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items() if "shape" in e}
     places = probe(model, shapes) if shapes else {}
     params = dict(model.named_parameters())

@@ -4,12 +4,13 @@ first use and kept across syncs.
 
     groups = OwnerGroups()
     lost, error = groups.ensure(client_of, plan)        # every target has a group
-    mismatched = groups.post(client, payload, delta, timeout_s)
+    w = groups.wire(payload, delta)                     # once per bucket and mode
+    mismatched = groups.post(client, w, timeout_s)      # per server
 
 A post is SGLang's /update_weights_from_distributed (names, dtypes and shapes over HTTP, then the
-bucket's tensors as one broadcast of their bytes: load_format "flattened_bucket", the tensors
-ordered by element size so that each one's offset is a multiple of it, as SGLang's receive
-requires). A delta payload goes through the project's
+bucket's tensors as one broadcast of their bytes, built once per bucket for every server:
+load_format "flattened_bucket", the tensors ordered by element size so that each one's offset is
+a multiple of it, as SGLang's receive requires). A delta payload goes through the project's
 loader (rollout/weight_delta.py routes the model's load_weights to it), which broadcasts its
 checksum report back over the same group (from group rank 1). A failed post breaks its group
 here at once (a server still waiting in a receive fails it only once this side's sockets close;
@@ -30,13 +31,14 @@ import time
 import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
-from rollout.weight_delta import PART, path_tensor
+from rollout.weight_delta import REPLY
 
 
 def address_towards(url: str) -> str:
@@ -62,6 +64,18 @@ def _wait(work, reply: Future, deadline: float, what: str) -> None:
             raise TimeoutError(f"the {what} did not complete within the sync's timeout")
         time.sleep(0.001)
     work.wait()
+
+
+@dataclass
+class Wire:
+    """A bucket as one broadcast: its entries' names, dtypes and shapes (sent over HTTP) and their
+    bytes concatenated, one tensor on the groups' device that every server's post reads."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    flat: torch.Tensor
+    delta: bool
 
 
 class OwnerGroups:
@@ -131,27 +145,35 @@ class OwnerGroups:
         gc.collect()
         self.dropped.setdefault(url, []).append(name)
 
-    def post(self, client, payload: Sequence[tuple[str, torch.Tensor]], delta: bool,
-             timeout_s: float) -> list[str]:
+    def _device(self) -> torch.device:
+        return (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                else torch.device("cpu"))
+
+    def wire(self, payload: Sequence[tuple[str, torch.Tensor]], delta: bool) -> Wire:
+        """The payload as one broadcast (a delta's with the loader's |reply= entry, whose name each
+        post completes with its group's)."""
+        payload = list(payload) + ([(REPLY, torch.zeros(1, dtype=torch.uint8))] if delta else [])
+        payload.sort(key=lambda nt: -nt[1].element_size())  # stable: the loader's order within a size
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in payload])
+        return Wire([n for n, _ in payload], [str(t.dtype).removeprefix("torch.") for _, t in payload],
+                    [list(t.shape) for _, t in payload], flat.to(self._device()), delta)
+
+    def post(self, client, w: Wire, timeout_s: float) -> list[str]:
         """One bucket to one server; the names whose checksum the loader found different."""
         from rollout.client import ServerUnavailable
         from rollout.health import probe
         pg, name, _ = self.groups[client.url]
-        payload = list(payload) + ([(PART + "reply", path_tensor(name))] if delta else [])
-        payload.sort(key=lambda nt: -nt[1].element_size())  # stable: the loader's order within a size
-        device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
-                  else torch.device("cpu"))
-        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in payload]).to(device)
-        reply = self.http.submit(client.update_weights_from_distributed, [n for n, _ in payload],
-                                 [str(t.dtype).removeprefix("torch.") for _, t in payload],
-                                 [list(t.shape) for _, t in payload], name, None,
-                                 flush_cache=False, load_format="flattened_bucket", timeout_s=timeout_s)
+        device = self._device()
+        reply = self.http.submit(client.update_weights_from_distributed,
+                                 [n + name if n == REPLY else n for n in w.names], w.dtypes, w.shapes,
+                                 name, None, flush_cache=False, load_format="flattened_bucket",
+                                 timeout_s=timeout_s)
         deadline = time.monotonic() + timeout_s
         try:
-            _wait(dist.broadcast(flat, group_src=0, group=pg, async_op=True), reply, deadline,
+            _wait(dist.broadcast(w.flat, group_src=0, group=pg, async_op=True), reply, deadline,
                   "weights broadcast")
             got: dict = {}
-            if delta:
+            if w.delta:
                 n = torch.zeros(1, dtype=torch.int64, device=device)
                 _wait(dist.broadcast(n, group_src=1, group=pg, async_op=True), reply, deadline,
                       "loader's report")

@@ -147,10 +147,12 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                     lap("post_s")
                     continue
                 futures = {}
+                wires = ({mode: state.groups.wire(parts[mode], mode == "delta") for mode in modes}
+                         if p.transport == "distributed" else {})
                 for url, mode in p.targets.items():
                     if p.transport == "distributed":
-                        futures[url] = threads.submit(state.groups.post, state.client(url), parts[mode],
-                                                      mode == "delta", p.timeout_s)
+                        futures[url] = threads.submit(state.groups.post, state.client(url), wires[mode],
+                                                      p.timeout_s)
                     else:
                         report = scratch / f"{i}-{len(futures)}.json"
                         payload = flatten(parts[mode] + [(PART + "report", path_tensor(report))])
