@@ -272,7 +272,7 @@ def test_replay_dp2_pp2_trains_as_one_process(routing_server, tmp_path):
     """DP2 x PP2 with routing replay on SGLang's routes: each stage receives its own layer's routes
     only (one byte per expert id and real token) and the rows of its replica; pi_old matches
     SGLang's log-probs, and after 3 steps of 2 updates the losses, gradient norms and log-probs
-    equal one process within 1e-5."""
+    equal one process within 1e-5 (gradient norms: or 1e-6 relative)."""
     from distributed import gather_row_values, run_distributed
     from fixtures_models import tiny_model_dir
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
@@ -299,4 +299,7 @@ def test_replay_dp2_pp2_trains_as_one_process(routing_server, tmp_path):
     for step in range(STEPS):
         for mine, ref in zip(four[0]["updates"][step], one[0]["updates"][step]):
             for key in ("loss", "grad_norm"):
-                assert mine[key] == pytest.approx(ref[key], abs=1e-5), (step, key)
+                # relative too: the sampled batch's gradient norm can reach the hundreds, where
+                # 1e-5 is below fp32's resolution (DP2 x PP2 sums in another order: 254.82870 vs
+                # 254.82864 seen)
+                assert mine[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-5), (step, key)
