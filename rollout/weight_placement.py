@@ -140,6 +140,15 @@ def probe(model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> dict[str,
 def served_values(place: Placement, params: dict[str, torch.nn.Parameter]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(HF flat indices, values) of the elements this rank holds, each index once, sorted."""
+    blocks = sorted(place.parts, key=lambda p: p.lo)
+    if all(p.pos is None for p in blocks) and all(a.hi <= b.lo for a, b in zip(blocks, blocks[1:])):
+        # disjoint blocks (every family's placement at TP 1): in order already, no sort (the sort
+        # was most of a checked delta sync's time on the server)
+        flats = [params[p.param].data.reshape(-1) for p in blocks]
+        if not blocks:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0)
+        idx = torch.cat([torch.arange(p.lo, p.hi, device=f.device) for p, f in zip(blocks, flats)])
+        return idx, torch.cat([f[p.offset + p.lo:p.offset + p.hi] for p, f in zip(blocks, flats)])
     idx, vals = [], []
     for part in place.parts:
         flat = params[part.param].data.reshape(-1)
@@ -166,12 +175,17 @@ def apply_sparse(place: Placement, params: dict[str, torch.nn.Parameter], idx: t
     for part in place.parts:
         flat = params[part.param].data.view(-1)
         i, v = idx.to(device=flat.device, dtype=torch.int64), vals.to(device=flat.device, dtype=flat.dtype)
+        # index_copy_: the indices are unique, and on CPU it is the faster of the two (0.03 ms
+        # against 0.07 ms for `flat[i] = v`, 10k of 16M bf16 elements)
         if part.pos is None:
-            ok = (i >= part.lo) & (i < part.hi)
-            flat[part.offset + i[ok]] = v[ok]
+            if part.lo == 0 and part.hi == place.numel:  # the whole tensor in one block
+                flat.index_copy_(0, part.offset + i, v)
+            else:
+                ok = (i >= part.lo) & (i < part.hi)
+                flat.index_copy_(0, part.offset + i[ok], v[ok])
             continue
         lut = torch.full((place.numel,), -1, dtype=torch.int64, device=flat.device)
         lut[part.hf.to(flat.device)] = part.pos.to(flat.device)
         where = lut[i]
         ok = where >= 0
-        flat[where[ok]] = v[ok]
+        flat.index_copy_(0, where[ok], v[ok])

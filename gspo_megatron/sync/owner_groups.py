@@ -53,6 +53,7 @@ def _wait(work, reply: Future, deadline: float, what: str) -> None:
     """Wait for one collective, failing as soon as the server's request fails, or when the server
     answered and the collective still did not complete (it never took part), or at the deadline."""
     answered_at = None
+    pause = 0.0005
     while not work.is_completed():
         if reply.done():
             if reply.exception() is not None:
@@ -62,7 +63,10 @@ def _wait(work, reply: Future, deadline: float, what: str) -> None:
                 raise RuntimeError(f"the server answered without taking part in the {what}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the {what} did not complete within the sync's timeout")
-        time.sleep(0.001)
+        # backing off: every sender polls while the servers apply, and where they share cores
+        # (a colocated node) a tight poll takes the servers' CPU
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
     work.wait()
 
 
