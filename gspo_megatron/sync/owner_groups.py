@@ -38,6 +38,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from gspo_megatron.sync.transports import (backend_device, host_weight_update_store,
+                                           join_weight_update_group)
 from rollout.weight_delta import REPLY
 
 
@@ -87,7 +89,9 @@ class OwnerGroups:
         self.token = uuid.uuid4().hex[:8]  # group names unique across trainer processes
         self.made = 0
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.groups: dict[str, tuple] = {}  # url -> (process group, name, its store)
+        # url -> (process group, name, its store: kept alive, NCCL makes its communicator at the
+        # first collective, through the store)
+        self.groups: dict[str, tuple] = {}
         self.dropped: dict[str, list[str]] = {}      # url -> names the server may still hold
         self.http = ThreadPoolExecutor(64, thread_name_prefix="gspo-owner-group")
 
@@ -111,7 +115,6 @@ class OwnerGroups:
         return lost, error
 
     def _make(self, client, tp: int, timeout_s: float) -> None:
-        from gspo_megatron.sync.transports import host_weight_update_store, join_weight_update_group
         from rollout.ports import free_port
         for old in self.dropped.pop(client.url, []):
             try:  # best effort: a group a failed pass broke (a restarted server has none)
@@ -149,10 +152,6 @@ class OwnerGroups:
         gc.collect()
         self.dropped.setdefault(url, []).append(name)
 
-    def _device(self) -> torch.device:
-        return (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
-                else torch.device("cpu"))
-
     def wire(self, payload: Sequence[tuple[str, torch.Tensor]], delta: bool) -> Wire:
         """The payload as one broadcast (a delta's with the loader's |reply= entry, whose name each
         post completes with its group's)."""
@@ -160,14 +159,14 @@ class OwnerGroups:
         payload.sort(key=lambda nt: -nt[1].element_size())  # stable: the loader's order within a size
         flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in payload])
         return Wire([n for n, _ in payload], [str(t.dtype).removeprefix("torch.") for _, t in payload],
-                    [list(t.shape) for _, t in payload], flat.to(self._device()), delta)
+                    [list(t.shape) for _, t in payload], flat.to(backend_device(self.backend)), delta)
 
     def post(self, client, w: Wire, timeout_s: float) -> list[str]:
         """One bucket to one server; the names whose checksum the loader found different."""
         from rollout.client import ServerUnavailable
         from rollout.health import probe
         pg, name, _ = self.groups[client.url]
-        device = self._device()
+        device = backend_device(self.backend)
         reply = self.http.submit(client.update_weights_from_distributed,
                                  [n + name if n == REPLY else n for n in w.names], w.dtypes, w.shapes,
                                  name, None, flush_cache=False, load_format="flattened_bucket",

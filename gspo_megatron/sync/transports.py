@@ -167,6 +167,13 @@ def begin_session(client) -> None:
         client.begin_weight_update()
 
 
+def backend_device(backend: str) -> torch.device:
+    """Where a weights-update group's tensors must be: NCCL moves them on the current GPU, gloo on
+    the CPU. (The group is not one of torch's registered groups: comm_device cannot ask it its
+    backend.)"""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
 def host_weight_update_store(master_address: str, master_port: int, world_size: int,
                              timeout_s: float):
     """The TCP store of the weights-update group, hosted by trainer rank 0 (group rank 0).
@@ -265,9 +272,7 @@ class DistributedTransport:
         self.pool.for_each(begin_session)
 
     def send(self, bucket: Bucket, final: bool, version: str) -> None:
-        # The weights-update group is not one of torch's registered groups (comm_device cannot
-        # ask it its backend): NCCL moves tensors on the current GPU, gloo on the CPU.
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
+        device = backend_device(self.backend)
         names = [n for n, _ in bucket]
         dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]

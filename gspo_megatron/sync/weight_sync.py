@@ -148,7 +148,7 @@ class WeightSync:
                 "full_syncs": float(len(self.pool.sync_clients())) if self.rank == 0 else 0.0,
                 "checksum_mismatches": 0.0}
 
-    # --- every owner sends (tensor, distributed and disk transports) ---------------------------------------------
+    # --- every owner sends (tensor, distributed and disk transports) ---------------------------
     def _served(self) -> str:
         """The servers' dtype (rank 0): their launch argument, else the model config's."""
         if self._served_dtype is None:
