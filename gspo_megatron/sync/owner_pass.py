@@ -125,6 +125,41 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
         mark[0] = now
     if p.transport == "distributed" and rank in set(senders):
         out.lost, out.error = state.groups.ensure(state.client, p)
+    pending: dict[str, list] = {mode: [] for mode in modes}
+    posts = [0]
+
+    def post(threads) -> None:
+        """Deliver what is pending (each mode's parts as one request per server), then clear it."""
+        if out.error is not None or not any(pending.values()):
+            return
+        futures = {}
+        wires = ({mode: state.groups.wire(pending[mode], mode == "delta") for mode in modes}
+                 if p.transport == "distributed" else {})
+        for url, mode in p.targets.items():
+            if not pending[mode]:
+                continue  # nothing changed for this mode's servers since the last request
+            if p.transport == "distributed":
+                futures[url] = threads.submit(state.groups.post, state.client(url), wires[mode],
+                                              p.timeout_s)
+            else:
+                report = scratch / f"{posts[0]}-{len(futures)}.json"
+                payload = flatten(pending[mode] + [(PART + "report", path_tensor(report))])
+                futures[url] = threads.submit(_post, state.client(url), payload, report)
+            out.sent_bytes += _payload_bytes(pending[mode])
+        posts[0] += 1
+        for url, f in futures.items():
+            try:
+                wrong = f.result()
+            except ServerUnavailable as e:
+                out.error, out.lost = f"ServerUnavailable: {e}", out.lost + [url]
+            except Exception as e:  # noqa: BLE001 - reported to rank 0
+                out.error = f"{type(e).__name__}: {e}"
+            else:
+                if wrong:
+                    out.mismatched.setdefault(url, []).extend(wrong)
+        for parts in pending.values():
+            parts.clear()
+        lap("post_s")
     try:
         with ThreadPoolExecutor(max(1, len(p.targets))) as threads:
             for i, bucket in enumerate(stream_owned(chunks, wmap, plan, senders, bucket_bytes)):
@@ -146,30 +181,15 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
                         out.error = f"{type(e).__name__}: {e}"
                     lap("post_s")
                     continue
-                futures = {}
-                wires = ({mode: state.groups.wire(parts[mode], mode == "delta") for mode in modes}
-                         if p.transport == "distributed" else {})
-                for url, mode in p.targets.items():
-                    if p.transport == "distributed":
-                        futures[url] = threads.submit(state.groups.post, state.client(url), wires[mode],
-                                                      p.timeout_s)
-                    else:
-                        report = scratch / f"{i}-{len(futures)}.json"
-                        payload = flatten(parts[mode] + [(PART + "report", path_tensor(report))])
-                        futures[url] = threads.submit(_post, state.client(url), payload, report)
-                    out.sent_bytes += _payload_bytes(parts[mode])
-                for url, f in futures.items():
-                    try:
-                        wrong = f.result()
-                    except ServerUnavailable as e:
-                        out.error, out.lost = f"ServerUnavailable: {e}", out.lost + [url]
-                    except Exception as e:  # noqa: BLE001 - reported to rank 0
-                        out.error = f"{type(e).__name__}: {e}"
-                    else:
-                        if wrong:
-                            out.mismatched.setdefault(url, []).extend(wrong)
-                lap("post_s")
+                # A delta is a few percent of its bucket: requests of up to bucket_bytes each,
+                # not one per bucket, or each server's fixed cost per request (HTTP, the
+                # scheduler, the group's broadcasts) would outweigh the bytes saved.
+                for mode in modes:
+                    pending[mode] += parts[mode]
+                if max(_payload_bytes(v) for v in pending.values()) >= bucket_bytes:
+                    post(threads)
             lap("stream_s")
+            post(threads)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out.elements, out.changed, out.checked = (enc.stats["elements"], enc.stats["changed"],
