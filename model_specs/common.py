@@ -176,6 +176,10 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     expert_bias = bool(config.moe_router_enable_expert_bias)
 
     def layer_spec_fn(vp_stage: int | None, pp_rank: int | None) -> TransformerBlockSubmodules:
+        if config.experimental_attention_variant == "gated_delta_net":
+            raise HFConfigError(f"{fam}: the trainer cannot build Gated DeltaNet layers yet (the "
+                                "planner and the parameter counts know the model; the layers, "
+                                "their weight map and their CPU kernels are not built: README)")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                           normalization="RMSNorm", vp_stage=vp_stage,
                                           pp_rank=pp_rank)

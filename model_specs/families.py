@@ -50,7 +50,7 @@ class Family:
 
 _TINY_CONFIGS = {"qwen3": tiny.qwen3, "qwen3_moe": tiny.qwen3_moe, "qwen2_moe": tiny.qwen2_moe,
                  "glm4_moe": tiny.glm4_moe, "deepseek_v3": tiny.deepseek_v3,
-                 "gpt_oss": tiny.gpt_oss}
+                 "gpt_oss": tiny.gpt_oss, "qwen3_next": tiny.qwen3_next}
 FAMILIES: dict[str, Family] = {name: Family(traits, _TINY_CONFIGS.get(name))
                                for name, traits in FAMILY_TRAITS.items()}
 

@@ -97,9 +97,12 @@ def left_out_layers_note(hf: Mapping[str, Any]) -> str | None:
 
 def model_dims(hf: Mapping[str, Any], family: str, moe: bool) -> dict[str, Any]:
     """The dimensions a parallel layout must divide: num_layers, num_attention_heads,
-    num_query_groups, vocab_size, num_experts (None for a dense model)."""
+    num_query_groups, vocab_size, num_experts (None for a dense model), and for Qwen3-Next
+    linear_num_key_heads (its Gated DeltaNet's)."""
     heads = int(require(hf, "num_attention_heads", family))
+    linear = hf.get("linear_num_key_heads")
     return dict(num_layers=int(require(hf, "num_hidden_layers", family)), num_attention_heads=heads,
                 num_query_groups=int(hf.get("num_key_value_heads") or heads),
                 vocab_size=int(require(hf, "vocab_size", family)),
-                num_experts=int(require(hf, "num_experts", family)) if moe else None)
+                num_experts=int(require(hf, "num_experts", family)) if moe else None,
+                **({"linear_num_key_heads": int(linear)} if linear is not None else {}))

@@ -33,15 +33,34 @@ def _have_transformer_engine() -> bool:
 HAVE_TE = _have_transformer_engine()
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm with a zero-centred weight: x / rms(x) * (1 + weight), computed in fp32 as
+    transformers' Qwen3NextRMSNorm computes it (modeling_qwen3_next.py, Qwen3NextRMSNorm), which
+    is TE's RMSNorm with zero_centered_gamma. The weight starts at 0, the identity."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
 class SequenceParallelTorchNorm:
-    """torch.nn.RMSNorm / LayerNorm, usable with sequence parallelism (see module docstring)."""
+    """torch.nn.RMSNorm / LayerNorm (or ZeroCenteredRMSNorm), usable with sequence parallelism
+    (see module docstring)."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
                 normalization: str = "LayerNorm") -> torch.nn.Module:
+        if config.layernorm_zero_centered_gamma and config.normalization != "RMSNorm":
+            raise ValueError("layernorm_zero_centered_gamma: the torch norm has it for RMSNorm only")
         if config.layernorm_zero_centered_gamma:
-            raise ValueError("layernorm_zero_centered_gamma is not supported by the torch norm")
-        if config.normalization == "RMSNorm":
+            norm = ZeroCenteredRMSNorm(hidden_size, eps, config.params_dtype)
+        elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)

@@ -5,10 +5,12 @@ built).
     counts.total, counts.active          # 30.5e9, 3.3e9
 
 Counted as megatron holds the model: embedding, output layer (unless tied), per layer the fused
-q/k/v projection (+ bias), output projection, QK-norm (or multi-latent attention's projections and
-latent norms), attention sinks (one per head), the two RMSNorms, then either the dense MLP or the
-router (+ expert bias), every routed expert and the shared expert (+ gate); the final norm. With
-add_bias_linear (gpt-oss) the output projection, the router and every MLP have biases too. `active` is what one token passes
+q/k/v projection (+ bias, + the output gate's rows), output projection, QK-norm (or multi-latent
+attention's projections and latent norms), attention sinks (one per head), or on Qwen3-Next's
+linear layers a Gated DeltaNet's projections, convolution and norm; the two RMSNorms, then either
+the dense MLP or the router (+ expert bias), every routed expert and the shared expert (+ gate);
+the final norm. With add_bias_linear (gpt-oss) the output projection, the router and every MLP
+have biases too. `active` is what one token passes
 through: the same, with `moe_router_topk` routed experts per MoE layer instead of all of them.
 Vendors differ on whether the embedding tables count as active (Qwen's published "A3B" / "A22B"
 and DeepSeek-V3's "37B" include them, GLM-4.5's "32B active" does not, gpt-oss's "5.1B active"
@@ -48,11 +50,34 @@ def _attention(c: TransformerConfig | ShapeConfig) -> int:
     h, d = c.hidden_size, c.kv_channels
     q, kv = c.num_attention_heads * d, (c.num_query_groups or c.num_attention_heads) * d
     n = h * (q + 2 * kv) + q * h                    # linear_qkv + linear_proj
+    n += h * q if c.attention_output_gate else 0    # the output gate's rows of linear_qkv
     n += (q + 2 * kv) if c.add_qkv_bias else 0
     n += 2 * d if c.qk_layernorm else 0             # q_layernorm, k_layernorm (per head dim)
     n += h if c.add_bias_linear else 0              # linear_proj bias
     n += c.num_attention_heads if c.softmax_type == "learnable" else 0   # sinks
     return n + 2 * h                                # input_layernorm, pre_mlp_layernorm
+
+
+def _gated_delta_net(c: TransformerConfig | ShapeConfig) -> int:
+    """A Gated DeltaNet layer (megatron/core/ssm/gated_delta_net.py): in_proj to q, k, v, the
+    gate z, beta and alpha; the depthwise conv over q, k, v (no bias); dt_bias and A_log per value
+    head; the output norm (per value-head channel); out_proj; and the layer's two norms."""
+    h = c.hidden_size
+    qk = c.linear_key_head_dim * c.linear_num_key_heads
+    v = c.linear_value_head_dim * c.linear_num_value_heads
+    heads = c.linear_num_value_heads
+    return (h * (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) * c.linear_conv_kernel_dim
+            + 2 * heads + c.linear_value_head_dim + v * h + 2 * h)
+
+
+def _linear_layers(c: TransformerConfig | ShapeConfig) -> int:
+    """How many layers are Gated DeltaNet layers (megatron's pattern: 1 = linear)."""
+    if c.experimental_attention_variant != "gated_delta_net":
+        return 0
+    freq = c.linear_attention_freq
+    if isinstance(freq, int):  # every freq-th layer full attention (get_linear_attention_pattern)
+        return sum(1 for i in range(c.num_layers) if (i + 1) % freq != 0)
+    return sum(int(x) for x in freq)
 
 
 def _mla(c: TransformerConfig | ShapeConfig) -> int:
@@ -99,7 +124,9 @@ def param_count(spec: ModelSpec | ModelShape) -> ParamCount:
     embedding = spec.vocab_size * h
     output = 0 if spec.share_embeddings_and_output_weights else spec.vocab_size * h
     shared = embedding + output + h                 # + final norm
-    layers = c.num_layers * _attention(c) + dense * _mlp(c, c.ffn_hidden_size) + moe * moe_fixed
+    linear = _linear_layers(c)
+    layers = ((c.num_layers - linear) * _attention(c) + linear * _gated_delta_net(c)
+              + dense * _mlp(c, c.ffn_hidden_size) + moe * moe_fixed)
     routed = moe * experts * per_expert
     active_routed = moe * (c.moe_router_topk or 0) * per_expert
     return ParamCount(total=shared + layers + routed, active=shared + layers + active_routed,

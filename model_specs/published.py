@@ -107,10 +107,27 @@ GPT_OSS_120B = {
 }
 GPT_OSS_20B = dict(GPT_OSS_120B, num_hidden_layers=24, num_local_experts=32,
                    layer_types=["sliding_attention", "full_attention"] * 12)
+# Qwen3-Next-80B-A3B-Instruct (and -Thinking: the same config): 80B total, 3B active. The
+# checkpoint's `mtp.*` tensors (one multi-token-prediction layer) are not part of the model.
+QWEN3_NEXT_80B_A3B = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+    "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 5120, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "mlp_only_layers": [],
+    "model_type": "qwen3_next", "moe_intermediate_size": 512, "norm_topk_prob": True,
+    "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10,
+    "num_hidden_layers": 48, "num_key_value_heads": 2, "output_router_logits": False,
+    "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000000, "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.57.0.dev0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
 
 BY_NAME: dict[str, dict[str, Any]] = {
     "Qwen3-30B-A3B": QWEN3_30B_A3B, "Qwen3-235B-A22B": QWEN3_235B_A22B,
     "Qwen2-57B-A14B": QWEN2_57B_A14B, "GLM-4.5": GLM_45, "GLM-4.5-Air": GLM_45_AIR,
     "DeepSeek-V3": DEEPSEEK_V3, "Kimi-K2": KIMI_K2, "gpt-oss-120b": GPT_OSS_120B,
-    "gpt-oss-20b": GPT_OSS_20B,
+    "gpt-oss-20b": GPT_OSS_20B, "Qwen3-Next-80B-A3B": QWEN3_NEXT_80B_A3B,
 }

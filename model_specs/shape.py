@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from model_specs.gdn_fields import gdn_fields
 from model_specs.gpt_oss_fields import gpt_oss_fields
 from model_specs.hf_config import HFConfigError, load_hf_config, model_dims, require
 from model_specs.mla_fields import mla_fields
@@ -54,6 +55,14 @@ class ShapeConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    experimental_attention_variant: str | None = None
+    linear_attention_freq: int | list[int] | None = None
+    linear_conv_kernel_dim: int | None = 4
+    linear_key_head_dim: int | None = 128
+    linear_value_head_dim: int | None = 128
+    linear_num_key_heads: int | None = 16
+    linear_num_value_heads: int | None = 32
+    attention_output_gate: bool = False
 
 
 SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(ShapeConfig))
@@ -110,6 +119,8 @@ def shape_fields(traits: FamilyTraits, hf: Mapping[str, Any]) -> dict[str, Any]:
     else:
         if traits.attention == "gqa_sinks":
             fields.update(gpt_oss_fields(hf, fam, num_layers))
+        elif traits.attention == "gdn_hybrid":
+            fields.update(gdn_fields(hf, fam, num_layers))
         head_dim = int(hf.get("head_dim") or hidden // heads)
         rope_mapping(hf, fam, head_dim, traits.partial_rotary)  # refuses what RoPE cannot map
         qk_norm, qkv_bias = attention_options(traits, hf)

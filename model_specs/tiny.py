@@ -112,5 +112,28 @@ def gpt_oss(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def qwen3_next(**overrides: Any) -> dict[str, Any]:
+    """A tiny Qwen3-Next-shaped config for tests: 4 layers, three Gated DeltaNet layers then one
+    full-attention layer (full_attention_interval 4, as published); the DeltaNet with 2 key heads
+    and 4 value heads (TP2) of 16 channels and a conv of width 4; full attention with 4/2 heads
+    (TP2) of 16 channels, QK-norm, an output gate and a quarter of each head rotated; 4 experts
+    top-2 (EP2) and a gated shared expert."""
+    cfg = dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=512,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, hidden_act="silu", max_position_embeddings=2048,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, partial_rotary_factor=0.25,
+        full_attention_interval=4, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        tie_word_embeddings=False, attention_bias=False, initializer_range=0.02,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], router_aux_loss_coef=0.0, output_router_logits=False,
+        torch_dtype="float32",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
 MOONLIGHT = dict(q_lora_rank=None, rope_scaling=None, n_group=1, topk_group=1, n_shared_experts=2)
 """deepseek_v3's overrides for Moonlight-16B-A3B's (and DeepSeek-V2-Lite's) shape."""

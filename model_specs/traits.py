@@ -40,7 +40,8 @@ class FamilyTraits:
     """"gqa": q, k and v projections of the hidden state (megatron's fused linear_qkv);
     "mla": DeepSeek's multi-latent attention (mla_fields.py, mla.py); "gqa_sinks": gpt-oss's
     GQA with learnable attention sinks, sliding-window layers and a bias on every linear layer
-    (gpt_oss_fields.py, sinks.py)."""
+    (gpt_oss_fields.py, sinks.py); "gdn_hybrid": Qwen3-Next's Gated DeltaNet layers between
+    gated GQA layers (gdn_fields.py)."""
     experts: str = "per_expert"
     """How HF stores a layer's routed experts: "per_expert" (`mlp.experts.{e}.gate_proj` ... and
     the router as `mlp.gate`), or "stacked" (gpt-oss: `mlp.experts.gate_up_proj` [E, h, 2 x ffn]
@@ -93,6 +94,14 @@ FAMILY_TRAITS: dict[str, FamilyTraits] = {t.name: t for t in (
     # (dequantized by the converter: gspo_megatron/checkpoint/mxfp4.py).
     FamilyTraits(name="gpt_oss", model_types=("gpt_oss",), moe=True, attention="gqa_sinks",
                  experts="stacked", expert_size_field="intermediate_size"),
+    # Qwen3-Next (Qwen3NextForCausalLM): three Gated DeltaNet (linear attention) layers to one
+    # full-attention layer, that one GQA with QK-norm, partial RoPE and a sigmoid output gate;
+    # zero-centred RMSNorms; Qwen2-MoE's MoE block (softmax router, a gated shared expert) on every
+    # layer. The multi-token-prediction weights of the published checkpoints (`mtp.*`) are not
+    # part of the model (transformers ignores them when loading). gdn_fields.py has the rest.
+    FamilyTraits(name="qwen3_next", model_types=("qwen3_next",), qk_layernorm=True, moe=True,
+                 router="softmax", shared_expert="gated", partial_rotary=True,
+                 attention="gdn_hybrid"),
     # Llama (dense): GQA, no biases (attention_bias / mlp_bias must be false; mlp_bias=true is
     # refused by shape.shape_fields), RoPE without scaling.
     FamilyTraits(name="llama", model_types=("llama",)),

@@ -33,8 +33,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from gspo_megatron import InputError
 from model_specs import family_for
+from model_specs.fused_layouts import WeightMapError, fuse_qkv, split_qkv
 from model_specs.hf_config import moe_layer_pattern, normalize_hf_config
 from model_specs.traits import attention_options
 
@@ -185,10 +185,6 @@ IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class WeightMapError(InputError, ValueError):
-    """A checkpoint or model that does not match the weight map; the message names the tensor."""
-
-
 @dataclass(frozen=True)
 class ParamMapping:
     """One megatron parameter (global name) and the HF tensors it is made of."""
@@ -333,41 +329,14 @@ def _mapping(r: WeightRule, layer: int | None = None, expert: int | None = None)
                         r.tp_dim, layer, expert)
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int,
-             num_query_groups: int, head_dim: int) -> torch.Tensor:
-    """HF q [np*hn, ...], k/v [ng*hn, ...] -> megatron [ng*(np/ng+2)*hn, ...] (per group q,k,v)."""
-    ng, rest = num_query_groups, tuple(q.shape[1:])
-    _check_rows("q_proj", q, num_heads * head_dim)
-    _check_rows("k_proj", k, ng * head_dim)
-    _check_rows("v_proj", v, ng * head_dim)
-    per_group = num_heads // ng * head_dim
-    parts = [q.reshape(ng, per_group, *rest), k.reshape(ng, head_dim, *rest),
-             v.reshape(ng, head_dim, *rest)]
-    return torch.cat(parts, dim=1).reshape(-1, *rest)
-
-
-def split_qkv(qkv: torch.Tensor, num_heads: int, num_query_groups: int,
-              head_dim: int) -> list[torch.Tensor]:
-    """Inverse of fuse_qkv: megatron linear_qkv -> [q, k, v] in HF layout."""
-    ng, rest = num_query_groups, tuple(qkv.shape[1:])
-    per_group = num_heads // ng * head_dim
-    _check_rows("linear_qkv", qkv, ng * (per_group + 2 * head_dim))
-    q, k, v = torch.split(qkv.reshape(ng, per_group + 2 * head_dim, *rest),
-                          [per_group, head_dim, head_dim], dim=1)
-    return [q.contiguous().reshape(-1, *rest), k.contiguous().reshape(-1, *rest),
-            v.contiguous().reshape(-1, *rest)]
-
-
-def _check_rows(name: str, t: torch.Tensor, rows: int) -> None:
-    if t.dim() == 0 or t.shape[0] != rows:
-        raise WeightMapError(f"{name} has shape {tuple(t.shape)}, expected {rows} rows")
-
-
 # ---- building the map from an HF config ----
 def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
     """The weight map of an HF model (config dict); raises HFConfigError for unknown families."""
     hf = normalize_hf_config(hf_config)
     traits = family_for(hf).traits
+    if traits.attention == "gdn_hybrid":
+        raise WeightMapError(f"{traits.name}: no weight map for Gated DeltaNet layers yet (the "
+                             "planner knows the model; the trainer does not build it)")
     layers = int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     flags = {"mla", "mla_q_proj" if hf.get("q_lora_rank") is None else "mla_q_lora"} \

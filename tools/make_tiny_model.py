@@ -32,7 +32,10 @@ and `rope_parameters=None` give Moonlight's attention. gpt_oss (model_specs/tiny
 layers alternating a sliding window of 8 and full attention, YaRN x4 over 8 original positions
 (truncate false), 8 experts top-4 of width 32 and a SwiGLU clamp of 0.5; its attention sinks and
 every bias (q/k/v/o, router, experts: zeros in transformers' init) are drawn at random, so that the
-weight map and the log-prob tests see them.
+weight map and the log-prob tests see them. qwen3_next (model_specs/tiny.py's qwen3_next) has 4
+layers, three Gated DeltaNet layers (2 key / 4 value heads of 16, conv width 4) then one of gated
+full attention with a quarter of each head rotated, and qwen2_moe's MoE with top-2 of 4 experts;
+its norms (zero-centred: 0 at init, the gated one 1) and dt_bias are drawn at random too.
 """
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss")
+ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss",
+         "qwen3_next")
 VOCAB_SIZE = 512
 # ChatML, as Qwen models use. <|im_end|> ends a turn and is the EOS token.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -150,6 +154,14 @@ def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
             rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                              "original_max_position_embeddings": 8, "beta_fast": 32.0,
                              "beta_slow": 1.0, "truncate": False})
+    elif arch == "qwen3_next":
+        cls, extra = transformers.Qwen3NextConfig, dict(
+            # 4 layers: three Gated DeltaNet layers, then full attention (full_attention_interval)
+            num_hidden_layers=4, head_dim=16, partial_rotary_factor=0.25, linear_conv_kernel_dim=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     return cls(**{**common, **extra, **overrides})
@@ -182,6 +194,10 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, tie_word_embe
                 for name, param in model.named_parameters():
                     if name.endswith(("bias", "sinks")):
                         param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
+            if arch == "qwen3_next":  # its norms (0, or 1 for the gated one, at init) and dt_bias
+                for name, param in model.named_parameters():
+                    if "norm" in name or name.endswith("dt_bias"):
+                        param.add_(torch.randn_like(param), alpha=0.1)
     finally:
         torch.random.set_rng_state(rng_state)
     model.generation_config = transformers.GenerationConfig(

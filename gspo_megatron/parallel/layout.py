@@ -137,7 +137,8 @@ class ParallelLayout:
         ) | (dict(cp_comm_type="p2p") if self.context > 1 else {})  # TE's ring exchange of K/V
 
     def validate(self, world_size: int, *, num_layers: int, num_attention_heads: int,
-                 num_query_groups: int, vocab_size: int, num_experts: int | None = None) -> None:
+                 num_query_groups: int, vocab_size: int, num_experts: int | None = None,
+                 linear_num_key_heads: int | None = None) -> None:
         """Raise LayoutError naming the numbers if this layout cannot run the model on world_size."""
         self.validate_sizes()
         tp, pp, ep, etp, cp = self.tensor, self.pipeline, self.expert, self.etp, self.context
@@ -152,7 +153,7 @@ class ParallelLayout:
                               f"pipeline = {etp} x {ep} x {pp} = {etp * ep * pp}")
         self.validate_model(num_layers=num_layers, num_attention_heads=num_attention_heads,
                             num_query_groups=num_query_groups, vocab_size=vocab_size,
-                            num_experts=num_experts)
+                            num_experts=num_experts, linear_num_key_heads=linear_num_key_heads)
 
     def check_context_parallel(self, *, transformer_engine: bool, cuda: bool, half: bool) -> None:
         """LayoutError unless context parallelism can run with this layer spec on this machine and
@@ -236,8 +237,10 @@ class ParallelLayout:
                               f"{middle_stages} x {vpp} = {middle_stages * vpp}")
 
     def validate_model(self, *, num_layers: int, num_attention_heads: int, num_query_groups: int,
-                       vocab_size: int, num_experts: int | None = None) -> None:
-        """The checks that need the model's dimensions but not the world size."""
+                       vocab_size: int, num_experts: int | None = None,
+                       linear_num_key_heads: int | None = None) -> None:
+        """The checks that need the model's dimensions but not the world size
+        (linear_num_key_heads: Qwen3-Next's Gated DeltaNet heads, split over TP ranks too)."""
         self.validate_layers(num_layers)
         tp, ep = self.tensor, self.expert
         if num_attention_heads % tp:
@@ -245,6 +248,9 @@ class ParallelLayout:
                               f"tensor {tp}")
         if num_query_groups % tp:
             raise LayoutError(f"num_key_value_heads (query groups) {num_query_groups} is not "
+                              f"divisible by tensor {tp}")
+        if linear_num_key_heads and linear_num_key_heads % tp:
+            raise LayoutError(f"linear_num_key_heads (Gated DeltaNet) {linear_num_key_heads} is not "
                               f"divisible by tensor {tp}")
         if vocab_size % tp:
             raise LayoutError(f"vocab_size {vocab_size} is not divisible by tensor {tp} (the "

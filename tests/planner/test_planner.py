@@ -193,6 +193,22 @@ def test_plan_gpt_oss_120b_fits_on_32_not_8_and_20b_on_8():
         assert any(ln.endswith("| fits |") for ln in rows) and all("xETP1x" in ln for ln in rows)
 
 
+def test_plan_qwen3_next_80b_fits_on_32_h100s_and_on_16_with_the_optimizer_on_the_host():
+    """Qwen3-Next-80B-A3B (79.7B counted) with Adam: about 1.3 TB of weights, gradients and
+    optimizer state; 32 x 80 GiB hold it, 16 only with the optimizer's state on the host. Every
+    layout's TP divides its 2 query groups and its 16 Gated DeltaNet key heads."""
+    common = ("examples/qwen3_235b_a22b.yaml", "--model", "Qwen3-Next-80B-A3B", "--gpu-memory",
+              "80GiB", "--gpus-per-node", "8", "--top", "200")
+    big = _plan(*common, "--gpus", "32")
+    assert big.returncode == 0, big.stderr
+    rows = [ln for ln in big.stdout.splitlines() if ln.startswith("| TP")]
+    assert any(ln.endswith("| fits |") for ln in rows) and "optimizer offload" not in big.stdout
+    assert all(ln.startswith(("| TP1x", "| TP2x")) for ln in rows)
+    small = _plan(*common, "--gpus", "16")
+    assert small.returncode == 0, small.stderr
+    assert "nothing fits with the optimizer's state on the GPUs" in small.stdout
+
+
 @pytest.mark.parametrize("args, message", [
     (("--gpus", "8", "--gpu-memory", "80 gigs"), "--gpu-memory '80 gigs': expected a size such as 80GiB"),
     (("--gpus", "0"), "--gpus 0: expected >= 1"),
