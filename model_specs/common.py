@@ -24,6 +24,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from model_specs.gdn import use_gated_delta_net
 from model_specs.hf_config import HFConfigError, require
 from model_specs.mla import adapt_mla_spec
 from model_specs.moe import use_expert_bias_router, use_expert_fc2
@@ -159,6 +160,14 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
         # (transformer_config.py:1485, which compares with fused_bias_geglu.quick_gelu); the CUDA
         # defaults turn the fusion on (actor/settings.py)
         kwargs["bias_activation_fusion"] = False
+    gdn = kwargs.get("experimental_attention_variant") == "gated_delta_net"
+    if gdn and not torch.cuda.is_available():
+        # the torch forms of the DeltaNet's kernels (model_specs/gdn.py): megatron's torch
+        # convolution and chunked delta rule are the ones deterministic_mode selects
+        kwargs["deterministic_mode"] = True
+    if gdn and kwargs.get("context_parallel_size", 1) > 1:
+        raise HFConfigError(f"{fam}: context parallelism with Gated DeltaNet layers is not "
+                            "supported (megatron-core 0.16.1's layer has none: gated_delta_net.py)")
     config_class = MLATransformerConfig if mla else \
         YarnTransformerConfig if rope.position_embedding_type == "yarn" else TransformerConfig
     unknown = set(kwargs) - {f.name for f in dataclasses.fields(config_class)}
@@ -176,13 +185,15 @@ def build_model_spec(traits: FamilyTraits, hf: Mapping[str, Any], *,
     expert_bias = bool(config.moe_router_enable_expert_bias)
 
     def layer_spec_fn(vp_stage: int | None, pp_rank: int | None) -> TransformerBlockSubmodules:
-        if config.experimental_attention_variant == "gated_delta_net":
-            raise HFConfigError(f"{fam}: the trainer cannot build Gated DeltaNet layers yet (the "
-                                "planner and the parameter counts know the model; the layers, "
-                                "their weight map and their CPU kernels are not built: README)")
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+        # megatron-core 0.19 refuses the variant in its GPT spec (gpt_layer_specs.py:572): the
+        # block's layers come from the config without it, and gdn.py puts the DeltaNet in
+        base = dataclasses.replace(config, experimental_attention_variant=None,
+                                   linear_attention_freq=None) if gdn else config
+        spec = get_gpt_decoder_block_spec(base, use_transformer_engine=use_te,
                                           normalization="RMSNorm", vp_stage=vp_stage,
                                           pp_rank=pp_rank)
+        if gdn:
+            spec = use_gated_delta_net(spec, config, use_te, vp_stage, pp_rank)
         if expert_bias:
             spec = use_expert_bias_router(spec)
         if mla:

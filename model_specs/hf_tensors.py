@@ -28,13 +28,14 @@ def _dims(hf: Mapping[str, Any]) -> dict[str, int | None]:
     return {"vocab_size": get("vocab_size"), "hidden_size": hidden, "num_attention_heads": heads,
             "head_dim": head_dim, "num_key_value_heads": get("num_key_value_heads") or heads,
             "intermediate_size": get("intermediate_size"),
-            "moe_intermediate_size": get("moe_intermediate_size"), "num_experts": experts}
+            "moe_intermediate_size": get("moe_intermediate_size"), "num_experts": experts, "two": 2}
 
 
 def _rules(hf: Mapping[str, Any]) -> list[tuple[re.Pattern, tuple[str, ...]]]:
     """(name pattern, the dimensions of its shape, by config field) for what the config fixes."""
     mla = hf.get("kv_lora_rank") is not None  # DeepSeek-V3's attention has other projections
-    gated = bool(hf.get("attn_output_gate"))  # Qwen3-Next: q_proj also holds the output gate
+    # Qwen3-Next: q_proj also holds each head's output gate
+    gated = bool(hf.get("attn_output_gate")) or hf.get("model_type") == "qwen3_next"
     rules = [
         (r"model\.embed_tokens\.weight", ("vocab_size", "hidden_size")),
         (r"lm_head\.weight", ("vocab_size", "hidden_size")),
@@ -49,8 +50,9 @@ def _rules(hf: Mapping[str, Any]) -> list[tuple[re.Pattern, tuple[str, ...]]]:
         (r"model\.layers\.\d+\.mlp\.gate\.weight", ("num_experts", "hidden_size")),
     ]
     if not mla:
-        rules += [] if gated else [
-            (r"model\.layers\.\d+\.self_attn\.q_proj\.weight", ("num_attention_heads*head_dim", "hidden_size"))]
+        rules += [(r"model\.layers\.\d+\.self_attn\.q_proj\.weight",
+                   ("two*num_attention_heads*head_dim" if gated else "num_attention_heads*head_dim",
+                    "hidden_size"))]
         rules += [
             (r"model\.layers\.\d+\.self_attn\.[kv]_proj\.weight", ("num_key_value_heads*head_dim", "hidden_size")),
             (r"model\.layers\.\d+\.self_attn\.o_proj\.weight", ("hidden_size", "num_attention_heads*head_dim")),

@@ -11,10 +11,7 @@ TP1/PP1/EP1 model), each with its HF tensors and how they are fused.
         hf_tensors = wmap.to_hf(m, full)          # the inverse, bit-exact
 
 Fused layouts (checked against megatron-core 0.16.1):
-- `linear_qkv` (attention.py, get_query_key_value_tensors): per query group g, the rows are
-  [q heads of g (np/ng x hn), k_g (hn), v_g (hn)]; HF's repeat_kv gives query head h the key/value
-  head h // (np/ng), so the query heads of group g are HF heads g*np/ng ... (g+1)*np/ng - 1.
-  A TP rank holds a contiguous run of whole groups, so the TP shards concatenate along dim 0.
+- `linear_qkv` (with or without an output gate) and a Gated DeltaNet's `in_proj`: fused_layouts.py.
 - `linear_fc1` of a gated MLP (mlp.py, glu): rows [gate; up]. A TP rank holds [gate_r; up_r]
   (apply_swiglu_sharded_factory), so merging TP shards is NOT a plain concatenation.
 - Stacked experts (gpt-oss): one HF tensor holds every expert of a layer along dim 0, so each
@@ -34,12 +31,14 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from model_specs import family_for
-from model_specs.fused_layouts import WeightMapError, fuse_qkv, split_qkv
+from model_specs.fused_layouts import (WeightMapError, fuse_gdn_in_proj, fuse_qkv, split_gdn_in_proj,
+                                      split_qkv)
+from model_specs.gdn_fields import layer_types
 from model_specs.hf_config import moe_layer_pattern, normalize_hf_config
 from model_specs.traits import attention_options
 
 # The parameter kinds: how a megatron tensor relates to its HF tensors.
-COPY, QKV, GATE_UP = "copy", "qkv", "gate_up"
+COPY, QKV, GATE_UP, GDN_IN_PROJ = "copy", "qkv", "gate_up", "gdn_in_proj"
 # One expert's slice of a stacked HF tensor (module docstring): gate_up_proj [E, h, 2f]
 # interleaved, its bias [E, 2f] interleaved, down_proj [E, f, h] (transposed), its bias [E, h].
 STACKED_GATE_UP, STACKED_GATE_UP_BIAS, STACKED_T, STACKED = (
@@ -61,7 +60,8 @@ class WeightRule:
     None = replicated. For experts the split is across the expert-tensor-parallel group."""
     scope: str = "model"
     """model: once; layer: every layer; dense: dense-MLP layers; moe: MoE layers; expert: every
-    expert of every MoE layer (split across expert-parallel ranks)."""
+    expert of every MoE layer (split across expert-parallel ranks); linear: Qwen3-Next's Gated
+    DeltaNet layers, which have these in place of every `self_attention.` rule."""
     when: str | None = None
     """A condition on the model: 'qkv' (fused q/k/v) or 'mla' + 'mla_q_lora' / 'mla_q_proj'
     (multi-latent attention with or without q's bottleneck), 'qk_norm', 'qkv_bias', 'untied',
@@ -111,6 +111,17 @@ RULES: tuple[WeightRule, ...] = (
     # megatron's learnable softmax offset is HF's sinks: one logit per head (model_specs/sinks.py)
     WeightRule(L + "self_attention.core_attention.softmax_offset", (H + "self_attn.sinks",),
                tp_dim=0, scope="layer", when="sinks"),
+    # Qwen3-Next's Gated DeltaNet (model_specs/gdn.py; the in_proj layout: fused_layouts.py)
+    WeightRule(L + "self_attention.in_proj.weight",
+               (H + "linear_attn.in_proj_qkvz.weight", H + "linear_attn.in_proj_ba.weight"),
+               GDN_IN_PROJ, tp_dim=0, scope="linear"),
+    WeightRule(L + "self_attention.conv1d.weight", (H + "linear_attn.conv1d.weight",), tp_dim=0,
+               scope="linear"),
+    WeightRule(L + "self_attention.A_log", (H + "linear_attn.A_log",), tp_dim=0, scope="linear"),
+    WeightRule(L + "self_attention.dt_bias", (H + "linear_attn.dt_bias",), tp_dim=0, scope="linear"),
+    WeightRule(L + "self_attention.out_norm.weight", (H + "linear_attn.norm.weight",), scope="linear"),
+    WeightRule(L + "self_attention.out_proj.weight", (H + "linear_attn.out_proj.weight",), tp_dim=1,
+               scope="linear"),
     WeightRule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",),
                scope="layer"),
     WeightRule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
@@ -165,7 +176,8 @@ RULES: tuple[WeightRule, ...] = (
 # uses): TE fuses the norms into the following linear layer, and its grouped-GEMM experts hold
 # one `weight{e}` per expert. canonical_megatron_name() maps either to the map's name. (Checkpoint
 # keys agree between the specs: model_specs.norms.te_checkpoint_keys.)
-_TE_NAMES = ((re.compile(r"\.self_attention\.linear_qkv\.layer_norm_weight$"), ".input_layernorm.weight"),
+_TE_NAMES = ((re.compile(r"\.self_attention\.(linear_qkv|in_proj)\.layer_norm_weight$"),
+              ".input_layernorm.weight"),
              (re.compile(r"\.mlp\.linear_fc1\.layer_norm_weight$"), ".pre_mlp_layernorm.weight"),
              (re.compile(r"\.self_attention\.linear_(q|kv)_up_proj\.layer_norm_weight$"),
               r".self_attention.\1_layernorm.weight"),
@@ -181,7 +193,8 @@ def canonical_megatron_name(name: str) -> str:
     return name
 
 # HF tensors that carry no weights (recomputed buffers some exporters include).
-IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+# Qwen3-Next's checkpoints hold a multi-token-prediction layer under `mtp.` (transformers ignores it).
+IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$|^mtp\.")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -221,6 +234,10 @@ class WeightMap:
     extra_hf_layers: int = 0
     """Layers after the model's in HF checkpoints that the model does not use (GLM-4.5's
     multi-token-prediction layers, `num_nextn_predict_layers`)."""
+    linear_layers: tuple[bool, ...] = ()
+    """Qwen3-Next: the Gated DeltaNet layers (the others full attention, with an output gate)."""
+    gdn_dims: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """Qwen3-Next: the DeltaNet's key heads, key head dim, value heads, value head dim."""
 
     def mappings(self) -> Iterator[ParamMapping]:
         """Every megatron parameter of the model, in HF order (embedding, layers, head)."""
@@ -229,8 +246,12 @@ class WeightMap:
             yield _mapping(r)
         for layer in range(self.num_layers):
             moe = self.moe_layers[layer]
+            linear = bool(self.linear_layers) and self.linear_layers[layer]
             for r in rules:
-                if r.scope == "layer" or r.scope == ("moe" if moe else "dense"):
+                if linear and r.scope == "layer" and ".self_attention." in r.megatron:
+                    continue  # a DeltaNet layer: its own rules (scope "linear") instead
+                if (r.scope == "layer" or r.scope == ("moe" if moe else "dense")
+                        or (r.scope == "linear" and linear)):
                     yield _mapping(r, layer=layer)
                 elif r.scope == "expert" and moe:
                     yield from (_mapping(r, layer=layer, expert=e) for e in range(self.num_experts))
@@ -267,7 +288,10 @@ class WeightMap:
                 return torch.cat([part[0::2], part[1::2]], dim=0).contiguous()  # [gate; up]
             return part.transpose(0, 1).contiguous() if m.kind == STACKED_T else part.clone()
         if m.kind == QKV:
-            return fuse_qkv(*hf_tensors, self.num_heads, self.num_query_groups, self.head_dim)
+            return fuse_qkv(*hf_tensors, self.num_heads, self.num_query_groups, self.head_dim,
+                            gated="attn_gate" in self.flags)
+        if m.kind == GDN_IN_PROJ:
+            return fuse_gdn_in_proj(*hf_tensors, *self.gdn_dims)
         if m.kind == GATE_UP:
             return torch.cat(list(hf_tensors), dim=0)
         return hf_tensors[0]
@@ -282,7 +306,10 @@ class WeightMap:
         if m.kind == STACKED_T:
             return [tensor.transpose(0, 1).contiguous()]
         if m.kind == QKV:
-            return split_qkv(tensor, self.num_heads, self.num_query_groups, self.head_dim)
+            return split_qkv(tensor, self.num_heads, self.num_query_groups, self.head_dim,
+                             gated="attn_gate" in self.flags)
+        if m.kind == GDN_IN_PROJ:
+            return split_gdn_in_proj(tensor, *self.gdn_dims)
         if m.kind == GATE_UP:
             return [t.contiguous() for t in torch.chunk(tensor, 2, dim=0)]
         return [tensor.contiguous()]
@@ -334,9 +361,6 @@ def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
     """The weight map of an HF model (config dict); raises HFConfigError for unknown families."""
     hf = normalize_hf_config(hf_config)
     traits = family_for(hf).traits
-    if traits.attention == "gdn_hybrid":
-        raise WeightMapError(f"{traits.name}: no weight map for Gated DeltaNet layers yet (the "
-                             "planner knows the model; the trainer does not build it)")
     layers = int(hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     flags = {"mla", "mla_q_proj" if hf.get("q_lora_rank") is None else "mla_q_lora"} \
@@ -359,9 +383,16 @@ def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
     elif traits.moe and traits.shared_expert == "plain":
         flags.add("shared_experts")
     moe = [bool(x) for x in moe_layer_pattern(hf, layers)] if traits.moe else [False] * layers
+    linear, gdn = (), (0, 0, 0, 0)
+    if traits.attention == "gdn_hybrid":
+        flags.add("attn_gate")
+        linear = tuple(t == "linear_attention" for t in layer_types(hf, layers))
+        gdn = tuple(int(hf[k]) for k in ("linear_num_key_heads", "linear_key_head_dim",
+                                         "linear_num_value_heads", "linear_value_head_dim"))
     return WeightMap(
         family=traits.name, num_layers=layers, num_heads=heads,
         num_query_groups=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
         moe_layers=tuple(moe), num_experts=int(hf.get("num_experts") or 0) if traits.moe else 0,
-        flags=frozenset(flags), extra_hf_layers=int(hf.get("num_nextn_predict_layers") or 0))
+        flags=frozenset(flags), extra_hf_layers=int(hf.get("num_nextn_predict_layers") or 0),
+        linear_layers=linear, gdn_dims=gdn)  # type: ignore[arg-type]

@@ -37,6 +37,7 @@ MCORE_TESTS=(tests/actor/test_actor_*.py tests/actor/test_batch.py tests/actor/t
              tests/actor/test_router_control.py tests/actor/test_steps_host_syncs.py
              tests/model_specs/test_families.py tests/model_specs/test_deepseek_v3.py
              tests/model_specs/test_gpt_oss.py tests/checkpoint/test_convert_gpt_oss.py
+             tests/model_specs/test_qwen3_next.py
              tests/model_specs/test_common.py tests/model_specs/test_spec_names.py
              tests/model_specs/test_weight_maps.py tests/model_specs/test_published.py
              tests/model_specs/test_lazy_compile.py tests/checkpoint/test_convert.py

@@ -5,6 +5,7 @@ local and the Transformer Engine layer spec, as one table.
     python tools/gpu_check.py --cpu-smoke      # the same steps on CPU: local spec, fp32 (CI)
     bash scripts/gpu_check.sh --arch deepseek_v3   # another family's tiny model (tools/make_tiny_model.py)
     bash scripts/gpu_check.sh --arch gpt_oss       # the local spec only (attention sinks)
+    bash scripts/gpu_check.sh --arch qwen3_next    # Gated DeltaNet: needs flash-linear-attention
 
 Steps, per spec (TE only where it imports) and dtype:
 1. a tiny HF Qwen3-MoE (tools/make_tiny_model.py; --arch for another family), 2. converted to megatron (spec-independent),

@@ -117,7 +117,8 @@ class Actor:
         half = self.spec.config.params_dtype in (torch.bfloat16, torch.float16)
         self.batching = dataclasses.replace(self.batching, pack_sequences=resolve_sequence_layout(
             layout, self.batching.pack_sequences, transformer_engine=self.spec.transformer_engine,
-            cuda=available.cuda, half=half, te_version=available.te_version))
+            cuda=available.cuda, half=half, te_version=available.te_version,
+            linear_attention=self.spec.config.experimental_attention_variant == "gated_delta_net"))
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)

@@ -78,7 +78,9 @@ def check_layout(spec: ModelSpec, layout: ParallelLayout, world_size: int) -> No
     c = spec.config
     layout.validate(world_size, num_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
                     num_query_groups=c.num_query_groups or c.num_attention_heads,
-                    vocab_size=spec.vocab_size, num_experts=c.num_moe_experts)
+                    vocab_size=spec.vocab_size, num_experts=c.num_moe_experts,
+                    linear_num_key_heads=(c.linear_num_key_heads if c.experimental_attention_variant
+                                          == "gated_delta_net" else None))
 
 
 def _check_config_matches_layout(spec: ModelSpec, layout: ParallelLayout) -> None:

@@ -29,10 +29,18 @@ import torch
 # and dot_product_attention.py (v2.10 line 1398) then raises "No dot product attention backend is
 # available". Flash and cuDNN attention take only 16-bit inputs.
 FP32_PACKING_MIN_TE = (2, 11)
+# megatron-core 0.16's GatedDeltaNet raises NotImplementedError for packed_seq_params
+# (ssm/gated_delta_net.py:293-295); 0.19's takes THD (ssm/gated_delta_net/common.py:352)
+GDN_PACKING_MIN_MCORE = (0, 19)
+
+
+def _mcore_version() -> str:
+    from importlib.metadata import version
+    return version("megatron-core")
 
 
 def resolve_packing(requested: bool | None, *, te_on_cuda: bool, context: int, half: bool,
-                    te_version: str | None) -> bool:
+                    te_version: str | None, linear_attention: bool = False) -> bool:
     """Whether micro-batches are packed: `requested` None means "whenever it runs here" (TE's
     attention on CUDA, no context parallelism, 16-bit parameters or a TE that takes fp32 THD);
     True where it cannot run is refused in one line, naming why."""
@@ -41,6 +49,10 @@ def resolve_packing(requested: bool | None, *, te_on_cuda: bool, context: int, h
         why = "needs the Transformer Engine layer spec on CUDA (megatron's local attention refuses packed sequences)"
     elif context > 1:
         why = "is not supported with parallel.context > 1"
+    elif linear_attention and _version(_mcore_version()) < GDN_PACKING_MIN_MCORE:
+        why = (f"is not supported for Gated DeltaNet layers (Qwen3-Next) by megatron-core "
+               f"{_mcore_version()}: its layer refuses packed sequences before "
+               f"{'.'.join(map(str, GDN_PACKING_MIN_MCORE))} (ssm/gated_delta_net.py)")
     elif not half and _version(te_version) < FP32_PACKING_MIN_TE:
         why = (f"with fp32 parameters needs Transformer Engine >= "
                f"{'.'.join(map(str, FP32_PACKING_MIN_TE))} (found {te_version}: no fp32 attention for "
@@ -51,14 +63,14 @@ def resolve_packing(requested: bool | None, *, te_on_cuda: bool, context: int, h
 
 
 def resolve_sequence_layout(layout: Any, requested: bool | None, *, transformer_engine: bool, cuda: bool,
-                            half: bool, te_version: str | None) -> bool:
+                            half: bool, te_version: str | None, linear_attention: bool = False) -> bool:
     """Context parallelism and packing on this machine, in one place (the run's preflight and the
     Actor, before any collective): LayoutError for context parallelism that cannot run here,
     ValueError for packing asked for where it cannot run; returns whether micro-batches are packed.
     layout: a ParallelLayout."""
     layout.check_context_parallel(transformer_engine=transformer_engine, cuda=cuda, half=half)
     return resolve_packing(requested, te_on_cuda=transformer_engine and cuda, context=layout.context,
-                           half=half, te_version=te_version)
+                           half=half, te_version=te_version, linear_attention=linear_attention)
 
 
 def _version(text: str | None) -> tuple[int, int]:

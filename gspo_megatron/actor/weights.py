@@ -9,7 +9,8 @@ spec's spelling whichever spec built the model (TE's fused norm names and groupe
 `….experts.linear_fc1.weight{e}` are mapped by model_specs.weight_maps.canonical_megatron_name),
 so full state dicts move between a TE-spec and a local-spec model. Tensor-
 parallel shards are joined the way megatron splits them (`partition_dim`, `partition_stride`: a
-strided parameter, e.g. the gated fc1 [gate; up], is `stride` blocks each split over TP ranks), so
+strided parameter, e.g. the gated fc1 [gate; up], is `stride` blocks each split over TP ranks;
+`partition_blocks`: blocks of unequal sizes, a Gated DeltaNet's in_proj and conv1d), so
 the full tensor is exactly what the one-process model holds. With tied embeddings the output layer
 of the last stage is not listed (it is `embedding.word_embeddings.weight`).
 
@@ -94,19 +95,27 @@ def _is_tp_sharded(param: torch.nn.Parameter) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def join_tp_shards(shards: list[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+def join_tp_shards(shards: list[torch.Tensor], dim: int, stride: int,
+                   blocks: list[int] | None = None) -> torch.Tensor:
     """TP shards (rank order) -> the full tensor. Each shard holds its 1/tp of each of `stride`
-    consecutive blocks along `dim` (megatron's _initialize_affine_weight_cpu layout)."""
+    consecutive blocks along `dim` (megatron's _initialize_affine_weight_cpu layout), or of each
+    of the blocks of `blocks` rows (the full tensor's; a Gated DeltaNet's in_proj and conv1d,
+    whose blocks differ in size: model_specs/gdn.py)."""
+    if blocks is not None:
+        tp = len(shards)
+        per_shard = [s.split([b // tp for b in blocks], dim=dim) for s in shards]
+        return torch.cat([per_shard[r][k] for k in range(len(blocks)) for r in range(tp)], dim=dim)
     if stride == 1:
         return torch.cat(shards, dim=dim)
     per_shard = [s.chunk(stride, dim=dim) for s in shards]
     return torch.cat([per_shard[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
 
 
-def shard_of(full: torch.Tensor, dim: int, stride: int, tp_size: int, tp_rank: int) -> torch.Tensor:
+def shard_of(full: torch.Tensor, dim: int, stride: int, tp_size: int, tp_rank: int,
+             blocks: list[int] | None = None) -> torch.Tensor:
     """Inverse of join_tp_shards: rank `tp_rank`'s shard of `full`."""
-    blocks = full.chunk(stride, dim=dim)
-    return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in blocks], dim=dim)
+    parts = full.split(blocks, dim=dim) if blocks is not None else full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(tp_size, dim=dim)[tp_rank] for b in parts], dim=dim)
 
 
 def full_tensor_over_tp(param: torch.nn.Parameter) -> torch.Tensor:
@@ -119,7 +128,8 @@ def full_tensor_over_tp(param: torch.nn.Parameter) -> torch.Tensor:
         return local.clone()
     shards = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(shards, local.contiguous(), group=group)
-    return join_tp_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1))
+    return join_tp_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1),
+                          getattr(param, "partition_blocks", None))
 
 
 def owns_full_copy(param: torch.nn.Parameter) -> bool:
@@ -188,7 +198,7 @@ def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Te
             if _is_tp_sharded(param):
                 _, size, rank = _tp_group_of(param)
                 value = shard_of(value, param.partition_dim, getattr(param, "partition_stride", 1),
-                                 size, rank)
+                                 size, rank, getattr(param, "partition_blocks", None))
             if value.shape != param.shape:
                 problems.append(f"{name}: shard shape {tuple(value.shape)} != parameter shape "
                                 f"{tuple(param.shape)} (full {tuple(full[name].shape)})")

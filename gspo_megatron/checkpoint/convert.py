@@ -101,6 +101,23 @@ class _LazySavePlanner(MCoreSavePlanner):
         return piece.reshape(tuple(write_item.tensor_data.chunk.sizes)).contiguous()
 
 
+def _rows_before(sh: ShardedTensor, key: str) -> int:
+    """Where a piece of a parameter that megatron's sharded state dict splits into keys of their
+    own begins in it (rows): a Gated DeltaNet's in_proj and conv1d are saved as `.query`,
+    `.key`, ... (gated_delta_net.py, _split_tensor_factory), each key's offsets counted from its
+    own start; its data is a view of the parameter along dim 0, whose storage offset says where.
+    (A piece whose offsets already say where, as the gated fc1's [gate; up] halves under one key,
+    is left as it is.)"""
+    data = sh.data
+    if any(sh.global_offset[sh.prepend_axis_num:]) or data is None or data.dim() == 0 \
+            or data.storage_offset() == 0:
+        return 0
+    rows, rest = divmod(data.storage_offset(), data.stride(0))
+    if rest:
+        raise ValueError(f"{key}: a piece of its parameter that does not start at a row")
+    return rows
+
+
 class _StreamingSaveStrategy(TorchDcpSaveStrategy):
     """One file per tensor, each tensor produced from the HF files when it is written."""
 
@@ -118,7 +135,8 @@ class _StreamingSaveStrategy(TorchDcpSaveStrategy):
                     continue
                 # At TP1 a parameter is the whole global tensor minus the prepended (layer /
                 # expert) axes, so a shard's offsets past those axes index into the parameter.
-                offs = sh.global_offset[sh.prepend_axis_num:]
+                offs = list(sh.global_offset[sh.prepend_axis_num:])
+                offs[0] += _rows_before(sh, key)
                 slices = tuple(slice(o, o + n) for o, n in zip(offs, sh.local_shape))
                 pieces[(key, tuple(sh.global_offset))] = (flat_mapping[flat_key][0], slices)
         self.planner = _LazySavePlanner(pieces, self.load_param, total=len(pieces))

@@ -72,8 +72,7 @@ def _write_hf(ckpt_dir: Path, out_dir: Path, hf: dict, wmap, stored_dtype: torch
 
         with HFShardWriter(out_dir, max_shard_bytes) as writer, \
                 tqdm(total=len(mappings), desc="exporting to HF", unit="tensor") as bar:
-            # never cut between the experts of one stacked HF tensor (gpt-oss: wmap.together_key)
-            for batch in weight_batches(mappings, nbytes, batch_bytes, wmap.together_key):
+            for batch in weight_batches(mappings, nbytes, batch_bytes, _together):
                 loaded = _load_params(sharded_sd, [m.megatron for m in batch], ckpt_dir)
                 pairs = [(m, loaded.pop(m.megatron)) for m in batch]
                 for name, t in wmap.hf_tensors(pairs):  # a stacked tensor from all its experts
@@ -87,6 +86,18 @@ def _write_hf(ckpt_dir: Path, out_dir: Path, hf: dict, wmap, stored_dtype: torch
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+
+
+def _together(m) -> str | None:
+    """What must be in one batch with m: every expert of a layer's fc1 (fc2, their biases), which
+    megatron saves under one key (`...mlp.experts.experts.linear_fc1.weight`, [E, ...]) and
+    dist_checkpointing reads whole or not at all (torch's sharded tensor wants every shard of the
+    key: "Number of local shards ... does not match"). Such a batch may pass batch_bytes: a
+    Qwen3-235B layer's experts are 4.8 GB. It also keeps the experts of one stacked HF tensor
+    together (gpt-oss: WeightMap.together_key)."""
+    if not m.is_expert:
+        return None
+    return m.megatron.replace(f".local_experts.{m.expert}.", ".local_experts.*.")
 
 
 def _load_params(sharded_sd: dict[str, Any], names: list[str], ckpt_dir: Path) -> dict:

@@ -169,7 +169,8 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     try:  # the Actor resolves it with the same function: what this says is what it builds
         resolve_sequence_layout(cfg.parallel, cfg.train.pack_sequences,
                                 transformer_engine=compute.transformer_engine, cuda=available.cuda,
-                                half=cfg.model.dtype == "bfloat16", te_version=available.te_version)
+                                half=cfg.model.dtype == "bfloat16", te_version=available.te_version,
+                                linear_attention="linear_num_key_heads" in dims)
     except LayoutError:
         raise
     except ValueError as e:

@@ -82,6 +82,14 @@ def test_resolve_packing_packs_where_it_runs_and_refuses_where_it_does_not():
         assert not resolve_packing(None, **where) and not resolve_packing(False, **where)
         with pytest.raises(ValueError, match=f"^pack_sequences=True {message}"):
             resolve_packing(True, **where)
+    # Qwen3-Next's Gated DeltaNet takes packed sequences from megatron-core 0.19 on
+    from gspo_megatron.actor.packing import _mcore_version
+    if _mcore_version().startswith("0.16"):
+        assert not resolve_packing(None, **gpu, linear_attention=True)
+        with pytest.raises(ValueError, match="for Gated DeltaNet layers .* megatron-core 0.16"):
+            resolve_packing(True, **gpu, linear_attention=True)
+    else:
+        assert resolve_packing(None, **gpu, linear_attention=True)
 
 
 def test_the_actor_refuses_packing_on_this_machine():

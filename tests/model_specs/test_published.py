@@ -89,7 +89,7 @@ def test_published_configs_map_as_the_models_are_described():
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe",
-                                  "deepseek_v3", "moonlight", "gpt_oss"])
+                                  "deepseek_v3", "moonlight", "gpt_oss", "qwen3_next"])
 def test_count_equals_the_built_models_parameters(arch, tmp_path):
     """param_count against a GPTModel built on the meta device from each tiny family model, and
     with tied embeddings for the dense ones (moonlight: deepseek_v3 without q's bottleneck)."""

@@ -121,3 +121,21 @@ def test_mla_layers_write_the_te_specs_keys_and_te_names_map_to_the_local_ones(o
                 "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": "decoder.layers.0.pre_mlp_layernorm.weight"}
     for te, local in te_names.items():
         assert canonical_megatron_name(te) == local and local in params
+
+
+def test_deltanet_layers_write_the_te_specs_keys_and_te_names_map_to_the_local_ones(one_process_megatron):
+    """Qwen3-Next is not in the recording. Its TE DeltaNet layer (model_specs/gdn.py, as megatron's
+    own experimental spec) fuses the input norm into in_proj (TELayerNormColumnParallelLinear):
+    the local layer writes that key, megatron saves in_proj and conv1d split per block, and the
+    full-attention layer keeps linear_qkv's fused norm key."""
+    from model_specs.tiny import qwen3_next
+    from model_specs.weight_maps import canonical_megatron_name
+    sharded, params = _local_model(qwen3_next())
+    keys = {v.key for v in sharded.values() if hasattr(v, "key")}
+    linear = {k.split(".", 3)[3] for k in keys if k.startswith("decoder.layers.0.")}
+    assert "self_attention.in_proj.layer_norm_weight" in linear
+    assert "input_layernorm.weight" not in linear and "self_attention.out_norm.weight" in linear
+    full = {k.split(".", 3)[3] for k in keys if k.startswith("decoder.layers.3.")}
+    assert "self_attention.linear_qkv.layer_norm_weight" in full
+    te = "decoder.layers.0.self_attention.in_proj.layer_norm_weight"
+    assert canonical_megatron_name(te) == "decoder.layers.0.input_layernorm.weight" in params

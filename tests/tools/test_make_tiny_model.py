@@ -43,7 +43,8 @@ def test_loads_and_runs(arch):
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     cfg = model.config
     assert next(model.parameters()).dtype == torch.float32
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (VOCAB_SIZE, 64, 2)
+    layers = 4 if arch == "qwen3_next" else 2  # three DeltaNet layers, then full attention
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (VOCAB_SIZE, 64, layers)
     if arch == "deepseek_v3":  # multi-latent attention: a key and value per head, YaRN x4 over 8
         assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 4)
         assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
@@ -60,7 +61,11 @@ def test_loads_and_runs(arch):
     else:
         assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
         assert cfg.max_position_embeddings >= 2048
-    if arch.startswith("qwen3"):
+    if arch == "qwen3_next":
+        assert cfg.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+        assert model.model.layers[3].self_attn.q_norm.weight.abs().max() > 0  # drawn (0 at init)
+        assert model.model.layers[0].linear_attn.in_proj_qkvz.weight.shape == (192, 64)
+    elif arch.startswith("qwen3"):
         assert model.model.layers[0].self_attn.q_norm is not None  # QK-norm
     if arch == "qwen3_moe":
         assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (4, 2, 32)
