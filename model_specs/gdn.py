@@ -26,6 +26,10 @@ its own `torch_chunk_gated_delta_rule` (transformers' reference, which megatron 
 deterministic_mode), and an l2norm equal to transformers' (modeling_qwen3_next.py, l2norm: x *
 rsqrt(sum(x^2) + 1e-6)); `deterministic_mode` (set by common.build_model_spec there) also takes
 the torch convolution (0.16.1 takes it whenever causal_conv1d is absent; 0.19.2 only then).
+
+SGLang serves the family on a GPU only here: on a CPU its Qwen3-Next calls the ops of sgl-kernel's
+CPU build (sglang/srt/layers/attention/linear/kernels/gdn_triton.py:27-32, linear/gdn_backend.py:
+183-188), which exists for CPUs with AMX / AVX-512 only (docs/cpu.md, docs/extending.md).
 """
 from __future__ import annotations
 
@@ -48,11 +52,6 @@ def _gdn_module():
         if hasattr(mod, "HAVE_FLA"):
             return mod
     raise ImportError(f"megatron-core has no Gated DeltaNet here (looked for {GDN_MODULES})")
-
-
-def have_fla() -> bool:
-    """flash-linear-attention imports (megatron-core's own check)."""
-    return bool(getattr(_gdn_module(), "_GSPO_REAL_HAVE_FLA", _gdn_module().HAVE_FLA))
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
@@ -137,7 +136,8 @@ def use_gated_delta_net(spec: Any, config: Any, use_te: bool, vp_stage: int | No
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    use_torch_kernels() if not torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        use_torch_kernels()  # on CUDA megatron-core's own check names flash-linear-attention
     if use_te:
         from megatron.core.extensions.transformer_engine import (TELayerNormColumnParallelLinear,
                                                                  TERowParallelLinear)
