@@ -8,7 +8,8 @@ serves, in rollout/weight_delta.py's payload format.
 
 The sender keeps the last values it sent of its own HF tensors (`base`, in the served dtype, on
 the host: model bytes in the served dtype / number of senders per sender; docs/sync.md gives the
-figures at Qwen3-30B-A3B's and Qwen3-235B-A22B's shapes) and compares bit patterns, so an update
+figures at Qwen3-30B-A3B's and Qwen3-235B-A22B's shapes) and compares bit patterns on the
+tensor's device (the base copied there per tensor), so an update
 below the served dtype's resolution sends nothing, and -0.0 / NaN payloads compare exactly. Per
 tensor the cheapest of three forms goes: the changed values with their flat indices (int32, or
 int64 past 2**31 elements), the changed values with a bitmask of the changed elements (1 bit per
@@ -50,11 +51,14 @@ class DeltaEncoder:
             out["delta"] = []
         check = set(check)
         for name, tensor in bucket:
-            new = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous()
+            # compared where the tensor is (a GPU's cores, not the host's); what goes on the wire
+            # and into `base` is on the host
+            here = tensor.detach().to(dtype=self.dtype).contiguous()
+            new = here if here.device.type == "cpu" else here.cpu()
             shape = torch.tensor(list(new.shape), dtype=torch.int64)
             extra = []
-            if delta and name in check:
-                extra = [(name + PART + "shape", shape), (name + PART + "sum", torch.tensor([checksum(new)]))]
+            if delta and name in check:  # exact on any device (weight_delta.checksum)
+                extra = [(name + PART + "shape", shape), (name + PART + "sum", torch.tensor([checksum(here)]))]
                 self.stats["checked"] += 1
             nbytes = new.numel() * new.element_size()
             self.stats["elements"] += new.numel()
@@ -65,7 +69,7 @@ class DeltaEncoder:
                 if old is None or old.shape != new.shape:
                     raise KeyError(f"no base for {name} {tuple(new.shape)}: a delta needs a full "
                                    "sync of this sender first")
-                mask = bit_pattern(new) != bit_pattern(old)
+                mask = bit_pattern(here) != bit_pattern(old.to(here.device, non_blocking=True))
                 changed = mask.nonzero().reshape(-1)
                 self.stats["changed"] += changed.numel()
                 idx_dtype = torch.int32 if new.numel() < (1 << 31) else torch.int64
@@ -77,8 +81,8 @@ class DeltaEncoder:
                 elif changed.numel():
                     where = ((PART + "idx", changed.to(idx_dtype)) if as_idx <= as_bits
                              else (PART + "bits", pack_bits(mask)))
-                    out["delta"] += [(name + where[0], where[1]),
-                                     (name + PART + "val", new.reshape(-1)[changed])]
+                    out["delta"] += [(name + where[0], where[1].cpu()),
+                                     (name + PART + "val", here.reshape(-1)[changed].cpu())]
                     out["delta"] += extra or [(name + PART + "shape", shape)]
                 elif extra:
                     out["delta"] += extra

@@ -133,8 +133,8 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
         if out.error is not None or not any(pending.values()):
             return
         futures = {}
-        wires = ({mode: state.groups.wire(pending[mode], mode == "delta") for mode in modes}
-                 if p.transport == "distributed" else {})
+        wires = ({mode: state.groups.wire(pending[mode], mode == "delta") for mode in modes
+                  if pending[mode]} if p.transport == "distributed" else {})
         for url, mode in p.targets.items():
             if not pending[mode]:
                 continue  # nothing changed for this mode's servers since the last request
