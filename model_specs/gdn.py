@@ -27,9 +27,9 @@ deterministic_mode), and an l2norm equal to transformers' (modeling_qwen3_next.p
 rsqrt(sum(x^2) + 1e-6)); `deterministic_mode` (set by common.build_model_spec there) also takes
 the torch convolution (0.16.1 takes it whenever causal_conv1d is absent; 0.19.2 only then).
 
-SGLang serves the family on a GPU only here: on a CPU its Qwen3-Next calls the ops of sgl-kernel's
-CPU build (sglang/srt/layers/attention/linear/kernels/gdn_triton.py:27-32, linear/gdn_backend.py:
-183-188), which exists for CPUs with AMX / AVX-512 only (docs/cpu.md, docs/extending.md).
+SGLang's side on a CPU (its Qwen3-Next calls sgl-kernel's CPU ops, built for AMX / AVX-512 only:
+sglang/srt/layers/attention/linear/kernels/gdn_triton.py:27-32, linear/gdn_backend.py:183-188)
+runs on the torch forms in rollout/cpu_stand_ins/gdn_ops.py.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ function raising NotImplementedError naming the op, so a call that does happen f
 has no CPU backend) with the same math in torch, makes the CUDA-only pinning of the
 routed-experts host buffer (--enable-return-routed-experts) a no-op, and sends DeepSeek-V3's
 multi-latent attention on the torch_native backend to its absorbed path, when SGLang imports them.
+`gdn_ops.py` has Qwen3-Next's Gated DeltaNet ops in torch (sgl_kernel.mamba and two torch.ops.sgl_kernel
+entries; sitecustomize adds the glue that model needs on CPU).
 `rollout.server` puts this directory on the child's PYTHONPATH; nothing in this project imports it.
 """
 from pathlib import Path

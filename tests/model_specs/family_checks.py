@@ -122,3 +122,27 @@ def assert_layout_equals_one_process(ranks: list[dict], case: str, one: dict, na
     assert all(torch.equal(streamed[k], t) for k, t in original.items()), case
     for key in ("loss", "grad_norm"):
         assert ranks[0][f"{case}/step"][key] == pytest.approx(one[f"{name}/step"][key], rel=TOL, abs=TOL)
+
+
+def gspo_run_with_replay(model: Path, server_url: str, tmp_path: Path) -> tuple[list, list]:
+    """A GSPO run of the main job's task (examples/tiny_moe_larger_digit.yaml, 3 steps) on `model`
+    with routing replay (R3) against the SGLang server at `server_url`: asserts exit 0 and 3
+    steps; returns train/logprob_abs_diff and routing/replay_mismatch per step."""
+    from gspo_megatron.run.metrics import read_jsonl
+    from test_trainer_e2e import PROMPTS, run_train
+
+    sets = {"model.hf_path": str(model), "rollout.prompts": str(PROMPTS),
+            "rollout.server_urls": f"[{server_url}]", "rollout.group_size": 4,
+            "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 8, "train.steps": 3,
+            "train.mini_batches": 2, "train.micro_batch_size": 4, "train.warm_start_steps": 2,
+            "moe.replay": "true", "eval.interval": 0, "checkpoint.dir": str(tmp_path / "ckpt"),
+            "checkpoint.export_hf": "null", "logging.tensorboard_dir": str(tmp_path / "tb")}
+    args = ["examples/tiny_moe_larger_digit.yaml", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    proc = run_train(args, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    steps = read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)
+    assert len(steps) == 3
+    diff = [s["train/logprob_abs_diff"] for s in steps]
+    mismatch = [s["routing/replay_mismatch"] for s in steps]
+    print(f"train/logprob_abs_diff per step {diff}; routing/replay_mismatch {mismatch}")
+    return diff, mismatch

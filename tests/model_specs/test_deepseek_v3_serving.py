@@ -18,10 +18,9 @@ import urllib.request
 import pytest
 import torch
 
-from test_trainer_e2e import PROMPTS, run_train
+from family_checks import gspo_run_with_replay
 
 pytestmark = pytest.mark.slow
-CONFIG = "examples/tiny_moe_larger_digit.yaml"
 # 256 positions, YaRN x4 over 64 original ones: the main job's prompts fit, and a row can pass 64
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32.0, "beta_slow": 1.0}
@@ -72,17 +71,5 @@ def test_sglang_log_probs_equal_transformers(model, server):
 
 
 def test_gspo_run_with_routing_replay(model, server, tmp_path):
-    from gspo_megatron.run.metrics import read_jsonl
-    sets = {"model.hf_path": str(model), "rollout.prompts": str(PROMPTS),
-            "rollout.server_urls": f"[{server}]", "rollout.group_size": 4,
-            "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 8, "train.steps": 3,
-            "train.mini_batches": 2, "train.micro_batch_size": 4, "train.warm_start_steps": 2,
-            "moe.replay": "true", "eval.interval": 0, "checkpoint.dir": str(tmp_path / "ckpt"),
-            "checkpoint.export_hf": "null", "logging.tensorboard_dir": str(tmp_path / "tb")}
-    proc = run_train([CONFIG, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]], timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    steps = read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)
-    diff = [s["train/logprob_abs_diff"] for s in steps]
-    mismatch = [s["routing/replay_mismatch"] for s in steps]
-    print(f"train/logprob_abs_diff per step {diff}; routing/replay_mismatch {mismatch}")
-    assert len(steps) == 3 and all(d < 1e-4 for d in diff) and all(m == 0.0 for m in mismatch)
+    diff, mismatch = gspo_run_with_replay(model, server, tmp_path)
+    assert all(d < 1e-4 for d in diff) and all(m == 0.0 for m in mismatch)

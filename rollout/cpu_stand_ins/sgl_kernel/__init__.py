@@ -3,6 +3,8 @@
 `import sgl_kernel` and `from sgl_kernel import any_op` succeed; calling any op raises
 NotImplementedError(op name). Submodules (`sgl_kernel.flash_attn`, ...) deliberately do not exist:
 SGLang guards some of those imports with `except ImportError` and must keep taking its fallbacks.
+The one exception is `sgl_kernel.mamba` (mamba.py), which SGLang imports only on CPU, for
+Qwen3-Next's Gated DeltaNet: torch implementations from ../gdn_ops.py.
 """
 from __future__ import annotations
 
