@@ -35,20 +35,52 @@ def make_batch():
                       advantages=torch.randn(ROWS, generator=g))
 
 
-def hf_log_probs(hf_dir: Path, zero_expert_bias: bool = False, **config_changes) -> torch.Tensor:
+def hf_log_probs(hf_dir: Path, zero_expert_bias: bool = False, edit_model=None,
+                 **config_changes) -> torch.Tensor:
     """[ROWS, SEQ] log p(token t | tokens < t) from transformers (fp32) on make_batch(), NaN where
     undefined; zero_expert_bias: the e_score_correction_bias buffers set to 0 (GLM-4.5,
-    DeepSeek-V3); config_changes: the HF config changed (the controls)."""
+    DeepSeek-V3); edit_model(model): called on the built model; config_changes: the HF config
+    changed (the controls)."""
     from fixtures_models import transformers_log_probs
 
-    def zero_bias(model):
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.zero_()
+    def edit(model):
+        if zero_expert_bias:
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.zero_()
+        if edit_model is not None:
+            edit_model(model)
 
     batch = make_batch()
-    return transformers_log_probs(hf_dir, batch.tokens, batch.lengths,
-                                  zero_bias if zero_expert_bias else None, **config_changes)
+    return transformers_log_probs(hf_dir, batch.tokens, batch.lengths, edit, **config_changes)
+
+
+def zero_params(suffixes: tuple[str, ...]):
+    """An edit_model for hf_log_probs: the parameters whose names end with `suffixes` set to 0."""
+    def edit(model):
+        for name, p in model.named_parameters():
+            if name.endswith(suffixes):
+                p.data.zero_()
+    return edit
+
+
+def distance_from_transformers(one: dict, name: str, hf_dir: Path, **changes) -> float:
+    """Max |log-prob| difference of case `name` of a run_cases result from transformers' on the
+    valid positions; `changes`: hf_log_probs' (a control: transformers without a feature)."""
+    got = gather_row_values([one[name]], ROWS, SEQ)
+    return float((got - hf_log_probs(hf_dir, **changes))[valid()].abs().max())
+
+
+def assert_one_process_equals_transformers(one: dict, name: str, hf_dir: Path) -> None:
+    """Case `name` of a one-process run_cases result: log-probs within TOL of transformers', and
+    the weight sync's stream equal to the HF file bit for bit."""
+    err = distance_from_transformers(one, name, hf_dir)
+    print(f"{name}: max |megatron - transformers| log-prob {err:.3g}")
+    assert err <= TOL
+    original = load_file(Path(hf_dir) / "model.safetensors")
+    streamed = one[f"{name}/stream"]
+    assert sorted(streamed) == sorted(original)
+    assert all(torch.equal(streamed[k], t) for k, t in original.items())
 
 
 def valid() -> torch.Tensor:

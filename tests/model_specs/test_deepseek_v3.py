@@ -21,9 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import gather_row_values, run_distributed
-from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, hf_log_probs,
-                           moved_by_the_step, run_cases, valid)
+from distributed import run_distributed
+from family_checks import (SEQ, assert_layout_equals_one_process,
+                           assert_one_process_equals_transformers, distance_from_transformers,
+                           moved_by_the_step, run_cases)
 from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
@@ -218,15 +219,7 @@ def one_process(tiny, ckpts):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_one_process_log_probs_equal_transformers(tiny, one_process, name):
-    got = gather_row_values([one_process[name]], ROWS, SEQ)
-    want = hf_log_probs(tiny[name])
-    err = float((got - want)[valid()].abs().max())
-    print(f"{name}: max |megatron - transformers| log-prob {err:.3g}")
-    assert err <= TOL
-    original = load_file(tiny[name] / "model.safetensors")
-    streamed = one_process[f"{name}/stream"]
-    assert sorted(streamed) == sorted(original)
-    assert all(torch.equal(streamed[k], t) for k, t in original.items())
+    assert_one_process_equals_transformers(one_process, name, tiny[name])
 
 
 @pytest.mark.parametrize("change", [
@@ -239,9 +232,7 @@ def test_what_the_v3_match_rests_on(tiny, one_process, change):
     """transformers without YaRN, without its mscales (beyond the original 8 positions), or
     without one of the router's features is far from megatron's answer, so the 1e-5 match shows
     megatron computes each of them."""
-    got = gather_row_values([one_process["v3"]], ROWS, SEQ)
-    other = hf_log_probs(tiny["v3"], **change)
-    diff = float((got - other)[valid()].abs().max())
+    diff = distance_from_transformers(one_process, "v3", tiny["v3"], **change)
     print(f"v3 against transformers with {change}: {diff:.3g}")
     assert diff > 1e-3
 

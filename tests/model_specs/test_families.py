@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import gather_row_values, run_distributed
-from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, hf_log_probs,
-                           moved_by_the_step, run_cases, valid)
+from distributed import run_distributed
+from family_checks import (assert_layout_equals_one_process, assert_one_process_equals_transformers,
+                           distance_from_transformers, moved_by_the_step, run_cases)
 from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.tiny import glm4_moe, qwen2_moe
@@ -169,16 +169,7 @@ def one_process(tiny, ckpts):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_process_log_probs_equal_transformers(tiny, one_process, arch):
-    results = one_process
-    got = gather_row_values([results[arch]], ROWS, SEQ)
-    want = hf_log_probs(tiny[arch])
-    err = float((got - want)[valid()].abs().max())
-    print(f"{arch}: max |megatron - transformers| log-prob {err:.3g}")
-    assert err <= TOL
-    original = load_file(tiny[arch] / "model.safetensors")
-    streamed = results[f"{arch}/stream"]
-    assert sorted(streamed) == sorted(original)
-    assert all(torch.equal(streamed[k], t) for k, t in original.items())
+    assert_one_process_equals_transformers(one_process, arch, tiny[arch])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -199,9 +190,7 @@ def test_a_gspo_step_trains_everything_but_the_expert_bias(tiny, one_process, ar
 def test_glm4_moe_routing_features_are_what_the_match_rests_on(tiny, one_process, change):
     """transformers without one of the router's features is far from megatron's answer, so the
     1e-5 match above shows megatron computes each of them."""
-    got = gather_row_values([one_process["glm4_moe"]], ROWS, SEQ)
-    other = hf_log_probs(tiny["glm4_moe"], **change)
-    assert float((got - other)[valid()].abs().max()) > 1e-3
+    assert distance_from_transformers(one_process, "glm4_moe", tiny["glm4_moe"], **change) > 1e-3
 
 
 @pytest.mark.slow

@@ -20,10 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import gather_row_values, run_distributed
-from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, make_batch,
-                           moved_by_the_step, run_cases, valid)
-from fixtures_models import assert_same_hf_weights, transformers_log_probs
+from distributed import run_distributed
+from family_checks import (assert_layout_equals_one_process, assert_one_process_equals_transformers,
+                           distance_from_transformers, moved_by_the_step, run_cases, zero_params)
+from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
 from model_specs.tiny import gpt_oss
@@ -211,29 +211,12 @@ def one_process(tiny, ckpt):
 
 
 def test_one_process_log_probs_equal_transformers(tiny, one_process):
-    got = gather_row_values([one_process[NAME]], ROWS, SEQ)
-    batch = make_batch()
-    want = transformers_log_probs(tiny, batch.tokens, batch.lengths)
-    err = float((got - want)[valid()].abs().max())
-    print(f"gpt_oss: max |megatron - transformers| log-prob {err:.3g}")
-    assert err <= TOL
-    original = load_file(tiny / "model.safetensors")
-    streamed = one_process[f"{NAME}/stream"]
-    assert sorted(streamed) == sorted(original)
-    assert all(torch.equal(streamed[k], t) for k, t in original.items())
+    assert_one_process_equals_transformers(one_process, NAME, tiny)
 
 
 def _no_sinks(model):
     for layer in model.model.layers:
         layer.self_attn.sinks.data.fill_(-1e4)  # exp(-1e4) = 0: a softmax without the sink
-
-
-def _zero(suffixes):
-    def edit(model):
-        for name, p in model.named_parameters():
-            if name.endswith(suffixes):
-                p.data.zero_()
-    return edit
 
 
 def _no_glu_offset(model):
@@ -253,10 +236,10 @@ CONTROLS = {
     "no_yarn": dict(rope_parameters={"rope_type": "default", "rope_theta": 150000.0}),
     "no_clamp": dict(swiglu_limit=1e9),
     "no_glu_offset": dict(edit_model=_no_glu_offset),
-    "no_attention_biases": dict(edit_model=_zero(("q_proj.bias", "k_proj.bias", "v_proj.bias",
-                                                   "o_proj.bias"))),
-    "no_router_bias": dict(edit_model=_zero(("router.bias",))),
-    "no_expert_biases": dict(edit_model=_zero(("gate_up_proj_bias", "down_proj_bias"))),
+    "no_attention_biases": dict(edit_model=zero_params(("q_proj.bias", "k_proj.bias",
+                                                         "v_proj.bias", "o_proj.bias"))),
+    "no_router_bias": dict(edit_model=zero_params(("router.bias",))),
+    "no_expert_biases": dict(edit_model=zero_params(("gate_up_proj_bias", "down_proj_bias"))),
 }
 
 
@@ -264,10 +247,7 @@ CONTROLS = {
 def test_what_the_match_rests_on(tiny, one_process, control):
     """transformers without one of gpt-oss's features is far from megatron's answer, so the 1e-5
     match shows megatron computes each of them."""
-    got = gather_row_values([one_process[NAME]], ROWS, SEQ)
-    batch = make_batch()
-    other = transformers_log_probs(tiny, batch.tokens, batch.lengths, **CONTROLS[control])
-    diff = float((got - other)[valid()].abs().max())
+    diff = distance_from_transformers(one_process, NAME, tiny, **CONTROLS[control])
     print(f"gpt_oss against transformers {control}: {diff:.3g}")
     assert diff > 1e-3
 

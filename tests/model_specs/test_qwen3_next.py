@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from distributed import gather_row_values, run_distributed
-from family_checks import (ROWS, SEQ, TOL, assert_layout_equals_one_process, make_batch,
-                           moved_by_the_step, run_cases, valid)
-from fixtures_models import assert_same_hf_weights, transformers_log_probs
+from distributed import run_distributed
+from family_checks import (assert_layout_equals_one_process, assert_one_process_equals_transformers,
+                           distance_from_transformers, moved_by_the_step, run_cases, zero_params)
+from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
 from model_specs.tiny import qwen3_next
@@ -176,24 +176,7 @@ def one_process(tiny, ckpt):
 
 
 def test_one_process_log_probs_equal_transformers(tiny, one_process):
-    got = gather_row_values([one_process[NAME]], ROWS, SEQ)
-    batch = make_batch()
-    want = transformers_log_probs(tiny, batch.tokens, batch.lengths)
-    err = float((got - want)[valid()].abs().max())
-    print(f"qwen3_next: max |megatron - transformers| log-prob {err:.3g}")
-    assert err <= TOL
-    original = load_file(tiny / "model.safetensors")
-    streamed = one_process[f"{NAME}/stream"]
-    assert sorted(streamed) == sorted(original)
-    assert all(torch.equal(streamed[k], t) for k, t in original.items())
-
-
-def _zero(suffixes):
-    def edit(model):
-        for name, p in model.named_parameters():
-            if name.endswith(suffixes):
-                p.data.zero_()
-    return edit
+    assert_one_process_equals_transformers(one_process, NAME, tiny)
 
 
 def _no_output_gate(model):
@@ -206,14 +189,14 @@ def _no_output_gate(model):
 CONTROLS = {
     "no_deltanet_out_norm": dict(edit_model=lambda m: [l.linear_attn.norm.weight.data.fill_(1.0)
                                                        for l in m.model.layers[:3]]),
-    "no_zero_centred_norms": dict(edit_model=_zero(("input_layernorm.weight",
-                                                    "post_attention_layernorm.weight"))),
-    "no_shared_expert_gate": dict(edit_model=_zero(("shared_expert_gate.weight",))),
+    "no_zero_centred_norms": dict(edit_model=zero_params(("input_layernorm.weight",
+                                                           "post_attention_layernorm.weight"))),
+    "no_shared_expert_gate": dict(edit_model=zero_params(("shared_expert_gate.weight",))),
     "full_rotary": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                          "partial_rotary_factor": 1.0}),
     "no_conv": dict(edit_model=lambda m: [l.linear_attn.conv1d.weight.data.fill_(0.5)
                                           for l in m.model.layers[:3]]),
-    "no_dt_bias": dict(edit_model=_zero(("dt_bias",))),
+    "no_dt_bias": dict(edit_model=zero_params(("dt_bias",))),
     "no_output_gate": dict(edit_model=_no_output_gate),
 }
 
@@ -222,10 +205,7 @@ CONTROLS = {
 def test_what_the_match_rests_on(tiny, one_process, control):
     """transformers without one of Qwen3-Next's features is far from megatron's answer, so the
     1e-5 match shows megatron computes each of them."""
-    got = gather_row_values([one_process[NAME]], ROWS, SEQ)
-    batch = make_batch()
-    other = transformers_log_probs(tiny, batch.tokens, batch.lengths, **CONTROLS[control])
-    diff = float((got - other)[valid()].abs().max())
+    diff = distance_from_transformers(one_process, NAME, tiny, **CONTROLS[control])
     print(f"qwen3_next against transformers {control}: {diff:.3g}")
     assert diff > 1e-3
 
