@@ -61,18 +61,11 @@ def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
 
 def use_torch_kernels() -> None:
     """Let megatron-core build its Gated DeltaNet without flash-linear-attention, with the torch
-    forms of its kernels (module docstring). Only where CUDA is absent; idempotent."""
+    forms of its kernels (module docstring). For a machine without CUDA (on CUDA megatron-core's
+    own check names flash-linear-attention); idempotent."""
     mod = _gdn_module()
-    if getattr(mod, "_GSPO_REAL_HAVE_FLA", None) is not None:
+    if mod.HAVE_FLA:  # flash-linear-attention's kernels, or these already in place
         return
-    if mod.HAVE_FLA:
-        mod._GSPO_REAL_HAVE_FLA = True
-        return
-    if torch.cuda.is_available():
-        raise ImportError("Qwen3-Next's Gated DeltaNet on CUDA needs flash-linear-attention "
-                          "(pip install flash-linear-attention): megatron-core's layer runs its "
-                          "Triton kernels")
-    mod._GSPO_REAL_HAVE_FLA = False
     mod.HAVE_FLA = True
     mod.l2norm = l2norm
     # deterministic_mode selects it; also the default where megatron reads the name directly
@@ -137,7 +130,7 @@ def use_gated_delta_net(spec: Any, config: Any, use_te: bool, vp_stage: int | No
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if not torch.cuda.is_available():
-        use_torch_kernels()  # on CUDA megatron-core's own check names flash-linear-attention
+        use_torch_kernels()
     if use_te:
         from megatron.core.extensions.transformer_engine import (TELayerNormColumnParallelLinear,
                                                                  TERowParallelLinear)

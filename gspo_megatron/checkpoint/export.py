@@ -86,8 +86,6 @@ def _write_hf(ckpt_dir: Path, out_dir: Path, hf: dict, wmap, stored_dtype: torch
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-
-
 def _together(m) -> str | None:
     """What must be in one batch with m: every expert of a layer's fc1 (fc2, their biases), which
     megatron saves under one key (`...mlp.experts.experts.linear_fc1.weight`, [E, ...]) and
