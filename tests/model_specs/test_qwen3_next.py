@@ -228,3 +228,30 @@ def test_layouts_on_two_ranks_equal_one_process(tiny, ckpt, one_process):
     ranks = run_distributed(run_cases, 2, (cases, 1 << 12), timeout=900)
     for case, *_ in cases:
         assert_layout_equals_one_process(ranks, case, one_process, NAME, tiny)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cuda", "cuda+te", "cuda+te+apex"])
+def test_each_machine_profile_resolves_its_spec_and_megatrons_config_checks(profile):
+    """What a run's default compute settings give Qwen3-Next on each machine (the actor's own
+    spec_for_layout, megatron's TransformerConfig checks included: its gated attention refuses
+    fused_single_qkv_rope, transformer_config.py:1555). Without TE the local spec; with TE (a GPU
+    node's default) the TE spec, which cannot be built here (TE does not import): it is asked for
+    and refused by name, then the same settings are checked with the local spec. The RoPE and
+    permute fusions that the TE profiles turn on import TE in TransformerConfig. The TE spec's
+    DeltaNet itself is owed a GPU run (scripts/gpu_check.sh --arch qwen3_next)."""
+    from gspo_megatron.actor.build import spec_for_layout
+    from gspo_megatron.actor.settings import ComputeSettings
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from test_settings_machine_profiles import PROFILES
+
+    available, layout = PROFILES[profile], ParallelLayout(tensor=2, expert=2)
+    kwargs = {}
+    if available.transformer_engine:
+        with pytest.raises(HFConfigError, match="Transformer Engine does not import here"):
+            spec_for_layout(qwen3_next(), layout, available=available)
+        kwargs = dict(compute=ComputeSettings(transformer_engine=False),
+                      overrides={"apply_rope_fusion": False, "moe_permute_fusion": False})
+    spec = spec_for_layout(qwen3_next(), layout, available=available, **kwargs)
+    c = spec.config
+    assert not spec.transformer_engine and c.attention_output_gate and not c.fused_single_qkv_rope
+    assert c.experimental_attention_variant == "gated_delta_net" and c.linear_attention_freq == [1, 1, 1, 0]
