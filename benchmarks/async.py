@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", dest="extra", action="append", default=[], help="more overrides")
     p.add_argument("--url", help="attach to this SGLang server (serving the tiny MoE) instead of starting one")
     args = p.parse_args(argv)
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.launch import ServerConfig, ServerGroup
     if not (MODEL / "config.json").is_file():
         subprocess.run([sys.executable, "tools/make_tiny_model.py", "--arch", "qwen3_moe", "--out", str(MODEL),
                         "--seed", "0"], cwd=ROOT, check=True)

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     from gspo_megatron.checkpoint.loop_state import LoopState
     from gspo_megatron.checkpoint.manager import CheckpointManager, file_crc32
     from gspo_megatron.parallel.layout import ParallelLayout

@@ -6,7 +6,7 @@
 Each set is generated (verl's layout: a chat-message `prompt`, `reward_model.ground_truth`,
 `data_source`, `extra_info`) as parquet shards of 100k rows, batch by batch. Then a fresh process
 does what a run does with it and reports its time and peak RSS (ru_maxrss): open and validate the
-set (rollout.prompt_sets: a streaming pass over the parquet), fingerprint it (checkpoint record),
+set (rollout.prompts.sets: a streaming pass over the parquet), fingerprint it (checkpoint record),
 convert it once into a memory-mapped Arrow file (the driver's cache; "first load"), build the
 seeded epoch order (PromptStream) and read 1,000 records in that order; and once more with the
 cache in place ("cached load"). Target: peak RSS <= 300 MB at 1M rows.
@@ -44,8 +44,8 @@ MEASURE = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[3])
 t0 = time.perf_counter()
-from rollout.prompt_sets import open_prompt_set, prompt_set_fingerprint
-from rollout.dataset import PromptStream
+from rollout.prompts.sets import open_prompt_set, prompt_set_fingerprint
+from rollout.prompts.dataset import PromptStream
 t_import = time.perf_counter() - t0
 t0 = time.perf_counter()
 ps = open_prompt_set(sys.argv[1], answer_key="reward_model.ground_truth", cache_dir=sys.argv[2])

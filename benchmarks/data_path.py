@@ -8,7 +8,7 @@ per measurement).
 
 before: rank 0 pickles the whole right-padded TrainBatch and broadcasts it (broadcast_object_list);
         each rank keeps its rows, cut by row count (dp_balance=rows)
-after:  actor/transfer.py: each mini-batch's rows shared by work (Karmarkar-Karp on FLOPs at
+after:  actor/batching/transfer.py: each mini-batch's rows shared by work (Karmarkar-Karp on FLOPs at
         Qwen3-30B-A3B's shape), each rank sent only its rows, packed (one byte buffer), kept packed
         (the driver builds the batch packed too: driver/samples_to_batch.py)
 
@@ -56,7 +56,7 @@ def build_packed(lengths: list[int], layers: int = 0, topk: int = 8):
     """The driver's batch as driver/samples_to_batch.py builds it: packed, routes compact."""
     import torch
 
-    from gspo_megatron.actor.batch import TrainBatch, positions_in_rows
+    from gspo_megatron.actor.batching.batch import TrainBatch, positions_in_rows
     lens = torch.tensor(lengths)
     total = int(lens.sum())
     trained = positions_in_rows(lens) >= 512
@@ -70,7 +70,7 @@ def build_packed(lengths: list[int], layers: int = 0, topk: int = 8):
 def build_batch(lengths: list[int]):
     import torch
 
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     n, s = len(lengths), max(lengths)
     lens = torch.tensor(lengths)
     real = torch.arange(s)[None, :] < lens[:, None]
@@ -93,7 +93,7 @@ def own_real_bytes(shard) -> int:
 
 
 def flops_work():
-    from gspo_megatron.actor.balance import row_work
+    from gspo_megatron.actor.batching.balance import row_work
     from model_specs.param_count import param_count
     from model_specs.published import QWEN3_30B_A3B
     from model_specs.shape import model_shape_for
@@ -112,7 +112,7 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layer
     import torch
     import torch.distributed as dist
 
-    from gspo_megatron.actor.balance import plan_shards, worst_imbalance
+    from gspo_megatron.actor.batching.balance import plan_shards, worst_imbalance
     from gspo_megatron.parallel.rank_zero import broadcast_object
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -136,7 +136,7 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layer
         plan = plan_shards(len(lengths), world, MINI)
         del received
     else:
-        from gspo_megatron.actor.transfer import scatter_rows
+        from gspo_megatron.actor.batching.transfer import scatter_rows
         got = scatter_rows(rank, lambda: (batch, None), dp_rank=dp_rank, dp_size=dp_size,
                            num_mini_batches=MINI, work=work, route_layers=own_layers)
         shard, _, stats = got

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (Path(args.student) / "config.json").is_file():
         subprocess.run([sys.executable, "tools/make_tiny_model.py", "--arch", "qwen3_moe", "--out", args.student,
                         "--seed", "0"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.launch import ServerConfig, ServerGroup
     out = Path(args.out or tempfile.mkdtemp(prefix="gspo-bench-distill-"))
     student = (ServerGroup.attach([args.student_url]) if args.student_url else
                ServerGroup.launch(ServerConfig(model_path=args.student, device="cpu")))

@@ -40,7 +40,7 @@ LAYOUTS = {
 
 
 def make_batch(rows: int, seq: int):
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(seq // 4, seq + 1, (rows,), generator=g)

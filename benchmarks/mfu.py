@@ -57,7 +57,7 @@ def train_flops(hf: dict, lengths: list[int]) -> float:
 def make_batch(rows: int, lo: int, hi: int, vocab: int, seed: int = 0):
     import torch
 
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi + 1, (rows,), generator=g)
     s = int(lengths.max())
@@ -160,7 +160,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    from rollout.ports import free_port
+    from rollout.servers.ports import free_port
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.actor.settings import ComputeSettings, LogProbSettings, MicroBatchSettings

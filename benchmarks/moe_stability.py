@@ -143,7 +143,7 @@ def run_arm(args, arm: str, seed: int, task: Path, warm: Path, url: str, extra: 
 
 def start_server(args, model: Path):
     """One SGLang server for every run (each run loads its own weights into it at start)."""
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.launch import ServerConfig, ServerGroup
     config = ServerConfig(model_path=str(model), return_routed_experts=True,
                           log_dir=str(Path(args.out) / "server_logs"))
     print(f"[bench] starting an SGLang server for {model}", flush=True)

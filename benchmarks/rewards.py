@@ -7,7 +7,7 @@
 Workloads (each group: one prompt, --group-size responses):
 - math short:  `\\boxed{\\frac{3}{4}}`-style answers against MATH-style golds;
 - math CoT:    a ~16k-character chain of thought (a 4k-token response) ending in a boxed answer;
-- code:        a Python program against 10 stdin tests, each run in the sandbox (rollout/rewards/sandbox.py).
+- code:        a Python program against 10 stdin tests, each run in the sandbox (rollout/rewards/sandbox/run.py).
 Defaults: 32 groups of 8 for math, 16 groups of 4 for code; the generation window below makes the
 loop's share of scoring about one group's time over the step's, so more groups give a smaller share.
 

@@ -6,7 +6,7 @@
 
 For each batch size B (B prompts x max_new_tokens, EOS ignored so every row is full length):
   direct HTTP     one POST /generate with B prompts through `requests` (the floor: no client code)
-  SGLangClient    the same batched call through rollout.client (parsing, checks, weight versions)
+  SGLangClient    the same batched call through rollout.servers.client (parsing, checks, weight versions)
   RolloutManager  B/G groups of G samples: one request per sample from the manager's threads,
                   Sample records, rewards (a trivial one) and metrics
 Prints the median tokens/s over --repeats runs after one warm-up.
@@ -24,10 +24,10 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollout.client import SGLangClient  # noqa: E402
-from rollout.pool import ServerPool  # noqa: E402
-from rollout.manager import ManagerConfig, RolloutManager  # noqa: E402
-from rollout.server import ServerConfig, ServerGroup  # noqa: E402
+from rollout.servers.client import SGLangClient  # noqa: E402
+from rollout.servers.pool import ServerPool  # noqa: E402
+from rollout.generation.manager import ManagerConfig, RolloutManager  # noqa: E402
+from rollout.servers.launch import ServerConfig, ServerGroup  # noqa: E402
 
 
 def _prompts(b: int) -> list[list[int]]:

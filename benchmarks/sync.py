@@ -47,7 +47,7 @@ PROJECTED = [  # (model, parameters, trainer layout, senders = PP x EP, server G
 def _step(actor, seed: int) -> None:
     import torch
 
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, 500, (4, 32), generator=g)
     batch = TrainBatch(tokens=tokens, lengths=torch.full((4,), 32),
@@ -67,7 +67,7 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     from gspo_megatron.sync.owner_pass import CHECK_FIRST_DELTAS
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     actor = Actor(hf, ParallelLayout(**layout), micro_batch_size=2,
@@ -76,7 +76,7 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     pool = ServerPool([url]) if rank == 0 else None
     transport = None
     if rank == 0:
-        from rollout.ports import free_port
+        from rollout.servers.ports import free_port
         transport = (TensorTransport(pool) if transport_name == "tensor" else
                      DistributedTransport(pool, "127.0.0.1", free_port()))
 
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from distributed import run_distributed
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
-    from rollout.pool import ServerPool
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.pool import ServerPool
+    from rollout.servers.launch import ServerConfig, ServerGroup
     from model_specs import load_hf_config
     from model_specs.hf_config import normalize_hf_config
     from tools.make_tiny_model import make_tiny_model

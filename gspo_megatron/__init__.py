@@ -1,51 +1,11 @@
 """gspo-megatron: GSPO training backend for MoE LLMs on megatron-core, with SGLang rollouts.
 
-GspoError is the one error base class: a failure the run explains in one line.
-
-    raise ConfigError(f"train.lr={lr!r}: expected >= 0")   # ConfigError is a GspoError
-    ...
-    except GspoError as e:                                 # cli.main, once
-        print(f"gspo-megatron: error: {e}"); return e.exit_code   # 2 inputs, 3 runtime, 75
-
-Every error the user can act on derives from it: a bad config, prompt set, model directory,
-checkpoint or environment, a server that cannot start or answer, a reward that cannot run, no
-server left. Its message is the whole line the user sees (what was wrong, the value, what was
-expected). `exit_code` tells the two kinds apart, so that a script or a scheduler can: 2
-(EXIT_INPUT) for the inputs (an InputError wherever it is raised, and anything the start-up checks
-of run/preflight.py refuse: fix the config or a file), 3 (EXIT_RUNTIME) for a run that stopped on
-a failure of its own parts once the checks had passed (a weight sync, a server, the reward error
-budget); 75 when no server is left (retryable). A signal exits 128 + its number (not an error).
-Anything else that escapes a run is a bug and keeps its traceback. Where it replaces a builtin
-(ValueError, RuntimeError, FileNotFoundError) a class derives from that too, so callers that catch
-the builtin keep working. rollout/ and model_specs/ derive their errors from it and import nothing
-else of gspo_megatron (tools/check_imports.py).
+The entry points are `gspo_megatron.cli` (the `gspo-megatron` command) and `gspo_megatron.trainer`
+(the RL loop); the error base they catch is `gspo_errors.GspoError`, re-exported here for users.
 """
 __version__ = "0.1.0"
 
 from model_specs import lazy_compile as _lazy_compile
+from gspo_errors import EXIT_INPUT, EXIT_RUNTIME, GspoError, InputError, MissingInputError  # noqa: F401
 
 _lazy_compile.install()  # before anything imports megatron-core (model_specs/lazy_compile.py)
-
-
-EXIT_INPUT = 2
-"""The inputs are wrong (config, paths, files, layout): nothing was spent, the same command fails
-again until they are fixed."""
-EXIT_RUNTIME = 3
-"""The run stopped on a failure of its own parts after the start-up checks passed (a server, the
-weight sync, the rewards): the last checkpoint resumes it once the cause is gone."""
-
-
-class GspoError(Exception):
-    """A failure explained in one line (the message); the process exits with `exit_code`."""
-
-    exit_code: int = EXIT_RUNTIME
-
-
-class InputError(GspoError):
-    """A failure of the inputs (the message names the field or file): exit 2 wherever it is raised."""
-
-    exit_code = EXIT_INPUT
-
-
-class MissingInputError(InputError, FileNotFoundError):
-    """A file or directory the run needs is not there (the message names the field and path)."""

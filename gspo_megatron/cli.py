@@ -6,7 +6,7 @@
     gspo-megatron plan CONFIG --gpus 64 --model Qwen3-235B-A22B   # layouts that fit (planner/)
 
 Known failures (bad config, missing file, unreachable server, impossible layout, unusable
-checkpoint: every GspoError, gspo_megatron/__init__.py) print one line `gspo-megatron: error: ...` on stderr
+checkpoint: every GspoError, gspo_errors/__init__.py) print one line `gspo-megatron: error: ...` on stderr
 and exit with the error's code: 2 for the inputs, 3 for a run that stopped on a runtime failure
 after its checks passed, 75 when no SGLang (or teacher) server is left, which a Slurm requeue
 retries; anything else is a bug and keeps its traceback. A signal exits with 128 + its number
@@ -22,7 +22,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gspo_megatron import GspoError
+    from gspo_errors import GspoError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,7 +53,7 @@ def _error(e: "GspoError") -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from gspo_megatron.config import describe_fields, load_config
-    from gspo_megatron import GspoError
+    from gspo_errors import GspoError
     from gspo_megatron.run.expected_warnings import quiet_expected_warnings
     if args.command == "config":
         print(describe_fields())

@@ -5,7 +5,7 @@
 
 Rank 0 is also the driver (driver/): it owns the SGLang servers (started here, or attached by URL),
 the prompts, rollouts and rewards, and sends each rank only its data-parallel share of the rollout
-batch, balanced by work and packed (actor/transfer.py). `run_loop` below is the whole loop on one
+batch, balanced by work and packed (actor/batching/transfer.py). `run_loop` below is the whole loop on one
 screen; run/ builds what it works with (setup.py, after every check in preflight.py), keeps it
 going when servers are lost (recovery.py) and shapes its metrics (loop_metrics.py).
 """
@@ -47,7 +47,7 @@ def run_loop(run: Run) -> None:
         held_out = on_driver(run.rank, lambda: run.driver.evaluate(step)) if eval_due(cfg, step) else {}
         with t("step"):
             with t("rollout"):  # synchronous: rank 0 generates and scores; asynchronous: it takes
-                # what the rollout thread finished; each rank receives only its rows (actor/transfer.py),
+                # what the rollout thread finished; each rank receives only its rows (actor/batching/transfer.py),
                 # and a step whose servers are all lost waits for one to come back (run/recovery.py)
                 got, saved = receive_rows(run, live, step, staleness, saved)
             if got is None:  # a signal interrupted the rollout: the step is abandoned

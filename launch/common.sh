@@ -19,7 +19,7 @@
 #                          so servers never collide even when nodes share an address      30000
 #   GSPO_SERVER_HOST       address servers bind                  0.0.0.0 (SLURM), 127.0.0.1 (local)
 #   GSPO_SERVER_CMD        server command; the script appends --model-path --host --port
-#                          default: python -m rollout.server (SGLang with the trainer's own flags; on CPU its CPU engine)
+#                          default: python -m rollout.servers.launch (SGLang with the trainer's own flags; on CPU its CPU engine)
 #   GSPO_SERVER_ARGS       extra server flags (split on spaces), e.g. "--tp-size 8 --mem-fraction-static 0.5"
 #   GSPO_SERVER_TIMEOUT    seconds to wait for every server's /health          900
 #   GSPO_TRAIN_CMD         trainer command (split on spaces); CONFIG and --set follow it

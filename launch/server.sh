@@ -18,7 +18,7 @@ if [[ -n ${GSPO_SERVER_CMD:-} ]]; then
   read -ra cmd <<<"$GSPO_SERVER_CMD"
 else
   # The trainer's own server launcher: on CPU the CPU engine, float32 and the sgl_kernel stand-in.
-  cmd=("$GSPO_PYTHON" -m rollout.server)
+  cmd=("$GSPO_PYTHON" -m rollout.servers.launch)
 fi
 read -ra extra <<<"${GSPO_SERVER_ARGS:-}"
 if [[ -n ${GSPO_LOG_DIR:-} ]]; then

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo_megatron import InputError
+from gspo_errors import InputError
 
 
 class WeightMapError(InputError, ValueError):

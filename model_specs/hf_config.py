@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from gspo_megatron import InputError, MissingInputError
+from gspo_errors import InputError, MissingInputError
 
 
 class HFConfigError(InputError, ValueError):

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from rollout.ports import free_port  # noqa: F401  (the tests' rendezvous and server ports)
+from rollout.servers.ports import free_port  # noqa: F401  (the tests' rendezvous and server ports)
 
 
 def _worker(fn, rank, world_size, port, args, results, env) -> None:

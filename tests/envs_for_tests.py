@@ -3,7 +3,7 @@ config names it (rollout.environment = "tests.envs_for_tests:FlakyCalculator")."
 from __future__ import annotations
 
 from rollout.envs import CalculatorEnv
-from rollout.multiturn import EnvStep
+from rollout.generation.multiturn import EnvStep
 
 
 class FlakyCalculator(CalculatorEnv):

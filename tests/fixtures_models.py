@@ -106,7 +106,7 @@ def warm_tiny_moe_dir() -> Path:
     import transformers
 
     from gspo_megatron.driver.warm_start import sft_batch
-    from rollout.dataset import chat_prompt_ids
+    from rollout.prompts.dataset import chat_prompt_ids
 
     src = tiny_model_dir("qwen3_moe", 0)
     out = src.parent / "qwen3_moe-seed0-warm"

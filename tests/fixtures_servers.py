@@ -13,7 +13,7 @@ from fixtures_models import tiny_model_dir
 
 
 def launch_tiny_server(arch: str, seed: int = 0, num_servers: int = 1, **kw):
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.launch import ServerConfig, ServerGroup
     return ServerGroup.launch(ServerConfig(model_path=str(tiny_model_dir(arch, seed)), device="cpu",
                                            startup_timeout_s=300, **kw), num_servers=num_servers)
 

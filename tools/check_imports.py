@@ -2,16 +2,20 @@
 
     python tools/check_imports.py            # prints the package graph; exit 1 on any violation
 
-Every `import` / `from ... import` in gspo_megatron/, model_specs/, rollout/ and tools/ counts,
+Every `import` / `from ... import` in gspo_errors/, gspo_megatron/, model_specs/, rollout/ and tools/ counts,
 the ones inside functions included (a lazy import is still a dependency). An import resolves to
 the most specific project module (`from a.b import c` is a.b.c when that is a module, else a.b);
 a package whose __init__ re-exports lazily (an `_EXPORTS` table of name -> submodule) depends on
 those submodules. The rules (docs/architecture.md, "Import rules"):
-- gspo_megatron's top holds only the entry points: __init__ (GspoError, the error base class),
-  cli and trainer; everything else lives in a package;
-- model_specs knows Hugging Face and megatron-core, nothing of the RL library (no rollout; of
-  gspo_megatron only its root, for GspoError);
-- rollout knows nothing of megatron (no megatron or model_specs; of gspo_megatron only its root);
+- gspo_errors, the error base, is the bottom: it imports nothing of the project, and every
+  package imports it downward;
+- nothing imports gspo_megatron's root (its __init__) but tests and users: the error base is
+  gspo_errors, the entry points are cli and trainer;
+- gspo_megatron's top holds only the entry points (cli and trainer); everything else lives in a
+  package;
+- model_specs knows Hugging Face and megatron-core, nothing of the RL library (no rollout, nothing
+  of gspo_megatron);
+- rollout knows nothing of megatron (no megatron or model_specs, nothing of gspo_megatron);
 - gspo_megatron.algorithms is pure torch (no megatron, no other gspo_megatron package);
 - the library packages (actor, checkpoint, parallel, sync) import none of the run's packages
   (config, run, driver, trainer, cli); parallel no other package; checkpoint no actor, sync or
@@ -22,7 +26,11 @@ those submodules. The rules (docs/architecture.md, "Import rules"):
   checks (gspo_megatron.run.preflight): those errors come before the heavy imports;
 - no two modules of gspo_megatron have near-twin names (the same once underscores and a final
   s or es are dropped: micro_batch / microbatches, routing / routing);
-- no module imports itself through a chain of others (no cycles).
+- no module imports itself through a chain of others (no cycles), and no package does either:
+  the top-level packages, and the packages inside each, form no cycle once a package stands for
+  the modules it holds (rollout.servers -> rollout.generation -> rollout.servers is refused even
+  when the modules themselves form none);
+- no package holds more than 12 modules at its own level (a flat room is zoned into packages).
 """
 from __future__ import annotations
 
@@ -31,7 +39,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gspo_megatron", "model_specs", "rollout", "tools")
+PACKAGES = ("gspo_errors", "gspo_megatron", "model_specs", "rollout", "tools")
+MAX_MODULES_PER_PACKAGE = 12
 
 
 def module_files() -> dict[str, Path]:
@@ -172,9 +181,15 @@ def violations() -> list[str]:
 
     sub = tuple(f"gspo_megatron.{p}" for p in ("actor", "algorithms", "checkpoint", "parallel", "sync",
                                                 "config", "driver", "run", "planner", "trainer", "cli"))
-    forbid("model_specs", sub + ("rollout",), (), "model_specs is a leaf; of gspo_megatron only GspoError")
-    forbid("rollout", sub + ("model_specs",), ("megatron",),
-           "rollout knows nothing of megatron; of gspo_megatron only GspoError")
+    forbid("gspo_errors", PACKAGES, (), "the error base is the bottom: it imports nothing of the project")
+    forbid("model_specs", ("gspo_megatron", "rollout"), (),
+           "model_specs knows HF and megatron-core, nothing of the RL library; errors from gspo_errors")
+    forbid("rollout", ("gspo_megatron", "model_specs"), ("megatron",),
+           "rollout knows nothing of megatron or the trainer; errors from gspo_errors")
+    for m in sorted(internal):
+        if "gspo_megatron" in internal[m]:
+            problems.append(f"{m} imports gspo_megatron's root (import the error base from gspo_errors, "
+                            "or the module that defines the name)")
     run_side = tuple(f"gspo_megatron.{p}" for p in ("config", "run", "driver", "trainer", "cli"))
     library = tuple(f"gspo_megatron.{p}" for p in ("actor", "checkpoint", "parallel", "sync", "planner"))
     forbid("gspo_megatron.algorithms", library + run_side, ("megatron",), "algorithms are pure torch")
@@ -217,7 +232,41 @@ def violations() -> list[str]:
                                 "it must load without torch")
     for comp in find_cycles(internal):
         problems.append(f"import cycle: {' <-> '.join(comp)}")
+    for comp in find_cycles(folder_graph(internal, files)):
+        problems.append(f"package cycle: {' <-> '.join(comp)} (a package imports another that imports it back)")
+    counts: dict[str, int] = {}
+    for m, path in files.items():
+        if path.name != "__init__.py":
+            folder = str(path.parent.relative_to(ROOT))
+            counts[folder] = counts.get(folder, 0) + 1
+    for folder, n in sorted(counts.items()):
+        if n > MAX_MODULES_PER_PACKAGE and folder.split("/")[0] != "tools":
+            problems.append(f"{folder}/ holds {n} modules at its top (at most {MAX_MODULES_PER_PACKAGE}: "
+                            "zone it into packages)")
     return problems
+
+
+def folder_graph(internal: dict[str, set[str]], files: dict[str, Path]) -> dict[str, set[str]]:
+    """Packages -> the packages they import, at every depth: a module stands for each package that
+    holds it (rollout.servers.pool is in rollout.servers and in rollout), and an import between
+    two modules is an edge between the innermost packages that tell them apart (rollout.servers ->
+    rollout.generation; gspo_megatron -> rollout at the top). An import of a package's own
+    __init__ from inside it is not an edge."""
+    def chain(m: str) -> list[str]:
+        parts = m.split(".")
+        pkg_parts = parts if files[m].name == "__init__.py" else parts[:-1]
+        return [".".join(pkg_parts[:i]) for i in range(1, len(pkg_parts) + 1)]
+    out: dict[str, set[str]] = {}
+    for m, deps in internal.items():
+        a = chain(m)
+        for d in deps:
+            b = chain(d)
+            i = 0
+            while i < len(a) and i < len(b) and a[i] == b[i]:
+                i += 1
+            if i < len(a) and i < len(b):  # the first packages where the two differ
+                out.setdefault(a[i], set()).add(b[i])
+    return out
 
 
 def package_graph() -> dict[str, set[str]]:

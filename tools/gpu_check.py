@@ -69,7 +69,7 @@ def _versions(device: str) -> str:
 def _batch(vocab: int, rows: int = 4, seq: int = 48, prompt: int = 8):
     import torch
 
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(3, vocab, (rows, seq), generator=g)
     lengths = torch.tensor([seq, seq - 5, seq - 11, seq - 2])[:rows]
@@ -311,7 +311,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    from rollout.ports import free_port
+    from rollout.servers.ports import free_port
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     device = "cpu" if args.cpu_smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

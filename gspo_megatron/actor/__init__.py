@@ -15,8 +15,8 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Actor": "actor", "TrainBatch": "batch", "MicroBatch": "batch", "balanced_sizes": "batch",
-    "micro_batches": "batch", "OptimizerSettings": "settings", "LogProbSettings": "settings",
+    "Actor": "actor", "TrainBatch": "batching.batch", "MicroBatch": "batching.batch", "balanced_sizes": "batching.batch",
+    "micro_batches": "batching.batch", "OptimizerSettings": "settings", "LogProbSettings": "settings",
     "build_model_chunks": "build", "build_optimizer": "build", "check_layout": "build",
     "spec_for_layout": "build", "compute_log_probs": "steps", "train_step": "steps",
     "full_state_dict": "weights", "load_full_state_dict": "weights",

@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.batch import TrainBatch
+from gspo_megatron.actor.batching.batch import TrainBatch
 from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
                                        spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
-from gspo_megatron.actor.packing import resolve_sequence_layout
+from gspo_megatron.actor.batching.packing import resolve_sequence_layout
 from gspo_megatron.actor.router_control import Routing, check_routed_experts
-from gspo_megatron.actor.balance import model_work
+from gspo_megatron.actor.batching.balance import model_work
 from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
@@ -212,7 +212,7 @@ class Actor:
         rank receives only its shard, packed (transfer.scatter_rows), with the routing layers of its
         own pipeline stage. Returns None or (shard, extras, transfer stats); the shard equals
         shard(batch, num_mini_batches), packed."""
-        from gspo_megatron.actor.transfer import scatter_rows
+        from gspo_megatron.actor.batching.transfer import scatter_rows
         return scatter_rows(rank, make, dp_rank=self.dp_rank, dp_size=self.dp_size,
                             num_mini_batches=num_mini_batches, work=self.row_work(),
                             route_layers=self.routing.layers,

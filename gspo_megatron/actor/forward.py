@@ -27,10 +27,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from gspo_megatron.actor.micro_batch import MicroBatch, context_chunks, pad_to_uniform_shape
+from gspo_megatron.actor.batching.micro_batch import MicroBatch, context_chunks, pad_to_uniform_shape
 from gspo_megatron.parallel.model_chunks import unwrap
 from gspo_megatron.actor.logprobs import fused_token_logprobs, vocab_parallel_token_logprobs
-from gspo_megatron.actor.packing import rows_from_pack
+from gspo_megatron.actor.batching.packing import rows_from_pack
 from gspo_megatron.actor.settings import LogProbSettings
 
 

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.router import TopKRouter
 
-from gspo_megatron.actor.batch import TrainBatch, largest_expert_id
-from gspo_megatron.actor.micro_batch import MicroBatch
+from gspo_megatron.actor.batching.batch import TrainBatch, largest_expert_id
+from gspo_megatron.actor.batching.micro_batch import MicroBatch
 from gspo_megatron.algorithms.routing_drift import drift_counts
 from gspo_megatron.parallel.comm import comm_device
 from gspo_megatron.parallel.model_chunks import unwrap

@@ -80,7 +80,7 @@ class OptimizerSettings:
 
 @dataclass
 class MicroBatchSettings:
-    """How a rank's rows are grouped into micro-batches (actor/token_budget.py)."""
+    """How a rank's rows are grouped into micro-batches (actor/batching/token_budget.py)."""
 
     micro_batch_size: int = 8
     """Sequences per forward/backward micro-batch on one data-parallel rank, at most."""
@@ -103,13 +103,13 @@ class MicroBatchSettings:
     cu_seqlens; RoPE positions restart per row). Needs Transformer Engine's attention (CUDA); null =
     whenever the TE spec runs on CUDA. Unpacked micro-batches are built from length-sorted rows."""
     dp_balance: str = "flops"
-    """How each mini-batch's rows are shared among the data-parallel ranks (actor/balance.py):
+    """How each mini-batch's rows are shared among the data-parallel ranks (actor/batching/balance.py):
     flops (Karmarkar-Karp on each row's estimated FLOPs, attention's quadratic term included),
     tokens (on its real tokens) or rows (consecutive blocks of equal row counts: one rank may get
     every long response). Any choice trains the same loss and gradients."""
 
     def __post_init__(self) -> None:
-        from gspo_megatron.actor.balance import BALANCE_MODES
+        from gspo_megatron.actor.batching.balance import BALANCE_MODES
         if self.dp_balance not in BALANCE_MODES:
             raise ValueError(f"dp_balance={self.dp_balance!r}: expected one of {BALANCE_MODES}")
         if self.micro_batch_size < 1:

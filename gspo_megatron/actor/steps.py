@@ -50,9 +50,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor import token_budget
-from gspo_megatron.actor.batch import TrainBatch, positions_in_rows
-from gspo_megatron.actor.micro_batch import MicroBatch, from_input_positions
+from gspo_megatron.actor.batching import token_budget
+from gspo_megatron.actor.batching.batch import TrainBatch, positions_in_rows
+from gspo_megatron.actor.batching.micro_batch import MicroBatch, from_input_positions
 from gspo_megatron.actor.forward import BeforeForward, is_last_stage_rank, run_schedule, seq_multiple
 from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings
 from gspo_megatron.algorithms.loss_metrics import finalize_metrics

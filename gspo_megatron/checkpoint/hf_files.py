@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gspo_megatron import InputError, MissingInputError
+from gspo_errors import InputError, MissingInputError
 from model_specs.weight_maps import WeightMapError
 
 INDEX_NAME = "model.safetensors.index.json"

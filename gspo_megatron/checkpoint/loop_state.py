@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from gspo_megatron.checkpoint.durable import fsync_file, write_json
-from gspo_megatron import MissingInputError
+from gspo_errors import MissingInputError
 
 DRIVER_FILE = "driver.json"
 RNG_DIR = "rng"

@@ -46,7 +46,7 @@ from gspo_megatron.checkpoint.hf_files import copy_metadata_files
 from gspo_megatron.checkpoint.loop_state import (RNG_DIR, LoopState, load_driver_state, load_rng,
                                                  save_driver_state, save_rng)
 from gspo_megatron.checkpoint.model_io import HF_SUBDIR
-from gspo_megatron import GspoError
+from gspo_errors import GspoError
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"

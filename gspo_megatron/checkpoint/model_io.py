@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import save as dcp_save
 from gspo_megatron.checkpoint.hf_files import copy_metadata_files
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.parallel.model_chunks import unwrap  # DDP / Float16Module prefix names with 'module.'
-from gspo_megatron import InputError, MissingInputError
+from gspo_errors import InputError, MissingInputError
 from model_specs import model_dims_for
 from model_specs.hf_config import normalize_hf_config
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from gspo_megatron.checkpoint.durable import fsync_dir, write_json
-from gspo_megatron import InputError
+from gspo_errors import InputError
 
 EXPORT_MARKER = "gspo_export.json"
 

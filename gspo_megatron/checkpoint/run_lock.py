@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gspo_megatron import InputError
+from gspo_errors import InputError
 
 LOCK_NAME = "gspo.lock"
 HEARTBEAT_S = 15.0

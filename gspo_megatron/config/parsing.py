@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from gspo_megatron import InputError
+from gspo_errors import InputError
 
 
 class ConfigError(InputError, ValueError):

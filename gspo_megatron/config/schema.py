@@ -28,8 +28,8 @@ from gspo_megatron.algorithms.registry import LossSettings, RLLossName
 from gspo_megatron.config.parsing import apply_overrides, build, describe, read_yaml_mapping
 from gspo_megatron.config.validation import validate
 from gspo_megatron.parallel.layout import ParallelLayout
-from rollout.health import ServerHealthSettings
-from rollout.manager_config import ManagerConfig
+from rollout.servers.health import ServerHealthSettings
+from rollout.generation.manager_config import ManagerConfig
 from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
 
 
@@ -58,7 +58,7 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     """The prompt set: a jsonl file, a parquet file, a folder of parquet shards (train-*.parquet, as
     `datasets` writes them), a folder saved by datasets' save_to_disk, or a list of these (read in
     order). Local paths only: these machines have no dataset hub. Large sets are memory-mapped,
-    never read whole (rollout/prompt_sets.py)."""
+    never read whole (rollout/prompts/sets.py)."""
     prompt_key: str = "prompt"
     """Where a row keeps its prompt, a dotted path into nested fields; the prompt is a string or a
     list of {role, content} messages (both through the tokenizer's chat template)."""
@@ -101,14 +101,14 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     """Local servers to start when server_urls is empty."""
     server_max_total_tokens: int = 16384
     """KV-cache tokens of each local server (policy and teacher); on CPU, with the model's size and
-    the free memory, what SGLang's --mem-fraction-static is derived from (rollout/server_memory.py)."""
+    the free memory, what SGLang's --mem-fraction-static is derived from (rollout/servers/memory.py)."""
     server_extra_args: list[str] = dataclasses.field(default_factory=list)
     """More `sglang.launch_server` flags for local servers."""
     server_startup_timeout_s: float = 300.0
     """How long to wait for a local server (or an attached one) to become healthy."""
     environment: str | None = None
     """Multi-turn episodes with this environment: a shipped one (calculator, guessing) or a class
-    of your own, `package.module:ClassName` (rollout.multiturn.Environment); null = single-turn
+    of your own, `package.module:ClassName` (rollout.generation.multiturn.Environment); null = single-turn
     responses scored by `reward`. The environment's rewards replace `reward`."""
     environment_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments of the environment class (one instance per episode)."""
@@ -151,7 +151,7 @@ class TrainConfig(OptimizerSettings, MicroBatchSettings):
     warm_start_batch_size: int = 32
     """Examples per warm-start step."""
     max_staleness: int = 0
-    """Asynchronous RL: rollouts keep generating while the trainer trains (rollout/async_rollouts.py).
+    """Asynchronous RL: rollouts keep generating while the trainer trains (rollout/generation/async_rollouts.py).
     A sample whose oldest trained token came from weight version v trains at version V only if
     V - v <= max_staleness (else rollout.stale_policy). 0 = the synchronous loop (rollout, train,
     sync in turn). pi_old stays exact: each token's is the policy that generated it (the engine's

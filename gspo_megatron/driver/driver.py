@@ -6,7 +6,7 @@ group advantages.
     held_out = on_driver(rank, lambda: driver.evaluate(step))    # parallel/rank_zero.py: every rank
                                                                  # gets rank 0's result
 
-The rollout batch itself is not broadcast: each rank receives only its rows (actor/transfer.py).
+The rollout batch itself is not broadcast: each rank receives only its rows (actor/batching/transfer.py).
 
 rollout/ knows nothing of megatron; this module turns its Samples into the actor's TrainBatch.
 """
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from gspo_megatron.actor.batch import TrainBatch
+from gspo_megatron.actor.batching.batch import TrainBatch
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver.environment import env_factory
 from gspo_megatron.driver.records import RolloutRecords
@@ -28,16 +28,16 @@ from gspo_megatron.driver.servers import start_policy_servers, start_teachers, w
 from gspo_megatron.driver.staleness import take_fresh_groups
 from gspo_megatron.driver.warm_start import warm_start_examples
 from model_specs.hf_config import load_hf_config
-from rollout.async_rollouts import AsyncRollouts
-from rollout.chat import ChatTemplate
-from rollout.client_errors import NoServerLeft
-from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
-from rollout.health import GONE, LIVE, REJOINING, HealthMonitor
-from rollout.manager import RolloutInterrupted, RolloutManager
-from rollout.pool import TEACHER, ServerPool
+from rollout.generation.async_rollouts import AsyncRollouts
+from rollout.generation.chat import ChatTemplate
+from rollout.servers.errors import NoServerLeft
+from rollout.prompts.dataset import PromptStream, chat_prompt_ids, load_prompts
+from rollout.servers.health import GONE, LIVE, REJOINING, HealthMonitor
+from rollout.generation.manager import RolloutInterrupted, RolloutManager
+from rollout.servers.pool import TEACHER, ServerPool
 from rollout.rewards import RewardWorkerPool
-from rollout.server import ServerGroup
-from rollout.teacher import TeacherScorer
+from rollout.servers.launch import ServerGroup
+from rollout.generation.teacher import TeacherScorer
 
 
 class Driver:

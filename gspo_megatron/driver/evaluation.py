@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from gspo_megatron.config import RunConfig
-from rollout.dataset import chat_prompt_ids, load_prompts
-from rollout.manager import RolloutManager
+from rollout.prompts.dataset import chat_prompt_ids, load_prompts
+from rollout.generation.manager import RolloutManager
 from rollout.rewards import RewardErrorBudget, RewardWorkerPool
-from rollout.sample import Sample
+from rollout.generation.sample import Sample
 
 
 def eval_due(cfg: RunConfig, step: int) -> bool:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gspo_megatron.actor.batch import TrainBatch
-from rollout.sample import Sample
+from gspo_megatron.actor.batching.batch import TrainBatch
+from rollout.generation.sample import Sample
 
 
 class RolloutRecords:

@@ -1,5 +1,5 @@
 """The rollout/*, reward/*, distill/* and async/* metrics of a rollout batch (driver, rank 0), from
-its samples and the rollout manager's counters (rollout/step_metrics.py).
+its samples and the rollout manager's counters (rollout/generation/step_metrics.py).
 """
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 import torch
 
 from gspo_megatron.algorithms.distill import reverse_kl
-from rollout.sample import Sample
+from rollout.generation.sample import Sample
 
 
 def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float]) -> dict[str, float]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from gspo_megatron.actor.batch import ROUTE_NONE_U8, TrainBatch, compact_routes
+from gspo_megatron.actor.batching.batch import ROUTE_NONE_U8, TrainBatch, compact_routes
 from gspo_megatron.algorithms.advantages import group_advantages
 from gspo_megatron.driver.turn_credit import turn_credit_advantages
-from rollout.sample import Sample
+from rollout.generation.sample import Sample
 
 
 def _version_number(label: str) -> int:

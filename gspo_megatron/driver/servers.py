@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from gspo_megatron.config import ConfigError, RunConfig
-from rollout.server import ServerConfig, ServerGroup
+from rollout.servers.launch import ServerConfig, ServerGroup
 
 
 def wants_engine_routing(cfg: RunConfig) -> bool:

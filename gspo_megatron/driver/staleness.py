@@ -12,9 +12,9 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from rollout.async_rollouts import AsyncRollouts
-from rollout.step_metrics import episode_metrics
-from rollout.sample import Sample
+from rollout.generation.async_rollouts import AsyncRollouts
+from rollout.generation.step_metrics import episode_metrics
+from rollout.generation.sample import Sample
 
 # manager metrics that add up over the rollout thread's batches between two trainer steps
 _COUNTS = ("groups_dropped_equal_reward", "samples_resumed", "samples_restarted_routing", "groups_partial_buffered",

@@ -3,7 +3,7 @@ gets the episode's advantage of turn k, for gspo_token (docs/algorithm.md).
 
     adv = turn_credit_advantages(samples, group_size, width=None, discount=0.9)   # [T] packed
 
-rollout/ runs the episodes (token-in/token-out, rollout.multiturn); this turns their per-turn
+rollout/ runs the episodes (token-in/token-out, rollout.generation.multiturn); this turns their per-turn
 rewards into what the actor trains on. Not TrainBatch.token_advantages, which only spreads a
 batch's advantages (per row or per token) over its tokens.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from gspo_megatron.algorithms.advantages import turn_advantages
-from rollout.sample import Sample
+from rollout.generation.sample import Sample
 
 
 def turn_credit_advantages(samples: list[Sample], group_size: int, width: int | None, discount: float) -> torch.Tensor:

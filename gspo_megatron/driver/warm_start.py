@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from gspo_megatron.actor.batch import TrainBatch
-from rollout.dataset import chat_prompt_ids
+from gspo_megatron.actor.batching.batch import TrainBatch
+from rollout.prompts.dataset import chat_prompt_ids
 
 
 def warm_start_examples(records: Any, n: int, offset: int, tokenizer: Any,

@@ -59,7 +59,7 @@ _FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, to
               torch.as_tensor, torch.randn, torch.rand, torch.zeros_like, torch.ones_like,
               torch.empty_like, torch.full_like}
 # isend / irecv stay unwrapped: torch's P2POp checks them by identity (distributed_c10d._check_op).
-# The project's one isend (actor/transfer.py) sends buffers moved with .to(comm_device()); strict
+# The project's one isend (actor/batching/transfer.py) sends buffers moved with .to(comm_device()); strict
 # mode cannot check it, the matching recv it does.
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                 "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "send", "recv",

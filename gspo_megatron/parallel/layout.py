@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gspo_megatron import InputError
+from gspo_errors import InputError
 
 
 class LayoutError(InputError, ValueError):

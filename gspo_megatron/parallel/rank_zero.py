@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from gspo_megatron import GspoError
+from gspo_errors import GspoError
 
 
 class DriverError(GspoError, RuntimeError):

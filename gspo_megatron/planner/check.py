@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 
 def _batch(rows: int, length: int, vocab: int, seed: int):
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(seed)
     t = torch.arange(length)[None]
     lengths = torch.full((rows,), length)

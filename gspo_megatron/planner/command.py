@@ -20,7 +20,7 @@ from pathlib import Path
 from gspo_megatron.planner.memory import GiB, MemorySettings
 from gspo_megatron.planner.plan import GPUS, HOST_MEMORY, PlanError, load_model, parse_memory, plan, table
 from gspo_megatron.planner.sync_time import SyncSettings, delta_bytes_per_element
-from rollout.ports import free_port
+from rollout.servers.ports import free_port
 
 
 def _layout_fields(text: str | None) -> dict:

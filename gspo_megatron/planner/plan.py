@@ -35,7 +35,7 @@ from typing import Any
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.planner.memory import GiB, MemorySettings, RankMemory, head_width, rank_memory, with_tokens
 from gspo_megatron.planner.sync_time import SyncEstimate, SyncSettings, sync_time
-from gspo_megatron import InputError
+from gspo_errors import InputError
 
 
 class PlanError(InputError, ValueError):

@@ -79,7 +79,7 @@ TAGS = {
     "async/overlap": "fraction of the step's wall time both were busy at once",
     "rollout/policy_lag_max": "most weight updates between the policy that sampled a trained token "
                               "and the current one (0 = on-policy; > 0 with partial rollouts)",
-    "rollout/servers_live": "SGLang servers in service at the end of the rollout (rollout/health.py: "
+    "rollout/servers_live": "SGLang servers in service at the end of the rollout (rollout/servers/health.py: "
                             "out, rejoining and given-up ones do not count)",
     "rollout/server_failures": "servers taken out of service since the last step (a failed health "
                                "probe, a lost connection, a restart that failed)",
@@ -142,7 +142,7 @@ TAGS = {
     "batch/dp_token_imbalance": "max over mean of the real tokens per data-parallel rank, the worst "
                                 "mini-batch of the step (1 = even; train.dp_balance shares the rows)",
     "batch/bytes_per_rank": "bytes of the rollout batch the fullest rank received (its own rows, packed: "
-                            "actor/transfer.py)",
+                            "actor/batching/transfer.py)",
     "time/batch_transfer": "seconds rank 0 spent packing the batch and sending the ranks their rows, "
                            "once per replica (its leader relays them; inside time/rollout)",
     "perf/rollout_tokens_per_s": "generated tokens / rollout seconds",

@@ -27,11 +27,11 @@ from typing import Any, Callable, TypeVar
 from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free_space, check_writable_dir
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.parallel.layout import LayoutError
-from gspo_megatron import EXIT_INPUT, EXIT_RUNTIME, GspoError, MissingInputError
+from gspo_errors import EXIT_INPUT, EXIT_RUNTIME, GspoError, MissingInputError
 from gspo_megatron.run.folders import REFERENCE_DIR, check_run_folders_unlocked, export_rules, output_fields
 from model_specs.hf_config import load_hf_config, model_dims
-from rollout.dataset import PromptFileError, PromptSet, load_prompts
-from rollout.prompt_rows import resolved
+from rollout.prompts.dataset import PromptFileError, PromptSet, load_prompts
+from rollout.prompts.rows import resolved
 
 # At least one of these makes a tokenizer AutoTokenizer can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -42,7 +42,7 @@ _Check = TypeVar("_Check", bound=Callable[..., Any])
 def refusal(check: _Check) -> _Check:
     """What a start-up check raises is a refusal of the inputs (exit 2), whatever its class: a
     reward service down at start, a checkpoint of another model, a sandbox the machine forbids.
-    The same class raised once the run is under way is a runtime stop (3, gspo_megatron.GspoError)."""
+    The same class raised once the run is under way is a runtime stop (3, gspo_errors.GspoError)."""
     @functools.wraps(check)
     def checked(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -77,7 +77,7 @@ def check_teacher(cfg: RunConfig, student: Path) -> None:
     from gspo_megatron.checkpoint.hf_files import DamagedFileError, read_safetensors_header, weight_files
     from model_specs.hf_config import HFConfigError
     from model_specs.hf_tensors import shape_mismatch
-    from rollout.teacher import vocabulary_mismatch
+    from rollout.generation.teacher import vocabulary_mismatch
     field = "distill.teacher"
     teacher = check_model_folder(field, cfg.distill.teacher)
     try:
@@ -151,13 +151,13 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     (config, layout against the world size and the model, context parallelism and packing on this
     machine, weight files, tokenizer), the prompt set, the teacher, the environment or reward, the
     output folders, the initial checkpoint, and the checkpoint a resume would load."""
-    from gspo_megatron.actor.packing import resolve_sequence_layout
+    from gspo_megatron.actor.batching.packing import resolve_sequence_layout
     from gspo_megatron.actor.settings import Available
     from gspo_megatron.checkpoint.fingerprint import describe_change, model_fingerprint, read_fingerprint
     from gspo_megatron.checkpoint.loop_state import load_driver_state
     from gspo_megatron.checkpoint.manager import CheckpointError, CheckpointManager
     from model_specs import load_hf_config, model_dims_for
-    from rollout.prompt_sets import prompt_set_fingerprint
+    from rollout.prompts.sets import prompt_set_fingerprint
     hf = check_model_dir(cfg)
     dims = model_dims_for(load_hf_config(hf))
     cfg.parallel.validate_model(**dims)  # what holds at any world size first, then the world size
@@ -301,7 +301,7 @@ def drop_overlong_prompts(cfg: RunConfig, prompts, hf_dir: Path):
     """rollout.max_prompt_tokens: the rows kept (an index array), said in one line."""
     from transformers import AutoTokenizer
 
-    from rollout.dataset import PromptFileError, filter_overlong
+    from rollout.prompts.dataset import PromptFileError, filter_overlong
     r = cfg.rollout
     try:
         kept, dropped = filter_overlong(prompts, AutoTokenizer.from_pretrained(str(hf_dir)), r.max_prompt_tokens)

@@ -1,4 +1,4 @@
-"""A step's rows and weights when SGLang servers are lost (rollout/health.py takes them out, restarts
+"""A step's rows and weights when SGLang servers are lost (rollout/servers/health.py takes them out, restarts
 those the run launched): the loop goes on once a server is back, or ends with exit 75.
 
     got, saved = receive_rows(run, live, step, staleness, saved)   # every rank: its rows
@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from gspo_megatron.parallel.rank_zero import DriverError, on_driver
-from gspo_megatron import GspoError
+from gspo_errors import GspoError
 from gspo_megatron.run.setup import Run
 from gspo_megatron.run.signals import SignalExit
 from gspo_megatron.sync.weight_sync import WeightSyncError
-from rollout.client_errors import NoServerLeft, NoTeacherLeft
-from rollout.health import EXIT_NO_SERVER
+from rollout.servers.errors import NoServerLeft, NoTeacherLeft
+from rollout.servers.health import EXIT_NO_SERVER
 
 
 LOST = {NoServerLeft.__name__, NoTeacherLeft.__name__}  # DriverError.kind of a rank 0 without servers
@@ -39,7 +39,7 @@ class ServersLost(GspoError, RuntimeError):
 
 def receive_rows(run: Run, live: int, step: int, staleness: int, saved: int | None):
     """actor.receive_rows of the step's rollout, surviving the loss of every server
-    (rollout/health.py): every rank saves the last finished step (unless saved already), rank 0
+    (rollout/servers/health.py): every rank saves the last finished step (unless saved already), rank 0
     waits up to rollout.server_wait_s for a server to come back, the weights are synced into it,
     and the step's rollout starts again (its prompts were put back: none is lost or repeated).
     Past the wait: ServersLost on every rank; a signal meanwhile: SignalExit. Returns (what

@@ -29,7 +29,7 @@ from gspo_megatron.run.metrics import MetricsWriter
 from gspo_megatron.run.model_files import initial_megatron_checkpoint, set_up_reference
 from gspo_megatron.run.preflight import Inputs, check_inputs
 from gspo_megatron.run.signals import GracefulStop
-from rollout.ports import free_port
+from rollout.servers.ports import free_port
 
 
 @dataclasses.dataclass

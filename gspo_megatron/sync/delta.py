@@ -1,6 +1,6 @@
 """What a sender puts on the wire for each server: the whole tensor (a full sync), or only the
 elements that changed since the version the server holds (a delta sync), in the dtype the server
-serves, in rollout/weight_delta.py's payload format.
+serves, in rollout/in_server/weight_loader.py's payload format.
 
     enc = DeltaEncoder(torch.bfloat16)                 # one per sender, kept across syncs
     parts = enc.encode(bucket, delta=True, check=...)  # {"full": payload, "delta": payload}
@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from rollout.weight_delta import PART, bit_pattern, checksum, pack_bits
+from rollout.in_server.weight_loader import PART, bit_pattern, checksum, pack_bits
 
 
 class DeltaEncoder:

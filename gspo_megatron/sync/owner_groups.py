@@ -11,7 +11,7 @@ A post is SGLang's /update_weights_from_distributed (names, dtypes and shapes ov
 bucket's tensors as one broadcast of their bytes, built once per bucket for every server:
 load_format "flattened_bucket", the tensors ordered by element size so that each one's offset is
 a multiple of it, as SGLang's receive requires). A delta payload goes through the project's
-loader (rollout/weight_delta.py routes the model's load_weights to it), which broadcasts its
+loader (rollout/in_server/weight_loader.py routes the model's load_weights to it), which broadcasts its
 checksum report back over the same group (from group rank 1). A failed post breaks its group
 here at once (a server still waiting in a receive fails it only once this side's sockets close;
 DistributedTransport._drop_group says the same), and the next pass makes a new one, first asking
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from gspo_megatron.sync.transports import (backend_device, host_weight_update_store,
                                            join_weight_update_group)
-from rollout.weight_delta import REPLY
+from rollout.in_server.weight_loader import REPLY
 
 
 def address_towards(url: str) -> str:
@@ -98,7 +98,7 @@ class OwnerGroups:
     def ensure(self, client_of: Callable[[str], Any], plan) -> tuple[list[str], str | None]:
         """A group with every target of the pass (remade for plan.regroup: servers that came back
         hold none). Returns (lost servers, first error)."""
-        from rollout.client import ServerUnavailable
+        from rollout.servers.client import ServerUnavailable
         lost, error = [], None
         for url in plan.targets:
             if url in plan.regroup:
@@ -115,7 +115,7 @@ class OwnerGroups:
         return lost, error
 
     def _make(self, client, tp: int, timeout_s: float) -> None:
-        from rollout.ports import free_port
+        from rollout.servers.ports import free_port
         for old in self.dropped.pop(client.url, []):
             try:  # best effort: a group a failed pass broke (a restarted server has none)
                 client.destroy_weights_update_group(old)
@@ -163,8 +163,8 @@ class OwnerGroups:
 
     def post(self, client, w: Wire, timeout_s: float) -> list[str]:
         """One bucket to one server; the names whose checksum the loader found different."""
-        from rollout.client import ServerUnavailable
-        from rollout.health import probe
+        from rollout.servers.client import ServerUnavailable
+        from rollout.servers.health import probe
         pg, name, _ = self.groups[client.url]
         device = backend_device(self.backend)
         reply = self.http.submit(client.update_weights_from_distributed,

@@ -1,7 +1,7 @@
 """One pass of an every-owner weight sync: each sender rank encodes its own buckets
 (owners.stream_owned, delta.DeltaEncoder) and delivers them itself; rank 0 only coordinates
 (weight_sync.py). Tensor transport: posted to every server through the project's loader
-(rollout/weight_delta.py), whole or as deltas. Distributed transport: broadcast over a
+(rollout/in_server/weight_loader.py), whole or as deltas. Distributed transport: broadcast over a
 weights-update group of this sender and that server alone (one per sender and server, made on
 first use), whole (SGLang's own load) or as deltas (the project's loader, which broadcasts its
 checksum report back over the group); nothing passes through a shared file system or shared
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from gspo_megatron.sync.delta import DeltaEncoder
 from gspo_megatron.sync.owner_groups import OwnerGroups
 from gspo_megatron.sync.owners import stream_owned
-from rollout.weight_delta import LOADER, PART, flatten, path_tensor
+from rollout.in_server.weight_loader import LOADER, PART, flatten, path_tensor
 
 # Delta syncs whose every sent tensor is checked by the servers; later ones check a sample.
 CHECK_FIRST_DELTAS = 3
@@ -96,7 +96,7 @@ class SenderState:
         self.groups = OwnerGroups()
 
     def client(self, url: str):
-        from rollout.client import SGLangClient
+        from rollout.servers.client import SGLangClient
         if url not in self.clients:
             self.clients[url] = SGLangClient(url, retries=0)
         return self.clients[url]
@@ -106,7 +106,7 @@ def run_pass(state: SenderState, chunks, wmap, plan, senders: Sequence[int], buc
              p: PassPlan) -> Outcome:
     """Every rank: stream its part, post its buckets to the servers. Never raises for a server's
     failure: it stops posting and reports it (the caller gathers the outcomes)."""
-    from rollout.client import ServerUnavailable
+    from rollout.servers.client import ServerUnavailable
     rank = dist.get_rank()
     dtype = getattr(torch, p.dtype)
     if state.encoder is None or state.encoder.dtype != dtype or state.encoder.keep_base != p.keep_base:
@@ -211,7 +211,7 @@ def _write_shard(folder: str, rank: int, i: int, payload, out: Outcome) -> None:
 
 def _post(client, payload, report: Path) -> list[str]:
     """One request; the loader's report: the names whose checksum differed. A loader error
-    (it cannot raise, rollout/weight_delta.py) is raised here."""
+    (it cannot raise, rollout/in_server/weight_loader.py) is raised here."""
     client.update_weights_from_tensor(payload, load_format=LOADER, flush_cache=False)
     try:
         got = json.loads(report.read_text())

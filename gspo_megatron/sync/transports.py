@@ -18,7 +18,7 @@ transport's sessions or folder, and its finish().
 - DistributedTransport: a weights-update process group (trainer rank 0 = group rank 0, the servers'
   ranks after it; gloo on CPU, NCCL on GPU); per bucket /update_weights_from_distributed is posted
   in threads while rank 0 broadcasts the tensors in the same order (docs/cpu.md, "SGLang on CPU").
-The servers are reached through rollout.client (ServerPool / SGLangClient).
+The servers are reached through rollout.servers.client (ServerPool / SGLangClient).
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from gspo_megatron.checkpoint.hf_files import INDEX_NAME, copy_metadata_files
-from rollout.health import LIVE, REJOINING
+from rollout.servers.health import LIVE, REJOINING
 
 if TYPE_CHECKING:  # duck-typed: anything with ServerPool's methods
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
 Bucket = Sequence[tuple[str, torch.Tensor]]
 
@@ -157,7 +157,7 @@ def begin_session(client) -> None:
     """begin_weight_update; a session left open by a sync that failed between begin and end is
     ended first: SGLang refuses a second one (scheduler_components/weight_updater.py:309-315), so
     without this a failed tensor or distributed sync would block every later one."""
-    from rollout.client import SGLangError
+    from rollout.servers.client import SGLangError
     try:
         client.begin_weight_update()
     except SGLangError as e:
@@ -201,7 +201,7 @@ class DistributedTransport:
     """Broadcast over a weights-update group. `server_tp_sizes`: each server's TP size (its ranks
     in the group). The group is made of the sync's servers (the pool's live and rejoining ones) at
     the first begin() and kept until close(), or until they change (a server taken out of service,
-    or back: rollout/health.py): then the next begin() destroys it and makes a new one of the
+    or back: rollout/servers/health.py): then the next begin() destroys it and makes a new one of the
     servers there are, on a new port. A member lost during a broadcast is taken out and the send
     raises ServerUnavailable naming it; abort() then breaks the group here (the others' receives
     fail) and WeightSync syncs again on a new group. On GPU, destroying the NCCL group aborts its
@@ -211,7 +211,7 @@ class DistributedTransport:
 
     @classmethod
     def for_run(cls, pool: "ServerPool", *, master_address: str, **_: Any) -> "DistributedTransport":
-        from rollout.ports import free_port
+        from rollout.servers.ports import free_port
         return cls(pool, master_address, free_port())
 
     def __init__(self, pool: "ServerPool", master_address: str, master_port: int, *,
@@ -234,7 +234,7 @@ class DistributedTransport:
         if self._pg is not None:
             self._drop_group()
         if self._made:
-            from rollout.ports import free_port
+            from rollout.servers.ports import free_port
             self.port = free_port(self.address)  # the old store's port may still be held
         sizes = [self.tp_size_of[c.url] for c in members]
         world = 1 + sum(sizes)
@@ -289,7 +289,7 @@ class DistributedTransport:
         if error is not None:
             lost = self._lost_members(replies)
             if lost:  # WeightSync runs the sync again on the servers there are
-                from rollout.client import ServerUnavailable
+                from rollout.servers.client import ServerUnavailable
                 raise ServerUnavailable(lost[0], f"lost during the weights broadcast "
                                         f"({type(error).__name__}: {error})") from error
             raise error
@@ -328,8 +328,8 @@ class DistributedTransport:
     def _lost_members(self, replies: dict[str, Any]) -> list[str]:
         """After a failed broadcast: the members that are gone (taken out already, their request's
         connection failed, or /model_info unanswered within 5 s), taken out of service now."""
-        from rollout.client import ServerUnavailable
-        from rollout.health import probe
+        from rollout.servers.client import ServerUnavailable
+        from rollout.servers.health import probe
         lost = []
         for url, reply in replies.items():
             if self.pool.status(url) not in (LIVE, REJOINING):

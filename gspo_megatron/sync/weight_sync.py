@@ -9,7 +9,7 @@ every owner sends its own buckets, whole or as deltas (owner_pass.py, through an
 rank 0 judges the senders' outcomes, sets the new version, checks that every server reports it,
 continues generation. With senders="rank0" (_attempt) rank 0 alone streams the weights
 (stream.py) through the transport and sets the version with the last piece.
-The servers are the pool's live and rejoining ones (rollout/health.py): a server that came back
+The servers are the pool's live and rejoining ones (rollout/servers/health.py): a server that came back
 after a failure gets the weights here and serves only after its version checked out. A server
 lost part-way (every-owner passes, and the rank-0 distributed broadcast) is taken out, and since
 the servers still there may hold part of the new weights the whole sync runs again (every rank
@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from gspo_megatron import GspoError
+from gspo_errors import GspoError
 from gspo_megatron.sync.owner_pass import CHECK_FIRST_DELTAS, PassPlan, SenderState, run_pass
 from gspo_megatron.sync.owners import assign_senders
 from gspo_megatron.sync.stream import build_plan, buckets, stream_hf_weights
@@ -46,9 +46,9 @@ def _in_chain(error: BaseException | None, types: tuple[type[BaseException], ...
 
 
 def _unreachable(error: BaseException | None) -> bool:
-    """A lost connection anywhere in the error's chain (rollout.client.ServerUnavailable, or the
+    """A lost connection anywhere in the error's chain (rollout.servers.client.ServerUnavailable, or the
     transport's own ConnectionError)."""
-    from rollout.client import ServerUnavailable
+    from rollout.servers.client import ServerUnavailable
     return _in_chain(error, (ServerUnavailable, ConnectionError))
 
 
@@ -59,7 +59,7 @@ OWNER_TRANSPORTS = {"tensor": True, "distributed": True, "disk": False}
 
 class WeightSyncError(GspoError, RuntimeError):
     """A sync that did not complete; the servers are paused and marked stale. no_server: because
-    no server was left to take it (rollout/health.py; the trainer waits for one, trainer.py)."""
+    no server was left to take it (rollout/servers/health.py; the trainer waits for one, trainer.py)."""
 
     def __init__(self, message: str, no_server: bool = False) -> None:
         super().__init__(message)
@@ -96,7 +96,7 @@ class WeightSync:
     def sync(self, version: str | int, again: bool = False) -> dict[str, float]:
         """Collective. Returns {seconds, bytes, gb_per_s, buckets, attempts} (rank 0's view on
         rank 0). again: the version the servers already serve, for servers that came back
-        (rollout/health.py)."""
+        (rollout/servers/health.py)."""
         version = str(version)
         if version == self.version and not again:
             raise ValueError(f"weight version {version!r} is what the servers already serve; "
@@ -116,7 +116,7 @@ class WeightSync:
         # A server lost part-way leaves the others with part of the weights: the sync runs again
         # on the servers there are, at most once per server (each retry has one server fewer).
         # Rank 0 decides (its pool), the others follow its broadcast.
-        from rollout.client_errors import NoServerLeft
+        from rollout.servers.errors import NoServerLeft
         attempt = 0
         while True:
             attempt += 1
@@ -164,12 +164,12 @@ class WeightSync:
     def _targets(self, repair: list[str] | None, delta: bool) -> dict[str, str]:
         """Rank 0: which servers get this pass, and how: a delta where the server is live and
         reports the version every encoder's base holds, else the full weights."""
-        from rollout.health import LIVE
+        from rollout.servers.health import LIVE
         if repair:
             return {u: "full" for u in repair}
         clients = self.pool.sync_clients()
         if not clients:
-            from rollout.client_errors import NoServerLeft
+            from rollout.servers.errors import NoServerLeft
             raise NoServerLeft(f"no server is left to take the weights ({self.pool.summary()})")
         delta = delta and self._delta_ready
         versions = self.pool.weight_versions() if delta else {}
@@ -181,8 +181,8 @@ class WeightSync:
         """Collective: rank 0 pauses and opens the servers' sessions, every owner sends its own
         buckets (owner_pass.run_pass), rank 0 checks, repairs a checksum mismatch with a full
         pass to that server, sets the version, closes the sessions, continues generation."""
-        from rollout.client_errors import NoServerLeft
-        from rollout.health import LIVE
+        from rollout.servers.errors import NoServerLeft
+        from rollout.servers.health import LIVE
         start = time.perf_counter()
         totals = {"bytes": 0, "rank0_bytes": 0, "elements": 0, "changed": 0, "buckets": 0,
                   "senders": set(), "full": 0, "mismatches": 0, "stream_s": 0.0, "encode_s": 0.0,
@@ -296,7 +296,7 @@ class WeightSync:
                 self.transport.adopt({n: f for o in outcomes for n, f in o.files.items()},
                                      sum(o.sent_bytes for o in outcomes))
             else:  # the version, set by a last empty request through the project's loader
-                from rollout.weight_delta import LOADER
+                from rollout.in_server.weight_loader import LOADER
                 self.pool.for_each(lambda c: c.update_weights_from_tensor(
                     [], weight_version=plan.version, flush_cache=True, load_format=LOADER))
             self._finish(plan.version)

@@ -149,7 +149,7 @@ gspo_wait "$TRAIN_PID"; rc=$?
 TRAIN_PID=
 if (( rc == 0 )); then gspo_log "trainer finished"; else gspo_log "trainer exited $rc (see $GSPO_LOG_DIR/trainer-*.log)"; fi
 stop_steps
-# 75 (rollout.health.EXIT_NO_SERVER): no SGLang server came back within rollout.server_wait_s,
+# 75 (rollout.servers.health.EXIT_NO_SERVER): no SGLang server came back within rollout.server_wait_s,
 # after a checkpoint. Retryable: a new allocation gets new nodes and servers. Rank 0 leaves
 # NO_SERVER_LEFT in the checkpoint folder first: srun --kill-on-bad-exit may have reported another
 # code (rank 0 SIGKILLed once the other ranks had exited 75).

@@ -3,7 +3,7 @@
     cls = environment_class("calculator")                 # or "my_pkg.my_module:MyEnv"
     env = cls(**environment_args)                          # one instance per episode
 
-An environment implements rollout.multiturn.Environment: reset(prompt_record) -> first user
+An environment implements rollout.generation.multiturn.Environment: reset(prompt_record) -> first user
 message, step(model_turn_text) -> EnvStep(observation, reward, done, tool_call).
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from gspo_megatron import InputError
+from gspo_errors import InputError
 from rollout.envs.calculator import CalculatorEnv
 from rollout.envs.guessing import GuessingGameEnv
 
@@ -44,7 +44,7 @@ def environment_class(spec: str) -> type:
     if not inspect.isclass(cls) or missing:
         raise EnvironmentSpecError(f"rollout.environment={spec!r}: {getattr(cls, '__name__', cls)!r} is "
                                    f"not an environment class (needs reset() and step(); "
-                                   f"missing {missing or 'a class'}); see rollout.multiturn.Environment")
+                                   f"missing {missing or 'a class'}); see rollout.generation.multiturn.Environment")
     return cls
 
 

@@ -13,7 +13,7 @@ import ast
 import operator
 import re
 
-from rollout.multiturn import Environment, EnvStep
+from rollout.generation.multiturn import Environment, EnvStep
 from rollout.rewards import last_boxed
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

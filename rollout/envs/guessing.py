@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from rollout.multiturn import Environment, EnvStep
+from rollout.generation.multiturn import Environment, EnvStep
 
 _INT = re.compile(r"-?\d+")
 

@@ -5,7 +5,7 @@
     get_reward("math")(record, response_text)                  # one sample, in this process
 
 Shipped: math (math_answers.py), exact_match and format (answers.py), code (code_reward.py, run in
-a sandbox: sandbox.py), a reward service over HTTP (http_service.py); yours as
+a sandbox: sandbox/), a reward service over HTTP (http_service.py); yours as
 package.module:function (registry.py). Error accounting: scoring.py.
 """
 from rollout.rewards.answers import (RewardFn, exact_match_reward, extract_answer, format_reward, last_boxed,

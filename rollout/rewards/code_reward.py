@@ -1,4 +1,4 @@
-"""`reward: code`: the response's program run against the row's tests, in the sandbox (sandbox.py).
+"""`reward: code`: the response's program run against the row's tests, in the sandbox (sandbox/run.py).
 
     reward = CodeReward(CodeSandboxSettings())
     tests = reward.prepare(record)               # once per prompt: the row's tests, parsed
@@ -55,7 +55,7 @@ import time
 import zlib
 from typing import Any
 
-from rollout.rewards.sandbox import Sandbox
+from rollout.rewards.sandbox.run import Sandbox
 from rollout.rewards.settings import DEFAULT_REWARD_TIMEOUT_S, CodeSandboxSettings
 
 _TAG = re.compile(r"[A-Za-z0-9_+-]*")

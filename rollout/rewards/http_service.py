@@ -22,7 +22,7 @@ import json
 import time
 from typing import Any
 
-from gspo_megatron import GspoError
+from gspo_errors import GspoError
 from rollout.rewards.settings import RewardServiceSettings
 
 

@@ -22,7 +22,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable
 
-from gspo_megatron import InputError
+from gspo_errors import InputError
 from rollout.rewards.answers import exact_match_reward, format_reward
 from rollout.rewards.math_answers import prepare_gold, score_math
 from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
@@ -82,7 +82,7 @@ def _code(code_sandbox: CodeSandboxSettings) -> Reward:
 
 
 def _probe_sandbox(code_sandbox: CodeSandboxSettings) -> str | None:
-    from rollout.rewards.sandbox import Sandbox
+    from rollout.rewards.sandbox.run import Sandbox
     return Sandbox(code_sandbox).probe()
 
 

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Protocol
 
-from gspo_megatron import GspoError
+from gspo_errors import GspoError
 
 # Score.status values
 OK, ERROR, TIMEOUT, DIED = "ok", "error", "timeout", "died"

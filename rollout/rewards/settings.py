@@ -24,7 +24,7 @@ def tests_margin_s(reward_timeout_s: float) -> float:
 @dataclasses.dataclass
 class CodeSandboxSettings:
     """How `reward: code` runs a response's program against the row's tests
-    (rollout/rewards/sandbox.py; what it isolates and what it does not: docs/rewards.md)."""
+    (rollout/rewards/sandbox/run.py; what it isolates and what it does not: docs/rewards.md)."""
 
     time_limit_s: float = 4.0
     """Per test: wall-clock limit of the program (a row's own `time_limit` wins); CPU seconds are

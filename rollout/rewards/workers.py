@@ -43,7 +43,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from gspo_megatron import GspoError
+from gspo_errors import GspoError
 from rollout.rewards.frames import FrameReader, send
 from rollout.rewards.scoring import DIED, ERROR, OK, TIMEOUT, Score
 from rollout.rewards.settings import tests_margin_s

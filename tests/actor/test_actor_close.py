@@ -17,7 +17,7 @@ from distributed import run_distributed
 
 
 def _batch():
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(0)
     lengths, t = torch.tensor([10, 7, 10, 5]), torch.arange(10)[None]
     return TrainBatch(tokens=torch.randint(0, 512, (4, 10), generator=g), lengths=lengths,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # 0.19.2: the same megatron-core paths run in tes
 
 
 def _batch(advantages: float | None = None):
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     g = torch.Generator().manual_seed(3)
     rows, seq = 6, 14

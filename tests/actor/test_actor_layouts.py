@@ -29,7 +29,7 @@ ROWS, SEQ, MINI = 11, 24, 2
 TOL = 1e-5
 # The skewed batch: RL's long tail in small, 4 mini-batches of 8 rows, each with two
 # rows 3-5x longer than the rest. Cut by row count, a DP rank gets both long rows of a
-# mini-batch; balanced by work (actor/balance.py, the default) it does not.
+# mini-batch; balanced by work (actor/batching/balance.py, the default) it does not.
 SKEWED = dict(rows=32, mini=4, lengths=[6, 7, 5, 22, 6, 7, 7, 22, 5, 5, 7, 24, 7, 24, 7, 5,
                                         6, 21, 23, 7, 7, 7, 6, 6, 21, 21, 6, 5, 7, 6, 6, 5])
 
@@ -40,7 +40,7 @@ def shape(options: dict) -> tuple[int, int]:
 
 
 def make_batch(skewed: bool = False):
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     rows = SKEWED["rows"] if skewed else ROWS
@@ -171,7 +171,7 @@ def test_skewed_lengths_balanced_by_work_equal_one_process(skewed_reference, wor
     # The shards packed (the trainer's form) against the padded one-process reference.
     results = _check_layout(skewed_reference, world, dict(), skewed=True, micro_batch_size=4, max_tokens=48,
                             packed_rows=True)
-    from gspo_megatron.actor.balance import plan_shards, token_imbalance
+    from gspo_megatron.actor.batching.balance import plan_shards, token_imbalance
     lengths = SKEWED["lengths"]
     by_rows = max(token_imbalance(lengths, parts) for parts in plan_shards(len(lengths), world, SKEWED["mini"]))
     got = results[0]["imbalance"]

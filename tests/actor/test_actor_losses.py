@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # 0.19.2: the same megatron-core paths run in tes
 
 
 def _batch():
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     g = torch.Generator().manual_seed(1)
     rows, seq = 7, 16

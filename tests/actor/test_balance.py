@@ -1,4 +1,4 @@
-"""actor/balance.py: the rows of each mini-batch shared among the DP ranks by work.
+"""actor/batching/balance.py: the rows of each mini-batch shared among the DP ranks by work.
 The multi-rank proof that any such split trains the one-process loss and gradients is
 test_actor_layouts.py::test_skewed_lengths_balanced_by_work_equal_one_process."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from gspo_megatron.actor.balance import karmarkar_karp, plan_shards, row_work, token_imbalance
+from gspo_megatron.actor.batching.balance import karmarkar_karp, plan_shards, row_work, token_imbalance
 
 
 def _lognormal_lengths(n: int, seed: int, cap: int = 20000) -> list[int]:
@@ -82,7 +82,7 @@ def test_mini_batches_are_the_same_samples_whatever_the_dp_size():
 
 
 def test_shards_of_every_rank_cover_each_row_once_in_its_mini_batch():
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     lengths = torch.tensor([3, 12, 4, 11, 5, 2, 12, 3, 6, 7])
     s = int(lengths.max())
     t = torch.arange(s)[None]

@@ -1,11 +1,11 @@
-"""actor/batch.py: the alignment checks, DP shards of mini-batches, micro-batches with fillers."""
+"""actor/batching/batch.py: the alignment checks, DP shards of mini-batches, micro-batches with fillers."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gspo_megatron.actor.batch import TrainBatch, balanced_sizes
-from gspo_megatron.actor.micro_batch import micro_batches
+from gspo_megatron.actor.batching.batch import TrainBatch, balanced_sizes
+from gspo_megatron.actor.batching.micro_batch import micro_batches
 
 
 def _batch(b=11, s=12, seed=0) -> TrainBatch:
@@ -106,7 +106,7 @@ def test_packed_form_round_trips_and_splits_as_the_padded_one(token_advantages):
     assert packed.is_token_field("advantages") == token_advantages
     _equal(packed.padded(), padded)  # the padding comes back with its values (-1 for routes, versions)
     # uint8 routes (a byte per expert id, 255 = none) widen back to the same int16
-    from gspo_megatron.actor.batch import compact_routes
+    from gspo_megatron.actor.batching.batch import compact_routes
     import dataclasses
     _equal(dataclasses.replace(packed, routed_experts=compact_routes(packed.routed_experts)).padded(), padded)
     for rows in ([3, 0, 7], [5]):
@@ -146,7 +146,7 @@ def test_bad_packed_batches_name_the_problem(change, message):
 def test_largest_expert_id_reads_compact_routes_without_widening_them():
     """check_routed_experts' bound: the largest id, the 255 / -1 of tokens without routing aside,
     across the 16M-entry chunks of uint8 routes."""
-    from gspo_megatron.actor.batch import compact_routes, largest_expert_id
+    from gspo_megatron.actor.batching.batch import compact_routes, largest_expert_id
     routes = torch.full(((1 << 24) + 40, 2), -1, dtype=torch.int16)
     routes[5] = 3
     routes[-1, 1] = 201  # in the second chunk

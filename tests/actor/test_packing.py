@@ -1,4 +1,4 @@
-"""Packed micro-batches (actor/packing.py): the pack's per-token values taken back into the rows'
+"""Packed micro-batches (actor/batching/packing.py): the pack's per-token values taken back into the rows'
 target-aligned layout equal what the rows compute unpacked. A causal toy model that sees only its
 own segment (what THD attention does with cu_seqlens) stands in for the transformer: megatron's
 local attention (the only one on CPU) refuses packed sequences, so the model side is checked on a
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.actor.packing import pack, rows_from_pack
+from gspo_megatron.actor.batching.packing import pack, rows_from_pack
 
 V = 50
 
@@ -65,7 +65,7 @@ def test_rows_from_pack_equals_the_unpacked_rows():
 
 
 def test_resolve_packing_packs_where_it_runs_and_refuses_where_it_does_not():
-    from gspo_megatron.actor.packing import resolve_packing
+    from gspo_megatron.actor.batching.packing import resolve_packing
     gpu = dict(te_on_cuda=True, context=1, half=True, te_version="2.20.2+cu13")
     assert resolve_packing(None, **gpu) and resolve_packing(True, **gpu)
     assert not resolve_packing(False, **gpu)
@@ -83,7 +83,7 @@ def test_resolve_packing_packs_where_it_runs_and_refuses_where_it_does_not():
         with pytest.raises(ValueError, match=f"^pack_sequences=True {message}"):
             resolve_packing(True, **where)
     # Qwen3-Next's Gated DeltaNet takes packed sequences from megatron-core 0.19 on
-    from gspo_megatron.actor.packing import _mcore_version
+    from gspo_megatron.actor.batching.packing import _mcore_version
     if _mcore_version().startswith("0.16"):
         assert not resolve_packing(None, **gpu, linear_attention=True)
         with pytest.raises(ValueError, match="for Gated DeltaNet layers .* megatron-core 0.16"):

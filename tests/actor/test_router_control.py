@@ -25,7 +25,7 @@ TOL = 1e-5
 
 
 def make_batch(with_routing: bool = True):
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(8, SEQ + 1, (ROWS,), generator=g)

@@ -35,7 +35,7 @@ def _build_and_step(rank, world, profiles):
     from megatron.core import tensor_parallel
 
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     from gspo_megatron.actor.build import _native_linears_buildable_without_apex
     from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
     from gspo_megatron.parallel.layout import ParallelLayout

@@ -4,7 +4,7 @@ not one per layer (on an H100 the packed step left the GPU idle 60% of the time)
 On CPU nothing waits for a device, so the test counts the calls that would wait on a GPU:
 `Tensor.item`, `tolist`, `cpu` and the conversions `int()`, `float()`, `bool()`, `operator.index`
 of a tensor, made from the project's own code (gspo_megatron/). It counts from the moment the
-schedule starts: planning (actor/token_budget.py, packing.py) reads the rank's batch while it is
+schedule starts: planning (actor/batching/token_budget.py, packing.py) reads the rank's batch while it is
 still on the host, before any tensor moves to the device (forward.py: `next(data_iterator).to(device)`).
 The count of the train step and of the forward-only log-prob pass must not change with the number
 of micro-batches (1 or 4) or of layers (2 or 4). megatron-core's own calls are counted too and
@@ -59,7 +59,7 @@ class SyncCounter:
 
 
 def _batch(rows: int = 8, seq: int = 24):
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(12, seq + 1, (rows,), generator=g)
     t = torch.arange(seq)[None]

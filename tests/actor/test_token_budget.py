@@ -1,4 +1,4 @@
-"""actor/token_budget.py: rows grouped longest first up to a token budget, split to an agreed count.
+"""actor/batching/token_budget.py: rows grouped longest first up to a token budget, split to an agreed count.
 (The same on real process groups, against one process: tests/actor/test_actor_layouts.py.)"""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gspo_megatron.actor.token_budget import computed_tokens, plan_micro_batches, split_to_count
+from gspo_megatron.actor.batching.token_budget import computed_tokens, plan_micro_batches, split_to_count
 
 
 def test_longest_first_within_rows_and_budget():
@@ -55,7 +55,7 @@ def test_split_to_count_halves_the_largest_then_adds_fillers():
 
 
 def test_rollout_order_is_the_old_equal_row_split():
-    from gspo_megatron.actor.batch import balanced_sizes
+    from gspo_megatron.actor.batching.batch import balanced_sizes
     lengths = [5, 40, 12, 38, 7, 39, 11]
     plan = plan_micro_batches(lengths, max_rows=3, longest_first=False)
     assert plan == [[0, 1, 2], [3, 4], [5, 6]] and [len(p) for p in plan] == balanced_sizes(7, 3)
@@ -71,10 +71,10 @@ def test_a_packed_micro_batch_counts_its_pack_not_its_rows():
     the pack's length: the real tokens rounded up to the multiple, not rows x longest row."""
     import torch
 
-    from gspo_megatron.actor.batch import TrainBatch
-    from gspo_megatron.actor.micro_batch import micro_batch
-    from gspo_megatron.actor.token_budget import model_tokens, padding_stats
-    from gspo_megatron.actor.packing import pack
+    from gspo_megatron.actor.batching.batch import TrainBatch
+    from gspo_megatron.actor.batching.micro_batch import micro_batch
+    from gspo_megatron.actor.batching.token_budget import model_tokens, padding_stats
+    from gspo_megatron.actor.batching.packing import pack
     lengths = torch.tensor([9, 3, 6])
     t = torch.arange(9)[None]
     batch = TrainBatch(tokens=torch.randint(3, 50, (3, 9)), lengths=lengths,

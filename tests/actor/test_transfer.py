@@ -1,4 +1,4 @@
-"""actor/transfer.py: each rank receives only its own rows, packed, over real gloo
+"""actor/batching/transfer.py: each rank receives only its own rows, packed, over real gloo
 groups; what it builds from them is exactly TrainBatch.shard of the global batch."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ LAYERS, TOPK = 3, 2
 def make_batch(rows: int = 13, token_advantages: bool = False):
     """Every field kind: bool mask, int64 tokens and versions (-1 padding), fp32 log-probs, per-row
     or per-token advantages, int16 routes [b, s, layers, k] (-1 padding), teacher log-probs."""
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(rows)
     lengths = torch.randint(3, 40, (rows,), generator=g)
     lengths[rows // 2] = 90  # a long row
@@ -45,7 +45,7 @@ def assert_same(a, b) -> None:
 
 def as_received(shard, layers=None):
     """What a rank keeps of its shard: packed, its stage's routing layers, one byte per expert id."""
-    from gspo_megatron.actor.batch import compact_routes
+    from gspo_megatron.actor.batching.batch import compact_routes
     out = shard.packed()
     routes = compact_routes(out.routed_experts)
     if layers is not None:
@@ -59,8 +59,8 @@ def _work(lengths):
 
 @pytest.mark.parametrize("token_advantages", [False, True])
 def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
-    from gspo_megatron.actor.balance import plan_shards
-    from gspo_megatron.actor.transfer import pack, unpack
+    from gspo_megatron.actor.batching.balance import plan_shards
+    from gspo_megatron.actor.batching.transfer import pack, unpack
     batch = make_batch(token_advantages=token_advantages)
     for dp in (1, 2, 3):
         plan = plan_shards(batch.num_rows, dp, 2, _work(batch.lengths.tolist()))
@@ -81,8 +81,8 @@ def test_packed_rows_unpack_to_the_shard_and_carry_no_padding(token_advantages):
 
 
 def _scatter(rank, world, groups, dp_of, case, layers_of=None, replicas=None, stages=None):
-    from gspo_megatron.actor.transfer import scatter_rows
-    from gspo_megatron import GspoError
+    from gspo_megatron.actor.batching.transfer import scatter_rows
+    from gspo_errors import GspoError
     batch = make_batch(rows=17)  # every rank builds it, to compare; only rank 0's is sent
 
     def make():
@@ -185,8 +185,8 @@ def test_every_rank_receives_its_shard_and_rank_0s_failures():
 def test_a_stage_is_sent_its_layers_routes_only(layers):
     """pack_routes: the rows' real tokens at the stage's layers, one byte per expert id (a range
     of layers and any other list alike)."""
-    from gspo_megatron.actor.batch import compact_routes
-    from gspo_megatron.actor.transfer import _routes_view, pack_routes
+    from gspo_megatron.actor.batching.batch import compact_routes
+    from gspo_megatron.actor.batching.transfer import _routes_view, pack_routes
     batch, rows = make_batch(rows=9).packed(), [3, 1, 7]
     manifest, buffer = pack_routes(batch, rows, layers)
     want = compact_routes(batch.select(rows).routed_experts)

@@ -24,7 +24,7 @@ CONFIG = "examples/tiny_moe_larger_digit.yaml"
 # --- the teacher's log-probs --------------------------------------------------------------------
 @pytest.mark.slow
 def test_teacher_log_probs_equal_transformers(qwen3_server):
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
     teacher = tiny_model_dir("qwen3", 0)
     pool = ServerPool(qwen3_server.server_urls)
     g = torch.Generator().manual_seed(3)
@@ -71,7 +71,7 @@ ROWS, SEQ, MINI = 8, 20, 2
 
 
 def _batch():
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(8, SEQ + 1, (ROWS,), generator=g)
     t = torch.arange(SEQ)[None]
@@ -178,7 +178,7 @@ def test_a_distillation_run_trains_and_reports(tmp_path, server_url, qwen3_serve
     """Student: the tiny MoE on the module's server; teacher: the tiny dense Qwen3 on its own server
     (the same tokenizer), which the run never syncs."""
     from gspo_megatron.run.metrics import read_jsonl
-    from rollout.client import SGLangClient
+    from rollout.servers.client import SGLangClient
     teacher_url = qwen3_server.server_urls[0]
     before = SGLangClient(teacher_url).weight_version()
     proc = run_train([CONFIG, *base_overrides(tmp_path, server_url, **{

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from script_modules import load_script
 
-from gspo_megatron.actor.packing import resolve_packing
+from gspo_megatron.actor.batching.packing import resolve_packing
 from gspo_megatron.actor.settings import MicroBatchSettings
 
 mfu = load_script("benchmarks/mfu.py")

@@ -34,7 +34,7 @@ def _layout(kind: str):
 
 def _load_forward_save(rank, world, cases):
     """Per case: load under the layout, forward (log-probs + entropy of TOKENS), save elsewhere."""
-    from gspo_megatron.actor.micro_batch import MicroBatch
+    from gspo_megatron.actor.batching.micro_batch import MicroBatch
     from gspo_megatron.actor.build import build_model_chunks
     from gspo_megatron.actor.forward import is_last_stage_rank, run_schedule, set_fused
     from gspo_megatron.actor.settings import LogProbSettings

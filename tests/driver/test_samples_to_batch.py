@@ -8,7 +8,7 @@ from gspo_megatron.driver.samples_to_batch import samples_to_batch
 from gspo_megatron.driver.warm_start import sft_batch
 from gspo_megatron.driver.rollout_metrics import rollout_metrics
 from gspo_megatron.run.loop_metrics import train_metrics
-from rollout.sample import Sample
+from rollout.generation.sample import Sample
 
 
 def _sample(gid, idx, prompt, resp, reward, env_at=()):

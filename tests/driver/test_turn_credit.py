@@ -13,9 +13,9 @@ from fixtures_models import tiny_model_dir
 from gspo_megatron.algorithms.advantages import group_advantages, turn_advantages
 from gspo_megatron.driver.turn_credit import turn_credit_advantages
 from gspo_megatron.driver.warm_start import demonstration
-from rollout.chat import ChatTemplate
+from rollout.generation.chat import ChatTemplate
 from rollout.envs import CalculatorEnv, EnvironmentSpecError, environment_class
-from rollout.sample import Sample
+from rollout.generation.sample import Sample
 
 
 def test_turn_advantages_hand_computed():

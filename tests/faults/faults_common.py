@@ -16,7 +16,7 @@ CONFIG = "examples/tiny_moe_larger_digit.yaml"
 
 
 def dead_url() -> str:
-    from rollout.ports import free_port
+    from rollout.servers.ports import free_port
     return f"http://127.0.0.1:{free_port()}"
 
 

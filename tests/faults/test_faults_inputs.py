@@ -226,7 +226,7 @@ def test_disk_full_during_checkpoint_save_is_one_line_and_resumes(tmp_path, smal
 def test_no_room_for_the_initial_conversion_stops_before_it(tmp_path, small_disk):
     """A model whose conversion and first checkpoint cannot fit (a 3 MiB tmpfs, a model of 64
     experts) is refused by the free-space check, before anything is converted or started."""
-    from rollout.server import free_port
+    from rollout.servers.launch import free_port
     model = _big_model(tmp_path)
     ck = small_disk / "ck"
     proc = run_train([CONFIG, "--set", f"model.hf_path={model}", "--set", f"checkpoint.dir={ck}",

@@ -1,4 +1,4 @@
-"""SGLang servers lost in a run (rollout/health.py): a killed server the run launched comes back
+"""SGLang servers lost in a run (rollout/servers/health.py): a killed server the run launched comes back
 and serves again only with the current weights; with none left the run saves, waits its bound
 and exits 75 (retryable) with one line, and a resume trains every prompt once.
 

@@ -59,7 +59,7 @@ def _expected_prompts(n_groups: int) -> list[list[int]]:
 
     from fixtures_models import tiny_model_dir
     from gspo_megatron.config import load_config
-    from rollout.dataset import PromptStream, chat_prompt_ids, load_prompts
+    from rollout.prompts.dataset import PromptStream, chat_prompt_ids, load_prompts
     cfg = load_config(CONFIG, [])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir("qwen3_moe", 0))
     stream = PromptStream(load_prompts(PROMPTS), seed=cfg.train.seed, shuffle=cfg.rollout.shuffle_prompts)

@@ -1,4 +1,4 @@
-"""On-policy distillation's teacher fails like a policy server (rollout/health.py, run/recovery.py):
+"""On-policy distillation's teacher fails like a policy server (rollout/servers/health.py, run/recovery.py):
 one victim run whose teacher server (launched by the run) is SIGKILLed after step 2, restarted and
 scoring again, then SIGSTOPped: out within its health timeout, past its restart bound, so no
 teacher is left and the run saves its last finished step and exits 75 with one line naming the

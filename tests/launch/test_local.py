@@ -83,6 +83,6 @@ def test_local_real_trainer_and_server(tmp_path):
     (logs,) = sorted((run_dir / "logs").iterdir())
     names = sorted(p.name for p in logs.iterdir())
     assert names == [f"server-{host}-s0.log", f"trainer-{host}-r0.log", f"trainer-{host}-r1.log"]
-    assert "rollout.server:" in (logs / f"server-{host}-s0.log").read_text()
+    assert "rollout.servers.launch:" in (logs / f"server-{host}-s0.log").read_text()
     with pytest.raises(ConnectionRefusedError):  # the script stopped the server: no one listens
         socket.create_connection(("127.0.0.1", int(env["GSPO_SERVER_PORT"])), timeout=5).close()

@@ -4,7 +4,7 @@ The cluster is tests/slurm_cluster.py's (slurmctld + slurmd n1, n2; 2 CPUs each)
 same scripts users run, with GPUs=0 (gloo).
 
 - The real run: `gspo-megatron train` (TP2 on one node) against a real SGLang server on the other
-  node (`python -m rollout.server`, the scripts' defaults), signalled mid-run as the time limit
+  node (`python -m rollout.servers.launch`, the scripts' defaults), signalled mid-run as the time limit
   does (`scancel --signal=USR1 --batch`): it saves on the signal, the job requeues itself and the
   next attempt resumes from that checkpoint with no step lost or repeated. Two real jobs on one
   run folder: the second trainer stops at the run lock.

@@ -25,7 +25,7 @@ ROWS, SEQ, TOL = 6, 20, 1e-5
 
 
 def make_batch():
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     g = torch.Generator().manual_seed(3)
     lengths = torch.tensor([20, 13, 20, 7, 16, 20])

@@ -7,7 +7,7 @@ SGLang 0.5.23 takes the MHA path for MLA at a prefill without a cached prefix
 (models/deepseek_common/attention_backend_handler.py:98-102, the triton handler, which
 torch_native falls back to), and the torch_native backend then attends over the KV cache, where
 MLA keeps its latents, instead of the keys and values it is given: the CPU stand-in
-(rollout/cpu_stand_ins/sitecustomize.py) sends torch_native to the absorbed MLA path at every step.
+(rollout/in_server/cpu_stand_ins/sitecustomize.py) sends torch_native to the absorbed MLA path at every step.
 One server for the module (~30 s), started with --enable-return-routed-experts.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.launch import ServerConfig, ServerGroup
     with ServerGroup.launch(ServerConfig(model_path=str(model), device="cpu", startup_timeout_s=300,
                                          return_routed_experts=True,
                                          log_dir=str(tmp_path_factory.mktemp("dsv3_logs")))) as group:

@@ -5,7 +5,7 @@ it: exit 0, the trainer's log-probs within 1e-4 of SGLang's after every weight s
 route SGLang's.
 
 SGLang 0.5.23 runs Qwen3-Next on a CPU with sgl-kernel's CPU ops (AMX / AVX-512 builds only): the
-CPU stand-ins (rollout/cpu_stand_ins/gdn_ops.py, sitecustomize.py) give it torch forms of them and
+CPU stand-ins (rollout/in_server/cpu_stand_ins/gdn_ops.py, sitecustomize.py) give it torch forms of them and
 of its gated norm, resolve its Mamba radix cache to no_buffer, read transformers 5's layer_types,
 and keep the conv states in float32. One server for the module.
 """
@@ -31,7 +31,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.launch import ServerConfig, ServerGroup
     # the DeltaNet state cache: 64 sequences' conv and recurrent states, not SGLang's default of
     # 1.75 GB for this model
     with ServerGroup.launch(ServerConfig(model_path=str(model), device="cpu", startup_timeout_s=300,

@@ -97,7 +97,7 @@ MODELS = {  # arch -> rope_scaling
 
 
 def make_batch():
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     g = torch.Generator().manual_seed(5)
     lengths = torch.tensor([SEQ, SEQ - 37, SEQ])
@@ -173,8 +173,8 @@ def test_the_runs_sglang_server_applies_the_same_yarn(yarn_models, arch):
     test_rollout_logprobs), and transformers without YaRN is far from them."""
     import random
 
-    from rollout.pool import ServerPool
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.pool import ServerPool
+    from rollout.servers.launch import ServerConfig, ServerGroup
     path = yarn_models[arch]
     rng = random.Random(0)
     prompt = [rng.randrange(3, 512) for _ in range(2 * ORIGINAL)]

@@ -71,7 +71,7 @@ def _everything_under_strict_checks(rank, world, layout_kwargs, root):
     import torch
     multiprocessing.current_process().daemon = False  # dist_checkpointing's writer (see resume test)
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     from gspo_megatron.checkpoint.loop_state import LoopState
     from gspo_megatron.checkpoint.manager import CheckpointManager
     from gspo_megatron.parallel.comm import strict_checks

@@ -35,7 +35,7 @@ def test_zigzag_split_and_join_round_trip():
 
 
 def _train_batch(b: int = 3, s: int = 8):
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     g = torch.Generator().manual_seed(1)
     lengths = torch.tensor([s, s - 2, 3])[:b]
     t = torch.arange(s)[None]
@@ -47,7 +47,7 @@ def _train_batch(b: int = 3, s: int = 8):
 
 
 def test_micro_batch_chunks_take_targets_before_splitting():
-    from gspo_megatron.actor.micro_batch import context_chunks, from_input_positions, micro_batch
+    from gspo_megatron.actor.batching.micro_batch import context_chunks, from_input_positions, micro_batch
     mb = micro_batch(_train_batch(), 0, [0, 1, 2], seq_multiple=4)
     s = mb.tokens.shape[1]
     parts = [context_chunks(mb, r, 2) for r in range(2)]

@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 
 from fixtures_models import hf_response_logprobs, tiny_model_dir
 from fixtures_servers import launch_tiny_server
-from rollout.client import SGLangClient, SGLangError, ServerUnavailable
-from rollout.pool import ServerPool
-from rollout.manager import ManagerConfig, RolloutManager
-from rollout.server import ServerGroup, free_port, router_process
+from rollout.servers.client import SGLangClient, SGLangError, ServerUnavailable
+from rollout.servers.pool import ServerPool
+from rollout.generation.manager import ManagerConfig, RolloutManager
+from rollout.servers.launch import ServerGroup, free_port, router_process
 
 GOOD_ITEM = {"text": "x", "output_ids": [5, 6],
              "meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 2, "weight_version": "v",

@@ -1,5 +1,5 @@
 """Routing replay data from the rollout side without a server: SGLang's routed experts as hand-made
-/generate replies, parsed by the client with its errors, and kept per Sample (rollout/sample.py
+/generate replies, parsed by the client with its errors, and kept per Sample (rollout/generation/sample.py
 documents the layout; the live server's side: test_routed_experts_replay.py)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from rollout.client import SGLangError, parse_generate_item, routed_experts_layout_of
-from rollout.manager import ManagerConfig, RolloutManager
-from rollout.sample import Sample
+from rollout.servers.client import SGLangError, parse_generate_item, routed_experts_layout_of
+from rollout.generation.manager import ManagerConfig, RolloutManager
+from rollout.generation.sample import Sample
 
 URL = "http://test"
 
@@ -65,7 +65,7 @@ def test_layout_from_hf_config():
 
 
 def test_server_flag():
-    from rollout.server import ServerConfig, server_process
+    from rollout.servers.launch import ServerConfig, server_process
     import pathlib
     cmd = server_process(ServerConfig("/m", device="cpu", return_routed_experts=True), pathlib.Path("/tmp")).cmd
     assert cmd.count("--enable-return-routed-experts") == 1

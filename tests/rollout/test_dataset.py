@@ -10,9 +10,9 @@ import pytest
 import transformers
 
 from fixtures_models import tiny_model_dir
-from rollout.cpu_stand_ins import STAND_INS_DIR
-from rollout.dataset import PromptFileError, PromptStream, chat_prompt_ids, load_prompts
-from rollout.sample import Sample
+from rollout.in_server.cpu_stand_ins import STAND_INS_DIR
+from rollout.prompts.dataset import PromptFileError, PromptStream, chat_prompt_ids, load_prompts
+from rollout.generation.sample import Sample
 
 
 def _write(tmp_path, lines):

@@ -1,4 +1,4 @@
-"""The torch forms of sgl-kernel's Gated DeltaNet CPU ops (rollout/cpu_stand_ins/gdn_ops.py), which
+"""The torch forms of sgl-kernel's Gated DeltaNet CPU ops (rollout/in_server/cpu_stand_ins/gdn_ops.py), which
 SGLang's Qwen3-Next calls on a CPU, against transformers' torch reference of each, on a batch of
 sequences of 5, 70, 1 and 130 tokens (past the 64-token chunk) in SGLang's state pool layout: the
 outputs, the states written back to their slots, and a slot no sequence names left untouched.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as M
 
-from rollout.cpu_stand_ins import gdn_ops as G
+from rollout.in_server.cpu_stand_ins import gdn_ops as G
 
 LENS = [5, 70, 1, 130]
 TOL = 1e-5

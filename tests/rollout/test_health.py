@@ -11,9 +11,9 @@ import sys
 import threading
 import time
 
-from rollout.health import OUT, HealthMonitor, ServerHealthSettings
-from rollout.managed_process import ManagedProcess, transient_cause
-from rollout.pool import ServerPool
+from rollout.servers.health import OUT, HealthMonitor, ServerHealthSettings
+from rollout.servers.managed_process import ManagedProcess, transient_cause
+from rollout.servers.pool import ServerPool
 
 URL = "http://127.0.0.1:1"
 

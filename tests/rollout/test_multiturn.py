@@ -7,11 +7,11 @@ import pytest
 import transformers
 
 from fixtures_models import tiny_model_dir
-from rollout.pool import ServerPool
+from rollout.servers.pool import ServerPool
 from rollout.envs import CalculatorEnv, GuessingGameEnv
 from rollout.envs.calculator import safe_eval
-from rollout.manager import ManagerConfig, RolloutManager
-from rollout.multiturn import ChatFormat
+from rollout.generation.manager import ManagerConfig, RolloutManager
+from rollout.generation.multiturn import ChatFormat
 
 
 def test_calculator_env():

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from rollout.client_errors import NoServerLeft, NoTeacherLeft
-from rollout.health import LIVE, OUT
-from rollout.pool import TEACHER, ServerPool
+from rollout.servers.errors import NoServerLeft, NoTeacherLeft
+from rollout.servers.health import LIVE, OUT
+from rollout.servers.pool import TEACHER, ServerPool
 
 A, B = "http://127.0.0.1:1", "http://127.0.0.1:2"
 

@@ -1,4 +1,4 @@
-"""Prompt data as users keep it (rollout/prompt_sets.py): verl's parquet, sharded parquet folders,
+"""Prompt data as users keep it (rollout/prompts/sets.py): verl's parquet, sharded parquet folders,
 `datasets.save_to_disk` folders, slime-style jsonl with custom keys, lists of them; the long-prompt
 filter; one-line errors naming file, row and key, before anything starts.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fixtures_models import tiny_model_dir
-from rollout.dataset import PromptFileError, PromptStream, load_prompts
+from rollout.prompts.dataset import PromptFileError, PromptStream, load_prompts
 from test_trainer_e2e import ROOT, base_overrides, env, run_train, server_url, train_cmd  # noqa: F401
 
 CONFIG = "examples/tiny_moe_larger_digit.yaml"
@@ -98,7 +98,7 @@ def test_a_large_set_is_not_read_whole(tmp_path):
 def test_long_prompt_filter_counts_and_keeps_the_rest(tmp_path):
     import transformers
 
-    from rollout.dataset import chat_prompt_ids, filter_overlong
+    from rollout.prompts.dataset import chat_prompt_ids, filter_overlong
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir("qwen3_moe", 0))
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps({"prompt": "x " * n, "answer": "1"}) + "\n" for n in (1, 200, 2, 300, 3)))

@@ -7,12 +7,12 @@ import pytest
 import transformers
 
 from fixtures_models import hf_response_logprobs, tiny_model_dir
-from rollout.client import SGLangClient
-from rollout.pool import ServerPool
-from rollout.dataset import chat_prompt_ids
-from rollout.manager import ManagerConfig, RolloutManager
+from rollout.servers.client import SGLangClient
+from rollout.servers.pool import ServerPool
+from rollout.prompts.dataset import chat_prompt_ids
+from rollout.generation.manager import ManagerConfig, RolloutManager
 from rollout.rewards import RewardErrorBudgetExceeded
-from rollout.sample import DONE, PENDING
+from rollout.generation.sample import DONE, PENDING
 
 
 
@@ -149,7 +149,7 @@ def test_reward_errors_are_recorded_and_budgeted(qwen3_server):
 def test_sampling_seed_is_stable_per_sample_and_position():
     # SGLang honours sampling_seed only on servers launched with --enable-deterministic-inference,
     # which its CPU attention backend (torch_native) refuses: checked here at the request level.
-    from rollout.sample import Sample
+    from rollout.generation.sample import Sample
     cfg = ManagerConfig(seed=7)
     a, b = Sample(3, 0, {}, [1], 8), Sample(3, 1, {}, [1], 8)
     seed = cfg.sampling_params(8, a)["sampling_seed"]

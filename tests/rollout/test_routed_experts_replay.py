@@ -1,5 +1,5 @@
 """Routing replay data from the rollout side: SGLang's routed experts per token, parsed by the client
-and kept per Sample (rollout/sample.py documents the layout and what SGLang returns).
+and kept per Sample (rollout/generation/sample.py documents the layout and what SGLang returns).
 
 A real SGLang server on CPU (tiny Qwen3-MoE, --enable-return-routed-experts, behind
 sglang-router) checks the shape, the prefix cache, partial-rollout resumes through the manager and
@@ -14,16 +14,16 @@ import threading
 import numpy as np
 import pytest
 
-from rollout.client import parse_generate_item
-from rollout.manager import ManagerConfig, RolloutManager
-from rollout.sample import Sample
+from rollout.servers.client import parse_generate_item
+from rollout.generation.manager import ManagerConfig, RolloutManager
+from rollout.generation.sample import Sample
 
 
 # --- a real SGLang server on CPU -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def routing_server():
     from fixtures_models import tiny_model_dir
-    from rollout.server import ServerConfig, ServerGroup
+    from rollout.servers.launch import ServerConfig, ServerGroup
     config = ServerConfig(model_path=str(tiny_model_dir("qwen3_moe", 0)), device="cpu",
                           return_routed_experts=True, startup_timeout_s=300)
     with ServerGroup.launch(config, router=True) as group:
@@ -62,7 +62,7 @@ def _check_against_hf(sample: Sample):
 
 @pytest.mark.slow
 def test_routing_shape_and_prefix_cache(routing_server):
-    from rollout.client import SGLangClient
+    from rollout.servers.client import SGLangClient
     client = SGLangClient(routing_server.server_urls[0])
     prompt = list(range(20, 60))
     params = {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True}
@@ -85,8 +85,8 @@ def test_routing_shape_and_prefix_cache(routing_server):
 def test_partial_rollout_resume_through_the_manager_and_its_checkpoint(routing_server):
     import transformers
     from fixtures_models import tiny_model_dir
-    from rollout.dataset import chat_prompt_ids
-    from rollout.pool import ServerPool
+    from rollout.prompts.dataset import chat_prompt_ids
+    from rollout.servers.pool import ServerPool
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir("qwen3_moe", 0))
 
@@ -130,7 +130,7 @@ class _TwoTurnEnv:
         return "guess a number"
 
     def step(self, model_turn):
-        from rollout.multiturn import EnvStep
+        from rollout.generation.multiturn import EnvStep
         self.turns = getattr(self, "turns", 0) + 1
         return EnvStep("higher", 0.5, done=self.turns >= 2)
 
@@ -139,8 +139,8 @@ class _TwoTurnEnv:
 def test_multi_turn_episode_routes_env_tokens_of_earlier_turns(routing_server):
     import transformers
     from fixtures_models import tiny_model_dir
-    from rollout.multiturn import run_episode
-    from rollout.pool import ServerPool
+    from rollout.generation.multiturn import run_episode
+    from rollout.servers.pool import ServerPool
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model_dir("qwen3_moe", 0))
     pool = ServerPool(routing_server.server_urls)
@@ -164,7 +164,7 @@ def test_multi_turn_episode_routes_env_tokens_of_earlier_turns(routing_server):
 
 @pytest.mark.slow
 def test_aborted_request_keeps_what_it_processed(routing_server):
-    from rollout.client import SGLangClient
+    from rollout.servers.client import SGLangClient
     client = SGLangClient(routing_server.server_urls[0])
     prompt, result = list(range(30, 50)), {}
 
@@ -220,7 +220,7 @@ def _actor_on_batch(rank, world, layout, batch, hf_dir, weights, steps):
 
 def _sampled_batch(routing_server):
     from gspo_megatron.driver.samples_to_batch import samples_to_batch
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     pool = ServerPool(routing_server.server_urls, routing_server.router_url)
     groups = []

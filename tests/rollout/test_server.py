@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rollout.server import ServerConfig, ServerGroup, ServerStartError, free_port, server_process
+from rollout.servers.launch import ServerConfig, ServerGroup, ServerStartError, free_port, server_process
 
 
 def test_cpu_launch_command_uses_stand_in_only_on_cpu(tmp_path):
@@ -89,7 +89,7 @@ def test_a_picked_port_is_free_and_below_the_ephemeral_range():
     itself and the server then fails with "address already in use")."""
     import socket
 
-    from rollout.ports import _ephemeral_range
+    from rollout.servers.ports import _ephemeral_range
     lo, _ = _ephemeral_range()
     ports = {free_port() for _ in range(20)}
     assert len(ports) > 1 and all(p < lo for p in ports), (lo, ports)
@@ -99,10 +99,10 @@ def test_a_picked_port_is_free_and_below_the_ephemeral_range():
 
 def test_the_cpu_memory_fraction_is_derived_from_the_kv_cache_the_weights_and_the_free_memory(tmp_path):
     """SGLang starts only when fraction x free memory covers the weights, the KV cache of
-    max_total_tokens and what others take meanwhile (rollout/server_memory.py): 0.05 does not
+    max_total_tokens and what others take meanwhile (rollout/servers/memory.py): 0.05 does not
     when memory is short; the derived fraction does, and grows with the KV cache asked for."""
     from fixtures_models import tiny_model_dir
-    from rollout.server_memory import HEADROOM_BYTES, cpu_mem_fraction_static, kv_bytes_per_token, weight_elements
+    from rollout.servers.memory import HEADROOM_BYTES, cpu_mem_fraction_static, kv_bytes_per_token, weight_elements
     model = tiny_model_dir("qwen3", 0)
     cfg = json.loads((model / "config.json").read_text())
     free = 8 << 30
@@ -138,7 +138,7 @@ def test_a_start_that_fails_for_a_transient_cause_is_retried_once_and_serves(tmp
     t0 = time.monotonic()
     with ServerGroup.launch(ServerConfig(model_path=str(tiny_model_dir("qwen3", 0)), device="cpu", port=port,
                                          log_dir=str(tmp_path)), log=log) as group:
-        from rollout.client import SGLangClient
+        from rollout.servers.client import SGLangClient
         assert SGLangClient(group.server_urls[0]).generate([1, 2, 3], {"max_new_tokens": 2})[0].output_ids
     assert len(lines) == 1 and lines[0].startswith(f"SGLang server (port {port}) at http://127.0.0.1:{port} "
                                                    "failed to start (a port taken by another process): "

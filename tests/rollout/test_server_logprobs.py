@@ -6,7 +6,7 @@ import random
 import pytest
 
 from fixtures_models import hf_response_logprobs, tiny_model_dir
-from rollout.pool import ServerPool
+from rollout.servers.pool import ServerPool
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The delta path without a server: DeltaEncoder's payloads applied by the project's SGLang loader
-(rollout/weight_delta.py) to a toy model whose load_weights places HF tensors the way SGLang's do
+(rollout/in_server/weight_loader.py) to a toy model whose load_weights places HF tensors the way SGLang's do
 (two HF tensors stacked into one fused parameter, one transposed), bit for bit; a checksum catches
 a weight changed behind the sender's back; the routing of the model's load_weights hands the
 loader's payloads to it and everything else to the model untouched (the disk loader's iterator
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gspo_megatron.sync.delta import DeltaEncoder
-from rollout.weight_delta import (PART, checksum, flatten, load, pack_bits, path_tensor,
+from rollout.in_server.weight_loader import (PART, checksum, flatten, load, pack_bits, path_tensor,
                                   route_load_weights, unflatten, unpack_bits)
 
 Q, K, W = "model.layers.0.q.weight", "model.layers.0.k.weight", "model.layers.0.w.weight"
@@ -135,7 +135,7 @@ def test_bits_and_checksums():
 def test_checksum_sees_every_element(dtype):
     """One changed bit anywhere (first, last, a row boundary, the tail past the last full row)
     changes the sum; the chunking (CPU or GPU sizes) and the values' layout (a view) do not."""
-    from rollout.weight_delta import _ROW
+    from rollout.in_server.weight_loader import _ROW
     g = torch.Generator().manual_seed(0)
     n = 3 * _ROW * (2 if dtype == torch.int8 else 1) + 77
     t = (torch.randint(-100, 100, (n,), generator=g).to(dtype) if dtype == torch.int8

@@ -20,7 +20,7 @@ def _step_and_sync(rank, world, ckpt, url):
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import TensorTransport, WeightSync
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     actor = Actor(hf, ParallelLayout(expert=2), micro_batch_size=2,

@@ -1,7 +1,7 @@
 """Every owner sends its own weights, and after the first sync only what changed: a real bf16
 SGLang server (tiny Qwen3-MoE) takes a full sync then 20 delta syncs, each after a GSPO step, from
 4 trainer ranks; after the last, the served tensors (read back through the project's loader,
-rollout/weight_delta.py) equal the trainer's in the served dtype bit for bit, under PP2 x EP2 and
+rollout/in_server/weight_loader.py) equal the trainer's in the served dtype bit for bit, under PP2 x EP2 and
 TP2 x EP2. Rank 0 sends only what it owns; the server verifies checksums; a weight changed on the
 server behind the trainer's back is caught by the next delta's checksum, and that server gets a
 full sync in the same call.
@@ -27,7 +27,7 @@ DELTAS = 20
 
 def _transport(name, pool):
     from gspo_megatron.sync import DistributedTransport, TensorTransport
-    from rollout.ports import free_port
+    from rollout.servers.ports import free_port
     return TensorTransport(pool) if name == "tensor" else DistributedTransport(pool, "127.0.0.1", free_port())
 
 
@@ -38,7 +38,7 @@ def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt, transpor
     from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     # lr 1e-5: most bf16 weights move by less than their resolution per step (a sparse delta)
@@ -75,7 +75,7 @@ def _checkpoint_then_restore(server, tmp_path):
     """The seed-0 tiny Qwen3-MoE as a megatron checkpoint and the module server's URL; after the
     block the server serves the seed-0 weights again, generating."""
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
     hf_dir = tiny_model_dir("qwen3_moe", 0)
     url = server.server_urls[0]
     try:
@@ -131,7 +131,7 @@ def _sender_killed(rank, world, ckpt, url, scratch, transport):
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import WeightSync, owner_groups, owner_pass
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     actor = Actor(hf, ParallelLayout(expert=2), micro_batch_size=2,
@@ -166,7 +166,7 @@ def _fresh_job(rank, world, ckpt, url, scratch, transport):
     from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     actor = Actor(hf, ParallelLayout(expert=2), micro_batch_size=2,
@@ -190,7 +190,7 @@ def _fresh_job(rank, world, ckpt, url, scratch, transport):
 @pytest.mark.parametrize("transport", ["tensor", "distributed"])
 def test_a_sender_killed_mid_delta_never_leaves_a_mix_served(transport, bf16_moe_server, tmp_path):
     from distributed import RankDied
-    from rollout.client import SGLangClient
+    from rollout.servers.client import SGLangClient
     with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
         with pytest.raises(RankDied) as died:
             run_distributed(_sender_killed, 2, (ckpt, url, str(tmp_path), transport), timeout=600,
@@ -223,8 +223,8 @@ def _server_killed(rank, world, ckpt, live_url, scratch):
     from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
-    from rollout.health import LIVE, REJOINING, HealthMonitor, ServerHealthSettings
-    from rollout.pool import ServerPool
+    from rollout.servers.health import LIVE, REJOINING, HealthMonitor, ServerHealthSettings
+    from rollout.servers.pool import ServerPool
     from test_weight_sync_server_lost import _wait_for
 
     hf = checkpoint_hf_config(ckpt)
@@ -277,7 +277,7 @@ def _server_killed(rank, world, ckpt, live_url, scratch):
 
 
 def test_a_server_killed_comes_back_with_a_full_sync_then_deltas(bf16_moe_server, tmp_path):
-    from rollout.health import LIVE
+    from rollout.servers.health import LIVE
     with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
         r = run_distributed(_server_killed, 2, (ckpt, url, str(tmp_path)), timeout=900)[0]
     rep, log = r["reports"], "\n".join(r["lines"])
@@ -295,7 +295,7 @@ def _disk_sync(rank, world, ckpt, url, scratch):
     from gspo_megatron.sync import DiskTransport, WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weight_maps import weight_map_for
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     actor = Actor(hf, ParallelLayout(pipeline=2, expert=2), micro_batch_size=2,

@@ -1,4 +1,4 @@
-"""A server killed in the middle of a weight sync, for each transport (rollout/health.py).
+"""A server killed in the middle of a weight sync, for each transport (rollout/servers/health.py).
 
 Two real SGLang servers: the session's tiny Qwen3 and a victim launched here, which the transport
 under test SIGKILLs part-way through the stream (after the first bucket). For disk, tensor and
@@ -81,7 +81,7 @@ def _stop_mid_request(pool, victim, lines: list[str], stamps: list[float]) -> di
     step (a hung server between syncs): the step still returns every response in full, its
     requests moved to the other server, and the probe takes the victim out within the health
     timeout + 5 s. (Its restart bound is spent: it stays out, and the caller kills it.)"""
-    from rollout.manager import ManagerConfig, RolloutManager
+    from rollout.generation.manager import ManagerConfig, RolloutManager
     mgr = RolloutManager(pool, ManagerConfig(group_size=4, max_new_tokens=60, ignore_eos=True,
                                              request_timeout_s=300),
                          encode_prompt=lambda rec: [1, 2, 3, int(rec["answer"])],
@@ -119,9 +119,9 @@ def _body(rank, world, ckpt, live_url, disk_root, port):
     from gspo_megatron.checkpoint import checkpoint_hf_config, load_model
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import DiskTransport, DistributedTransport, TensorTransport, WeightSync
-    from rollout.client import SGLangClient
-    from rollout.health import REJOINING, HealthMonitor, ServerHealthSettings
-    from rollout.pool import ServerPool
+    from rollout.servers.client import SGLangClient
+    from rollout.servers.health import REJOINING, HealthMonitor, ServerHealthSettings
+    from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     actor = actor_mod.Actor(hf, ParallelLayout(), micro_batch_size=2,
@@ -219,8 +219,8 @@ def _body(rank, world, ckpt, live_url, disk_root, port):
 
 def test_a_server_killed_during_each_transports_sync_never_serves_mixed_or_old_weights(qwen3_server, tmp_path):
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
-    from rollout.health import LIVE, OUT
-    from rollout.pool import ServerPool
+    from rollout.servers.health import LIVE, OUT
+    from rollout.servers.pool import ServerPool
 
     hf_dir = tiny_model_dir("qwen3", 0)  # what the session server serves
     live = qwen3_server.server_urls[0]

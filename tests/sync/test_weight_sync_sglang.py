@@ -18,7 +18,7 @@ PROMPT = [5, 77, 301, 12, 9, 140, 33]
 
 
 def _trainer_log_probs(actor, tokens: list[int], n_prompt: int) -> torch.Tensor | None:
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     t = torch.tensor([tokens])
     batch = TrainBatch(tokens=t, lengths=torch.tensor([len(tokens)]),
@@ -29,7 +29,7 @@ def _trainer_log_probs(actor, tokens: list[int], n_prompt: int) -> torch.Tensor 
 
 
 def _gspo_step(actor, seed: int) -> None:
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, 512, (4, 24), generator=g)
@@ -70,7 +70,7 @@ def _body(rank, world, ckpt, url, disk_root, port):
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import (DiskTransport, DistributedTransport, TensorTransport,
                                     WeightSync, WeightSyncError)
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
     actor = actor_mod.Actor(hf, ParallelLayout(tensor=2), micro_batch_size=2,
@@ -127,7 +127,7 @@ def _body(rank, world, ckpt, url, disk_root, port):
 
 def test_gspo_step_then_sync_per_transport(qwen3_server, tmp_path):
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
-    from rollout.pool import ServerPool
+    from rollout.servers.pool import ServerPool
 
     hf_dir = tiny_model_dir("qwen3", 0)  # what the session server serves
     url = qwen3_server.server_urls[0]

@@ -1,8 +1,10 @@
-"""The house's rules (tools/check_imports.py): model_specs and rollout are leaves of the RL library
-(of gspo_megatron only GspoError), algorithms are pure torch, the library packages know nothing of
+"""The house's rules (tools/check_imports.py): the error base (gspo_errors) is the bottom, nothing
+imports gspo_megatron's root, model_specs and rollout import nothing of gspo_megatron, algorithms
+are pure torch, the library packages know nothing of
 the run, the config and the first checks load without torch, only the entry points sit at
 gspo_megatron's top, no two modules have near-twin names, and no module imports itself through
-others. Also: no source file over 400 lines (STYLE: split by concern)."""
+others, and no package through other packages; no package holds more than 12 modules at its top.
+Also: no source file over 400 lines (STYLE: split by concern)."""
 from __future__ import annotations
 
 import shutil
@@ -21,11 +23,22 @@ def test_the_tree_follows_the_rules():
 
 @pytest.mark.parametrize("where,line,needle", [
     ("model_specs/families.py", "from gspo_megatron.parallel.layout import ParallelLayout",
-     "model_specs.families imports gspo_megatron.parallel.layout (model_specs is a leaf"),
-    ("rollout/sample.py", "from gspo_megatron.actor.batch import TrainBatch",
-     "rollout.sample imports gspo_megatron.actor.batch (rollout knows nothing of megatron"),
-    ("gspo_megatron/actor/balance.py", "from gspo_megatron.config import RunConfig",
-     "gspo_megatron.actor.balance imports gspo_megatron.config (the library packages know nothing of the run)"),
+     "model_specs.families imports gspo_megatron.parallel.layout (model_specs knows HF and megatron-core"),
+    ("model_specs/hf_config.py", "from gspo_megatron import GspoError",
+     "model_specs.hf_config imports gspo_megatron (model_specs knows HF"),
+    ("rollout/servers/errors.py", "from gspo_megatron import GspoError",
+     "rollout.servers.errors imports gspo_megatron's root"),
+    ("gspo_megatron/sync/delta.py", "from gspo_megatron import GspoError",
+     "gspo_megatron.sync.delta imports gspo_megatron's root"),
+    ("gspo_errors/__init__.py", "from rollout.servers import errors",
+     "gspo_errors imports rollout.servers.errors (the error base is the bottom"),
+    ("rollout/servers/ports.py", "def f():\n    from rollout.generation import sample",
+     "package cycle: rollout.generation <-> rollout.servers"),
+    ("rollout/servers/m13.py", "X = 1", "rollout/servers/ holds 13 modules at its top (at most 12"),
+    ("rollout/generation/sample.py", "from gspo_megatron.actor.batching.batch import TrainBatch",
+     "rollout.generation.sample imports gspo_megatron.actor.batching.batch (rollout knows nothing of megatron"),
+    ("gspo_megatron/actor/batching/balance.py", "from gspo_megatron.config import RunConfig",
+     "gspo_megatron.actor.batching.balance imports gspo_megatron.config (the library packages know nothing of the run)"),
     ("gspo_megatron/driver/staleness.py", "from gspo_megatron.run.folders import scratch_dir",
      "gspo_megatron.driver.staleness imports gspo_megatron.run.folders (run/ builds the driver)"),
     ("gspo_megatron/run/setup.py", "from gspo_megatron.trainer import run_loop",
@@ -35,8 +48,8 @@ def test_the_tree_follows_the_rules():
     ("gspo_megatron/helpers.py", "X = 1",
      "gspo_megatron.helpers sits at gspo_megatron's top"),
     ("gspo_megatron/actor/microbatches.py", "X = 1",
-     "near-twin module names: gspo_megatron.actor.micro_batch, gspo_megatron.actor.microbatches"),
-    ("rollout/sample.py", "import megatron.core", "rollout.sample imports megatron"),
+     "near-twin module names: gspo_megatron.actor.batching.micro_batch, gspo_megatron.actor.microbatches"),
+    ("rollout/generation/sample.py", "import megatron.core", "rollout.generation.sample imports megatron"),
     ("gspo_megatron/algorithms/rows.py", "from megatron.core import parallel_state",
      "gspo_megatron.algorithms.rows imports megatron"),
     ("gspo_megatron/parallel/layout.py", "import torch",
@@ -47,6 +60,9 @@ def test_the_tree_follows_the_rules():
 def test_the_checker_catches_each_kind_of_violation(tmp_path, monkeypatch, where, line, needle):
     for pkg in check_imports.PACKAGES:
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for i in range(10, 13):  # rollout/servers/ holds 9 modules: three more make it 12, the rule's edge
+        if where.endswith("m13.py"):
+            (tmp_path / f"rollout/servers/m{i}.py").write_text("X = 1\n")
     planted = tmp_path / where
     planted.write_text((planted.read_text() if planted.exists() else "") + "\n" + line + "\n")
     monkeypatch.setattr(check_imports, "ROOT", tmp_path)

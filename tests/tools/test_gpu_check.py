@@ -52,7 +52,7 @@ def test_packed_row_control_and_cell():
     row (and the padding) into one attention segment, and the cell shows a failure's reason."""
     import torch
 
-    from gspo_megatron.actor.packing import pack
+    from gspo_megatron.actor.batching.packing import pack
     from tools.gpu_check import _one_segment, _packed_cell
     packed = pack(torch.arange(20).reshape(2, 10), torch.tensor([10, 7]), multiple=8)
     assert packed.cu_seqlens.tolist() == [0, 10, 17, 24]

@@ -14,7 +14,7 @@ import transformers
 
 from fixtures_models import tiny_model_dir
 from gspo_megatron.driver.warm_start import sft_batch, warm_start_examples
-from rollout.dataset import chat_prompt_ids
+from rollout.prompts.dataset import chat_prompt_ids
 from rollout.rewards import exact_match_reward
 from tools.make_counting_task import make_counting_task, terms
 

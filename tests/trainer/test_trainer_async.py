@@ -28,7 +28,7 @@ CONFIG = "examples/tiny_moe_larger_digit.yaml"
 # --- the actor: per-token pi_old from the generating version's weights ---------------------------
 def _versioned(rank, world):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
-    from gspo_megatron.actor.batch import TrainBatch
+    from gspo_megatron.actor.batching.batch import TrainBatch
     from gspo_megatron.parallel.layout import ParallelLayout
     from model_specs.tiny import qwen3_moe as tiny_hf_config
     g = torch.Generator().manual_seed(0)

@@ -58,7 +58,7 @@ def run_train(args: list[str], nproc: int = 1, timeout: float = 600, **kw):
 @pytest.fixture(scope="module")
 def server_url(moe_server):
     yield moe_server.server_urls[0]
-    from rollout.client import SGLangClient
+    from rollout.servers.client import SGLangClient
     SGLangClient(moe_server.server_urls[0]).update_weights_from_disk(
         str(tiny_model_dir("qwen3_moe", 0)), weight_version="seed0")
 
@@ -141,7 +141,7 @@ def test_clear_errors_before_start(tmp_path, capsys):
 def test_clear_errors_at_start(tmp_path):
     """Errors found once the run starts (bad prompt record, unreachable server, impossible
     layout): one line, no traceback; exit 2 for the inputs, 3 for the server that is not there."""
-    from rollout.server import free_port
+    from rollout.servers.launch import free_port
     hf = str(tiny_model_dir("qwen3_moe", 0))
     args = ["examples/tiny_moe_larger_digit.yaml", "--set", f"model.hf_path={hf}",
             "--set", f"checkpoint.dir={tmp_path / 'ck'}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from rollout.rewards.sandbox import SANDBOX_ENV, Sandbox, SandboxUnavailable
+from rollout.rewards.sandbox.run import SANDBOX_ENV, Sandbox, SandboxUnavailable
 from rollout.rewards.settings import CodeSandboxSettings
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from rollout.rewards import RewardWorkerPool
 from rollout.rewards.code_reward import CodeReward, extract_program, load_tests, stdout_matches, values_equal
-from rollout.rewards.sandbox import SANDBOX_ENV
+from rollout.rewards.sandbox.run import SANDBOX_ENV
 from rollout.rewards.settings import CodeSandboxSettings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -160,8 +160,8 @@ def test_eval_metrics_with_the_code_reward():
     """eval/accuracy counts a response correct when every test passes (reward 1.0), eval/pass@k a
     prompt with one such response; on the shipped example set, scored in the workers."""
     from gspo_megatron.driver.evaluation import eval_metrics
-    from rollout.dataset import load_prompts
-    from rollout.sample import Sample
+    from rollout.prompts.dataset import load_prompts
+    from rollout.generation.sample import Sample
     rows = load_prompts(str(ROOT / "examples" / "data" / "code_eval.jsonl"), "prompt", "input_output")
     first, fifth = rows[0], rows[4]
     groups = [[Sample(0, i, first, [1], 4) for i in range(3)], [Sample(1, i, fifth, [1], 4) for i in range(2)]]

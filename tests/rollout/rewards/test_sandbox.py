@@ -1,4 +1,4 @@
-"""The code sandbox's isolation (rollout/rewards/sandbox.py): a test per promise docs/rewards.md
+"""The code sandbox's isolation (rollout/rewards/sandbox/run.py): a test per promise docs/rewards.md
 makes, each one failing if the promise is broken. The adversary is the policy being trained: each
 attack class a tester found is a test here or in test_sandbox_bounds.py (what a run may use). The
 namespace promises run where the machine allows user namespaces (these machines do, as root and as
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.rewards.sandbox import Sandbox, SandboxUnavailable
+from rollout.rewards.sandbox.run import Sandbox, SandboxUnavailable
 from rollout.rewards.settings import CodeSandboxSettings
 
 

@@ -1,4 +1,4 @@
-"""The code sandbox's bounds (rollout/rewards/sandbox.py): time, processes, memory (across
+"""The code sandbox's bounds (rollout/rewards/sandbox/run.py): time, processes, memory (across
 processes, through memfd, shared memory), SysV IPC, the run's death with its worker; the cgroup
 bounds where a cgroup can be made (these machines: v1, as root), and the fallback without one
 forced. Isolation: test_sandbox.py."""
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.rewards import sandbox_cgroup
-from rollout.rewards.sandbox import FALLBACK_FILES, FALLBACK_PROCESSES, Sandbox
+from rollout.rewards.sandbox import cgroup as sandbox_cgroup
+from rollout.rewards.sandbox.run import FALLBACK_FILES, FALLBACK_PROCESSES, Sandbox
 from sandboxes import leftovers, probed_sandbox
 from rollout.rewards.settings import CodeSandboxSettings
 
@@ -263,7 +263,7 @@ def test_the_run_dies_with_its_reward_worker(ns):
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        from rollout.rewards.sandbox import Sandbox
+        from rollout.rewards.sandbox.run import Sandbox
         from rollout.rewards.settings import CodeSandboxSettings
         s = Sandbox(CodeSandboxSettings(isolation="namespaces"))
         s.probe()

@@ -1,4 +1,4 @@
-"""Where the code sandbox makes a cgroup per run (rollout/rewards/sandbox_cgroup.py): on a fake
+"""Where the code sandbox makes a cgroup per run (rollout/rewards/sandbox/cgroup.py): on a fake
 cgroup file system, the delegated cgroup v2 layouts a cluster node has (these machines have v1
 only: the sandbox tests exercise v1 for real), the limits written, and leftovers of killed workers
 removed."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import os
 
-from rollout.rewards import sandbox_cgroup
-from rollout.rewards.sandbox_cgroup import CgroupLayout
+from rollout.rewards.sandbox import cgroup as sandbox_cgroup
+from rollout.rewards.sandbox.cgroup import CgroupLayout
 
 
 def _fake_v2(tmp_path, monkeypatch, controllers: dict[str, str], own: str):

@@ -1,4 +1,4 @@
-"""Process mode's own promises (rollout/rewards/sandbox_process.py, `isolation: process`): a user per
+"""Process mode's own promises (rollout/rewards/sandbox/process_mode.py, `isolation: process`): a user per
 reward worker as root, the run's folder its own, files confined (Landlock, or as root without it what
 the run's user left removed), no sockets, a probe that meets something else retried, the folder's
 removal within the caller's deadline. Each was an attack that worked: a run swapped a concurrent
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.rewards import sandbox as sandbox_module
-from rollout.rewards.sandbox import RunResult, Sandbox
+from rollout.rewards.sandbox import run as sandbox_module
+from rollout.rewards.sandbox.run import RunResult, Sandbox
 from rollout.rewards.settings import CodeSandboxSettings
 from sandboxes import leftovers, probed_sandbox
 
@@ -42,7 +42,7 @@ def confined(request, monkeypatch) -> Sandbox:
 VICTIM = """
 import sys
 sys.path.insert(0, {root!r})
-from rollout.rewards.sandbox import Sandbox
+from rollout.rewards.sandbox.run import Sandbox
 from rollout.rewards.settings import CodeSandboxSettings
 s = Sandbox(CodeSandboxSettings(isolation="process"))
 s.probe()
@@ -232,7 +232,7 @@ def test_without_root_other_processes_of_the_user_stay_out_of_reach():
     # a worker that is not root runs its programs as its own user: another process of that user (the
     # trainer, with HF_TOKEN) had its environment and memory open to them (read and write)
     check = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-                            "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import rollout.rewards.sandbox; "
+                            "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); import rollout.rewards.sandbox.run; "
                                   "import ctypes; print(max(0, ctypes.CDLL(None).syscall(444, None, 0, 1)))"],
                            capture_output=True, text=True, cwd="/")
     if check.returncode != 0:
@@ -252,7 +252,7 @@ def test_without_root_other_processes_of_the_user_stay_out_of_reach():
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        from rollout.rewards.sandbox import Sandbox
+        from rollout.rewards.sandbox.run import Sandbox
         from rollout.rewards.settings import CodeSandboxSettings
         print(Sandbox(CodeSandboxSettings(isolation="process")).run({program!r}, b"", 5.0).stdout.decode())
     """)

@@ -1,4 +1,4 @@
-"""The code sandbox's system-call filter (rollout/rewards/seccomp.py): a well-formed BPF program on
+"""The code sandbox's system-call filter (rollout/rewards/sandbox/seccomp.py): a well-formed BPF program on
 each machine it knows, and, installed here in a child, what it refuses and what it lets through."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.rewards.seccomp import AUDIT_ARCH, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K, build_filter, machine
+from rollout.rewards.sandbox.seccomp import AUDIT_ARCH, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K, build_filter, machine
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -31,7 +31,7 @@ def test_the_filter_refuses_what_it_names_and_nothing_a_program_needs():
     script = textwrap.dedent(f"""
         import ctypes, os, subprocess, sys, threading
         sys.path.insert(0, {str(ROOT)!r})
-        from rollout.rewards.seccomp import build_filter
+        from rollout.rewards.sandbox.seccomp import build_filter
         program = build_filter(memory_unbounded=True, shared_host=True, self_pid=os.getpid())
         libc = ctypes.CDLL(None, use_errno=True)
         class Fprog(ctypes.Structure):
@@ -61,7 +61,7 @@ def test_the_filter_refuses_what_it_names_and_nothing_a_program_needs():
 SOCKETS_AND_FADVISE = """
 import ctypes, os, socket, sys
 sys.path.insert(0, {root!r})
-from rollout.rewards.seccomp import build_filter
+from rollout.rewards.sandbox.seccomp import build_filter
 program = build_filter(memory_unbounded={memory_unbounded}, shared_host={shared_host}, self_pid=os.getpid())
 libc = ctypes.CDLL(None, use_errno=True)
 class Fprog(ctypes.Structure):

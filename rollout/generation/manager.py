@@ -1,0 +1,178 @@
+"""Rollout manager: G samples per prompt from SGLang, dynamic sampling, partial rollouts.
+
+    manager = RolloutManager(pool, ManagerConfig(group_size=8, max_new_tokens=512),
+                             encode_prompt=lambda rec: chat_prompt_ids(tok, rec),
+                             decode=tok.decode, scorer=RewardWorkerPool("math", workers=8, timeout_s=60))
+    result = manager.generate_step(prompt_iter, num_groups=32)   # -> result.groups, result.metrics
+    state = manager.to_state()      # the buffer of unfinished groups, for the trainer's checkpoint
+
+One HTTP request per sample (segment), up to `max_in_flight_requests` at once; SGLang batches them.
+The manager holds what lasts between steps (the buffer, the ready groups, the group ids, the reward
+error budget, the request threads); one step's own state is a StepGeneration (step_generation.py).
+Partial rollouts (paper-independent, as in slime/Kimi): once `num_groups` groups are complete the
+rest are aborted, and their partial responses wait in the buffer; next step they resume from
+prompt + partial response asking only for the REMAINING budget. Every token keeps the weight version
+that produced it; `mask_stale_tokens` zeroes the loss mask of tokens from older weights.
+Multi-turn episodes (an `env_factory`) run to completion and are never buffered: an episode cut
+by the end-of-step abort is discarded (counted in metrics).
+
+Rewards: a group whose responses are all done goes to the scorer (rollout/rewards: worker processes
+with a hard time bound per call) and is closed when its scores come back; this thread only hands
+groups over and waits on generation and scoring together, so scoring overlaps generation. A group
+still being scored when the step stops, or is full, waits in the buffer and is scored again.
+Multi-turn environments give their rewards during the episode (their own path).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+from rollout.generation.manager_config import ManagerConfig
+from rollout.servers.pool import ServerPool
+from rollout.rewards.answers import RewardFn
+from rollout.rewards.scoring import RewardErrorBudget, Scorer, ThreadScorer
+from rollout.generation.sample import DONE, PENDING, Sample
+from rollout.generation.step import RolloutInterrupted, StepGeneration, StepResult  # noqa: F401 (re-exported)
+from rollout.generation.step_metrics import step_metrics
+
+
+class RolloutManager:
+    def __init__(self, pool: ServerPool, config: ManagerConfig, *,
+                 encode_prompt: Callable[[dict], list[int]] | None = None, decode: Callable[[list[int]], str],
+                 reward_fn: RewardFn | None = None, scorer: Scorer | None = None,
+                 env_factory: Callable[[dict], Any] | None = None,
+                 encode_text: Callable[[str], list[int]] | None = None, chat: Any = None,
+                 max_turns: int | None = None, reward_budget: RewardErrorBudget | None = None,
+                 teacher: Any = None):
+        """encode_prompt: prompt record -> prompt token ids (e.g. dataset.chat_prompt_ids).
+        decode: token ids -> text, for reward functions and environments (never re-encoded).
+        scorer: scores single-turn groups (rollout.rewards.RewardWorkerPool: processes, a hard
+        time bound per call; not closed by this manager); or reward_fn: (record, response_text) ->
+        float, an in-process callable scored on a thread of its own (ThreadScorer: no time bound).
+        reward_budget: the run's reward error accounting, when shared (eval and training).
+        teacher: on-policy distillation (rollout.generation.teacher.TeacherScorer): a group also waits for its
+        teacher log-probs, requested beside its rewards.
+        env_factory: record -> Environment, for multi-turn episodes (rollout.generation.multiturn), whose turns
+        go through `chat` (rollout.generation.chat.ChatTemplate: the tokenizer's template) or, without it,
+        fixed ChatML markers tokenised with `encode_text` (its reset() message is the prompt, so
+        encode_prompt is then unused). max_turns: bound on an episode's model turns (None: the
+        environment's own)."""
+        if env_factory is None and reward_fn is None and scorer is None:
+            raise ValueError("RolloutManager needs a scorer or reward_fn (single-turn) or an env_factory")
+        if env_factory is None and encode_prompt is None:
+            raise ValueError("single-turn rollouts need encode_prompt")
+        if env_factory is not None and encode_text is None and chat is None:
+            raise ValueError("multi-turn (env_factory) needs a chat template (or encode_text)")
+        self.pool, self.config = pool, config
+        self.encode_prompt, self.decode = encode_prompt, decode
+        self.env_factory, self.encode_text = env_factory, encode_text
+        self._own_scorer = ThreadScorer(reward_fn) if scorer is None and reward_fn is not None else None
+        self.scorer = scorer or self._own_scorer
+        self.chat, self.max_turns, self.teacher = chat, max_turns, teacher
+        self.buffer: collections.deque[list[Sample]] = collections.deque()
+        self.ready: collections.deque[list[Sample]] = collections.deque()
+        """Complete, scored groups a stopped step kept (generate_step(keep_on_stop=True)): the
+        next step takes them first, as they are."""
+        self.next_group_id = 0
+        self.reward_budget = reward_budget or RewardErrorBudget(config.max_reward_error_fraction)
+        self._run_tag = uuid.uuid4().hex[:8]
+        self._rid_counter = itertools.count()
+        self._abandon = threading.Event()  # set: the drain stops waiting for what is in flight
+        self._executor = ThreadPoolExecutor(max_workers=config.max_in_flight_requests,
+                                            thread_name_prefix="rollout")
+
+    # --- one unit of work (runs in a worker thread) ------------------------------------------
+    def _run_sample(self, sample: Sample) -> Sample:
+        if self.env_factory is not None:
+            from rollout.generation.multiturn import run_episode
+            try:
+                env = self.env_factory(sample.prompt)
+            except Exception as e:  # noqa: BLE001 - a broken environment is recorded and counted
+                sample.prompt_ids, sample.reward, sample.status = sample.prompt_ids or [0], 0.0, DONE
+                sample.finish_reason, sample.metadata["env_error"] = "env_error", f"{type(e).__name__}: {e}"
+                return sample
+            return run_episode(sample, env, self.pool, self.config, self.decode, self.encode_text,
+                               self._new_rid, chat=self.chat, max_turns=self.max_turns,
+                               abandon=self._abandon)
+        return self._generate_segment(sample)
+
+    def _new_rid(self, sample: Sample) -> str:
+        return f"{self._run_tag}-{sample.group_id}-{sample.index}-{next(self._rid_counter)}"
+
+    def _generate_segment(self, sample: Sample) -> Sample:
+        """Generate (the rest of) one single-turn response: prompt + partial -> remaining budget."""
+        if sample.remaining_tokens > 0:
+            out = self.pool.generate(sample.tokens, self.config.sampling_params(sample.remaining_tokens, sample),
+                                     rid=self._new_rid(sample), timeout_s=self.config.request_timeout_s,
+                                     abandon=self._abandon, **self.config.generate_kwargs())
+            sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions,
+                                       out.routed_experts)
+            sample.num_segments += 1 if out.output_ids else 0
+            sample.finish_reason = out.finish_reason
+        if sample.remaining_tokens <= 0 and sample.finish_reason != "stop":
+            sample.finish_reason = "length"
+        sample.status = PENDING if sample.finish_reason == "abort" else DONE
+        return sample
+
+    # --- a step ------------------------------------------------------------------------------
+    def _new_group(self, record: dict) -> list[Sample]:
+        prompt_ids = [] if self.env_factory is not None else list(self.encode_prompt(record))
+        gid = self.next_group_id
+        self.next_group_id += 1
+        budget = int(record.get("max_new_tokens", self.config.max_new_tokens))
+        return [Sample(gid, i, record, list(prompt_ids), budget)
+                for i in range(self.config.group_size)]
+
+    def generate_step(self, prompts: Iterator[dict], num_groups: int,
+                      current_weight_version: str | None = None,
+                      should_stop: Callable[[], bool] | None = None,
+                      keep_on_stop: bool = False) -> StepResult:
+        """Return `num_groups` complete groups: ready and buffered groups first, then new prompts
+        from `prompts` (consumed lazily; over-sampling draws more). current_weight_version: the
+        policy's version for mask_stale_tokens (default: the newest version seen in each sample).
+        should_stop: polled every 0.2 s; when it says True the in-flight requests are aborted and
+        RolloutInterrupted is raised. No server left in service (rollout/servers/health.py): the same stop,
+        then NoServerLeft. keep_on_stop: nothing of the step is lost then: its complete
+        groups go to `ready`, its unfinished ones (partial responses, their tokens' versions kept)
+        to the front of the buffer, in group order; without it the caller restores a saved state."""
+        return StepGeneration(self, prompts, num_groups, current_weight_version, should_stop,
+                              keep_on_stop).run()
+
+    def _routes_of_another_version(self, sample: Sample, current: str | None) -> bool:
+        """A partial response with engine routes generated by weights other than `current`."""
+        if not (self.config.return_routed_experts and sample.response_ids and current):
+            return False
+        return any(v and v != current for v in sample.weight_versions)
+
+    @staticmethod
+    def _reset(sample: Sample) -> None:
+        sample.response_ids, sample.logprobs, sample.loss_mask, sample.weight_versions = [], [], [], []
+        sample.num_segments, sample.status, sample.finish_reason = 0, PENDING, None
+        sample.reward, sample.routed_experts, sample.teacher_logprobs = None, None, None
+
+    def _metrics(self, kept: list[list[Sample]], m: collections.Counter, seconds: float) -> dict[str, float]:
+        return step_metrics(kept, m, seconds, buffer_groups=len(self.buffer), budget=self.reward_budget,
+                            episodes=self.env_factory is not None)
+
+    # --- checkpointing -----------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        """The buffer and counters as plain data (JSON-serialisable when prompt records are)."""
+        return {"next_group_id": self.next_group_id,
+                "buffer": [[s.to_dict() for s in g] for g in self.buffer],
+                "ready": [[s.to_dict() for s in g] for g in self.ready],
+                "reward_budget": self.reward_budget.to_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.next_group_id = int(state["next_group_id"])
+        self.buffer = collections.deque([Sample.from_dict(d) for d in g] for g in state["buffer"])
+        self.ready = collections.deque([Sample.from_dict(d) for d in g] for g in state.get("ready", []))
+        self.reward_budget.load_state(state["reward_budget"])
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._own_scorer is not None:
+            self._own_scorer.close()
