@@ -95,7 +95,7 @@ def own_real_bytes(shard) -> int:
 def flops_work():
     from gspo_megatron.actor.batching.balance import row_work
     from model_specs.param_count import param_count
-    from model_specs.published import QWEN3_30B_A3B
+    from model_specs.hf.published import QWEN3_30B_A3B
     from model_specs.shape import model_shape_for
     shape = model_shape_for(QWEN3_30B_A3B)
     c = shape.config

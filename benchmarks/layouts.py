@@ -64,7 +64,7 @@ def _timed(fn):
 def _bench(rank, world, layout_kwargs, args, init_state):
     from gspo_megatron.actor import Actor, LogProbSettings, LossSettings, OptimizerSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
 
     gspo, ce = LossSettings(name="gspo"), LossSettings(name="ce")
     actor = Actor(tiny_hf_config(), ParallelLayout(**layout_kwargs),

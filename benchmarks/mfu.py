@@ -169,7 +169,7 @@ def main() -> None:
         hf, dtype = QWEN3_30B_LAYERS, torch.bfloat16
         batch = make_batch(args.rows or 16, 512, 2048, hf["vocab_size"])
     else:
-        from model_specs.tiny import qwen3_moe as tiny_hf_config
+        from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
         hf, dtype = tiny_hf_config(), torch.float32
         batch = make_batch(args.rows or 32, 8, 128, hf["vocab_size"])
     lengths = batch.lengths.tolist()

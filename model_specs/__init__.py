@@ -22,8 +22,8 @@ lazy_compile.install()  # megatron-core's fusions compile on first use, not at i
 
 _EXPORTS = {"FAMILIES": "families", "family_for": "families", "model_dims_for": "shape",
             "model_shape_for": "shape", "ModelShape": "shape",
-            "model_spec_for": "families", "ModelSpec": "common", "HFConfigError": "hf_config",
-            "load_hf_config": "hf_config"}
+            "model_spec_for": "families", "ModelSpec": "build", "HFConfigError": "hf.config",
+            "load_hf_config": "hf.config"}
 
 
 def __getattr__(name: str) -> Any:

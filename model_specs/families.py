@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from model_specs import tiny
-from model_specs.common import ModelSpec, build_model_spec
-from model_specs.hf_config import load_hf_config
+from model_specs.hf import tiny
+from model_specs.build import ModelSpec, build_model_spec
+from model_specs.hf.config import load_hf_config
 from model_specs.traits import FAMILY_TRAITS, FamilyTraits, traits_for
 
 
@@ -43,7 +43,7 @@ class Family:
     def tiny_hf_config(self, **overrides: Any) -> dict[str, Any]:
         """The tests' tiny HF config of this family, with `overrides` applied."""
         if self.tiny is None:
-            raise LookupError(f"family {self.name!r} has no tiny config in model_specs/tiny.py; "
+            raise LookupError(f"family {self.name!r} has no tiny config in model_specs/hf/tiny.py; "
                               f"families with one: {[n for n, f in FAMILIES.items() if f.tiny]}")
         return self.tiny(**overrides)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from model_specs.hf_config import HFConfigError, require
+from model_specs.hf.config import HFConfigError, require
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 

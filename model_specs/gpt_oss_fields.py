@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from model_specs.hf_config import HFConfigError, require
+from model_specs.hf.config import HFConfigError, require
 
 # megatron-core's quick_gelu is x * sigmoid(1.702 x) (activations.py:15), the only GLU activation
 # with an offset and a clamp its fused kernel takes (transformer_config.py:1505)

@@ -26,7 +26,7 @@ Tensor parallelism: the up-projections and q_proj split their heads (column-para
 its input (row-parallel); the down-projections are whole on every rank (TELinear "duplicated" in
 the TE spec, `DuplicatedLinear` in the local one), their weights' gradients summed over TP like
 the sequence-parallel norms'. Checkpoint keys agree between the specs (norms.te_checkpoint_keys).
-Sequence parallelism is required with TP > 1 (model_specs.common refuses it off): the shared rope
+Sequence parallelism is required with TP > 1 (model_specs.build refuses it off): the shared rope
 key is gathered over the sequence, whose backward sums every rank's heads' gradients (:620-622);
 without it each rank would keep its own heads' share.
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from model_specs.hf_config import HFConfigError, require
+from model_specs.hf.config import HFConfigError, require
 from model_specs.rope import mla_rope_fields
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from model_specs.hf_config import HFConfigError, moe_layer_pattern, require
+from model_specs.hf.config import HFConfigError, moe_layer_pattern, require
 
 ROUTERS = ("softmax", "sigmoid")
 SHARED_EXPERTS = (None, "gated", "plain")

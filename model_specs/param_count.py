@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch-free: the planner counts a ModelShape (shape.py), others a ModelSpec
     from megatron.core.transformer import TransformerConfig
 
-    from model_specs.common import ModelSpec
+    from model_specs.build import ModelSpec
     from model_specs.shape import ModelShape, ShapeConfig
 
 

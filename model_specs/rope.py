@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from model_specs.hf_config import HFConfigError
+from model_specs.hf.config import HFConfigError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from model_specs.gdn_fields import gdn_fields
 from model_specs.gpt_oss_fields import gpt_oss_fields
-from model_specs.hf_config import HFConfigError, load_hf_config, model_dims, require
+from model_specs.hf.config import HFConfigError, load_hf_config, model_dims, require
 from model_specs.mla_fields import mla_fields
 from model_specs.moe_fields import moe_config_fields
 from model_specs.rope import rope_mapping

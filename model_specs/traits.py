@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from model_specs.hf_config import HFConfigError
+from model_specs.hf.config import HFConfigError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 Names are megatron's parameter names with GLOBAL indices, i.e. the names a TP1/PP1/EP1 model has:
 `decoder.layers.{global layer}.…` and `….experts.local_experts.{global expert}.…`, in the local
 spec's spelling whichever spec built the model (TE's fused norm names and grouped experts
-`….experts.linear_fc1.weight{e}` are mapped by model_specs.weight_maps.canonical_megatron_name),
+`….experts.linear_fc1.weight{e}` are mapped by model_specs.weights.maps.canonical_megatron_name),
 so full state dicts move between a TE-spec and a local-spec model. Tensor-
 parallel shards are joined the way megatron splits them (`partition_dim`, `partition_stride`: a
 strided parameter, e.g. the gated fc1 [gate; up], is `stride` blocks each split over TP ranks;
@@ -29,7 +29,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 
 from gspo_megatron.parallel.model_chunks import unwrap
-from model_specs.weight_maps import canonical_megatron_name
+from model_specs.weights.maps import canonical_megatron_name
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..*)$")
@@ -73,7 +73,7 @@ def global_name(model: GPTModel, local_name: str) -> str:
 
 def named_parameters_global(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(global canonical name, local parameter) over all model chunks of this rank; tied copies
-    skipped. Canonical: the local spec's names (model_specs.weight_maps.canonical_megatron_name),
+    skipped. Canonical: the local spec's names (model_specs.weights.maps.canonical_megatron_name),
     so that a TE-spec model and a local-spec one list the same names."""
     for chunk in chunks:
         model = unwrap(chunk)

@@ -4,7 +4,7 @@ Both directions describe the model by the sharded state dict of a TP1/PP1/EP1 GP
 the `meta` device (no memory, no initialisation): its keys and global shapes are exactly what the
 trainer's load_model() asks for under any layout, so nothing about megatron's checkpoint key scheme
 is re-implemented here. Only the weights differ: they come from (or go to) the HF files through the
-family's weight map (model_specs/weight_maps.py), one megatron parameter at a time.
+family's weight map (model_specs/weights/maps.py), one megatron parameter at a time.
 
 - HF -> megatron: megatron's own dist_checkpointing.save (validation, common.pt, metadata.json)
   with a save strategy whose planner resolves each tensor lazily from the HF files at the moment
@@ -12,7 +12,7 @@ family's weight map (model_specs/weight_maps.py), one megatron parameter at a ti
 - megatron -> HF: see export.py.
 
 gpt-oss's stacked experts: each expert's parameter is a slice of one HF tensor per layer
-(model_specs/weight_maps.py), read once and kept while its experts are written; MXFP4 ones
+(model_specs/weights/maps.py), read once and kept while its experts are written; MXFP4 ones
 (the published checkpoints) are dequantized on reading (mxfp4.py).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from gspo_megatron.checkpoint.mxfp4 import StackedExpertsReader, is_mxfp4
 from gspo_megatron.checkpoint.output_dirs import publish_dir
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides, current_device_is_cpu
 from model_specs import load_hf_config, model_spec_for
-from model_specs.weight_maps import WeightMap, WeightMapError, weight_map_for
+from model_specs.weights.maps import WeightMap, WeightMapError, weight_map_for
 
 
 @contextlib.contextmanager

@@ -28,8 +28,8 @@ from gspo_megatron.checkpoint.hf_files import HFShardWriter, copy_metadata_files
 from gspo_megatron.checkpoint.output_dirs import publish_dir
 from gspo_megatron.checkpoint.model_io import (HF_SUBDIR, check_is_checkpoint, check_matches,
                                                checkpoint_hf_config)
-from model_specs.weight_batches import weight_batches
-from model_specs.weight_maps import WeightMapError, weight_map_for
+from model_specs.weights.batches import weight_batches
+from model_specs.weights.maps import WeightMapError, weight_map_for
 
 
 def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path,

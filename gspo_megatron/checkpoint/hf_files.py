@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from gspo_errors import InputError, MissingInputError
-from model_specs.weight_maps import WeightMapError
+from model_specs.weights.maps import WeightMapError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

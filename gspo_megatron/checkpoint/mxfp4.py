@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from gspo_megatron.checkpoint.hf_files import HFTensorReader
-from model_specs.weight_maps import WeightMapError
+from model_specs.weights.maps import WeightMapError
 
 # E2M1: sign, 2 exponent bits, 1 mantissa bit (the OCP microscaling formats' FP4)
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

@@ -27,7 +27,7 @@ from gspo_megatron.driver.samples_to_batch import policy_lag, samples_to_batch
 from gspo_megatron.driver.servers import start_policy_servers, start_teachers, wants_engine_routing
 from gspo_megatron.driver.staleness import take_fresh_groups
 from gspo_megatron.driver.warm_start import warm_start_examples
-from model_specs.hf_config import load_hf_config
+from model_specs.hf.config import load_hf_config
 from rollout.generation.async_rollouts import AsyncRollouts
 from rollout.generation.chat import ChatTemplate
 from rollout.servers.errors import NoServerLeft

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Union
 from gspo_megatron.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:  # the planner reads a torch-free ModelShape; plan --check a built ModelSpec
-    from model_specs.common import ModelSpec
+    from model_specs.build import ModelSpec
     from model_specs.shape import ModelShape
     Model = Union[ModelSpec, ModelShape]
 

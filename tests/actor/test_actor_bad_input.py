@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
-from model_specs.tiny import qwen3, qwen3_moe
+from model_specs.hf.tiny import qwen3, qwen3_moe
 
 
 @pytest.mark.parametrize("hf, layout, world, message", [

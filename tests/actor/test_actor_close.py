@@ -43,7 +43,7 @@ def _close_frees(rank, world, use_with):
 
     from gspo_megatron.actor import Actor, LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     gc.collect()
     gc.disable()  # what matters is what close() frees, not when the collector happens to run
     cuda = torch.cuda.is_available()

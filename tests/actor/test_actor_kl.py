@@ -33,7 +33,7 @@ def _batch(advantages: float | None = None):
 def _kl_steps(rank, world, pipeline, start=None):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
 
     actor = Actor(tiny_hf_config(), ParallelLayout(pipeline=pipeline),
                   optimizer=OptimizerSettings(optimizer="sgd", lr=0.5, clip_grad=0.0),

@@ -70,7 +70,7 @@ def _run(rank, world, layout_kwargs, options, init_state):
     from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings, OptimizerSettings
     from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3, qwen3_moe
+    from model_specs.hf.tiny import qwen3, qwen3_moe
 
     if options.get("wrong_scale"):  # the classic bug: forget the DP factor of the loss scale
         actor_steps.ps = type("PS", (), {"__getattr__": lambda self, n: getattr(ps, n),

@@ -27,7 +27,7 @@ def _batch():
 def _losses(rank, world):
     from gspo_megatron.actor import Actor, LogProbSettings, LossSettings, OptimizerSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
 
     actor = Actor(tiny_hf_config(), ParallelLayout(),
                   optimizer=OptimizerSettings(optimizer="sgd", lr=0.1, clip_grad=0.0), micro_batch_size=2)

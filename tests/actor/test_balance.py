@@ -47,7 +47,7 @@ def test_paper_like_lengths_are_even_where_row_counts_are_not():
     mini-batch's token imbalance is at most 1.05 balanced by tokens or by FLOPs;
     cut by row count it is not."""
     from model_specs.param_count import param_count
-    from model_specs.published import QWEN3_30B_A3B
+    from model_specs.hf.published import QWEN3_30B_A3B
     from model_specs.shape import model_shape_for
     shape = model_shape_for(QWEN3_30B_A3B)
     c = shape.config

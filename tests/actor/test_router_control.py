@@ -64,7 +64,7 @@ def _run(rank, world, layout_kwargs, options, init_state):
     from gspo_megatron.actor.settings import MicroBatchSettings, OptimizerSettings, RoutingSettings
     from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe
+    from model_specs.hf.tiny import qwen3_moe
 
     mode = options["mode"]  # "megatron" (reference), "replay", "natural"
     actor = Actor(qwen3_moe(num_experts=EXPERTS), ParallelLayout(**layout_kwargs),

@@ -64,7 +64,7 @@ def test_transformer_config_fields():
 def test_recomputation_reaches_the_model_config():
     from gspo_megatron.actor.build import spec_for_layout
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     c = spec_for_layout(tiny_hf_config(), ParallelLayout(),
                         compute=ComputeSettings(recompute="selective", recompute_modules=["layernorm"])).config
     assert c.recompute_granularity == "selective" and c.recompute_modules == ["layernorm"]

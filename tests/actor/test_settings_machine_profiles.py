@@ -40,7 +40,7 @@ def _build_and_step(rank, world, profiles):
     from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
     from gspo_megatron.parallel.layout import ParallelLayout
     from model_specs import model_spec_for
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
 
     layout = ParallelLayout()
     g = torch.Generator().manual_seed(0)

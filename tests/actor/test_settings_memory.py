@@ -36,7 +36,7 @@ def _train(rank, world, layout: dict, variant: str):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.actor.settings import ComputeSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     opt = OptimizerSettings(optimizer="adam", lr=1e-3, use_distributed_optimizer=variant == "sharded")
     compute = ComputeSettings(recompute="selective", recompute_modules=MODULES) if variant == "recompute" else None
     out = dict(steps=[])

@@ -72,7 +72,7 @@ def _batch(rows: int = 8, seq: int = 24):
 def _count(rank, world, layers: int, micro_batch_size: int):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings, steps
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     actor = Actor(tiny_hf_config(num_hidden_layers=layers), ParallelLayout(),
                   optimizer=OptimizerSettings(optimizer="adam", lr=1e-3),
                   loss=LossSettings(name="gspo"), micro_batch_size=micro_batch_size)

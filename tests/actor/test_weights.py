@@ -24,7 +24,7 @@ def _build(layout_kwargs: dict, seed: int):
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.process_groups import init_process_groups
     from gspo_megatron.actor.build import spec_for_layout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
 
     layout = ParallelLayout(**layout_kwargs)
     init_process_groups(layout, seed=seed)

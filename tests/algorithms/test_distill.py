@@ -88,7 +88,7 @@ def _distill_run(rank, world, layout_kwargs, init_state):
     from gspo_megatron.algorithms.distill import distillation_advantages
     from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe
+    from model_specs.hf.tiny import qwen3_moe
     actor = Actor(qwen3_moe(), ParallelLayout(**layout_kwargs),
                   optimizer=OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0),
                   loss=LossSettings(name="gspo_token", eps_low=0.02, eps_high=0.002),

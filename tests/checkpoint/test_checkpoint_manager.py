@@ -21,7 +21,7 @@ def _build(layout_kwargs, dist_opt):
     from gspo_megatron.actor import Actor
     from gspo_megatron.actor.settings import OptimizerSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     return Actor(tiny_hf_config(), ParallelLayout(**layout_kwargs), seed=7,
                  optimizer=OptimizerSettings(lr=1e-2, use_distributed_optimizer=dist_opt,
                                              lr_decay_style="linear", lr_decay_steps=10))

@@ -42,7 +42,7 @@ def _load_forward_save(rank, world, cases):
     from gspo_megatron.parallel.process_groups import init_process_groups
     from gspo_megatron.sync import build_plan, stream_hf_weights
     from gspo_megatron.actor.build import spec_for_layout
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
 
     out = {}
     for name, kind, ckpt, saved in cases:

@@ -113,7 +113,7 @@ def test_converter_drops_grouped_extra_state(one_process, monkeypatch):
     from megatron.core.models.gpt import GPTModel
 
     from gspo_megatron.checkpoint.convert import meta_model_state
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     real = GPTModel.sharded_state_dict
 
     def with_grouped_extra_state(self, *args, **kwargs):

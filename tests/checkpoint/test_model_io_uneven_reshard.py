@@ -37,7 +37,7 @@ def _reshard(rank, world, ckpt, work, uneven, others):
     from gspo_megatron.parallel.model_chunks import unwrap
     from gspo_megatron.parallel.process_groups import init_process_groups
     from gspo_megatron.sync import build_plan, stream_hf_weights
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
 
     hf = checkpoint_hf_config(ckpt)
     work = Path(work)

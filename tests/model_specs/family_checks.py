@@ -97,7 +97,7 @@ def run_cases(rank, world, cases, bucket_bytes: int = 1 << 16):
     from gspo_megatron.actor.settings import OptimizerSettings
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import build_plan, stream_hf_weights
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
 
     out = {}
     for name, hf_dir, layout, ckpt in cases:
@@ -123,7 +123,7 @@ def moved_by_the_step(hf_dir: Path, after: dict[str, torch.Tensor]) -> dict[str,
     """Per megatron parameter, max |after - before| of a step that started from the HF model's
     weights (`after`: a run_cases case's parameters after its step, every parameter present)."""
     from model_specs import model_spec_for
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
 
     wmap = weight_map_for(model_spec_for(hf_dir).hf_config)
     hf = load_file(Path(hf_dir) / "model.safetensors")

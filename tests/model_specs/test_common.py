@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.actor.build import spec_for_layout
 from model_specs import HFConfigError as ConfigError
-from model_specs.tiny import qwen3, qwen3_moe
+from model_specs.hf.tiny import qwen3, qwen3_moe
 from model_specs.norms import HAVE_TE, SequenceParallelTorchNorm
 
 

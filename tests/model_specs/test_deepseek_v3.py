@@ -28,8 +28,8 @@ from family_checks import (SEQ, assert_layout_equals_one_process,
 from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
-from model_specs.tiny import MOONLIGHT, deepseek_v3
-from model_specs.weight_maps import weight_map_for
+from model_specs.hf.tiny import MOONLIGHT, deepseek_v3
+from model_specs.weights.maps import weight_map_for
 from tools.make_tiny_model import make_tiny_model
 
 # initializer_range 0.1 (transformers' default 0.02 leaves attention almost uniform in a model this
@@ -158,8 +158,8 @@ def test_tensor_parallel_without_sequence_parallel_is_refused():
 
 
 def test_the_mtp_layers_are_left_out_and_said_so():
-    from model_specs.hf_config import left_out_layers_note
-    from model_specs.published import DEEPSEEK_V3
+    from model_specs.hf.config import left_out_layers_note
+    from model_specs.hf.published import DEEPSEEK_V3
     wmap = weight_map_for(deepseek_v3(num_nextn_predict_layers=1))
     assert wmap.ignores_hf("model.layers.4.eh_proj.weight")
     assert wmap.ignores_hf("model.layers.4.self_attn.kv_b_proj.weight")

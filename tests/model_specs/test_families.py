@@ -22,8 +22,8 @@ from family_checks import (assert_layout_equals_one_process, assert_one_process_
                            distance_from_transformers, moved_by_the_step, run_cases)
 from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
-from model_specs.tiny import glm4_moe, qwen2_moe
-from model_specs.weight_maps import weight_map_for
+from model_specs.hf.tiny import glm4_moe, qwen2_moe
+from model_specs.weights.maps import weight_map_for
 from tools.make_tiny_model import make_tiny_model
 
 ARCHS = ("qwen2_moe", "glm4_moe")

@@ -26,8 +26,8 @@ from family_checks import (assert_layout_equals_one_process, assert_one_process_
 from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
-from model_specs.tiny import gpt_oss
-from model_specs.weight_maps import weight_map_for
+from model_specs.hf.tiny import gpt_oss
+from model_specs.weights.maps import weight_map_for
 from tools.make_tiny_model import make_tiny_model
 
 NAME = "gpt_oss"
@@ -123,7 +123,7 @@ def test_megatron_still_refuses_expert_biases_with_expert_tensor_parallelism():
     """What the expert-TP refusal rests on (model_specs/sinks.py): megatron asserts ETP == 1 for
     MoE with biases (transformer_config.py:1590), and its expert MLP still adds the fc2 bias to
     each expert-TP rank's partial sum (mlp.py). When megatron lifts either, this fails and the
-    refusal in model_specs/common.py can be revisited."""
+    refusal in model_specs/build.py can be revisited."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.mlp import MLP
 
@@ -279,7 +279,7 @@ def test_each_machine_profile_resolves_to_the_local_spec_or_names_the_setting(pr
     spec_for_layout, megatron's TransformerConfig checks included): the local spec without TE;
     with TE (a GPU node's default) the one line naming compute.transformer_engine: false, with
     which the local spec is built. The bias-activation fusion that CUDA's defaults turn on is off
-    (model_specs/common.py): left on, every CUDA profile failed in TransformerConfig."""
+    (model_specs/build.py): left on, every CUDA profile failed in TransformerConfig."""
     from gspo_megatron.actor.build import spec_for_layout
     from gspo_megatron.actor.settings import ComputeSettings
     from gspo_megatron.parallel.layout import ParallelLayout

@@ -1,4 +1,4 @@
-"""The tensor shapes an HF config implies (model_specs/hf_tensors.py), which the start-up checks hold
+"""The tensor shapes an HF config implies (model_specs/hf/tensors.py), which the start-up checks hold
 a distillation teacher's weights to: every family's tiny model agrees with its own config (no
 false refusal), and a config that says other sizes than its weights is named by the tensor."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from fixtures_models import tiny_model_dir
-from model_specs.hf_config import load_hf_config
-from model_specs.hf_tensors import shape_mismatch
+from model_specs.hf.config import load_hf_config
+from model_specs.hf.tensors import shape_mismatch
 from tools.make_tiny_model import ARCHS
 
 

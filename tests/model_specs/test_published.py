@@ -1,7 +1,7 @@
 """The published config.json of real MoE models map, and their parameter counts (computed from the
 mapped TransformerConfig by model_specs.param_count) are the published ones within 2%.
 
-The configs are the fields of each model's config.json on the Hugging Face hub (model_specs/published.py,
+The configs are the fields of each model's config.json on the Hugging Face hub (model_specs/hf/published.py,
 written from the published files; no hub access in tests). Published sizes: Qwen3-30B-A3B 30.5B total / 3.3B
 active, Qwen3-235B-A22B 235B / 22B, Qwen2-57B-A14B 57B / 14B (Qwen count the embedding tables
 as active), GLM-4.5 355B / 32B and GLM-4.5-Air 106B / 12B (Zhipu's active counts leave the
@@ -22,9 +22,9 @@ import torch
 
 from model_specs import load_hf_config, model_spec_for
 from model_specs.param_count import param_count
-from model_specs.published import (DEEPSEEK_V3, GLM_45, GLM_45_AIR, GPT_OSS_20B, GPT_OSS_120B,
-                                    KIMI_K2, QWEN2_57B_A14B, QWEN3_30B_A3B, QWEN3_235B_A22B,
-                                    QWEN3_NEXT_80B_A3B)
+from model_specs.hf.published import (DEEPSEEK_V3, GLM_45, GLM_45_AIR, GPT_OSS_20B, GPT_OSS_120B,
+                                      KIMI_K2, QWEN2_57B_A14B, QWEN3_30B_A3B, QWEN3_235B_A22B,
+                                      QWEN3_NEXT_80B_A3B)
 
 # name: (config, published total, published active, the tables active counts: "both", "none" or
 # "output")
@@ -96,7 +96,7 @@ def test_count_equals_the_built_models_parameters(arch, tmp_path):
     from gspo_megatron.checkpoint.convert import meta_model_state, single_process_megatron
     from model_specs import FAMILIES
 
-    from model_specs.tiny import MOONLIGHT
+    from model_specs.hf.tiny import MOONLIGHT
     if arch == "moonlight":
         hf = FAMILIES["deepseek_v3"].tiny_hf_config(**MOONLIGHT)
     else:
@@ -159,7 +159,7 @@ def test_the_planner_reads_models_without_torch():
 def test_the_shape_refuses_what_the_model_spec_refuses(change):
     """The planner must not plan a model that `train` would refuse: the same one-line error."""
     from model_specs import HFConfigError
-    from model_specs.tiny import qwen3 as tiny_hf_config
+    from model_specs.hf.tiny import qwen3 as tiny_hf_config
     from model_specs.shape import model_shape_for
     config = tiny_hf_config(**change)
     with pytest.raises(HFConfigError) as by_spec:

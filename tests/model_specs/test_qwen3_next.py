@@ -23,8 +23,8 @@ from family_checks import (assert_layout_equals_one_process, assert_one_process_
 from fixtures_models import assert_same_hf_weights
 from model_specs import HFConfigError, model_spec_for
 from model_specs.shape import model_shape_for
-from model_specs.tiny import qwen3_next
-from model_specs.weight_maps import weight_map_for
+from model_specs.hf.tiny import qwen3_next
+from model_specs.weights.maps import weight_map_for
 from tools.make_tiny_model import make_tiny_model
 
 NAME = "qwen3_next"
@@ -127,7 +127,7 @@ def test_tp_shards_of_the_deltanet_hold_their_heads_of_every_block(tp):
     """A TP rank's in_proj shard is its key heads' [q, k, v, z, beta, alpha] (megatron's forward
     splits it so); joining the shards gives the one-process tensor back."""
     from gspo_megatron.actor.weights import join_tp_shards, shard_of
-    from model_specs.fused_layouts import gdn_in_proj_blocks
+    from model_specs.weights.layouts import gdn_in_proj_blocks
 
     blocks = gdn_in_proj_blocks(4, 3, 8, 2)                  # q, k: 12 rows; v, z: 16; beta, alpha: 8
     full = torch.arange(sum(blocks), dtype=torch.float32)[:, None]

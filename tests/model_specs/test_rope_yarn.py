@@ -15,7 +15,7 @@ import torch
 from distributed import gather_row_values, run_distributed
 from fixtures_models import transformers_log_probs
 from model_specs import HFConfigError, model_spec_for
-from model_specs.tiny import qwen3, qwen3_moe
+from model_specs.hf.tiny import qwen3, qwen3_moe
 from tools.make_tiny_model import make_tiny_model
 
 ORIGINAL, ROWS, SEQ, TOL = 64, 3, 160, 1e-5
@@ -111,7 +111,7 @@ def _log_probs(rank, world, cases):
     from gspo_megatron.actor.actor import Actor
     from gspo_megatron.actor.weights import load_full_state_dict
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
     from safetensors.torch import load_file
 
     out = {}

@@ -76,7 +76,7 @@ def test_before_the_fix_moe_checkpoint_keys_differed():
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("version", ["016", "019"])
 def test_live_te_names_map_onto_the_weight_map(one_process_megatron, model, version):
-    from model_specs.weight_maps import canonical_megatron_name, weight_map_for
+    from model_specs.weights.maps import canonical_megatron_name, weight_map_for
     te = _recorded(f"names_te_mcore{version}")[model]
     local = _recorded(f"names_local_mcore{version}")[model]
     te_names = {k: v for k, v in te["state_dict"].items() if not k.endswith("_extra_state")}
@@ -91,7 +91,7 @@ def test_grouped_gemm_expert_names_map_to_sequential_ones():
     """TE's grouped-GEMM experts (moe_grouped_gemm) hold `linear_fc{1,2}.weight{e}` per expert
     (megatron extensions/transformer_engine.py, TEGroupedLinear); not in the recording (grouped
     GEMM was off), so checked against the pattern."""
-    from model_specs.weight_maps import canonical_megatron_name
+    from model_specs.weights.maps import canonical_megatron_name
     assert canonical_megatron_name("decoder.layers.7.mlp.experts.linear_fc1.weight13") == \
         "decoder.layers.7.mlp.experts.local_experts.13.linear_fc1.weight"
     assert canonical_megatron_name("decoder.layers.0.mlp.experts.linear_fc2.weight0") == \
@@ -105,8 +105,8 @@ def test_mla_layers_write_the_te_specs_keys_and_te_names_map_to_the_local_ones(o
     fuses the latents' norms into linear_q_up_proj / linear_kv_up_proj and a dense layer's pre-MLP
     norm into linear_fc1, and keeps input_layernorm and an MoE layer's pre_mlp_layernorm apart: the
     local spec must write those keys, and the live TE names map back to the weight map's."""
-    from model_specs.tiny import deepseek_v3
-    from model_specs.weight_maps import canonical_megatron_name
+    from model_specs.hf.tiny import deepseek_v3
+    from model_specs.weights.maps import canonical_megatron_name
     sharded, params = _local_model(deepseek_v3(num_hidden_layers=2))
     keys = {v.key for v in sharded.values()}  # the checkpoint keys (without _extra_state)
     layer = {k.split(".", 3)[3] for k in keys if k.startswith("decoder.layers.0.")}
@@ -128,8 +128,8 @@ def test_deltanet_layers_write_the_te_specs_keys_and_te_names_map_to_the_local_o
     own experimental spec) fuses the input norm into in_proj (TELayerNormColumnParallelLinear):
     the local layer writes that key, megatron saves in_proj and conv1d split per block, and the
     full-attention layer keeps linear_qkv's fused norm key."""
-    from model_specs.tiny import qwen3_next
-    from model_specs.weight_maps import canonical_megatron_name
+    from model_specs.hf.tiny import qwen3_next
+    from model_specs.weights.maps import canonical_megatron_name
     sharded, params = _local_model(qwen3_next())
     keys = {v.key for v in sharded.values() if hasattr(v, "key")}
     linear = {k.split(".", 3)[3] for k in keys if k.startswith("decoder.layers.0.")}

@@ -1,14 +1,14 @@
-"""model_specs/weight_maps.py: fused layouts as megatron-core reads them, coverage of every family."""
+"""model_specs/weights/maps.py: fused layouts as megatron-core reads them, coverage of every family."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model_specs.hf_config import normalize_hf_config
-from model_specs.weight_maps import (GATE_UP, QKV, fuse_qkv, split_qkv,
-                                     weight_map_for)
+from model_specs.hf.config import normalize_hf_config
+from model_specs.weights.layouts import fuse_qkv, split_qkv
+from model_specs.weights.maps import GATE_UP, QKV, weight_map_for
 from model_specs import HFConfigError as ConfigError
-from model_specs.tiny import qwen3, qwen3_moe
+from model_specs.hf.tiny import qwen3, qwen3_moe
 
 
 def test_fused_qkv_is_what_megatron_attention_splits():
@@ -79,7 +79,7 @@ def test_transformers5_config_names_are_normalised():
 
 
 def test_te_spec_names_map_to_the_same_parameters():
-    from model_specs.weight_maps import canonical_megatron_name
+    from model_specs.weights.maps import canonical_megatron_name
 
     assert canonical_megatron_name("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight") \
         == "decoder.layers.3.input_layernorm.weight"

@@ -77,8 +77,8 @@ def _everything_under_strict_checks(rank, world, layout_kwargs, root):
     from gspo_megatron.parallel.comm import strict_checks
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync.stream import build_plan, stream_hf_weights
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.weights.maps import weight_map_for
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (6, 12), generator=g)

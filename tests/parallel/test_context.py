@@ -254,7 +254,7 @@ def test_megatron_config_takes_the_layout_fields():
     what the actor refuses to run)."""
     from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
     from model_specs import model_spec_for
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     layout = ParallelLayout(context=2)
     fields = {**layout.transformer_config_fields(is_moe=True), **cpu_config_overrides(1)}
     c = model_spec_for(tiny_hf_config(), overrides=fields, transformer_engine=False).config
@@ -263,7 +263,7 @@ def test_megatron_config_takes_the_layout_fields():
 
 def test_actor_spec_refuses_context_parallel_without_te_on_cuda():
     from gspo_megatron.actor.build import spec_for_layout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     with pytest.raises(LayoutError, match=CP_ERROR):
         spec_for_layout(tiny_hf_config(), ParallelLayout(context=2))
 

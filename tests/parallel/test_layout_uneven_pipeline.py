@@ -118,7 +118,7 @@ def test_split_is_megatrons():
 
 def test_uneven_layout_reaches_the_transformer_config_and_describe():
     from gspo_megatron.actor.build import spec_for_layout
-    from model_specs.tiny import qwen3_moe
+    from model_specs.hf.tiny import qwen3_moe
 
     layout = ParallelLayout(pipeline=2, first_stage_layers=3)
     layout.validate(2, **MODEL)
@@ -143,7 +143,7 @@ def test_a_spec_of_another_split_is_refused():
     """build_model_chunks refuses a ModelSpec whose stage split is not the layout's (the layers
     each stage builds, hence every global name, would differ); checked before any model exists."""
     from gspo_megatron.actor.build import _check_config_matches_layout, spec_for_layout
-    from model_specs.tiny import qwen3_moe
+    from model_specs.hf.tiny import qwen3_moe
 
     even = spec_for_layout(qwen3_moe(), ParallelLayout(pipeline=2))
     with pytest.raises(ValueError, match="ModelSpec was built for another layout.*"
@@ -178,7 +178,7 @@ def test_checkpoint_layout_check_names_the_uneven_split(tmp_path):
     import json
 
     from gspo_megatron.checkpoint import CheckpointMismatchError, check_layout_fits
-    from model_specs.tiny import qwen3_moe
+    from model_specs.hf.tiny import qwen3_moe
 
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(qwen3_moe()))
@@ -255,7 +255,7 @@ def test_qwen3_235b_lays_out_unevenly(name):
 
 def _run_six_layers(rank, world, layout_kwargs, options, init_state):
     """actor_layouts._run on a 6-layer tiny Qwen3-MoE (4 layers admit no uneven PP2 x VPP2)."""
-    from model_specs import tiny
+    from model_specs.hf import tiny
 
     qwen3_moe = tiny.qwen3_moe
     tiny.qwen3_moe = lambda **kw: qwen3_moe(**{"num_hidden_layers": 6, **kw})

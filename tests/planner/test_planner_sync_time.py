@@ -23,7 +23,7 @@ TOTAL = 4 * 12704 + 2 * 32768 + 64 + 4 * 4 * 6144
 
 def _shape(**hf_overrides):
     from model_specs.shape import model_shape_for
-    from model_specs.tiny import qwen3_moe
+    from model_specs.hf.tiny import qwen3_moe
     return model_shape_for({**qwen3_moe(), **hf_overrides})
 
 
@@ -105,7 +105,7 @@ def test_table_shows_the_sync_columns_before_the_verdict():
     from gspo_megatron.planner.memory import GiB, MemorySettings
     from gspo_megatron.planner.plan import GPUS, plan, table
     from gspo_megatron.planner.sync_time import SyncSettings
-    from model_specs.tiny import qwen3_moe
+    from model_specs.hf.tiny import qwen3_moe
     s = MemorySettings(max_tokens=1024)
     rows, _ = plan(qwen3_moe(), 4, GPUS["h100"], 80 * GiB, 4, s, step_tokens=4096, mean_len=256,
                    fixed=dict(tensor=1, pipeline=2, expert=2), sync=SyncSettings(gbps=1e-6, server_gpus=4))

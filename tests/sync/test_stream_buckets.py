@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gspo_megatron.sync.stream import PlanEntry, buckets
-from model_specs.tiny import deepseek_v3, qwen3_moe
-from model_specs.weight_maps import weight_map_for
+from model_specs.hf.tiny import deepseek_v3, qwen3_moe
+from model_specs.weights.maps import weight_map_for
 
 
 def _plan(hf: dict) -> list[PlanEntry]:

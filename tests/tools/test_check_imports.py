@@ -24,8 +24,8 @@ def test_the_tree_follows_the_rules():
 @pytest.mark.parametrize("where,line,needle", [
     ("model_specs/families.py", "from gspo_megatron.parallel.layout import ParallelLayout",
      "model_specs.families imports gspo_megatron.parallel.layout (model_specs knows HF and megatron-core"),
-    ("model_specs/hf_config.py", "from gspo_megatron import GspoError",
-     "model_specs.hf_config imports gspo_megatron (model_specs knows HF"),
+    ("model_specs/hf/config.py", "from gspo_megatron import GspoError",
+     "model_specs.hf.config imports gspo_megatron (model_specs knows HF"),
     ("rollout/servers/errors.py", "from gspo_megatron import GspoError",
      "rollout.servers.errors imports gspo_megatron's root"),
     ("gspo_megatron/sync/delta.py", "from gspo_megatron import GspoError",

@@ -17,7 +17,7 @@ from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
 from gspo_megatron.checkpoint.export import convert_megatron_to_hf
 from gspo_megatron.parallel.layout import ParallelLayout
 from model_specs import HFConfigError as ConfigError
-from model_specs.weight_maps import WeightMapError
+from model_specs.weights.maps import WeightMapError
 
 ROOT = Path(__file__).resolve().parents[2]
 

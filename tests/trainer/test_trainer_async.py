@@ -30,7 +30,7 @@ def _versioned(rank, world):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.actor.batching.batch import TrainBatch
     from gspo_megatron.parallel.layout import ParallelLayout
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     g = torch.Generator().manual_seed(0)
     lengths, t = torch.tensor([16, 12, 16, 9]), torch.arange(16)[None]
     mask = (t >= 4) & (t < lengths[:, None])

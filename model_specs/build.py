@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from model_specs.gdn import use_gated_delta_net
-from model_specs.hf_config import HFConfigError, require
+from model_specs.hf.config import HFConfigError, require
 from model_specs.mla import adapt_mla_spec
 from model_specs.moe import use_expert_bias_router, use_expert_fc2
 from model_specs.norms import HAVE_TE, replace_local_norms, te_checkpoint_keys

@@ -31,10 +31,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from model_specs import family_for
-from model_specs.fused_layouts import (WeightMapError, fuse_gdn_in_proj, fuse_qkv, split_gdn_in_proj,
-                                      split_qkv)
+from model_specs.weights.layouts import (WeightMapError, fuse_gdn_in_proj, fuse_qkv,
+                                         split_gdn_in_proj, split_qkv)
 from model_specs.gdn_fields import layer_types
-from model_specs.hf_config import moe_layer_pattern, normalize_hf_config
+from model_specs.hf.config import moe_layer_pattern, normalize_hf_config
 from model_specs.traits import attention_options
 
 # The parameter kinds: how a megatron tensor relates to its HF tensors.
