@@ -1,21 +1,20 @@
-"""Weight sync: today's path (everything through trainer rank 0, every tensor every time) against
-every owner sending its own tensors, whole and as deltas after real GSPO steps, on 4 trainer ranks
-(gloo) and a real bf16 CPU SGLang server; then a projection to Qwen3-30B-A3B and Qwen3-235B-A22B.
+"""Weight sync: everything through trainer rank 0, every tensor every time, against every owner
+sending its own tensors, whole and as deltas after real GSPO steps, on 4 trainer ranks (gloo) and
+a real bf16 CPU SGLang server; then a projection to Qwen3-30B-A3B and Qwen3-235B-A22B.
 
     python benchmarks/sync.py                                 # PP2 x EP2, Qwen3-MoE hidden 512, 4 layers
     python benchmarks/sync.py --layout tp2ep2 --repeats 5     # TP2 x EP2
     python benchmarks/sync.py --lrs 1e-3 1e-6 --steps 5       # the main job's and the paper's LR
     python benchmarks/sync.py --transport distributed         # broadcast over weights-update groups
 
-Rows: "rank 0, full" (sync.senders=rank0), "owners, full" (senders=owners, delta off), and per
-learning rate the delta syncs of every owner, each after one GSPO step (random prompts, fixed
-advantages) at that LR, after a first full sync: "delta, all checked" the first 3 (the server
-verifies every tensor sent), "delta" the others (a sample verified). Bytes are what the senders
-put on the wire (bf16, as served; today's path sends the trainer's dtype, fp32 on CPU and bf16 on
-GPU, so its row gives its bytes in the served dtype's terms, half of what it sent here for a bf16
-server: the comparison is of the path, not of the dtype); "rank 0 MB" what trainer rank 0 sent itself. CPU seconds are
-noisy and the server shares the 2 cores with 4 trainer ranks: compare rows of one run. The last
-line:
+Rows: "rank 0, full" (sync.senders=rank0, delta off: the owners hand their tensors to rank 0,
+which sends them all), "owners, full" (senders=owners, delta off), and per learning rate the
+delta syncs of every owner, each after one GSPO step (random prompts, fixed advantages) at that
+LR, after a first full sync: "delta, all checked" the first 3 (the server verifies every tensor
+sent), "delta" the others (a sample verified). Bytes are what the senders put on the wire, in the
+served dtype (bf16); "rank 0 MB" what trainer rank 0 sent itself; "changed" the fraction of
+elements that differ from the previous sync (1 for a full one). CPU seconds are noisy and the
+server shares the 2 cores with 4 trainer ranks: compare rows of one run. The last line:
     sync: rank-0 GiB <old> -> <new>, total GiB <old> -> <new>, seconds <old> -> <new>, bit-identical <yes|no>
 (old: rank 0 full; new: owners, delta at the smallest LR; bit-identical: the served tensors read
 back after the last delta sync equal the trainer's in bf16).
@@ -66,7 +65,7 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     from gspo_megatron.sync import DistributedTransport, TensorTransport, WeightSync
     from gspo_megatron.sync.owner_pass import CHECK_FIRST_DELTAS
     from gspo_megatron.sync.stream import hf_state_dict
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
     from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
@@ -76,15 +75,13 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     pool = ServerPool([url]) if rank == 0 else None
     transport = None
     if rank == 0:
-        from rollout.servers.ports import free_port
-        transport = (TensorTransport(pool) if transport_name == "tensor" else
-                     DistributedTransport(pool, "127.0.0.1", free_port()))
+        transport = TensorTransport(pool) if transport_name == "tensor" else DistributedTransport(pool)
 
     def make(**kw):
         return WeightSync(actor.chunks, hf, transport, pool, bucket_bytes=bucket_bytes, **kw)
     out = {}
     if fulls:
-        for name, kw in (("rank 0, full", dict(senders="rank0")),
+        for name, kw in (("rank 0, full", dict(senders="rank0", delta=False)),
                          ("owners, full", dict(senders="owners", delta=False))):
             sync = make(**kw)
             out[name] = [sync.sync(version=f"{name}-{lr}-{i}") for i in range(repeats)]
@@ -123,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="learning rates of the delta rows (default: the main job's, the paper's)")
     p.add_argument("--transport", choices=["tensor", "distributed"], default="tensor",
                    help="tensor: shared memory (servers on the trainer's machine); distributed: "
-                        "broadcast over weights-update groups (rank 0's one, or one per sender and server)")
+                        "broadcast over a weights-update group per sender and server")
     p.add_argument("--model", help="an HF Qwen3-MoE folder to sync instead of making one (--hidden ... ignored)")
     p.add_argument("--url", help="with --model: an SGLang server already serving it (its weights are "
                                  "replaced; its dtype is what the sync compares in)")
@@ -136,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     from rollout.servers.pool import ServerPool
     from rollout.servers.launch import ServerConfig, ServerGroup
     from model_specs import load_hf_config
-    from model_specs.hf_config import normalize_hf_config
+    from model_specs.hf.config import normalize_hf_config
     from tools.make_tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="gspo-bench-sync-"))
@@ -161,9 +158,6 @@ def main(argv: list[str] | None = None) -> None:
                                   timeout=3600)[0]
             identical.append(got.pop("bit_identical"))
             dtype = got.pop("dtype")
-            scale = {"float32": 1.0, "bfloat16": 0.5, "float16": 0.5}[dtype]
-            for r in got.get("rank 0, full", []):  # fp32 (the trainer's) on the wire: served terms
-                r["bytes"], r["rank0_bytes"] = r["bytes"] * scale, r["rank0_bytes"] * scale
             params = got.pop("params")
             rows.update(got)
         ServerPool([url]).close()

@@ -28,6 +28,7 @@ from gspo_megatron.algorithms.registry import LossSettings, RLLossName
 from gspo_megatron.config.parsing import apply_overrides, build, describe, read_yaml_mapping
 from gspo_megatron.config.validation import validate
 from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.sync.transports import TransportName
 from rollout.servers.health import ServerHealthSettings
 from rollout.generation.manager_config import ManagerConfig
 from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
@@ -169,22 +170,27 @@ class TrainConfig(OptimizerSettings, MicroBatchSettings):
 
 @dataclasses.dataclass
 class SyncConfig:
-    transport: Literal["disk", "tensor", "distributed"] = "disk"
-    """How updated weights reach SGLang: disk (safetensors), tensor, or distributed (broadcast)."""
+    transport: TransportName = "disk"
+    """How the weights reach the servers, a row of TRANSPORTS (gspo_megatron/sync/transports.py):
+    disk (safetensors shards in sync.dir, a file system the servers read), tensor (shared memory:
+    servers on the trainer ranks' machines), distributed (a weights-update group per sender and
+    server: servers anywhere)."""
     bucket_mb: int = 512
-    """Size bound of one transfer bucket (per sender)."""
+    """Size bound of one transfer bucket, and of one request (per sender)."""
     senders: Literal["owners", "rank0"] = "owners"
-    """owners: every rank that owns full tensors sends its own to the servers, concurrently
-    (distributed: over a weights-update group per sender and server). rank0: everything through
-    trainer rank 0."""
-    delta: bool = True
-    """With senders=owners and transport tensor or distributed: after a server's first full sync
-    send only the
-    elements that changed, in the served dtype (each sender keeps its last sent values on the
-    host: model bytes in that dtype / senders), applied and checksummed by the project's SGLang
-    loader (docs/sync.md)."""
+    """owners: every rank that holds full tensors after the TP gather sends its own, concurrently.
+    rank0: the owners hand theirs to trainer rank 0, which sends them all (the same sync with one
+    sender; for comparison)."""
+    delta: bool | None = None
+    """After a server's first full sync, send only the elements that changed, in the served dtype
+    (each sender keeps its last sent values on the host: model bytes in that dtype / senders),
+    applied and checksummed by the project's SGLang loader (docs/sync.md). null: wherever the
+    transport can carry deltas (TRANSPORTS' `deltas`: tensor and distributed, not disk); true: the
+    same, refused at start with a transport that cannot; false: whole tensors every sync."""
     dir: str | None = None
-    """Scratch directory of the disk transport (null: under checkpoint.dir or a temp dir)."""
+    """Folder of the disk transport's weight versions, on a file system every server can read
+    (null: under checkpoint.dir, else the run folder). It holds two copies of the model at most;
+    the start checks that they fit."""
 
 
 @dataclasses.dataclass

@@ -123,14 +123,14 @@ TAGS = {
                         "sync.senders=owners)",
     "sync/senders": "trainer ranks that sent weights in the sync",
     "sync/changed_fraction": "elements of the sent tensors that differ, in the served dtype, from "
-                             "the previous sync (1 for a full sync or sync.senders=rank0)",
+                             "the previous sync (1 for a whole sync), on every transport",
     "sync/full_syncs": "servers that got every tensor whole (the first sync, a server back, "
                        "after a failure, or a checksum mismatch); the others got deltas",
     "sync/checksum_mismatches": "tensors a server found different from the trainer's after "
                                 "applying a delta (that server then gets a full sync)",
     "sync/buckets": "transfer buckets per sync (sync.bucket_mb each at most)",
     "sync/attempts": "passes of the weight sync: above 1 when a server was lost part-way and the "
-                     "sync ran again on the others (distributed transport)",
+                     "sync ran again on the others, or a checksum mismatch got a server a full pass",
     "time/rollout": "seconds generating + scoring",
     "time/log_probs": "seconds computing old log-probs",
     "time/ref_log_probs": "seconds computing the KL reference log-probs (when loss.kl_coef > 0)",

@@ -28,8 +28,10 @@ from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.parallel.layout import LayoutError
 from gspo_errors import EXIT_INPUT, EXIT_RUNTIME, GspoError, MissingInputError
-from gspo_megatron.run.folders import REFERENCE_DIR, check_run_folders_unlocked, export_rules, output_fields
-from model_specs.hf_config import load_hf_config, model_dims
+from gspo_megatron.run.folders import (REFERENCE_DIR, check_run_folders_unlocked, export_rules, output_fields,
+                                      run_root)
+from gspo_megatron.sync.transports import TRANSPORTS
+from model_specs.hf.config import load_hf_config, model_dims
 from rollout.prompts.dataset import PromptFileError, PromptSet, load_prompts
 from rollout.prompts.rows import resolved
 
@@ -73,10 +75,10 @@ def check_model_dir(cfg: RunConfig) -> Path:
 
 def check_teacher(cfg: RunConfig, student: Path) -> None:
     """distill.teacher: a model folder SGLang can load (config.json and its weights' shapes agree:
-    model_specs/hf_tensors.py) with the student's vocabulary; the failures name the teacher."""
+    model_specs/hf/tensors.py) with the student's vocabulary; the failures name the teacher."""
     from gspo_megatron.checkpoint.hf_files import DamagedFileError, read_safetensors_header, weight_files
-    from model_specs.hf_config import HFConfigError
-    from model_specs.hf_tensors import shape_mismatch
+    from model_specs.hf.config import HFConfigError
+    from model_specs.hf.tensors import shape_mismatch
     from rollout.generation.teacher import vocabulary_mismatch
     field = "distill.teacher"
     teacher = check_model_folder(field, cfg.distill.teacher)
@@ -130,9 +132,20 @@ def check_before_torch(cfg: RunConfig, world: int) -> None:
     if cfg.distill.teacher:
         check_model_folder("distill.teacher", cfg.distill.teacher)
     check_prompts(cfg)
+    check_sync(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # the rank that takes the locks; another rank could
         # see its own rank 0's lock, taken meanwhile
         check_run_folders_unlocked(cfg)  # RunLockedError: another live run holds a folder
+
+
+def check_sync(cfg: RunConfig) -> None:
+    """sync.delta=true on a transport that cannot carry deltas (the TRANSPORTS table)."""
+    row = TRANSPORTS[cfg.sync.transport]
+    if cfg.sync.delta and not row.deltas:
+        able = ", ".join(n for n, r in TRANSPORTS.items() if r.deltas)
+        raise ConfigError(f"sync.delta=true: the {row.name} transport carries whole tensors only; set "
+                          f"sync.delta to null (deltas where the transport can) or false, or choose a "
+                          f"sync.transport that carries them ({able})")
 
 
 @dataclasses.dataclass
@@ -181,6 +194,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
         raise MissingInputError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
                                 f"{', '.join(TOKENIZER_FILES)})")
     train_set, _ = check_prompts(cfg)  # PromptFileError names the file, the row and the key
+    check_sync(cfg)
     r = cfg.rollout
     prompts = prompt_set_fingerprint(train_set.files(), train_set.total_rows, selection={
         "prompt_key": r.prompt_key, "answer_key": r.answer_key, "max_prompt_tokens": r.max_prompt_tokens})
@@ -267,6 +281,12 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
             need += sum(f.stat().st_size for f in weight_files(hf_dir))
             what = "the initial conversion and " + what
         check_free_space("checkpoint.dir", cfg.checkpoint.dir, need, what)
+    row = TRANSPORTS[cfg.sync.transport]
+    if row.folder_versions:  # the versions the transport keeps in sync.dir at once
+        from gspo_megatron.checkpoint.hf_files import weight_files
+        need = row.folder_versions * sum(f.stat().st_size for f in weight_files(hf_dir))
+        check_free_space("sync.dir", cfg.sync.dir or Path(run_root(cfg)) / "sync", need,
+                         f"the {row.name} transport ({row.folder_versions} copies of the model's weights)")
 
 
 def prompt_set_changed(stored: dict[str, Any] | None, now: dict[str, Any]) -> str:

@@ -94,7 +94,7 @@ def start_driver(cfg: RunConfig, rank: int, prompt_rows=None) -> Driver | None:
 
 def build_sync(cfg: RunConfig, actor, driver: Driver | None):
     """The weight sync; rank 0 (the driver) holds the transport (sync.transport, sync/transports.py)."""
-    from gspo_megatron.sync.transports import make_transport
+    from gspo_megatron.sync.transport_base import make_transport
     from gspo_megatron.sync.weight_sync import WeightSync
     from model_specs import load_hf_config
     transport = None
@@ -151,7 +151,7 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         available = Available.detect()
         print(f"[gspo] layout {actor.layout.describe(world)} on {world} rank(s); compute: "
               f"{cfg.compute.resolve(available).describe(available)}", flush=True)
-        from model_specs.hf_config import left_out_layers_note
+        from model_specs.hf.config import left_out_layers_note
         left_out = left_out_layers_note(actor.spec.hf_config)
         if left_out:
             print(f"[gspo] model: {left_out}", flush=True)

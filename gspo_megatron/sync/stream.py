@@ -1,22 +1,31 @@
-"""The live model's weights as HF-named FULL tensors, bucket by bucket, on global rank 0.
+"""The live model's weights as HF-named full tensors, bucket by bucket, on every rank that sends:
+the stream every weight sync walks (sender_pass.py), and what reads the whole model on rank 0.
 
-    plan = build_plan(chunks, wmap)                       # collective, once per model
-    for bucket in stream_hf_weights(chunks, wmap, plan, bucket_bytes=256 << 20):   # collective
-        if rank == 0: transport.send(bucket)              # [(hf_name, tensor), ...]; [] elsewhere
+    plan = build_plan(chunks, wmap)                        # collective, once per model
+    senders = assign_senders(plan)                         # the same list on every rank
+    for bucket in stream_owned(chunks, wmap, plan, senders, bucket_bytes):   # every rank
+        ...                                                # [(hf_name, tensor), ...] on a sender
+    state = hf_state_dict(chunks, wmap)                    # every HF tensor, on rank 0
 
-Every trainer rank iterates the generator to its end, in step. The plan lists the model's megatron
-parameters in HF order (the family's weight map), each with the global rank that owns its full
-tensor: TP rank 0 and DP rank 0 of the parameter's group (expert-TP / expert-DP for experts), on
-whichever pipeline stage (and virtual stage) holds it. For each parameter of a bucket, the ranks
-holding it join its TP (or expert-TP) shards, the owner sends the result to rank 0 point to point,
-and rank 0 turns the bucket's full megatron tensors into HF tensors (weight map). All ranks walk the
-same global order, so the collectives and sends/receives pair up without deadlock; rank 0 holds at
-most one bucket of full tensors, any other rank at most the one parameter it is sending.
+The plan lists the model's megatron parameters in HF order (the family's weight map), each with
+the global rank that owns its full tensor: TP rank 0 and DP rank 0 of the parameter's group
+(expert-TP / expert-DP for experts), on whichever pipeline stage (and virtual stage) holds it.
+The owner of a parameter is its sender, except where HF tensors must travel together and their
+parameters have different owners (gpt-oss's stacked experts, spread over the expert-parallel
+ranks): the group's first owner sends it, and the other owners pass it their full tensors point
+to point. With `only=0` (sync.senders=rank0) rank 0 is every parameter's sender: the same stream,
+every owner passing its tensors to rank 0. Every rank walks the plan in the same global order,
+doing only the steps it takes part in (its TP gathers, those sends and receives), so every
+blocking pair of operations meets at the same place in that order: no deadlock, and no rank waits
+for another's transfers to the servers. A sender holds at most one bucket of full tensors, any
+other rank at most the one parameter it is passing on. With PP2 x EP2 on 4 ranks the 4 ranks
+send (2 dense owners, 4 expert owners).
 """
 from __future__ import annotations
 
 import math
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -27,8 +36,8 @@ from megatron.core import parallel_state as ps
 from gspo_megatron.actor.weights import (full_tensor_over_tp, is_expert_param, named_parameters_global,
                                          owns_full_copy)
 from gspo_megatron.parallel.comm import comm_device
-from model_specs.weight_batches import weight_batches
-from model_specs.weight_maps import ParamMapping, WeightMap, WeightMapError
+from model_specs.weights.batches import weight_batches
+from model_specs.weights.maps import ParamMapping, WeightMap, WeightMapError
 
 
 @dataclass(frozen=True)
@@ -93,8 +102,8 @@ def build_plan(chunks: Sequence[torch.nn.Module], wmap: WeightMap) -> list[PlanE
 
 # HF tensors that SGLang must receive in one load call: DeepSeek-V2/V3's loader fuses a layer's
 # q_a_proj and kv_a_proj_with_mqa into one parameter and keeps the first of the two only until the
-# call returns (sglang/srt/models/deepseek_common/deepseek_weight_loader.py:283 and :438-459), so a
-# bucket boundary between them silently leaves that layer's old weights on the server.
+# call returns (sglang 0.5 deepseek_weight_loader.DeepseekV2WeightLoaderMixin.do_load_weights, its
+# cached_a_proj), so a bucket boundary between them silently leaves that layer's old weights on the server.
 LOAD_TOGETHER = re.compile(r"^(model\.layers\.\d+)\.self_attn\.(?:q_a_proj|kv_a_proj_with_mqa)\.weight$")
 
 
@@ -117,29 +126,74 @@ def buckets(plan: Sequence[PlanEntry], bucket_bytes: int) -> list[list[PlanEntry
     return list(weight_batches(plan, lambda e: e.nbytes, bucket_bytes, _together_key))
 
 
+def assign_senders(plan: Sequence[PlanEntry], only: int | None = None) -> list[int]:
+    """The rank that sends each plan entry: `only` for every entry when given, else its owner, or
+    the first owner of its group of entries that must load together (_together_key)."""
+    if only is not None:
+        return [only] * len(plan)
+    first: dict[str, int] = {}
+    out = []
+    for e in plan:
+        key = _together_key(e)
+        if key is not None:
+            first.setdefault(key, e.owner)
+        out.append(first[key] if key is not None else e.owner)
+    return out
+
+
+def sender_buckets(plan: Sequence[PlanEntry], senders: Sequence[int], bucket_bytes: int
+                   ) -> dict[int, list[list[int]]]:
+    """Per sender, its buckets as lists of plan indices (consecutive in plan order, at most
+    bucket_bytes unless one group alone is larger, groups never cut)."""
+    mine: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(senders):
+        mine[s].append(i)
+    return {s: [[i for i, _ in b] for b in weight_batches(
+        [(i, plan[i]) for i in idx], lambda x: x[1].nbytes, bucket_bytes,
+        lambda x: _together_key(x[1]))] for s, idx in mine.items()}
+
+
 @torch.no_grad()
+def stream_owned(chunks: Sequence[torch.nn.Module], wmap: WeightMap, plan: Sequence[PlanEntry],
+                 senders: Sequence[int], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Collective generator (module docstring): on a sender, one item per bucket of its own, the
+    bucket's (HF name, full tensor) pairs; nothing on the other ranks, which must still iterate
+    it to its end (their TP gathers and point-to-point sends)."""
+    rank = dist.get_rank()
+    local = _local_params(chunks)
+    bucket_of: dict[int, int] = {}
+    pending: dict[int, int] = {}  # this rank's bucket -> entries still to come
+    if rank in set(senders):
+        for b, idx in enumerate(sender_buckets(plan, senders, bucket_bytes)[rank]):
+            pending[b] = len(idx)
+            bucket_of.update({i: b for i in idx})
+    filled: dict[int, list[tuple[ParamMapping, torch.Tensor]]] = defaultdict(list)
+    for i, e in enumerate(plan):
+        param = local.get(e.mapping.megatron)
+        sender = senders[i]
+        if param is None and rank != sender:
+            continue
+        full = full_tensor_over_tp(param) if param is not None and _takes_part(param) else None
+        if rank == sender:
+            if e.owner != rank:
+                full = torch.empty(e.shape, dtype=e.dtype, device=comm_device())
+                dist.recv(full, src=e.owner)
+            b = bucket_of[i]
+            filled[b].append((e.mapping, full))
+            pending[b] -= 1
+            if pending[b] == 0:
+                yield wmap.hf_tensors(filled.pop(b))
+        elif rank == e.owner:
+            dist.send(full.contiguous(), dst=sender)
+
+
 def stream_hf_weights(chunks: Sequence[torch.nn.Module], wmap: WeightMap,
                       plan: Sequence[PlanEntry], bucket_bytes: int
                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Collective generator (see the module docstring): one item per bucket on every rank, the
-    bucket's (HF name, full tensor) pairs on global rank 0 and [] elsewhere."""
-    rank = dist.get_rank()
-    local = _local_params(chunks)
-    for bucket in buckets(plan, bucket_bytes):
-        received: list[tuple[ParamMapping, torch.Tensor]] = []
-        for e in bucket:
-            param = local.get(e.mapping.megatron)
-            full = full_tensor_over_tp(param) if param is not None and _takes_part(param) else None
-            if rank == 0:
-                if e.owner != 0:
-                    full = torch.empty(e.shape, dtype=e.dtype, device=comm_device())
-                    dist.recv(full, src=e.owner)
-                received.append((e.mapping, full))
-            elif rank == e.owner:
-                dist.send(full.contiguous(), dst=0)
-        out = wmap.hf_tensors(received) if rank == 0 else []
-        del received
-        yield out
+    """Collective generator: every HF tensor of the model on global rank 0, bucket by bucket
+    (stream_owned with rank 0 the only sender); nothing on the other ranks, which must still
+    iterate it to its end."""
+    return stream_owned(chunks, wmap, plan, assign_senders(plan, only=0), bucket_bytes)
 
 
 def hf_state_dict(chunks: Sequence[torch.nn.Module], wmap: WeightMap) -> dict[str, torch.Tensor] | None:

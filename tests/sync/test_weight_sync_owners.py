@@ -27,8 +27,7 @@ DELTAS = 20
 
 def _transport(name, pool):
     from gspo_megatron.sync import DistributedTransport, TensorTransport
-    from rollout.servers.ports import free_port
-    return TensorTransport(pool) if name == "tensor" else DistributedTransport(pool, "127.0.0.1", free_port())
+    return TensorTransport(pool) if name == "tensor" else DistributedTransport(pool)
 
 
 def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt, transport):
@@ -37,7 +36,7 @@ def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt, transpor
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
     from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
@@ -114,7 +113,7 @@ def test_delta_syncs_bit_exact(layout, transport, bf16_moe_server, tmp_path):
     if corrupt:
         assert deltas[1]["checksum_mismatches"] >= 1 and deltas[1]["attempts"] == 2
     assert sum(d["checksum_mismatches"] for d in r["reports"]) == (deltas[1]["checksum_mismatches"] if corrupt else 0)
-    assert full["senders"] >= 2 and full["rank0_bytes"] < full["bytes"]
+    assert full["senders"] >= 2 and full["rank0_bytes"] < full["bytes"] and full["changed_fraction"] == 1.0
     assert all(0 < d["bytes"] < full["bytes"] / 2 for i, d in enumerate(deltas, start=1) if i not in repaired)
     assert 0 < min(changed) and max(changed) < 0.5
 
@@ -130,7 +129,9 @@ def _sender_killed(rank, world, ckpt, url, scratch, transport):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import WeightSync, owner_groups, owner_pass
+    from gspo_megatron.sync import WeightSync
+    from gspo_megatron.sync.distributed import GroupSender
+    from gspo_megatron.sync.tensor import TensorSender
     from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
@@ -145,15 +146,14 @@ def _sender_killed(rank, world, ckpt, url, scratch, transport):
     sync.sync(version="delta1")
     _gspo_step(actor, seed=2)
     if rank == 1:
-        where, attr = ((owner_pass, "_post") if transport == "tensor" else
-                       (owner_groups.OwnerGroups, "post"))
-        post = getattr(where, attr)
+        sender = TensorSender if transport == "tensor" else GroupSender
+        post = sender.post
 
         def post_then_die(*args):
             out = post(*args)
             os.kill(os.getpid(), signal.SIGKILL)  # mid-sync: its other buckets never leave
             return out
-        setattr(where, attr, post_then_die)
+        sender.post = post_then_die
     sync.sync(version="delta2")
     return None
 
@@ -165,7 +165,7 @@ def _fresh_job(rank, world, ckpt, url, scratch, transport):
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
     from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
@@ -222,7 +222,7 @@ def _server_killed(rank, world, ckpt, live_url, scratch):
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
     from rollout.servers.health import LIVE, REJOINING, HealthMonitor, ServerHealthSettings
     from rollout.servers.pool import ServerPool
     from test_weight_sync_server_lost import _wait_for
@@ -288,13 +288,16 @@ def test_a_server_killed_comes_back_with_a_full_sync_then_deltas(bf16_moe_server
     assert all(d == [] for d in r["differ"].values()), r["differ"]
 
 
-def _disk_sync(rank, world, ckpt, url, scratch):
+def _disk_then_rank0(rank, world, ckpt, url, scratch):
+    """PP2 x EP2: two syncs through the disk transport (every owner), then two through the tensor
+    transport with rank 0 the only sender (sync.senders=rank0), each pair around a GSPO step; the
+    served tensors read back after each pair."""
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import DiskTransport, WeightSync
+    from gspo_megatron.sync import DiskTransport, TensorTransport, WeightSync
     from gspo_megatron.sync.stream import hf_state_dict
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
     from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
@@ -302,30 +305,46 @@ def _disk_sync(rank, world, ckpt, url, scratch):
                   optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
     actor.load_weights(ckpt)
     pool = ServerPool([url]) if rank == 0 else None
-    transport = DiskTransport(pool, f"{scratch}/disk", f"{ckpt}/hf") if rank == 0 else None
-    sync = WeightSync(actor.chunks, hf, transport, pool, bucket_bytes=20_000)
-    reports = [sync.sync(version="disk0")]
-    _gspo_step(actor, seed=1)
-    reports.append(sync.sync(version="disk1"))
-    mine = hf_state_dict(actor.chunks, weight_map_for(hf))
+    out = {"reports": [], "differ": [], "folders": None}
+
+    def differ():
+        mine = hf_state_dict(actor.chunks, weight_map_for(hf))
+        if rank == 0:
+            served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
+                                                    f"{scratch}/served.safetensors")
+            out["differ"] += [n for n, t in mine.items() if not torch.equal(served[n], t.to(torch.bfloat16))]
+    for name, transport, senders in (("disk", DiskTransport, "owners"), ("rank0", TensorTransport, "rank0")):
+        made = None if rank else (transport(pool, f"{scratch}/disk", f"{ckpt}/hf") if name == "disk" else
+                                  transport(pool))
+        sync = WeightSync(actor.chunks, hf, made, pool, bucket_bytes=20_000, senders=senders)
+        out["reports"].append(sync.sync(version=f"{name}0"))
+        _gspo_step(actor, seed=len(out["reports"]))
+        out["reports"].append(sync.sync(version=f"{name}1"))
+        differ()
+        if rank == 0 and name == "disk":
+            import os
+            out["folders"] = sorted(os.listdir(f"{scratch}/disk"))
     if rank != 0:
         return None
-    served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
-                                            f"{scratch}/served.safetensors")
-    import os
-    return dict(reports=reports, version=pool.clients[0].weight_version(),
-                folders=sorted(os.listdir(f"{scratch}/disk")),
-                differ=[n for n, t in mine.items() if not torch.equal(served[n], t.to(torch.bfloat16))])
+    return dict(out, version=pool.clients[0].weight_version())
 
 
-def test_disk_every_owner_writes_its_shards(bf16_moe_server, tmp_path):
+def test_disk_every_owner_writes_its_shards_and_rank0_sends_alone(bf16_moe_server, tmp_path):
     """PP2 x EP2 through the disk transport: the 4 owners write their own shards of the version's
-    folder, rank 0 indexes them and has the server load it; whole tensors every time."""
+    folder, rank 0 indexes them and has the server load it; whole tensors every time. Then rank 0
+    as the only sender (the same pass): whole, then a delta. The report means the same on both:
+    changed_fraction 1 for a whole sync, the measured fraction for a delta."""
     with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
-        r = run_distributed(_disk_sync, 4, (ckpt, url, str(tmp_path)), timeout=600)[0]
-    full, second = r["reports"]
+        r = run_distributed(_disk_then_rank0, 4, (ckpt, url, str(tmp_path)), timeout=600)[0]
+    full, second, alone, alone_delta = r["reports"]
     print(f"disk, every owner: {full['bytes'] / 1e6:.2f} MB from {full['senders']:.0f} senders "
-          f"(rank 0 {full['rank0_bytes'] / 1e6:.2f} MB)")
-    assert r["differ"] == [] and r["version"] == "disk1" and r["folders"] == ["weights-disk1"]
+          f"(rank 0 {full['rank0_bytes'] / 1e6:.2f} MB); rank 0 alone: {alone['bytes'] / 1e6:.2f} MB, "
+          f"then a delta of {alone_delta['bytes'] / 1e6:.3f} MB (changed {alone_delta['changed_fraction']:.3f})")
+    assert r["differ"] == [] and r["version"] == "rank01" and r["folders"] == ["weights-disk1"]
     assert full["senders"] == 4 and full["rank0_bytes"] < full["bytes"] / 2
     assert second["full_syncs"] == 1 and second["bytes"] == full["bytes"]
+    assert full["changed_fraction"] == second["changed_fraction"] == 1.0  # whole: every element sent
+    assert alone["senders"] == 1 and alone["rank0_bytes"] == alone["bytes"] == full["bytes"]
+    assert alone["changed_fraction"] == 1.0 and alone["full_syncs"] == 1
+    assert alone_delta["senders"] == 1 and alone_delta["full_syncs"] == 0
+    assert 0 < alone_delta["changed_fraction"] < 0.5 and 0 < alone_delta["bytes"] < full["bytes"] / 2

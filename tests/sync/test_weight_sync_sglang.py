@@ -1,7 +1,7 @@
 """Weight sync into a real SGLang server: after a GSPO step under TP2, each transport (disk, tensor,
 distributed over gloo) makes the server's log-probs of its own generation equal the trainer's
-(1e-4), with a new weight version each time; a sync that fails part-way raises on every rank and
-leaves the server paused on its old version label.
+(1e-4), with a new weight version each time. (A sync that fails part-way: test_sync_disk_full.py,
+test_weight_sync_owners.py, test_weight_sync_server_lost.py.)
 
 One spawn of 2 trainer ranks, the session's tiny-Qwen3 server (restored to its weights after).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import free_port, run_distributed
+from distributed import run_distributed
 from fixtures_models import hf_response_logprobs, tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -40,36 +40,13 @@ def _gspo_step(actor, seed: int) -> None:
     actor.train_step(batch)
 
 
-class _DiskFullTransport:
-    """A disk transport whose filesystem fills up at the second bucket."""
-
-    def __init__(self, inner):
-        self.inner, self.name, self.sent = inner, "disk", 0
-
-    def begin(self, version):
-        self.inner.begin(version)
-
-    def send(self, bucket, final, version):
-        self.sent += 1
-        if self.sent == 2:
-            raise OSError(28, "No space left on device")
-        self.inner.send(bucket, final, version)
-
-    def finish(self, version):
-        self.inner.finish(version)
-
-    def close(self):
-        pass
-
-
-def _body(rank, world, ckpt, url, disk_root, port):
+def _body(rank, world, ckpt, url, disk_root):
     from gspo_megatron.actor import actor as actor_mod
     from gspo_megatron.actor.settings import OptimizerSettings
     from gspo_megatron.algorithms.registry import LossSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config, load_model
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import (DiskTransport, DistributedTransport, TensorTransport,
-                                    WeightSync, WeightSyncError)
+    from gspo_megatron.sync import DiskTransport, DistributedTransport, TensorTransport, WeightSync
     from rollout.servers.pool import ServerPool
 
     hf = checkpoint_hf_config(ckpt)
@@ -81,7 +58,7 @@ def _body(rank, world, ckpt, url, disk_root, port):
     transports = {} if rank else {
         "disk": DiskTransport(pool, disk_root, f"{ckpt}/hf"),
         "tensor": TensorTransport(pool),
-        "distributed": DistributedTransport(pool, "127.0.0.1", port),
+        "distributed": DistributedTransport(pool),
     }
 
     def server_generation(report=None):
@@ -106,22 +83,6 @@ def _body(rank, world, ckpt, url, disk_root, port):
         mine = _trainer_log_probs(actor, PROMPT + output_ids, len(PROMPT))
         results[name] = (server_lp, mine, versions, report, moved)
 
-    # A sync that fails part-way: every rank raises, the server keeps its old label and stays
-    # paused (stale) until the next complete sync.
-    failing = _DiskFullTransport(DiskTransport(pool, disk_root, f"{ckpt}/hf")) if rank == 0 else None
-    # through rank 0: the failing transport counts its buckets (every owner sending fails in
-    # test_weight_sync_owners.py)
-    sync = WeightSync(actor.chunks, hf, failing, pool, bucket_bytes=100_000, senders="rank0")
-    with pytest.raises(WeightSyncError, match="No space left on device.*left paused"):
-        sync.sync(version="step4-broken")
-    assert sync.stale
-    after_failure = list(pool.weight_versions().values()) if rank == 0 else None
-    sync.transport = transports.get("tensor")
-    sync.sync(version="step4-retry")
-    assert not sync.stale
-    if rank == 0:
-        results["failure"] = (after_failure, list(pool.weight_versions().values()))
-        transports["distributed"].close()
     return results
 
 
@@ -135,8 +96,7 @@ def test_gspo_step_then_sync_per_transport(qwen3_server, tmp_path):
     base = [5, 77, 301]
     ckpt = convert_hf_to_megatron(hf_dir, tmp_path / "mcore")
     try:
-        results = run_distributed(_body, 2, (str(ckpt), url, str(tmp_path / "disk"),
-                                             free_port()), timeout=600)
+        results = run_distributed(_body, 2, (str(ckpt), url, str(tmp_path / "disk")), timeout=600)
     finally:  # the session server must serve the seed-0 weights again
         pool.continue_generation()
         pool.update_weights_from_disk(str(hf_dir), weight_version="default")
@@ -150,8 +110,6 @@ def test_gspo_step_then_sync_per_transport(qwen3_server, tmp_path):
         assert worst < 1e-4, f"{name}: max |sglang - trainer| log-prob {worst:.3g}"
         print(f"{name}: step moved log-probs by {moved:.3g}; |sglang - trainer| <= {worst:.3g}; "
               f"sync {report['seconds']:.2f} s")
-    after_failure, after_retry = r0["failure"]
-    assert after_failure == ["step3-distributed"] and after_retry == ["step4-retry"]
     # The restored server computes what transformers computes on the seed-0 model again.
     again = pool.generate(base, {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True})
     ref = hf_response_logprobs(hf_dir, base, again.output_ids)
