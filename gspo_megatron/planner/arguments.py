@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB (default: the GPU kind's)")
     p.add_argument("--nodes", type=int, help="nodes (GPUs per node = gpus / nodes)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8, or gpus / nodes)")
-    p.add_argument("--model", help="a published model name (model_specs/published.py), "
+    p.add_argument("--model", help="a published model name (model_specs/hf/published.py), "
                    "tiny-qwen3-moe, or an HF config.json / model folder; default: the config's model.hf_path")
     p.add_argument("--tokens", type=int, help="tokens per train micro-batch (default: "
                    "train.max_tokens_per_micro_batch, else 16384)")
@@ -43,3 +43,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all", action="store_true", help="also print the layouts that do not fit, with why")
     p.add_argument("--check", action="store_true", help="run the chosen layout (--layout, else the "
                    "config's parallel section) for two steps and print predicted against measured")
+
+
+# Counts that mean nothing at zero or below: (dest, flag). A default of None is the flag not given.
+# (--server-gpus and the sync's numbers: command.sync_settings.)
+POSITIVE = (("gpus", "--gpus"), ("nodes", "--nodes"), ("gpus_per_node", "--gpus-per-node"),
+            ("tokens", "--tokens"), ("step_tokens", "--step-tokens"), ("top", "--top"))
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """PlanError (one line, exit 2) for a count below 1 (argparse reads `-5` as an int, and a 0
+    must not be taken for "not given"), and for GPUs that do not fill whole nodes."""
+    from gspo_megatron.planner.plan import PlanError
+    for dest, flag in POSITIVE:
+        value = getattr(args, dest)
+        if value is not None and value < 1:
+            raise PlanError(f"{flag} {value}: expected >= 1")
+    if args.nodes is not None and args.gpus % args.nodes:
+        raise PlanError(f"--nodes {args.nodes}: expected a divisor of --gpus {args.gpus}")
+    per_node = args.gpus_per_node
+    if per_node is not None and args.nodes is not None and args.nodes * per_node != args.gpus:
+        raise PlanError(f"--nodes {args.nodes} x --gpus-per-node {per_node} = {args.nodes * per_node} "
+                        f"GPUs: expected --gpus {args.gpus}")
+    if per_node is not None and args.gpus > per_node and args.gpus % per_node:
+        whole = args.gpus - args.gpus % per_node
+        raise PlanError(f"--gpus {args.gpus}: expected a multiple of --gpus-per-node {per_node} (whole "
+                        f"nodes, e.g. {whole} or {whole + per_node}), or at most {per_node} on one node")

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.planner.arguments import check_arguments
 from gspo_megatron.planner.memory import GiB, MemorySettings
 from gspo_megatron.planner.plan import GPUS, HOST_MEMORY, PlanError, load_model, parse_memory, plan, table
 from gspo_megatron.planner.sync_time import SyncSettings, delta_bytes_per_element
@@ -42,25 +44,26 @@ def settings_from(cfg, tokens: int | None) -> MemorySettings:
         optimizer=t.optimizer, sgd_momentum=t.sgd_momentum,
         use_distributed_optimizer=t.use_distributed_optimizer, grad_reduce_in_fp32=t.grad_reduce_in_fp32,
         optimizer_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
-        max_tokens=tokens or t.max_tokens_per_micro_batch or 16384, recompute=c.recompute,
+        max_tokens=tokens if tokens is not None else t.max_tokens_per_micro_batch or 16384, recompute=c.recompute,
         recompute_modules=modules)
 
 
 def run(args: argparse.Namespace) -> int:
     from gspo_megatron.config import load_config
-    if args.gpus < 1:
-        raise PlanError(f"--gpus {args.gpus}: expected >= 1")
+    check_arguments(args)
     gpu = GPUS[args.gpu]
     capacity = parse_memory(args.gpu_memory) if args.gpu_memory else gpu.memory
-    if args.nodes is not None and (args.nodes < 1 or args.gpus % args.nodes):
-        raise PlanError(f"--nodes {args.nodes}: expected a divisor of --gpus {args.gpus}")
     sync = sync_settings(args)
     per_node = args.gpus_per_node or (args.gpus // args.nodes if args.nodes else min(8, args.gpus))
     cfg = load_config(args.config, args.overrides)
-    hf = load_model(args.model or cfg.model.hf_path)
+    if args.model is not None:
+        hf = load_model(args.model)
+    else:  # the config's model: errors name the field and the file, not a flag the user never gave
+        hf = load_model(cfg.model.hf_path, f"model.hf_path={cfg.model.hf_path!r} (of {args.config}; "
+                        "no --model given)")
     s = settings_from(cfg, args.tokens)
     r = cfg.rollout
-    step_tokens = args.step_tokens or max(
+    step_tokens = args.step_tokens if args.step_tokens is not None else max(
         s.max_tokens, r.prompts_per_step * r.group_size * r.max_new_tokens // cfg.train.mini_batches)
     fixed = _layout_fields(args.layout)
     if args.check:
@@ -111,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(nearest, capacity, s, True, 0, per_node))
     else:
         print(table(rows, capacity, s, args.all, args.top, per_node))
+        print("\n" + layout_settings(rows[0].layout, rows[0].name))
     if refused:
         top = sorted(refused.values(), key=lambda v: -v[0])[:5]
         print("\nrefused by the layout validation (count, an example): " +
@@ -134,6 +138,17 @@ def sync_settings(args: argparse.Namespace) -> SyncSettings:
         raise PlanError(f"--sync-changed {args.sync_changed:g}: expected a fraction in [0, 1]")
     return SyncSettings(gbps=args.sync_gbps, server_gpus=args.server_gpus or args.gpus,
                         changed=args.sync_changed)
+
+
+def layout_settings(layout: ParallelLayout, name: str) -> str:
+    """The run config's `parallel:` section that gives `layout`, and the same as --set overrides:
+    every field the planner chooses, nulls too (over a config that sets first_stage_layers, an
+    even split must say null)."""
+    fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name != "sequence_parallel"}
+    text = {k: "null" if v is None else v for k, v in fields.items()}
+    return "\n".join([f"the best layout, {name}, in the run config:", "parallel:",
+                      *(f"  {k}: {v}" for k, v in text.items()),
+                      "or on the command line: " + " ".join(f"--set parallel.{k}={v}" for k, v in text.items())])
 
 
 def _config_layout(cfg) -> dict:

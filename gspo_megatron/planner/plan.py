@@ -71,23 +71,29 @@ def parse_memory(text: str, flag: str = "--gpu-memory") -> int:
     return int(float(m.group(1)) * unit)
 
 
-def load_model(name_or_path: str) -> dict[str, Any]:
-    from model_specs.hf_config import load_hf_config
-    from model_specs.published import BY_NAME
+def load_model(name_or_path: str, given_as: str | None = None) -> dict[str, Any]:
+    """The HF config of a published model, the tiny test model, or a config.json / model folder;
+    `given_as` says where the name came from in errors (default: `--model 'NAME'`)."""
+    from model_specs.hf.config import load_hf_config
+    from model_specs.hf.published import BY_NAME
     from model_specs.traits import FAMILY_TRAITS, traits_for
     if name_or_path in BY_NAME:
         return dict(BY_NAME[name_or_path])
     if name_or_path == "tiny-qwen3-moe":  # the tests' and the main job's model (make_tiny_model.py)
-        from model_specs.tiny import qwen3_moe
+        from model_specs.hf.tiny import qwen3_moe
         return qwen3_moe()
+    given_as = given_as or f"--model {name_or_path!r}"
     if not Path(name_or_path).exists():
         family = next((f for pattern, f in UNSUPPORTED if pattern.search(name_or_path)), None)
         if family is not None:
-            raise PlanError(f"--model {name_or_path!r}: the {family} family is not supported yet "
+            raise PlanError(f"{given_as}: the {family} family is not supported yet "
                             f"(supported: {', '.join(sorted(FAMILY_TRAITS))}; published: "
                             f"{', '.join(BY_NAME)})")
-        raise PlanError(f"--model {name_or_path!r}: not a published model ({', '.join(BY_NAME)}, "
-                        "tiny-qwen3-moe) and no such config.json or model folder")
+        published = Path(name_or_path).name
+        hint = (f"; give --model {published} for its published config" if published in BY_NAME
+                else "" if given_as.startswith("--model") else "; give --model NAME or a model folder")
+        raise PlanError(f"{given_as}: not a published model ({', '.join(BY_NAME)}, "
+                        f"tiny-qwen3-moe) and no such config.json or model folder{hint}")
     hf = load_hf_config(name_or_path)
     traits_for(hf)  # an unsupported family: one line naming it and the supported ones
     return hf

@@ -37,7 +37,7 @@ def _measured(rank, world, layout_kwargs: dict, bf16: bool, dist_opt: bool):
     from gspo_megatron.planner.check import measured_static
     from gspo_megatron.planner.memory import MemorySettings, static_bytes
     from megatron.core import parallel_state as ps
-    from model_specs.tiny import qwen3_moe as tiny_hf_config
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     dtype = torch.bfloat16 if bf16 else torch.float32
     layout = ParallelLayout(**layout_kwargs)
     with Actor(tiny_hf_config(), layout, optimizer=OptimizerSettings(optimizer="adam", lr=1e-4,
@@ -65,7 +65,7 @@ def test_context_parallel_divides_the_optimizer_shard_not_the_weights():
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.planner.memory import MemorySettings, static_bytes
     from model_specs import model_spec_for
-    from model_specs.published import QWEN3_30B_A3B
+    from model_specs.hf.published import QWEN3_30B_A3B
     s = MemorySettings(use_distributed_optimizer=True)
     one = ParallelLayout(tensor=2, expert=8, expert_tensor=1)
     cp2 = ParallelLayout(tensor=2, expert=8, expert_tensor=1, context=2)
@@ -95,7 +95,7 @@ def test_budget_that_fits_grows_with_memory_and_shrinks_with_layers_in_flight():
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.planner.memory import GiB, MemorySettings, rank_memory
     from model_specs import model_spec_for
-    from model_specs.published import QWEN3_30B_A3B
+    from model_specs.hf.published import QWEN3_30B_A3B
     layout = ParallelLayout(tensor=2, pipeline=2, expert=8, expert_tensor=1)
     spec = model_spec_for(QWEN3_30B_A3B, params_dtype=torch.bfloat16,
                           overrides=layout.transformer_config_fields(is_moe=True))
@@ -163,7 +163,7 @@ def test_plan_deepseek_v3_and_kimi_k2_on_128_h100s_fit_with_the_optimizer_on_the
 def test_offload_moves_its_share_of_the_optimizer_to_the_host():
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.planner.memory import HOST_BYTES_PER_OFFLOADED_PARAM, MemorySettings, rank_memory
-    from model_specs.published import BY_NAME
+    from model_specs.hf.published import BY_NAME
     from model_specs.shape import model_shape_for
     spec = model_shape_for(dict(BY_NAME["DeepSeek-V3"]))
     layout = ParallelLayout(tensor=8, pipeline=16, expert=8, expert_tensor=1, last_stage_layers=1)
@@ -219,6 +219,17 @@ def test_plan_qwen3_next_80b_fits_on_32_h100s_and_on_16_with_the_optimizer_on_th
     (("--gpus", "8", "--model", "Mixtral-8x7B"), "--model 'Mixtral-8x7B': the mixtral family is not "
                                                  "supported yet (supported: deepseek_v3, glm4_moe, "),
     (("--gpus", "8", "--model", "Llama-4-Scout"), "--model 'Llama-4-Scout': the llama4 family is not supported"),
+    # counts below 1 are refused where they are read, never planned for or taken as "not given"
+    (("--gpus", "8", "--tokens", "-5"), "--tokens -5: expected >= 1"),
+    (("--gpus", "8", "--tokens", "0"), "--tokens 0: expected >= 1"),
+    (("--gpus", "8", "--step-tokens", "-100"), "--step-tokens -100: expected >= 1"),
+    (("--gpus", "8", "--step-tokens", "0"), "--step-tokens 0: expected >= 1"),
+    (("--gpus", "8", "--gpus-per-node", "0"), "--gpus-per-node 0: expected >= 1"),
+    (("--gpus", "8", "--top", "-1"), "--top -1: expected >= 1"),
+    (("--gpus", "12", "--gpus-per-node", "8"), "--gpus 12: expected a multiple of --gpus-per-node 8 (whole "
+                                               "nodes, e.g. 8 or 16), or at most 8 on one node"),
+    (("--gpus", "16", "--nodes", "4", "--gpus-per-node", "8"),
+     "--nodes 4 x --gpus-per-node 8 = 32 GPUs: expected --gpus 16"),
 ])
 def test_bad_input_gets_one_line(args, message):
     model = () if "--model" in args else ("--model", "tiny-qwen3-moe")
@@ -242,3 +253,41 @@ def test_check_runs_the_layout_and_prints_predicted_against_measured():
             p, m = (float(x) for x in cell.split("/"))
             assert abs(p - m) <= 0.02 * m + 0.01, (rank, cell)
     assert {r[1].strip() for r in rows} == {"0", "1"}  # one rank per pipeline stage
+
+
+def test_without_model_the_config_model_is_named_not_a_flag_never_given():
+    """`plan --gpus 8` plans the default config's model.hf_path: an error names that field and its
+    file (the user typed no --model), and the published config of the same name."""
+    proc = _plan("--gpus", "8")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "--model '" not in lines[0], proc.stderr
+    assert lines[0].startswith("gspo-megatron: error: model.hf_path='/models/Qwen3-235B-A22B' (of "), lines[0]
+    assert "examples/qwen3_235b_a22b.yaml; no --model given): not a published model" in lines[0]
+    assert lines[0].endswith("give --model Qwen3-235B-A22B for its published config"), lines[0]
+
+
+def test_plan_prints_the_parallel_settings_of_its_best_layout(tmp_path):
+    """After the table, the `parallel:` section (and the --set overrides) that give the first row:
+    in place of the config's own section, or over it, they are that layout."""
+    import yaml
+    from gspo_megatron.config import load_config
+    config = "examples/qwen3_235b_a22b.yaml"  # its own layout sets first/last_stage_layers=11
+    proc = _plan(config, "--model", "Qwen3-235B-A22B", "--gpus", "64", "--gpu-memory", "80GiB",
+                 "--gpus-per-node", "8")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    best = next(ln for ln in out if ln.startswith("| TP")).split(" | ")[0].removeprefix("| ")
+    at = out.index(f"the best layout, {best}, in the run config:")
+    assert out[at + 1] == "parallel:"
+    section = [ln for ln in out[at + 2:at + 12] if ln.startswith("  ")]
+    assert len(section) == 8, out[at:]
+    sets = out[at + 2 + len(section)]
+    assert sets.startswith("or on the command line: --set parallel.tensor="), sets
+    data = yaml.safe_load((ROOT / config).read_text())
+    data["parallel"] = yaml.safe_load("\n".join(["parallel:", *section]))["parallel"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    layout = load_config(str(tmp_path / "c.yaml"), []).parallel
+    assert layout.describe(64) == best
+    overrides = [o for o in sets.removeprefix("or on the command line: ").split() if o != "--set"]
+    assert load_config(str(ROOT / config), overrides).parallel == layout
