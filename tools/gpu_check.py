@@ -6,6 +6,7 @@ local and the Transformer Engine layer spec, as one table.
     bash scripts/gpu_check.sh --arch deepseek_v3   # another family's tiny model (tools/make_tiny_model.py)
     bash scripts/gpu_check.sh --arch gpt_oss       # the local spec only (attention sinks)
     bash scripts/gpu_check.sh --arch qwen3_next    # Gated DeltaNet: needs flash-linear-attention
+    bash scripts/gpu_check.sh --rows local --no-bench  # some rows only (scripts/gpu_acceptance.sh)
 
 Steps, per spec (TE only where it imports) and dtype:
 1. a tiny HF Qwen3-MoE (tools/make_tiny_model.py; --arch for another family), 2. converted to megatron (spec-independent),
@@ -175,7 +176,10 @@ def _export(ckpt: Path, dst: Path) -> Path:
 
 
 def check(out: Path, specs: list[str], dtypes: list[str], device: str,
-          arch: str = "qwen3_moe") -> list[dict]:
+          arch: str = "qwen3_moe", targets: list[str] | None = None, offload: bool = True) -> list[dict]:
+    """The rows of `specs` (each trained, its checkpoint loaded into every spec of `targets`,
+    default `specs`), then the conversion, memory, CP and optimizer-offload rows (CUDA; offload
+    only if `offload`)."""
     import torch
     from safetensors.torch import load_file
 
@@ -183,7 +187,7 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
     from gspo_megatron.checkpoint.loop_state import LoopState
     from gspo_megatron.checkpoint.manager import CheckpointManager
-    from model_specs.weight_maps import weight_map_for
+    from model_specs.weights.maps import weight_map_for
     from tools.make_tiny_model import make_tiny_model
 
     hf_dir = make_tiny_model(arch, out / "hf", seed=0)
@@ -228,7 +232,7 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
             trained = actor.full_state_dict()
             ckpt = CheckpointManager(out / f"ckpt_{spec}_{name}", hf_dir=str(hf_dir))
             path = ckpt.save(1, actor, LoopState(step=1))
-            for target in specs:  # the checkpoint loads into either spec, model and optimizer
+            for target in targets or specs:  # the checkpoint loads into either spec, model and optimizer
                 with _actor(hf_dir, target, dtype) as other:
                     ckpt.load(path, other)
                     row[f"load_{target}"] = _max_diff(trained, other.full_state_dict())
@@ -250,7 +254,7 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
     if "te" in specs and device == "cuda":
         from tools.gpu_check_cp import cp_row
         rows.append(cp_row(out, hf_dir, mcore, batch))
-    if device == "cuda":  # megatron's optimizer offload: CUDA streams, no CPU path
+    if device == "cuda" and offload:  # megatron's optimizer offload: CUDA streams, no CPU path
         from tools.gpu_check_offload import offload_row
         rows.append(offload_row(hf_dir, mcore, batch))
     return rows
@@ -308,6 +312,9 @@ def main() -> int:
     p.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--no-bench", action="store_true", help="skip the fused log-prob benchmark")
     p.add_argument("--arch", default="qwen3_moe", choices=ARCHS, help="the tiny model's family")
+    p.add_argument("--rows", nargs="+", choices=["local", "te", "offload"],
+                   help="only these rows (default: every one the machine has); a spec's checkpoint still "
+                        "loads into every spec the machine has")
     args = p.parse_args()
     import torch
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -319,10 +326,17 @@ def main() -> int:
         return 2
     from model_specs.norms import HAVE_TE
     # gpt-oss's attention sinks build the local spec only (model_specs/sinks.py)
-    specs = ["local"] + (["te"] if HAVE_TE and device == "cuda" and args.arch != "gpt_oss" else [])
+    have = ["local"] + (["te"] if HAVE_TE and device == "cuda" and args.arch != "gpt_oss" else [])
+    wanted = args.rows or [*have, *(["offload"] if device == "cuda" else [])]
+    if "te" in wanted and "te" not in have or "offload" in wanted and device != "cuda":
+        here = ", ".join(have + (["offload"] if device == "cuda" else []))
+        print(f"gpu_check: --rows {' '.join(wanted)}: {args.arch} on this machine has the rows {here} "
+              f"(TE {'imports' if HAVE_TE else 'does not import'}, device {device})", file=sys.stderr)
+        return 2
+    specs = [s for s in have if s in wanted]
     dtypes = ["fp32"] if args.cpu_smoke else ["fp32", "bf16"]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gspo-gpu-check-"))
-    rows = check(out, specs, dtypes, device, args.arch)
+    rows = check(out, specs, dtypes, device, args.arch, targets=have, offload="offload" in wanted)
     print(f"\n{_versions(device)}; {args.arch}; specs checked: {', '.join(specs)}")
     print(table(rows))
     for r in rows:
