@@ -1,0 +1,130 @@
+"""scripts/gpu_acceptance.sh on CPU: its dry run resolves every row of a GPU visit and puts each
+command's arguments through the tool's own parser, so the script cannot rot between visits (a GPU
+comes by chance; a flag renamed in between would cost a row of the visit), and the dry run names
+what rotted. The key figures of the summary table are read from the tools' own tables."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_acceptance.sh"
+ROWS = ["0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "2", "3", "4", "5"]
+
+
+def acceptance(script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), "--root", str(ROOT), "--python", sys.executable, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    return {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
+                                          for line in stdout.splitlines() if re.match(r"\| \d", line))}
+
+
+def test_dry_run_resolves_every_row_within_the_budget():
+    out = acceptance(SCRIPT, "--dry-run")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "PROBLEM" not in out.stdout
+    rows = table_rows(out.stdout)
+    assert list(rows) == ROWS
+    # every family's local-spec row, then the TE rows (gpt-oss builds the local spec only)
+    for rid, arch, spec in [("1.1", "qwen3_moe", "local"), ("1.2", "deepseek_v3", "local"), ("1.3", "gpt_oss", "local"),
+                            ("1.4", "qwen3_next", "local"), ("1.5", "qwen3_moe", "te"), ("1.6", "deepseek_v3", "te"),
+                            ("1.7", "qwen3_next", "te")]:
+        assert f"scripts/gpu_check.sh --no-bench --arch {arch} --rows {spec} " in rows[rid][4], rows[rid]
+    assert "--rows offload" in rows["1.8"][4]
+    assert "benchmarks/mfu.py --device cuda --only 5 6 7" in rows["2"][4]
+    assert "benchmarks/logprobs_memory.py --device cuda --dtype bf16" in rows["3"][4]
+    assert "gspo_megatron.cli plan " in rows["4"][4] and rows["4"][4].endswith("--check`")
+    assert rows["5"][1] == "not run"  # owed: no NCCL mode in benchmarks/sync.py (docs/gpu.md)
+    assert "parsed the arguments of 11 commands with their tools' own parsers" in out.stdout
+    # the rows 1.x share the machine: they cost their largest budget once
+    budgets = {rid: int(cells[2]) for rid, cells in rows.items()}
+    one_x = max(b for rid, b in budgets.items() if rid.startswith("1."))
+    total = budgets["0"] + one_x + budgets["2"] + budgets["3"] + budgets["4"]
+    cap = int(re.search(r"^BUDGET_CAP=(\d+)$", SCRIPT.read_text(), re.M).group(1))
+    assert f"total: {total} s of device time (cap {cap} s" in out.stdout and total <= cap
+
+
+@pytest.mark.parametrize("good, rotted, named", [
+    ("--no-bench)", "--no-bnch)", "gpu_check.py: error: unrecognized arguments: --no-bnch"),
+    ("qwen3_next:4", "qwen3_nxt:4", "argument --arch: invalid choice: 'qwen3_nxt'"),
+    ("--only 5 6 7", "--only 4 6 7", "benchmarks/mfu.py --only 4: not a packed configuration"),
+    ("--layout tensor=1", "--layuot tensor=1", "gspo-megatron: error: unrecognized arguments: --layuot"),
+    ("compute.recompute=none", "compute.recompte=none", "unknown key 'compute.recompte'"),
+    ("examples/qwen3_235b_a22b.yaml", "examples/qwen3_235b.yaml", "'examples/qwen3_235b.yaml' does not exist"),
+    ("row 2 mfu 120 ", "row 2 mfu 400 ", "the budgets add up to"),
+])
+def test_dry_run_names_what_rotted(tmp_path, good, rotted, named):
+    text = SCRIPT.read_text()
+    assert good in text
+    copy = tmp_path / "gpu_acceptance.sh"
+    copy.write_text(text.replace(good, rotted))
+    out = acceptance(copy, "--dry-run")
+    assert out.returncode == 1, out.stdout + out.stderr
+    problems = [line for line in out.stdout.splitlines() if line.startswith("PROBLEM: ")]
+    assert problems and all(named in p for p in problems), out.stdout
+    assert out.stdout.rstrip().endswith("dry run: problems above")
+
+
+def test_only_takes_known_rows_in_row_order():
+    out = acceptance(SCRIPT, "--dry-run", "--only", "4,1.7 0")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert list(table_rows(out.stdout)) == ["0", "1.7", "4"]
+    out = acceptance(SCRIPT, "--dry-run", "--only", "1.9")
+    assert out.returncode == 2 and "--only: no row 1.9" in out.stderr
+
+
+def test_key_figures_come_from_the_tools_tables(tmp_path):
+    """The summary's key figure of a gpu_check row and of the offload row, read from what
+    tools/gpu_check.py prints: a change of its table's layout shows here, not on the GPU."""
+    from tools.gpu_check import table
+    from tools.gpu_check_offload import describe
+    common = dict(lp_mean=1e-7, loss=-0.3125, load_local=0.0, load_te=0.0, export=0.0, wgrad="TE 4/4 fused")
+    rows = [dict(spec="local", dtype="fp32", tol=1e-4, lp_max=1.43e-6, ok=True, **common),
+            dict(spec="te", dtype="bf16", tol=0.1, lp_max=2.94e-3, ok=False,
+                 packed=dict(error="RuntimeError: no THD", ok=False), **common),
+            dict(spec="conversion", dtype="fp32", untrained_export=0.0, ok=True)]
+    log = tmp_path / "1.5.log"
+    log.write_text("a warning\n\n" + table(rows) + "\n")
+    key = acceptance(SCRIPT, "--key", "gpu_check", str(log)).stdout.strip()
+    assert key == "PASS 2, FAIL 1 (te bf16); log-prob max diff local fp32 1.43e-06, te bf16 2.94e-03"
+    offload = dict(loss_gpu=-0.3125, loss_host=-0.3124, weights_rel=1e-3, memory_saved=3 << 20,
+                   adam_bytes=4 << 20, ok=True)
+    log.write_text("table\n\n" + describe(offload) + "\n")
+    key = acceptance(SCRIPT, "--key", "offload", str(log)).stdout.strip()
+    assert key.startswith("step-2 loss -0.312500 on the GPU, -0.312400 offloaded;") and key.endswith(": ok")
+    log.write_text('Traceback (most recent call last):\n  File "x.py"\ntorch.OutOfMemoryError: CUDA out of memory\n'
+                   "[rank0]: destroy_process_group() was not called\n")
+    key = acceptance(SCRIPT, "--key", "mfu", str(log)).stdout.strip()
+    assert key == "torch.OutOfMemoryError: CUDA out of memory"  # the exception, not the last line
+
+
+def test_a_run_records_every_row_and_reruns_the_failed(tmp_path):
+    """On CPU the GPU rows fail (no CUDA device, or their budget cut to a second runs out): each
+    still gets its row, the run goes on and exits 1, and `--only failed` picks exactly those rows."""
+    env_tmp = {"TMPDIR": str(tmp_path)}  # the script's record of the last run lives there
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(SCRIPT), "--python", sys.executable, *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120,
+                              env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", **env_tmp})
+    out = run("--out", str(tmp_path / "out"), "--only", "5,1.8,1.1", "--scale", "0.001")
+    assert out.returncode == 1, out.stdout + out.stderr
+    rows = table_rows((tmp_path / "out" / "summary.md").read_text())
+    assert list(rows) == ["1.1", "1.8", "5"]
+    for rid in ("1.1", "1.8"):
+        step, _, command, rc, seconds, budget, key = rows[rid]
+        assert command.startswith("`bash scripts/gpu_check.sh --no-bench --arch qwen3_moe --rows ") and budget == "1"
+        assert (rc == "timeout" and key.startswith("ran out of its 1 s")) or \
+            (rc == "2" and key == "gpu_check: no CUDA device (use --cpu-smoke for the CPU steps)"), rows[rid]
+        assert (tmp_path / "out" / "logs" / f"{rid}.log").is_file()
+    assert rows["5"][3] == "owed" and rows["5"][6].startswith("owed: benchmarks/sync.py has no NCCL mode")
+    assert out.stdout.index("| 1.1 |") < out.stdout.index("--- 1.1 (")  # the table, then the failures' ends
+    again = run("--dry-run", "--only", "failed")
+    assert again.returncode == 0 and list(table_rows(again.stdout)) == ["1.1", "1.8"], again.stdout
