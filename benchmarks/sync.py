@@ -63,7 +63,7 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.sync import DistributedTransport, TensorTransport, WeightSync
-    from gspo_megatron.sync.owner_pass import CHECK_FIRST_DELTAS
+    from gspo_megatron.sync.sender_pass import CHECK_FIRST_DELTAS
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weights.maps import weight_map_for
     from rollout.servers.pool import ServerPool
