@@ -7,9 +7,16 @@ A leaf package: it knows Hugging Face configs and megatron-core, nothing of the 
 caller (gspo_megatron's actor, the checkpoint converters) supplies the parallel layout and the
 machine's adaptations as TransformerConfig overrides.
 
-Names are imported on first use (PEP 562). `hf_config`, `traits`, `shape`, `moe_fields`,
-`mla_fields`, `rope` and `tiny` are torch-free: the command line's early checks and the planner
-read them before (or without) torch and megatron-core.
+    features/    one module (or package, with its megatron modules in layers.py) per feature:
+                 its config fields, refusals, layer-spec rewrite and weight rules
+    families/    the families, each a list of features declared in one place
+    build.py     a family's features -> ModelSpec; shape.py: the same fields, torch-free
+    weights/     the HF <-> megatron weight map of a model (its features' rules), fused layouts
+    hf/          config.json, tensor shapes, the published and the tests' tiny configs
+
+Names are imported on first use (PEP 562). `hf`, `families`, the features' `__init__`s, `shape`
+and `param_count` are torch-free: the command line's early checks and the planner read them
+before (or without) torch and megatron-core.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ lazy_compile.install()  # megatron-core's fusions compile on first use, not at i
 
 _EXPORTS = {"FAMILIES": "families", "family_for": "families", "model_dims_for": "shape",
             "model_shape_for": "shape", "ModelShape": "shape",
-            "model_spec_for": "families", "ModelSpec": "build", "HFConfigError": "hf.config",
+            "model_spec_for": "build", "ModelSpec": "build", "HFConfigError": "hf.config",
             "load_hf_config": "hf.config"}
 
 

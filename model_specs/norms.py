@@ -88,24 +88,15 @@ def te_checkpoint_keys(spec: Any) -> Any:
     (the experts are not one LayerNormLinear) and saves it as pre_mlp_layernorm.weight, so a
     local-spec MoE checkpoint did not load into a TE-spec model (recorded on an H100:
     tests/data/param_names). Dropping that one rename for MoE layers makes the two specs'
-    checkpoint keys identical (tests/model_specs/test_spec_names.py).
-
-    Multi-latent attention layers (model_specs/mla.py) get the keys of the TE spec's MLA layer
-    (gpt_layer_specs.py, get_gpt_layer_with_transformer_engine_spec, multi_latent_attention;
-    0.16.1 and 0.19.2), which megatron's local MLA spec does not map: the latents' norms are
-    fused into the up-projections (linear_q_up_proj / linear_kv_up_proj .layer_norm_weight), and
-    a dense layer's pre-MLP norm into linear_fc1; input_layernorm and an MoE layer's
-    pre_mlp_layernorm are norms of their own in both."""
+    checkpoint keys identical (tests/model_specs/test_spec_names.py). A feature whose layers the
+    local spec maps otherwise sets their keys itself (features/mla/layers.py, features/
+    gated_delta_net/layers.py)."""
     if isinstance(spec, list):
         return [te_checkpoint_keys(s) for s in spec]
     if isinstance(spec, ModuleSpec):
         sub = spec.submodules
         keys = getattr(sub, "sharded_state_dict_keys_map", None)
-        mlp = getattr(sub, "mlp", None)
-        if _is_mla(getattr(sub, "self_attention", None)):
-            return dataclasses.replace(spec, submodules=dataclasses.replace(
-                sub, sharded_state_dict_keys_map=_mla_te_keys(moe=_is_moe_mlp(mlp))))
-        if keys and "pre_mlp_layernorm." in keys and _is_moe_mlp(mlp):
+        if keys and "pre_mlp_layernorm." in keys and _is_moe_mlp(getattr(sub, "mlp", None)):
             keys = {k: v for k, v in keys.items() if k != "pre_mlp_layernorm."}
             sub = dataclasses.replace(sub, sharded_state_dict_keys_map=keys)
             return dataclasses.replace(spec, submodules=sub)
@@ -113,17 +104,6 @@ def te_checkpoint_keys(spec: Any) -> Any:
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type) and hasattr(spec, "layer_specs"):
         return dataclasses.replace(spec, layer_specs=te_checkpoint_keys(spec.layer_specs))
     return spec
-
-
-def _mla_te_keys(moe: bool) -> dict[str, str]:
-    keys = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
-            "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}
-    return keys if moe else {**keys, "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
-
-
-def _is_mla(attention: Any) -> bool:
-    module = getattr(attention, "module", None) or getattr(attention, "func", None)
-    return any(c.__name__ == "MLASelfAttention" for c in getattr(module, "__mro__", ()))
 
 
 def _is_moe_mlp(mlp: Any) -> bool:

@@ -81,7 +81,7 @@ def _linear_layers(c: TransformerConfig | ShapeConfig) -> int:
 
 
 def _mla(c: TransformerConfig | ShapeConfig) -> int:
-    """Multi-latent attention (model_specs/mla.py): q's down- and up-projection and norm (or one
+    """Multi-latent attention (model_specs/features/mla/): q's down- and up-projection and norm (or one
     q projection), the kv latent's down-projection (+ the shared rope key) and norm, its
     up-projection to keys and values, the output projection."""
     h, n = c.hidden_size, c.num_attention_heads

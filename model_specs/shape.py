@@ -6,9 +6,10 @@ parameters and size its memory, without importing torch or megatron-core.
 
 The planner (`gspo-megatron plan`) and param_count read a ModelShape where a ModelSpec would need
 megatron-core (10 s of imports on a busy 2-core machine, most of it torch and the fusions megatron
-compiles on import). `shape_fields` is the one mapping of these fields: build_model_spec
-(common.py) starts its TransformerConfig from it, and tests/model_specs/test_published.py checks that
-every ShapeConfig field equals the built TransformerConfig's for each family and published model.
+compiles on import). `model_fields` is the one mapping of these fields, the family's features
+asked in turn: build_model_spec (build.py) starts its TransformerConfig from it, and
+tests/model_specs/test_published.py checks that every ShapeConfig field equals the built
+TransformerConfig's for each family and published model.
 """
 from __future__ import annotations
 
@@ -17,13 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from model_specs.gdn_fields import gdn_fields
-from model_specs.gpt_oss_fields import gpt_oss_fields
+from model_specs.families import Family, family_for
+from model_specs.features import Draft
 from model_specs.hf.config import HFConfigError, load_hf_config, model_dims, require
-from model_specs.mla_fields import mla_fields
-from model_specs.moe_fields import moe_config_fields
-from model_specs.rope import rope_mapping
-from model_specs.traits import FamilyTraits, attention_options, traits_for
 
 
 @dataclass(frozen=True)
@@ -82,72 +79,28 @@ class ModelShape:
         return bool(self.config.num_moe_experts)
 
 
-def shape_fields(traits: FamilyTraits, hf: Mapping[str, Any]) -> dict[str, Any]:
-    """The TransformerConfig fields of an HF config's shape (MoE fields included: moe_fields.py);
-    a config this project cannot map is refused by the field's name."""
-    fam = traits.name
-    if hf.get("model_type") not in traits.model_types:
-        raise HFConfigError(f"model_type {hf.get('model_type')!r} is not a {fam} model "
-                            f"(expected one of {traits.model_types})")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise HFConfigError(f"{fam}: hidden_act={hf['hidden_act']!r}, expected 'silu'")
-    if hf.get("use_sliding_window"):
-        raise HFConfigError(f"{fam}: use_sliding_window=true is not supported (sliding-window "
-                            f"attention, sliding_window={hf.get('sliding_window')})")
-    if hf.get("mlp_bias"):
-        raise HFConfigError(f"{fam}: mlp_bias=true is not supported (megatron add_bias_linear would "
-                            "also add a bias to the attention output projection)")
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method") if isinstance(
-            hf["quantization_config"], Mapping) else hf["quantization_config"]
-        if not (method == "mxfp4" and traits.experts == "stacked"):
-            _refuse_quantization(fam, method)
-    num_layers = int(require(hf, "num_hidden_layers", fam))
-    hidden = int(require(hf, "hidden_size", fam))
-    heads = int(require(hf, "num_attention_heads", fam))
-    fields: dict[str, Any] = dict(
-        num_layers=num_layers,
-        hidden_size=hidden,
-        ffn_hidden_size=int(require(hf, "intermediate_size", fam)),
-        num_attention_heads=heads,
-        num_query_groups=int(hf.get("num_key_value_heads") or heads),
-        gated_linear_unit=True,
-        add_bias_linear=False,
-    )
-    if traits.attention == "mla":
-        fields.update(mla_fields(hf, fam, heads))  # its own rope; refuses what it cannot map
-    else:
-        if traits.attention == "gqa_sinks":
-            fields.update(gpt_oss_fields(hf, fam, num_layers))
-        elif traits.attention == "gdn_hybrid":
-            fields.update(gdn_fields(hf, fam, num_layers))
-        head_dim = int(hf.get("head_dim") or hidden // heads)
-        rope_mapping(hf, fam, head_dim, traits.partial_rotary)  # refuses what RoPE cannot map
-        qk_norm, qkv_bias = attention_options(traits, hf)
-        fields.update(kv_channels=head_dim, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm)
-    if traits.moe:
-        fields.update(moe_config_fields(hf, fam, num_layers, traits.router, traits.shared_expert,
-                                        traits.expert_size_field))
-    return fields
-
-
-def _refuse_quantization(fam: str, method: Any) -> None:
-    # gpt-oss's MXFP4 experts are the exception: the converter dequantizes them on import
-    # (gspo_megatron/checkpoint/mxfp4.py), and the trainer holds bf16 / fp32 from then on
-    raise HFConfigError(f"{fam}: quantization_config (quant_method={method!r}) is not supported: "
-                        "the trainer holds bf16 / fp32 weights; give it a bf16 copy of the model "
-                        "(for DeepSeek-V3's fp8 weights: DeepSeek's inference/fp8_cast_bf16.py)")
+def model_fields(family: Family, hf: Mapping[str, Any]) -> Draft:
+    """The TransformerConfig fields (and GPTModel's rope arguments) of an HF config, each of the
+    family's features adding its own; a config this project cannot map is refused by the field's
+    name."""
+    if hf.get("model_type") not in family.model_types:
+        raise HFConfigError(f"model_type {hf.get('model_type')!r} is not a {family.name} model "
+                            f"(expected one of {family.model_types})")
+    draft = Draft(family.name, family.all_features)
+    for feature in draft.features:
+        feature.fields(hf, draft)
+    return draft
 
 
 def model_shape_for(source: str | Path | Mapping[str, Any]) -> ModelShape:
     """The ModelShape of an HF model (dict, config.json or model directory)."""
     hf = load_hf_config(source)
-    traits = traits_for(hf)
-    fields = shape_fields(traits, hf)
+    family = family_for(hf)
+    fields = model_fields(family, hf).config
     return ModelShape(
-        family=traits.name,
+        family=family.name,
         config=ShapeConfig(**{k: fields[k] for k in SHAPE_FIELDS if k in fields}),
-        vocab_size=int(require(hf, "vocab_size", traits.name)),
+        vocab_size=int(require(hf, "vocab_size", family.name)),
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
     )
 
@@ -156,5 +109,5 @@ def model_dims_for(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """The dimensions a parallel layout must divide (hf_config.model_dims): num_layers,
     num_attention_heads, num_query_groups, vocab_size, num_experts (None: dense)."""
     hf = load_hf_config(source)
-    traits = traits_for(hf)
-    return model_dims(hf, traits.name, traits.moe)
+    family = family_for(hf)
+    return model_dims(hf, family.name, family.moe)

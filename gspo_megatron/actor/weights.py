@@ -100,7 +100,7 @@ def join_tp_shards(shards: list[torch.Tensor], dim: int, stride: int,
     """TP shards (rank order) -> the full tensor. Each shard holds its 1/tp of each of `stride`
     consecutive blocks along `dim` (megatron's _initialize_affine_weight_cpu layout), or of each
     of the blocks of `blocks` rows (the full tensor's; a Gated DeltaNet's in_proj and conv1d,
-    whose blocks differ in size: model_specs/gdn.py)."""
+    whose blocks differ in size: model_specs/features/gated_delta_net/layers.py)."""
     if blocks is not None:
         tp = len(shards)
         per_shard = [s.split([b // tp for b in blocks], dim=dim) for s in shards]

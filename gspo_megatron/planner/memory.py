@@ -114,7 +114,7 @@ def _is_moe_layer(c, i: int) -> bool:
 def _mlp(c, ffn: int) -> int:
     """fc1 (gated: [2 x ffn, h]) + fc2 ([h, ffn]); with add_bias_linear (gpt-oss) their biases,
     [2 x ffn] and [h] (an expert's, as its weights, split by ETP: fc2's is whole, but ETP = 1
-    there: model_specs/sinks.py)."""
+    there: model_specs/features/linear_bias/)."""
     gated = 2 if c.gated_linear_unit else 1
     bias = gated * ffn + c.hidden_size if c.add_bias_linear else 0
     return (gated + 1) * c.hidden_size * ffn + bias
@@ -147,9 +147,9 @@ def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
 def attention_params(c, tp: int) -> int:
     """One rank's attention weights. GQA: linear_qkv [(q + 2 kv) / TP, h] (+ bias), linear_proj
     [h, q / TP] (+ bias [h] with add_bias_linear), q/k layernorm [head_dim] each, sinks [heads /
-    TP] (gpt-oss: model_specs/sinks.py). Multi-latent attention (model_specs/mla.py): the
-    down-projections [q_lora, h] and [kv_lora + rope, h] and the latents' norms whole on every
-    rank (in both specs), the up-projections (or q_proj) and linear_proj split by heads."""
+    TP] (gpt-oss: model_specs/features/sinks/). Multi-latent attention (model_specs/features/
+    mla/): the down-projections [q_lora, h] and [kv_lora + rope, h] and the latents' norms whole on
+    every rank (in both specs), the up-projections (or q_proj) and linear_proj split by heads."""
     h, n = c.hidden_size, c.num_attention_heads
     if c.multi_latent_attention:
         q_head = c.qk_head_dim + c.qk_pos_emb_head_dim

@@ -39,7 +39,7 @@ def normalize_hf_config(hf: Mapping[str, Any]) -> dict[str, Any]:
         if rope.get(key) is not None:
             out[key] = rope[key]
     if rope.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
-        out["rope_scaling"] = rope  # model_specs/rope.py maps YaRN, rejects the other types
+        out["rope_scaling"] = rope  # features/rope/ maps YaRN, rejects the other types
     scaling = out.get("rope_scaling")
     if isinstance(scaling, Mapping) and "rope_type" not in scaling and "type" in scaling:
         out["rope_scaling"] = {**scaling, "rope_type": scaling["type"]}

@@ -1,6 +1,6 @@
 """Fused HF <-> megatron-core tensor layouts: where megatron holds in one tensor what HF holds in
 several (or in another order), the functions that go one way and back, bit-exact. The table of
-which parameter uses which is weight_maps.py.
+which parameter uses which: the features' weight rules (rules.py, maps.py).
 
 - `linear_qkv` (attention.py, get_query_key_value_tensors): per query group g, the rows are
   [q heads of g (np/ng x hn), k_g (hn), v_g (hn)]; HF's repeat_kv gives query head h the key/value

@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weight maps: one declarative table for every decoder family.
+"""HF <-> megatron-core weight maps: one model's parameters and the conversions of their tensors.
 
 Used by the checkpoint converters (tools/convert_*.py) and by the weight sync into SGLang
 (gspo_megatron/sync/): both see the model as a list of `ParamMapping`s, one per megatron parameter
@@ -10,8 +10,10 @@ TP1/PP1/EP1 model), each with its HF tensors and how they are fused.
         full = wmap.to_megatron(m, [hf[n] for n in m.hf])
         hf_tensors = wmap.to_hf(m, full)          # the inverse, bit-exact
 
-Fused layouts (checked against megatron-core 0.16.1):
-- `linear_qkv` (with or without an output gate) and a Gated DeltaNet's `in_proj`: fused_layouts.py.
+The rules come from the model's family: every feature adds its own (rules.py; the decoder's
+embedding, norms, output projection, dense MLP and head: features/decoder.py). The fused kinds
+(checked against megatron-core 0.16.1):
+- `linear_qkv` (with or without an output gate) and a Gated DeltaNet's `in_proj`: layouts.py.
 - `linear_fc1` of a gated MLP (mlp.py, glu): rows [gate; up]. A TP rank holds [gate_r; up_r]
   (apply_swiglu_sharded_factory), so merging TP shards is NOT a plain concatenation.
 - Stacked experts (gpt-oss): one HF tensor holds every expert of a layer along dim 0, so each
@@ -31,146 +33,12 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from model_specs import family_for
+from model_specs.hf.config import normalize_hf_config
 from model_specs.weights.layouts import (WeightMapError, fuse_gdn_in_proj, fuse_qkv,
                                          split_gdn_in_proj, split_qkv)
-from model_specs.gdn_fields import layer_types
-from model_specs.hf.config import moe_layer_pattern, normalize_hf_config
-from model_specs.traits import attention_options
-
-# The parameter kinds: how a megatron tensor relates to its HF tensors.
-COPY, QKV, GATE_UP, GDN_IN_PROJ = "copy", "qkv", "gate_up", "gdn_in_proj"
-# One expert's slice of a stacked HF tensor (module docstring): gate_up_proj [E, h, 2f]
-# interleaved, its bias [E, 2f] interleaved, down_proj [E, f, h] (transposed), its bias [E, h].
-STACKED_GATE_UP, STACKED_GATE_UP_BIAS, STACKED_T, STACKED = (
-    "stacked_gate_up", "stacked_gate_up_bias", "stacked_t", "stacked")
-STACKED_KINDS = (STACKED_GATE_UP, STACKED_GATE_UP_BIAS, STACKED_T, STACKED)
-
-
-@dataclass(frozen=True)
-class WeightRule:
-    """One line of the map: a megatron parameter name template <-> HF name templates.
-
-    Templates use `{layer}` (global layer index) and `{expert}` (global expert index)."""
-
-    megatron: str
-    hf: tuple[str, ...]
-    kind: str = COPY
-    tp_dim: int | None = None
-    """Dimension split across tensor-parallel ranks (column-parallel / vocab: 0, row-parallel: 1);
-    None = replicated. For experts the split is across the expert-tensor-parallel group."""
-    scope: str = "model"
-    """model: once; layer: every layer; dense: dense-MLP layers; moe: MoE layers; expert: every
-    expert of every MoE layer (split across expert-parallel ranks); linear: Qwen3-Next's Gated
-    DeltaNet layers, which have these in place of every `self_attention.` rule."""
-    when: str | None = None
-    """A condition on the model: 'qkv' (fused q/k/v) or 'mla' + 'mla_q_lora' / 'mla_q_proj'
-    (multi-latent attention with or without q's bottleneck), 'qk_norm', 'qkv_bias', 'untied',
-    'expert_bias' (sigmoid router), 'shared_expert' + 'shared_expert_gate' (Qwen2-MoE's names),
-    'shared_experts' (GLM-4.5's, DeepSeek-V3's), 'per_expert' / 'stacked_experts' (how HF
-    stores the router and experts: traits.FamilyTraits.experts), 'linear_bias' (a bias on the
-    output projection: gpt-oss), 'sinks' (attention sinks)."""
-
-
-L = "decoder.layers.{layer}."
-H = "model.layers.{layer}."
-RULES: tuple[WeightRule, ...] = (
-    WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0),
-    WeightRule(L + "input_layernorm.weight", (H + "input_layernorm.weight",), scope="layer"),
-    WeightRule(L + "self_attention.linear_qkv.weight",
-               (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight",
-                H + "self_attn.v_proj.weight"), QKV, tp_dim=0, scope="layer", when="qkv"),
-    # Multi-latent attention (model_specs/mla.py has the table and the layouts): q through a
-    # low-rank bottleneck with an RMSNorm, or one projection when q_lora_rank is null; k and v
-    # from one latent with an RMSNorm. The down-projections are whole on every TP rank in both
-    # specs (model_specs/mla.py); the live parameter says which (actor/weights.py).
-    WeightRule(L + "self_attention.linear_q_proj.weight", (H + "self_attn.q_proj.weight",),
-               tp_dim=0, scope="layer", when="mla_q_proj"),
-    WeightRule(L + "self_attention.linear_q_down_proj.weight", (H + "self_attn.q_a_proj.weight",),
-               tp_dim=0, scope="layer", when="mla_q_lora"),
-    WeightRule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_a_layernorm.weight",),
-               scope="layer", when="mla_q_lora"),
-    WeightRule(L + "self_attention.linear_q_up_proj.weight", (H + "self_attn.q_b_proj.weight",),
-               tp_dim=0, scope="layer", when="mla_q_lora"),
-    WeightRule(L + "self_attention.linear_kv_down_proj.weight",
-               (H + "self_attn.kv_a_proj_with_mqa.weight",), tp_dim=0, scope="layer", when="mla"),
-    WeightRule(L + "self_attention.kv_layernorm.weight", (H + "self_attn.kv_a_layernorm.weight",),
-               scope="layer", when="mla"),
-    WeightRule(L + "self_attention.linear_kv_up_proj.weight", (H + "self_attn.kv_b_proj.weight",),
-               tp_dim=0, scope="layer", when="mla"),
-    WeightRule(L + "self_attention.linear_qkv.bias",
-               (H + "self_attn.q_proj.bias", H + "self_attn.k_proj.bias",
-                H + "self_attn.v_proj.bias"), QKV, tp_dim=0, scope="layer", when="qkv_bias"),
-    WeightRule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_norm.weight",),
-               scope="layer", when="qk_norm"),
-    WeightRule(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",),
-               scope="layer", when="qk_norm"),
-    WeightRule(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",),
-               tp_dim=1, scope="layer"),
-    WeightRule(L + "self_attention.linear_proj.bias", (H + "self_attn.o_proj.bias",),
-               scope="layer", when="linear_bias"),
-    # megatron's learnable softmax offset is HF's sinks: one logit per head (model_specs/sinks.py)
-    WeightRule(L + "self_attention.core_attention.softmax_offset", (H + "self_attn.sinks",),
-               tp_dim=0, scope="layer", when="sinks"),
-    # Qwen3-Next's Gated DeltaNet (model_specs/gdn.py; the in_proj layout: fused_layouts.py)
-    WeightRule(L + "self_attention.in_proj.weight",
-               (H + "linear_attn.in_proj_qkvz.weight", H + "linear_attn.in_proj_ba.weight"),
-               GDN_IN_PROJ, tp_dim=0, scope="linear"),
-    WeightRule(L + "self_attention.conv1d.weight", (H + "linear_attn.conv1d.weight",), tp_dim=0,
-               scope="linear"),
-    WeightRule(L + "self_attention.A_log", (H + "linear_attn.A_log",), tp_dim=0, scope="linear"),
-    WeightRule(L + "self_attention.dt_bias", (H + "linear_attn.dt_bias",), tp_dim=0, scope="linear"),
-    WeightRule(L + "self_attention.out_norm.weight", (H + "linear_attn.norm.weight",), scope="linear"),
-    WeightRule(L + "self_attention.out_proj.weight", (H + "linear_attn.out_proj.weight",), tp_dim=1,
-               scope="linear"),
-    WeightRule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",),
-               scope="layer"),
-    WeightRule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
-               GATE_UP, tp_dim=0, scope="dense"),
-    WeightRule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), tp_dim=1, scope="dense"),
-    WeightRule(L + "mlp.router.weight", (H + "mlp.gate.weight",), scope="moe", when="per_expert"),
-    # megatron keeps the expert bias as a buffer; model_specs.moe.ExpertBiasRouter makes it a
-    # frozen parameter under the same name (fp32, as HF keeps e_score_correction_bias).
-    WeightRule(L + "mlp.router.expert_bias", (H + "mlp.gate.e_score_correction_bias",),
-               scope="moe", when="expert_bias"),
-    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-               (H + "mlp.experts.{expert}.gate_proj.weight", H + "mlp.experts.{expert}.up_proj.weight"),
-               GATE_UP, tp_dim=0, scope="expert", when="per_expert"),
-    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
-               (H + "mlp.experts.{expert}.down_proj.weight",), tp_dim=1, scope="expert",
-               when="per_expert"),
-    # gpt-oss: the router (with a bias) and the experts stacked per layer (module docstring)
-    WeightRule(L + "mlp.router.weight", (H + "mlp.router.weight",), scope="moe",
-               when="stacked_experts"),
-    WeightRule(L + "mlp.router.bias", (H + "mlp.router.bias",), scope="moe", when="stacked_experts"),
-    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-               (H + "mlp.experts.gate_up_proj",), STACKED_GATE_UP, tp_dim=0, scope="expert",
-               when="stacked_experts"),
-    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc1.bias",
-               (H + "mlp.experts.gate_up_proj_bias",), STACKED_GATE_UP_BIAS, tp_dim=0,
-               scope="expert", when="stacked_experts"),
-    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
-               (H + "mlp.experts.down_proj",), STACKED_T, tp_dim=1, scope="expert",
-               when="stacked_experts"),
-    WeightRule(L + "mlp.experts.local_experts.{expert}.linear_fc2.bias",
-               (H + "mlp.experts.down_proj_bias",), STACKED, scope="expert",
-               when="stacked_experts"),
-    # Shared experts: an MLP over the (expert-independent) TP group, in every MoE layer.
-    WeightRule(L + "mlp.shared_experts.linear_fc1.weight",
-               (H + "mlp.shared_expert.gate_proj.weight", H + "mlp.shared_expert.up_proj.weight"),
-               GATE_UP, tp_dim=0, scope="moe", when="shared_expert"),
-    WeightRule(L + "mlp.shared_experts.linear_fc2.weight", (H + "mlp.shared_expert.down_proj.weight",),
-               tp_dim=1, scope="moe", when="shared_expert"),
-    WeightRule(L + "mlp.shared_experts.gate_weight", (H + "mlp.shared_expert_gate.weight",),
-               scope="moe", when="shared_expert_gate"),
-    WeightRule(L + "mlp.shared_experts.linear_fc1.weight",
-               (H + "mlp.shared_experts.gate_proj.weight", H + "mlp.shared_experts.up_proj.weight"),
-               GATE_UP, tp_dim=0, scope="moe", when="shared_experts"),
-    WeightRule(L + "mlp.shared_experts.linear_fc2.weight",
-               (H + "mlp.shared_experts.down_proj.weight",), tp_dim=1, scope="moe",
-               when="shared_experts"),
-    WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    WeightRule("output_layer.weight", ("lm_head.weight",), tp_dim=0, when="untied"),
-)
+from model_specs.weights.rules import (GATE_UP, GDN_IN_PROJ, QKV, STACKED_GATE_UP,
+                                       STACKED_GATE_UP_BIAS, STACKED_KINDS, STACKED_T, WeightRule,
+                                       ordered)
 
 # A live TE-spec model names some parameters differently from the local spec (whose names the map
 # uses): TE fuses the norms into the following linear layer, and its grouped-GEMM experts hold
@@ -208,6 +76,8 @@ class ParamMapping:
     tp_dim: int | None
     layer: int | None = None
     expert: int | None = None
+    layout: tuple[int, ...] = ()
+    """The dimensions its kind converts by (rules.WeightRule.layout)."""
 
     @property
     def is_expert(self) -> bool:
@@ -221,42 +91,30 @@ class ParamMapping:
 
 @dataclass(frozen=True)
 class WeightMap:
-    """The map for one model: its dimensions decide the fused layouts and which rules apply."""
+    """The map for one model: its rules, placed on its layers and experts."""
 
     family: str
     num_layers: int
-    num_heads: int
-    num_query_groups: int
-    head_dim: int
-    moe_layers: tuple[bool, ...]
     num_experts: int
-    flags: frozenset[str]
+    rules: tuple[WeightRule, ...]
+    """In HF order (rules.ordered)."""
     extra_hf_layers: int = 0
     """Layers after the model's in HF checkpoints that the model does not use (GLM-4.5's
     multi-token-prediction layers, `num_nextn_predict_layers`)."""
-    linear_layers: tuple[bool, ...] = ()
-    """Qwen3-Next: the Gated DeltaNet layers (the others full attention, with an output gate)."""
-    gdn_dims: tuple[int, int, int, int] = (0, 0, 0, 0)
-    """Qwen3-Next: the DeltaNet's key heads, key head dim, value heads, value head dim."""
 
     def mappings(self) -> Iterator[ParamMapping]:
         """Every megatron parameter of the model, in HF order (embedding, layers, head)."""
-        rules = [r for r in RULES if r.when is None or r.when in self.flags]
-        for r in (r for r in rules if r.scope == "model" and r.megatron.startswith("embedding")):
-            yield _mapping(r)
+        model = [r for r in self.rules if r.scope == "model"]
+        yield from (_mapping(r) for r in model if r.slot == "embedding")
         for layer in range(self.num_layers):
-            moe = self.moe_layers[layer]
-            linear = bool(self.linear_layers) and self.linear_layers[layer]
-            for r in rules:
-                if linear and r.scope == "layer" and ".self_attention." in r.megatron:
-                    continue  # a DeltaNet layer: its own rules (scope "linear") instead
-                if (r.scope == "layer" or r.scope == ("moe" if moe else "dense")
-                        or (r.scope == "linear" and linear)):
+            for r in self.rules:
+                if r.scope == "model" or (r.layers is not None and layer not in r.layers):
+                    continue
+                if r.scope == "layer":
                     yield _mapping(r, layer=layer)
-                elif r.scope == "expert" and moe:
+                else:
                     yield from (_mapping(r, layer=layer, expert=e) for e in range(self.num_experts))
-        for r in (r for r in rules if r.scope == "model" and not r.megatron.startswith("embedding")):
-            yield _mapping(r)
+        yield from (_mapping(r) for r in model if r.slot != "embedding")
 
     def by_megatron_name(self) -> dict[str, ParamMapping]:
         return {m.megatron: m for m in self.mappings()}
@@ -288,10 +146,10 @@ class WeightMap:
                 return torch.cat([part[0::2], part[1::2]], dim=0).contiguous()  # [gate; up]
             return part.transpose(0, 1).contiguous() if m.kind == STACKED_T else part.clone()
         if m.kind == QKV:
-            return fuse_qkv(*hf_tensors, self.num_heads, self.num_query_groups, self.head_dim,
-                            gated="attn_gate" in self.flags)
+            heads, groups, head_dim, gated = m.layout
+            return fuse_qkv(*hf_tensors, heads, groups, head_dim, gated=bool(gated))
         if m.kind == GDN_IN_PROJ:
-            return fuse_gdn_in_proj(*hf_tensors, *self.gdn_dims)
+            return fuse_gdn_in_proj(*hf_tensors, *m.layout)
         if m.kind == GATE_UP:
             return torch.cat(list(hf_tensors), dim=0)
         return hf_tensors[0]
@@ -306,10 +164,10 @@ class WeightMap:
         if m.kind == STACKED_T:
             return [tensor.transpose(0, 1).contiguous()]
         if m.kind == QKV:
-            return split_qkv(tensor, self.num_heads, self.num_query_groups, self.head_dim,
-                             gated="attn_gate" in self.flags)
+            heads, groups, head_dim, gated = m.layout
+            return split_qkv(tensor, heads, groups, head_dim, gated=bool(gated))
         if m.kind == GDN_IN_PROJ:
-            return split_gdn_in_proj(tensor, *self.gdn_dims)
+            return split_gdn_in_proj(tensor, *m.layout)
         if m.kind == GATE_UP:
             return [t.contiguous() for t in torch.chunk(tensor, 2, dim=0)]
         return [tensor.contiguous()]
@@ -353,46 +211,19 @@ class WeightMap:
 def _mapping(r: WeightRule, layer: int | None = None, expert: int | None = None) -> ParamMapping:
     fmt = dict(layer=layer, expert=expert)
     return ParamMapping(r.megatron.format(**fmt), tuple(h.format(**fmt) for h in r.hf), r.kind,
-                        r.tp_dim, layer, expert)
+                        r.tp_dim, layer, expert, r.layout)
 
 
-# ---- building the map from an HF config ----
 def weight_map_for(hf_config: Mapping[str, Any]) -> WeightMap:
-    """The weight map of an HF model (config dict); raises HFConfigError for unknown families."""
+    """The weight map of an HF model (config dict): its family's features' rules; raises
+    HFConfigError for unknown families."""
     hf = normalize_hf_config(hf_config)
-    traits = family_for(hf).traits
-    layers = int(hf["num_hidden_layers"])
-    heads = int(hf["num_attention_heads"])
-    flags = {"mla", "mla_q_proj" if hf.get("q_lora_rank") is None else "mla_q_lora"} \
-        if traits.attention == "mla" else {"qkv"}
-    qk_norm, qkv_bias = attention_options(traits, hf)
-    if qk_norm:
-        flags.add("qk_norm")
-    if qkv_bias:
-        flags.add("qkv_bias")
-    if not hf.get("tie_word_embeddings", False):
-        flags.add("untied")
-    if traits.moe and traits.router == "sigmoid":
-        flags.add("expert_bias")
-    if traits.moe:
-        flags.add("stacked_experts" if traits.experts == "stacked" else "per_expert")
-    if traits.attention == "gqa_sinks":
-        flags.update(("linear_bias", "sinks"))
-    if traits.moe and traits.shared_expert == "gated":
-        flags.update(("shared_expert", "shared_expert_gate"))
-    elif traits.moe and traits.shared_expert == "plain":
-        flags.add("shared_experts")
-    moe = [bool(x) for x in moe_layer_pattern(hf, layers)] if traits.moe else [False] * layers
-    linear, gdn = (), (0, 0, 0, 0)
-    if traits.attention == "gdn_hybrid":
-        flags.add("attn_gate")
-        linear = tuple(t == "linear_attention" for t in layer_types(hf, layers))
-        gdn = tuple(int(hf[k]) for k in ("linear_num_key_heads", "linear_key_head_dim",
-                                         "linear_num_value_heads", "linear_value_head_dim"))
-    return WeightMap(
-        family=traits.name, num_layers=layers, num_heads=heads,
-        num_query_groups=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-        moe_layers=tuple(moe), num_experts=int(hf.get("num_experts") or 0) if traits.moe else 0,
-        flags=frozenset(flags), extra_hf_layers=int(hf.get("num_nextn_predict_layers") or 0),
-        linear_layers=linear, gdn_dims=gdn)  # type: ignore[arg-type]
+    family = family_for(hf)
+    rules: list[WeightRule] = []
+    for feature in family.all_features:
+        rules = feature.weight_rules(hf, rules)
+    experts = any(r.scope == "expert" for r in rules)
+    return WeightMap(family=family.name, num_layers=int(hf["num_hidden_layers"]),
+                     num_experts=int(hf.get("num_experts") or 0) if experts else 0,
+                     rules=tuple(ordered(rules)),
+                     extra_hf_layers=int(hf.get("num_nextn_predict_layers") or 0))

@@ -171,7 +171,7 @@ def test_the_mtp_layers_are_left_out_and_said_so():
 
 def test_the_local_spec_adaptations_are_still_needed():
     """megatron-core's local DotProductAttention still takes no k_channels / v_channels (what
-    model_specs.mla.LocalMLACoreAttention adds), and 0.16.1's MLA module still believed TE
+    model_specs.features.mla.layers.LocalMLACoreAttention adds), and 0.16.1's MLA module still believed TE
     present without it (what fix_have_te corrects; 0.19 reads the real flag). When an upgrade
     fixes them, this fails and the adaptations can go."""
     import inspect
@@ -180,7 +180,7 @@ def test_the_local_spec_adaptations_are_still_needed():
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from model_specs import mla
+    from model_specs.features.mla import layers as mla
     assert "k_channels" not in inspect.signature(DotProductAttention.__init__).parameters
     assert multi_latent_attention.HAVE_TE is False  # no TE on this machine
     assert mla.FIXED_HAVE_TE == megatron.core.__version__.startswith("0.16")

@@ -103,7 +103,7 @@ def test_expert_bias_is_a_frozen_fp32_parameter_that_survives_a_bf16_cast():
     from gspo_megatron.checkpoint.convert import single_process_megatron
     from gspo_megatron.parallel.cpu_compat import apply
     from megatron.core.models.gpt import GPTModel
-    from model_specs.moe import ExpertBiasRouter
+    from model_specs.features.sigmoid_router.layers import ExpertBiasRouter
 
     apply()
     spec = model_spec_for(glm4_moe(num_hidden_layers=2), params_dtype=torch.bfloat16,

@@ -33,7 +33,7 @@ from tools.make_tiny_model import make_tiny_model
 NAME = "gpt_oss"
 # initializer_range 0.1: attention far from uniform and expert activations past the clamp
 MODEL = dict(initializer_range=0.1, num_hidden_layers=4)
-# expert_tensor 1: expert biases refuse expert-TP (model_specs/sinks.py). TP2 alone is the layout
+# expert_tensor 1: expert biases refuse expert-TP (model_specs/features/linear_bias/). TP2 alone is the layout
 # where experts are whole on ranks that split the dense layers, which megatron does not mark as
 # experts (actor/weights.py is_expert_param)
 LAYOUTS = {"tp2": dict(tensor=2, expert_tensor=1), "tp2_ep2": dict(tensor=2, expert=2, expert_tensor=1),
@@ -120,7 +120,7 @@ def test_expert_tensor_parallelism_and_transformer_engine_are_refused():
 
 
 def test_megatron_still_refuses_expert_biases_with_expert_tensor_parallelism():
-    """What the expert-TP refusal rests on (model_specs/sinks.py): megatron asserts ETP == 1 for
+    """What the expert-TP refusal rests on (model_specs/features/linear_bias/): megatron asserts ETP == 1 for
     MoE with biases (transformer_config.py:1590), and its expert MLP still adds the fc2 bias to
     each expert-TP rank's partial sum (mlp.py). When megatron lifts either, this fails and the
     refusal in model_specs/build.py can be revisited."""
@@ -136,7 +136,7 @@ def test_megatron_still_refuses_expert_biases_with_expert_tensor_parallelism():
 
 
 def test_megatron_still_reduces_a_lone_experts_fc2_over_a_group_of_one():
-    """What model_specs.moe.ExpertRowParallelLinear adds: without expert parallelism or expert-TP,
+    """What model_specs.features.linear_bias.layers.ExpertRowParallelLinear adds: without expert parallelism or expert-TP,
     megatron's expert fc2 goes through the TP reduction (which returns its input as is) and the
     expert MLP then adds its bias in place, which autograd refuses. When megatron changes either,
     this fails and the adaptation can be revisited."""
@@ -147,7 +147,7 @@ def test_megatron_still_reduces_a_lone_experts_fc2_over_a_group_of_one():
 
 
 def test_megatron_still_sums_an_expert_biases_gradient_over_the_tp_group():
-    """What ExpertRowParallelLinear's marks rest on (model_specs/moe.py): megatron marks an expert
+    """What ExpertRowParallelLinear's marks rest on (model_specs/features/linear_bias/layers.py): megatron marks an expert
     fc2's bias sequence-parallel like any row-parallel bias, and sums marked gradients over the
     (dense) TP group, which mixed other ranks' experts into it under TP2 x EP2; and its grad norm
     counts a parameter not marked TP-split on TP rank 0 only."""
@@ -166,7 +166,7 @@ def test_megatron_still_sums_an_expert_biases_gradient_over_the_tp_group():
 
 
 def test_megatron_still_leaves_the_sinks_tp_split_unmarked():
-    """What SinkDotProductAttention adds (model_specs/sinks.py): the learnable softmax offset is
+    """What SinkDotProductAttention adds (model_specs/features/sinks/layers.py): the learnable softmax offset is
     split over TP ranks by heads, and megatron marks it nowhere but in its sharded state dict."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 

@@ -7,7 +7,7 @@ The tiny model (tools/make_tiny_model.py, 4 layers) has three Gated DeltaNet lay
 4 value heads) and one gated full-attention layer with a quarter of each head rotated, a gated
 shared expert and top-2 of 4 experts; its norms and dt_bias are drawn at random. On this CPU
 megatron runs the DeltaNet with the torch forms of flash-linear-attention's kernels
-(model_specs/gdn.py); transformers runs its own torch forms.
+(model_specs/features/gated_delta_net/layers.py); transformers runs its own torch forms.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_maps_the_hybrid_layers_gate_norms_and_moe():
     assert spec.rotary_percent == 0.25 and (c.kv_channels, c.num_query_groups) == (16, 2)
     assert c.moe_shared_expert_gate and c.moe_shared_expert_intermediate_size == 64
     assert (c.num_moe_experts, c.moe_router_topk) == (4, 2) and not c.moe_router_pre_softmax
-    assert c.deterministic_mode  # the torch kernels on a machine without CUDA (model_specs/gdn.py)
+    assert c.deterministic_mode  # the torch kernels on a machine without CUDA (model_specs/features/gated_delta_net/layers.py)
     custom = model_spec_for(qwen3_next(layer_types=["linear_attention", "full_attention"] * 2))
     assert custom.config.linear_attention_freq == [1, 0, 1, 0]
 

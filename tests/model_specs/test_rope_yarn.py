@@ -1,4 +1,4 @@
-"""YaRN RoPE scaling (model_specs/rope.py): megatron's frequencies and attention factor as
+"""YaRN RoPE scaling (model_specs/features/rope/): megatron's frequencies and attention factor as
 transformers computes them, and log-probs equal to transformers' (1e-5, fp32) at positions far
 beyond the original context length, for Qwen3, Qwen3-MoE and Qwen2-MoE; other rope types named.
 Slow: a real SGLang server on the same model directory applies the same YaRN (what the run's

@@ -124,7 +124,7 @@ def test_mla_layers_write_the_te_specs_keys_and_te_names_map_to_the_local_ones(o
 
 
 def test_deltanet_layers_write_the_te_specs_keys_and_te_names_map_to_the_local_ones(one_process_megatron):
-    """Qwen3-Next is not in the recording. Its TE DeltaNet layer (model_specs/gdn.py, as megatron's
+    """Qwen3-Next is not in the recording. Its TE DeltaNet layer (model_specs/features/gated_delta_net/layers.py, as megatron's
     own experimental spec) fuses the input norm into in_proj (TELayerNormColumnParallelLinear):
     the local layer writes that key, megatron saves in_proj and conv1d split per block, and the
     full-attention layer keeps linear_qkv's fused norm key."""

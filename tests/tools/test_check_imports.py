@@ -22,7 +22,7 @@ def test_the_tree_follows_the_rules():
 
 
 @pytest.mark.parametrize("where,line,needle", [
-    ("model_specs/families.py", "from gspo_megatron.parallel.layout import ParallelLayout",
+    ("model_specs/families/__init__.py", "from gspo_megatron.parallel.layout import ParallelLayout",
      "model_specs.families imports gspo_megatron.parallel.layout (model_specs knows HF and megatron-core"),
     ("model_specs/hf/config.py", "from gspo_megatron import GspoError",
      "model_specs.hf.config imports gspo_megatron (model_specs knows HF"),

@@ -1,4 +1,4 @@
-"""Qwen3-Next's Gated DeltaNet layers in megatron-core (what the fields mean: gdn_fields.py).
+"""Qwen3-Next's Gated DeltaNet layers in megatron-core (what the fields mean: __init__.py).
 
     spec = use_gated_delta_net(spec, config, use_te, vp_stage, pp_rank)   # the block's linear layers
 
@@ -24,7 +24,7 @@ Without flash-linear-attention (its kernels are Triton: GPU only) megatron-core 
 layer (HAVE_FLA). On a machine without CUDA, `use_torch_kernels()` gives megatron the torch forms:
 its own `torch_chunk_gated_delta_rule` (transformers' reference, which megatron runs under
 deterministic_mode), and an l2norm equal to transformers' (modeling_qwen3_next.py, l2norm: x *
-rsqrt(sum(x^2) + 1e-6)); `deterministic_mode` (set by common.build_model_spec there) also takes
+rsqrt(sum(x^2) + 1e-6)); `deterministic_mode` (set by the feature there, __init__.py) also takes
 the torch convolution (0.16.1 takes it whenever causal_conv1d is absent; 0.19.2 only then).
 
 SGLang's side on a CPU (its Qwen3-Next calls sgl-kernel's CPU ops, built for AMX / AVX-512 only:

@@ -1,6 +1,6 @@
 """Multi-latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight) on megatron-core's MLASelfAttention.
 
-The mapping (mla_fields.py; transformers modeling_deepseek_v3.py, DeepseekV3Attention, against
+The mapping (__init__.py; transformers modeling_deepseek_v3.py, DeepseekV3Attention, against
 megatron-core 0.16.1 multi_latent_attention.py, MLASelfAttention):
 
     HF self_attn.*                     megatron self_attention.*      shape
@@ -19,14 +19,15 @@ kv up-projection as [.., n, nope + v] (:798). The rope channels are rotated in i
 on both sides: transformers' apply_rotary_pos_emb_interleave (config.rope_interleave, true by
 default and in every published config) and megatron's _apply_rotary_pos_emb_bshd with
 multi_latent_attention (rope_utils.py:116: t[..., 0::2], t[..., 1::2], then rotate-half), so
-q.k is the same sum in the same layout; rope_interleave=false is refused (mla_fields.py). k's rope
-part is one head's, shared by every head, on both sides. The softmax scale and YaRN: rope.py.
+q.k is the same sum in the same layout; rope_interleave=false is refused (__init__.py). k's rope
+part is one head's, shared by every head, on both sides. The softmax scale and YaRN: features/rope/.
 
 Tensor parallelism: the up-projections and q_proj split their heads (column-parallel), o_proj
 its input (row-parallel); the down-projections are whole on every rank (TELinear "duplicated" in
 the TE spec, `DuplicatedLinear` in the local one), their weights' gradients summed over TP like
-the sequence-parallel norms'. Checkpoint keys agree between the specs (norms.te_checkpoint_keys).
-Sequence parallelism is required with TP > 1 (model_specs.build refuses it off): the shared rope
+the sequence-parallel norms'. Checkpoint keys agree between the specs: the local spec's MLA
+layers save under the TE spec's keys (`te_checkpoint_keys`; the rest: norms.te_checkpoint_keys).
+Sequence parallelism is required with TP > 1 (the MLA feature refuses it off): the shared rope
 key is gathered over the sequence, whose backward sums every rank's heads' gradients (:620-622);
 without it each rank would keep its own heads' share.
 
@@ -137,8 +138,8 @@ class AdaptedMLASelfAttention(MLASelfAttention):
 
 def adapt_mla_spec(spec: Any, *, local: bool, plain_q_proj: bool) -> Any:
     """A copy of a block / layer spec whose MLA layers are AdaptedMLASelfAttention, with
-    LocalMLACoreAttention in the local spec (`local`) and no q_layernorm with q_lora_rank null
-    (`plain_q_proj`)."""
+    LocalMLACoreAttention and the TE spec's checkpoint keys in the local spec (`local`), and no
+    q_layernorm with q_lora_rank null (`plain_q_proj`)."""
     def adapt(s: Any) -> Any:
         if not (isinstance(s, ModuleSpec) and s.module is MLASelfAttention):
             return None
@@ -151,4 +152,26 @@ def adapt_mla_spec(spec: Any, *, local: bool, plain_q_proj: bool) -> Any:
         if plain_q_proj:
             sub = dataclasses.replace(sub, q_layernorm=IdentityOp)
         return dataclasses.replace(s, submodules=sub, module=AdaptedMLASelfAttention)
-    return rewrite_spec(spec, adapt)
+    spec = rewrite_spec(spec, adapt)
+    return te_checkpoint_keys(spec) if local else spec
+
+
+def te_checkpoint_keys(spec: Any) -> Any:
+    """A copy of a local block spec whose MLA layers save under the keys of the TE spec's MLA layer
+    (megatron-core get_gpt_layer_with_transformer_engine_spec, multi_latent_attention; 0.16.1 and
+    0.19.2), which megatron's local MLA spec does not map: the latents' norms are fused into the
+    up-projections (linear_q_up_proj / linear_kv_up_proj .layer_norm_weight), and a dense layer's
+    pre-MLP norm into linear_fc1 (norms.te_checkpoint_keys keeps an MoE layer's its own, as TE
+    does); input_layernorm is a norm of its own in both."""
+    keys = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+            "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+    def mla_layer(s: Any) -> Any:
+        attention = getattr(getattr(s, "submodules", None), "self_attention", None)
+        if not (isinstance(s, ModuleSpec) and getattr(attention, "module", None) is
+                AdaptedMLASelfAttention):
+            return None
+        return dataclasses.replace(s, submodules=dataclasses.replace(
+            s.submodules, sharded_state_dict_keys_map=dict(keys)))
+    return rewrite_spec(spec, mla_layer)

@@ -1,9 +1,9 @@
 """Rotary position embeddings: HF `rope_theta` / `partial_rotary_factor` / `rope_scaling` ->
-megatron GPTModel kwargs and TransformerConfig fields.
+megatron GPTModel kwargs and TransformerConfig fields (the `Rope` feature).
 
     rope = rope_mapping(hf, "qwen3", head_dim=128, partial_rotary=False)
     rope.gpt_model_kwargs()   # position_embedding_type, rotary_percent, rotary_base
-    rope.config_fields        # softmax_scale, yarn_* (YaRN only; common.YarnTransformerConfig holds them)
+    rope.config_fields        # softmax_scale, yarn_* (YaRN only; layers.YarnTransformerConfig holds them)
 
 Plain RoPE and YaRN (`rope_type: "yarn"`, e.g. Qwen3 with 4x context) are mapped; every other
 rope type (llama3, linear, dynamic, longrope, ...) raises HFConfigError naming it.
@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from model_specs.features import Draft, Feature
 from model_specs.hf.config import HFConfigError
 
 
@@ -59,11 +60,31 @@ class RopeMapping:
     rotary_base: float
     """HF rope_theta."""
     config_fields: dict[str, Any] = field(default_factory=dict)
-    """TransformerConfig fields (softmax_scale, yarn_*); yarn_* need common.YarnTransformerConfig."""
+    """TransformerConfig fields (softmax_scale, yarn_*); yarn_* need layers.YarnTransformerConfig."""
 
     def gpt_model_kwargs(self) -> dict[str, Any]:
         return dict(position_embedding_type=self.position_embedding_type,
                     rotary_percent=self.rotary_percent, rotary_base=self.rotary_base)
+
+
+@dataclass(frozen=True)
+class Rope(Feature):
+    """RoPE or YaRN on GPTModel's rotary embedding, over a head's first `partial_rotary_factor`
+    of channels where `partial` (the family's HF class honours that field: GLM-4.5, Qwen3-Next;
+    elsewhere a factor other than 1 is refused). Needs the head width (attention.GQA's)."""
+
+    partial: bool = False
+
+    def fields(self, hf: Mapping[str, Any], draft: Draft) -> None:
+        rope = rope_mapping(hf, draft.family, draft.config["kv_channels"], self.partial)
+        draft.gpt_model.update(rope.gpt_model_kwargs())
+        draft.config.update(rope.config_fields)
+
+    def config_class(self, draft: Draft) -> type | None:
+        if draft.gpt_model["position_embedding_type"] != "yarn":
+            return None
+        from model_specs.features.rope.layers import YarnTransformerConfig
+        return YarnTransformerConfig
 
 
 def rope_mapping(hf: Mapping[str, Any], family: str, head_dim: int,
