@@ -257,9 +257,9 @@ for line in lines:
     if ns is None:
         continue
     if hasattr(ns, "arch"):
-        from model_specs.traits import FAMILY_TRAITS
-        if ns.arch not in FAMILY_TRAITS:
-            problems.append(f"row {rid}: --arch {ns.arch}: not a family of model_specs/traits.py FAMILY_TRAITS")
+        from model_specs.families import FAMILIES
+        if ns.arch not in FAMILIES:
+            problems.append(f"row {rid}: --arch {ns.arch}: not a family of model_specs/families/ FAMILIES")
     if kind == "mfu":
         configs = runpy.run_path(target, run_name="mfu_configurations")["configurations"](ns.device)
         for k in ns.only or range(len(configs)):

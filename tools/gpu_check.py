@@ -325,7 +325,7 @@ def main() -> int:
         print("gpu_check: no CUDA device (use --cpu-smoke for the CPU steps)", file=sys.stderr)
         return 2
     from model_specs.norms import HAVE_TE
-    # gpt-oss's attention sinks build the local spec only (model_specs/sinks.py)
+    # gpt-oss's attention sinks build the local spec only (model_specs/features/sinks/)
     have = ["local"] + (["te"] if HAVE_TE and device == "cuda" and args.arch != "gpt_oss" else [])
     wanted = args.rows or [*have, *(["offload"] if device == "cuda" else [])]
     if "te" in wanted and "te" not in have or "offload" in wanted and device != "cuda":

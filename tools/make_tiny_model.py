@@ -24,15 +24,15 @@ Qwen2-57B-A14B), moe_intermediate_size 32 and a gated shared expert of 64. glm4_
 shaped: q/k/v bias, QK-norm, half-rotary heads) has its first layer dense, then 8 experts top-2 in
 2 groups of which 1 is chosen, routed_scaling_factor 2.5, one shared expert; its
 e_score_correction_bias (zeros in transformers' init) is drawn at random too, so that the
-bias-shifted expert choice is exercised. deepseek_v3 (DeepSeek-V3 shaped, model_specs/tiny.py's
+bias-shifted expert choice is exercised. deepseek_v3 (DeepSeek-V3 shaped, model_specs/hf/tiny.py's
 deepseek_v3) has multi-latent attention (4 heads, q_lora_rank 24, kv_lora_rank 32, 12 + 8 rope
 q/k channels, 16 v channels), YaRN x4 over 8 original positions with mscale 1.0 / mscale_all_dim
 0.8 (max_position_embeddings 32), and glm4_moe's MoE (random expert bias too); `q_lora_rank=None`
-and `rope_parameters=None` give Moonlight's attention. gpt_oss (model_specs/tiny.py's gpt_oss) has
+and `rope_parameters=None` give Moonlight's attention. gpt_oss (model_specs/hf/tiny.py's gpt_oss) has
 layers alternating a sliding window of 8 and full attention, YaRN x4 over 8 original positions
 (truncate false), 8 experts top-4 of width 32 and a SwiGLU clamp of 0.5; its attention sinks and
 every bias (q/k/v/o, router, experts: zeros in transformers' init) are drawn at random, so that the
-weight map and the log-prob tests see them. qwen3_next (model_specs/tiny.py's qwen3_next) has 4
+weight map and the log-prob tests see them. qwen3_next (model_specs/hf/tiny.py's qwen3_next) has 4
 layers, three Gated DeltaNet layers (2 key / 4 value heads of 16, conv width 4) then one of gated
 full attention with a quarter of each head rotated, and qwen2_moe's MoE with top-2 of 4 experts;
 its norms (zero-centred: 0 at init, the gated one 1) and dt_bias are drawn at random too.

@@ -74,9 +74,9 @@ def parse_memory(text: str, flag: str = "--gpu-memory") -> int:
 def load_model(name_or_path: str, given_as: str | None = None) -> dict[str, Any]:
     """The HF config of a published model, the tiny test model, or a config.json / model folder;
     `given_as` says where the name came from in errors (default: `--model 'NAME'`)."""
+    from model_specs.families import FAMILIES, family_for
     from model_specs.hf.config import load_hf_config
     from model_specs.hf.published import BY_NAME
-    from model_specs.traits import FAMILY_TRAITS, traits_for
     if name_or_path in BY_NAME:
         return dict(BY_NAME[name_or_path])
     if name_or_path == "tiny-qwen3-moe":  # the tests' and the main job's model (make_tiny_model.py)
@@ -87,7 +87,7 @@ def load_model(name_or_path: str, given_as: str | None = None) -> dict[str, Any]
         family = next((f for pattern, f in UNSUPPORTED if pattern.search(name_or_path)), None)
         if family is not None:
             raise PlanError(f"{given_as}: the {family} family is not supported yet "
-                            f"(supported: {', '.join(sorted(FAMILY_TRAITS))}; published: "
+                            f"(supported: {', '.join(sorted(FAMILIES))}; published: "
                             f"{', '.join(BY_NAME)})")
         published = Path(name_or_path).name
         hint = (f"; give --model {published} for its published config" if published in BY_NAME
@@ -95,12 +95,12 @@ def load_model(name_or_path: str, given_as: str | None = None) -> dict[str, Any]
         raise PlanError(f"{given_as}: not a published model ({', '.join(BY_NAME)}, "
                         f"tiny-qwen3-moe) and no such config.json or model folder{hint}")
     hf = load_hf_config(name_or_path)
-    traits_for(hf)  # an unsupported family: one line naming it and the supported ones
+    family_for(hf)  # an unsupported family: one line naming it and the supported ones
     return hf
 
 
 # Models asked for by name whose family model_specs does not map: named as unsupported, not as a
-# missing file (a config.json of any family is refused by its model_type, model_specs/traits.py).
+# missing file (a config.json of any family is refused by its model_type, model_specs/families/).
 UNSUPPORTED = tuple((re.compile(p, re.IGNORECASE), f) for p, f in (
     (r"mixtral", "mixtral"), (r"llama-?4", "llama4"), (r"dbrx", "dbrx"), (r"grok", "grok"),
     (r"minimax", "minimax"), (r"ernie", "ernie4_5_moe"), (r"phi-?3\.5-?moe|phimoe", "phimoe"),

@@ -181,7 +181,7 @@ def test_offload_moves_its_share_of_the_optimizer_to_the_host():
 def test_plan_gpt_oss_120b_fits_on_32_not_8_and_20b_on_8():
     """gpt-oss-120b (116.8B, the experts dequantized to bf16) with Adam needs about 2.1 TB of
     weights, gradients and optimizer state: not 8 x 80 GiB, 32 of them hold it. gpt-oss-20b fits
-    on 8. Every layout has expert-TP 1 (expert biases: model_specs/sinks.py)."""
+    on 8. Every layout has expert-TP 1 (expert biases: model_specs/features/linear_bias/)."""
     common = ("examples/qwen3_235b_a22b.yaml", "--gpu-memory", "80GiB", "--gpus-per-node", "8",
               "--top", "200", "--all")
     small = _plan(*common, "--model", "gpt-oss-120b", "--gpus", "8")
