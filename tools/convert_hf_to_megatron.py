@@ -16,7 +16,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo_megatron.checkpoint.hf_files import DTYPES  # noqa: E402
+# gspo_megatron/checkpoint/hf_files.py DTYPES, named here so that --help and a wrong argument are
+# answered before torch and megatron-core are imported (3-9 s on a CPU machine)
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf", required=True, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier output "
                    "of this tool (replaced whole); written beside it and renamed into place")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=None,
                    help="store parameters in this dtype (float32, bfloat16, float16); default: "
                         "the HF tensors' dtype")
     args = p.parse_args(argv)
+    from gspo_megatron.run.expected_warnings import quiet_expected_warnings
+    quiet_expected_warnings()  # as the trainer does: no TE / apex lines on a CPU machine
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron, run_tool
+    from gspo_megatron.checkpoint.hf_files import DTYPES
 
     return run_tool("convert_hf_to_megatron", lambda: convert_hf_to_megatron(
         args.hf, args.out, dtype=DTYPES.get(args.dtype)))

@@ -36,6 +36,7 @@ from gspo_megatron.checkpoint.model_io import HF_SUBDIR, TorchDcpSaveStrategy, w
 from gspo_megatron.checkpoint.mxfp4 import StackedExpertsReader, is_mxfp4
 from gspo_megatron.checkpoint.output_dirs import publish_dir
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides, current_device_is_cpu
+from gspo_errors import MissingInputError
 from model_specs import load_hf_config, model_spec_for
 from model_specs.weights.maps import WeightMap, WeightMapError, weight_map_for
 
@@ -151,15 +152,21 @@ class _StreamingSaveStrategy(TorchDcpSaveStrategy):
 
 
 def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
-                           dtype: torch.dtype | None = None, *, field: str = "--out") -> Path:
+                           dtype: torch.dtype | None = None, *, field: str = "--out",
+                           hf_field: str = "--hf") -> Path:
     """Write HF safetensors at hf_dir as a megatron checkpoint at out_dir (+ out_dir/hf/).
 
     `out_dir` is published whole (output_dirs.publish_dir): new, empty or an earlier output of
-    this project, never the HF model or a folder holding it (`field` names it in errors)."""
+    this project, never the HF model or a folder holding it (`field` names it in errors, `hf_field`
+    names hf_dir). A tensor the checkpoint cannot hold exactly (an integer one) is refused."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if hf_dir.is_file():
+        raise MissingInputError(f"{hf_field}={str(hf_dir)!r} is a file, not a folder: give the Hugging "
+                                f"Face model folder (config.json and *.safetensors), e.g. {str(hf_dir.parent)!r}")
     hf = load_hf_config(hf_dir)
     wmap = weight_map_for(hf)
     reader = HFTensorReader(hf_dir)
+    _check_float_tensors(reader, wmap)
     by_name = wmap.by_megatron_name()
     dtype = dtype or reader.dtype(by_name["embedding.word_embeddings.weight"].hf[0])
     if any(m.stacked for m in by_name.values()):  # gpt-oss: MXFP4 dequantized, stacks read once
@@ -201,6 +208,24 @@ def _check_hf_shapes(reader: HFTensorReader, wmap: WeightMap, params: dict) -> N
     for m in wmap.mappings():
         for name, shape in zip(m.hf, wmap.hf_shapes(m, params[m.megatron].shape)):
             reader.get_shape_checked(name, shape)
+
+
+def _check_float_tensors(reader: HFTensorReader, wmap: WeightMap) -> None:
+    """An integer (or bool) HF tensor the map turns into a parameter: megatron's parameters are
+    floating point, so the conversion would change its values' type (int32 -> float32, silently,
+    and exactly only below 2^24); refused, naming it. MXFP4's packed uint8 blocks and scales are
+    read by the stacked experts' reader (mxfp4.py), under other names."""
+    for name in wmap.hf_names():
+        kind = reader.stored_dtype(name) if name in reader.file_of else None
+        if kind is not None and not kind.startswith(("F", "BF")):
+            shown = INTEGER_DTYPES.get(kind, kind)
+            raise WeightMapError(f"HF tensor {name} in {reader.dir / reader.file_of[name]} is {shown}: "
+                                 "the megatron checkpoint holds floating-point parameters, and converting "
+                                 f"would change its values; refused (store it as a float tensor)")
+
+
+INTEGER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+                  "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64"}  # safetensors' names
 
 
 def _check_unused_hf(reader: HFTensorReader, wmap: WeightMap, hf: dict[str, Any]) -> None:

@@ -107,9 +107,16 @@ class HFTensorReader:
     def __init__(self, hf_dir: str | Path) -> None:
         self.dir = Path(hf_dir)
         self.file_of: dict[str, str] = {}
+        self._stored: dict[str, str] = {}
         for path in weight_files(self.dir):
-            self.file_of.update({k: path.name for k in read_safetensors_header(path).tensors})
+            tensors = read_safetensors_header(path).tensors
+            self.file_of.update({k: path.name for k in tensors})
+            self._stored.update({k: str(v.get("dtype")) for k, v in tensors.items()})
         self._open: dict[str, object] = {}
+
+    def stored_dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype as its file's header says: F32, BF16, I32, U8, ..."""
+        return self._stored[name]
 
     @property
     def names(self) -> list[str]:

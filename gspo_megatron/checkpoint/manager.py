@@ -45,12 +45,11 @@ from gspo_megatron.checkpoint.durable import fsync_dir, fsync_file, write_json
 from gspo_megatron.checkpoint.hf_files import copy_metadata_files
 from gspo_megatron.checkpoint.loop_state import (RNG_DIR, LoopState, load_driver_state, load_rng,
                                                  save_driver_state, save_rng)
-from gspo_megatron.checkpoint.model_io import HF_SUBDIR
+from gspo_megatron.checkpoint.model_io import HF_SUBDIR, MANIFEST
 from gspo_errors import GspoError
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
-MANIFEST = "MANIFEST.json"
 MODEL_DIR = "model"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 

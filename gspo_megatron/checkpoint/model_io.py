@@ -28,14 +28,15 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
-from gspo_megatron.checkpoint.hf_files import copy_metadata_files
+from gspo_megatron.checkpoint.hf_files import DamagedFileError, copy_metadata_files
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.parallel.model_chunks import unwrap  # DDP / Float16Module prefix names with 'module.'
 from gspo_errors import InputError, MissingInputError
 from model_specs import model_dims_for
-from model_specs.hf_config import normalize_hf_config
+from model_specs.hf.config import normalize_hf_config
 
 HF_SUBDIR = "hf"
+MANIFEST = "MANIFEST.json"  # a training checkpoint's files and sizes (checkpoint/manager.py)
 
 
 class _OwnFolderFilter(logging.Filter):
@@ -142,10 +143,77 @@ def load_model(models: Sequence[torch.nn.Module], ckpt_dir: str | Path) -> None:
 
 
 def check_is_checkpoint(ckpt_dir: str | Path) -> None:
+    """MissingInputError / DamagedFileError naming what makes `ckpt_dir` unloadable before
+    dist_checkpointing reads it (its own errors are a per-rank traceback naming no file, or
+    "'str' object has no attribute 'iterdir'" for a missing common.pt): a file given for the folder,
+    a training checkpoint's step folder given for its model/, no metadata.json, common.pt or
+    .metadata, and a shard missing or shorter than its manifest (MANIFEST.json, of a training
+    checkpoint) or the .metadata index says."""
     path = Path(ckpt_dir)
+    if path.is_file():
+        raise MissingInputError(f"{path} is a file, not a folder (expected a megatron dist_checkpointing "
+                                "checkpoint directory)")
     if not (path / "metadata.json").is_file():
         raise MissingInputError(f"{path} is not a megatron dist_checkpointing checkpoint "
-                                "(no metadata.json)")
+                                f"(no metadata.json){_where_the_model_is(path)}")
+    for name, what in (("common.pt", "megatron's common state"), (".metadata", "torch's index of the shards")):
+        if not (path / name).is_file():
+            raise MissingInputError(f"checkpoint {path} is incomplete: {path / name} ({what}, written by "
+                                    "every dist_checkpointing save) is missing")
+    _check_shard_sizes(path)
+
+
+def _where_the_model_is(path: Path) -> str:
+    """Where the model of a training checkpoint's folder is, said after "not a checkpoint"."""
+    if (path / "model" / "metadata.json").is_file():
+        return f"; this is a training checkpoint's step folder: its model is {path / 'model'}"
+    latest = path / "latest"
+    if latest.is_file():
+        step = latest.read_bytes().decode(errors="replace").strip()
+        if (path / step / "model" / "metadata.json").is_file():
+            return f"; this is a run's checkpoint.dir: the model of its latest step is {path / step / 'model'}"
+    return ""
+
+
+def _check_shard_sizes(path: Path) -> None:
+    """The first shard that is missing or short, by the training checkpoint's manifest (in the
+    step folder above model/) where there is one, else by the .metadata index: each stored
+    piece's (file, offset, length)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    sizes = _manifest_sizes(path)
+    says = f"{path.parent / MANIFEST} says {{}} bytes"
+    if sizes is None:
+        says = f"{path / '.metadata'} places data up to byte {{}}"
+        try:
+            storage = FileSystemReader(str(path)).read_metadata().storage_data
+        except Exception as e:  # noqa: BLE001 - an unpickling error of any kind: the file is damaged
+            raise DamagedFileError(f"checkpoint {path} is damaged: {path / '.metadata'} cannot be read "
+                                   f"({type(e).__name__}: {e})") from None
+        sizes = {}
+        for item in storage.values():
+            sizes[item.relative_path] = max(sizes.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(sizes.items()):
+        f = path / name
+        if not f.is_file():
+            raise MissingInputError(f"checkpoint {path} is damaged: {f} is missing ({says.format(size)})")
+        if f.stat().st_size < size:
+            raise DamagedFileError(f"checkpoint {path} is damaged: {f} is truncated ({f.stat().st_size} "
+                                   f"bytes; {says.format(size)})")
+
+
+def _manifest_sizes(path: Path) -> dict[str, int] | None:
+    """{file name: bytes} of the model files of a training checkpoint's manifest (model/ of the step
+    folder holding MANIFEST.json, checkpoint/manager.py), or None without one."""
+    manifest = path.parent / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MissingInputError(f"{manifest} is damaged ({type(e).__name__}: {e})") from None
+    prefix = f"{path.name}/"
+    return {k[len(prefix):]: int(v) for k, v in files.items()
+            if k.startswith(prefix) and "/" not in k[len(prefix):] and not k.startswith(f"{prefix}{HF_SUBDIR}/")}
 
 
 def checkpoint_hf_config(ckpt_dir: str | Path) -> dict[str, Any]:

@@ -42,27 +42,52 @@ def _nearest_existing(path: Path) -> Path:
     return probe
 
 
-def check_writable_dir(field: str, path: str | Path) -> None:
+def check_writable_dir(field: str, path: str | Path, shown: str | Path | None = None) -> None:
     """OutputDirError unless `path` is, or can be created as, a directory this process can write:
-    a file at it or on its way up, a read-only filesystem or folder, are named in one line. The
-    test is a real one (a probe file created and removed in the nearest existing folder): the
-    permission bits do not tell a read-only mount, and root ignores them."""
+    a file at it or on its way up, a read-only filesystem or folder, a kernel's file system (/proc,
+    /sys) are named in one line (naming `shown`, the path as the user gave it, when it is not
+    `path` itself). The test is a real one (a probe file created and removed in the nearest
+    existing folder): the permission bits do not tell a read-only mount, and root ignores them."""
     path = Path(path)
+    named = f"{field}={str(shown if shown is not None else path)!r}"
     if path.exists() and not path.is_dir():
-        raise OutputDirError(f"{field}={str(path)!r} is a file, not a directory; remove it or choose "
-                             "another path")
+        raise OutputDirError(f"{named} is a file, not a directory; remove it or choose another path")
     base = _nearest_existing(path)
     if not base.is_dir():
-        raise OutputDirError(f"{field}={str(path)!r} cannot be created: {base} is a file, not a "
-                             "directory; choose another path")
+        raise OutputDirError(f"{named} cannot be created: {base} is a file, not a directory; choose "
+                             "another path")
+    kernel = _kernel_file_system(base)
+    if kernel:
+        raise OutputDirError(f"{named} cannot be written: {base} is on the kernel's {kernel} file system, "
+                             "which holds no files of yours; choose another path")
     try:
         fd, probe = tempfile.mkstemp(prefix=".gspo-write-probe-", dir=base)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         why = "the filesystem is read-only" if e.errno == errno.EROFS else e.strerror
-        raise OutputDirError(f"{field}={str(path)!r} cannot be written ({base}: {why}); make it "
-                             "writable or choose another path") from None
+        raise OutputDirError(f"{named} cannot be written ({base}: {why}); make it writable or choose "
+                             "another path") from None
+
+
+# File systems the kernel presents (no user files can be made there: creating one says "No such
+# file or directory" under /proc, "Permission denied" under /sys, misleading as the reason).
+KERNEL_FILE_SYSTEMS = ("proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                       "securityfs", "configfs", "pstore", "bpf", "fusectl", "efivarfs")
+
+
+def _kernel_file_system(folder: Path) -> str | None:
+    """The type of the kernel file system `folder` is on (the longest mount point above it in
+    /proc/self/mounts), or None."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    folder = _resolved(folder)
+    best = max(((Path(point), kind) for point, kind in mounts
+                if Path(point) == folder or Path(point) in folder.parents),
+               key=lambda m: len(m[0].parts), default=None)
+    return best[1] if best is not None and best[1] in KERNEL_FILE_SYSTEMS else None
 
 
 def check_free_space(field: str, path: str | Path, need_bytes: int, what: str) -> None:
@@ -108,7 +133,7 @@ def check_export_target(field: str, target: str | Path, *,
             raise OutputDirError(f"{field}={str(target)!r} is a non-empty folder that gspo-megatron did "
                                  f"not write (no {EXPORT_MARKER}); it is left alone: choose a new or "
                                  "empty folder, or remove it yourself")
-    check_writable_dir(field, t.parent)
+    check_writable_dir(field, t.parent, shown=target)  # where it is renamed into place
 
 
 def publish_dir(target: str | Path, write: Callable[[Path], Any], *, field: str = "output",

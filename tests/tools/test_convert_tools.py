@@ -78,6 +78,21 @@ def test_wrong_shape_is_named(tmp_path):
         convert_hf_to_megatron(src, tmp_path / "out")
 
 
+def test_an_integer_tensor_is_refused_never_cast(tmp_path):
+    """megatron's parameters are floating point: an int32 tensor in model.safetensors was cast to
+    float32 without a word (exact only below 2^24). It is refused, naming it, before anything is
+    written; the tool says so in one line, exit 2."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    src = _edited_copy(tiny_model_dir("qwen3"), tmp_path / "hf",
+                       lambda t: t.update({name: (t[name] * 1000).to(torch.int32)}))
+    with pytest.raises(WeightMapError, match=rf"HF tensor {name} in {src / 'model.safetensors'} is int32: the "
+                                             "megatron checkpoint holds floating-point parameters"):
+        convert_hf_to_megatron(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    from tools.convert_hf_to_megatron import main
+    assert main(["--hf", str(src), "--out", str(tmp_path / "out")]) == 2
+
+
 def test_tensors_the_map_does_not_use_are_named(tmp_path):
     src = _edited_copy(tiny_model_dir("qwen3"), tmp_path / "hf",
                        lambda t: t.update({"model.layers.0.mlp.shared_expert.weight": torch.ones(2)}))
