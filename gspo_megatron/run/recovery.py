@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gspo_megatron.parallel.rank_zero import DriverError, on_driver
-from gspo_errors import GspoError
+from gspo_errors import GspoError, InputError
 from gspo_megatron.run.setup import Run
 from gspo_megatron.run.signals import SignalExit
 from gspo_megatron.sync.weight_sync import WeightSyncError
@@ -28,6 +28,12 @@ from rollout.servers.health import EXIT_NO_SERVER
 
 
 LOST = {NoServerLeft.__name__, NoTeacherLeft.__name__}  # DriverError.kind of a rank 0 without servers
+
+
+class ServersFailOnInputs(InputError, RuntimeError):
+    """The servers the run launched died of the same exception after a restart, on the same
+    requests (rollout/servers/health.py): a failure of the inputs that a requeue meets again, so
+    exit 2, never 75."""
 
 
 class ServersLost(GspoError, RuntimeError):
@@ -99,6 +105,12 @@ def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) 
     if signum:
         raise SignalExit(signum, saved=f"step {saved}" if saved is not None else None)
     if not back:
+        failure = on_driver(run.rank, lambda: input_failure(run))
+        if failure is not None:
+            kept = f"; the checkpoint of step {saved} is kept" if saved is not None else ""
+            raise ServersFailOnInputs(f"{failure}: the same failure after a restart is the inputs' (the model, its "
+                                      f"config, the prompts), not a lost server; fix them and rerun{kept} (not "
+                                      "retried: exit 2)")
         kind, what = on_driver(run.rank, lambda: no_server_marker(run))
         kept = f"; the checkpoint of step {saved} resumes it" if saved is not None else ""
         wait_s = run.cfg.rollout.server_wait_s
@@ -106,6 +118,16 @@ def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) 
                "and none can come back")  # each past its restart bound: no reason to wait
         raise ServersLost(f"no {kind} in service {how} ({what}){kept}; exiting with "
                           f"{EXIT_NO_SERVER} (retryable: launch/slurm/job.sh requeues on it)")
+
+
+def input_failure(run: Run) -> str | None:
+    """Rank 0: when a role's servers are all gone and those the run launched died the same way
+    twice (ServerPool.input_failure), the line that says so; else None."""
+    for pool in run.driver.pools_without_server():
+        failure = pool.input_failure()
+        if failure is not None:
+            return f"no {pool.role.name} in service: each died the same way after a restart ({failure})"
+    return None
 
 
 NO_SERVER_MARKER = "NO_SERVER_LEFT"

@@ -87,6 +87,7 @@ class HealthMonitor:
         self.pool, self.settings, self.log = pool, settings, log
         self.launched = dict(launched or {})
         self.restarts: dict[str, int] = {url: 0 for url in pool.server_urls}
+        self._deaths: dict[str, str | None] = {}  # a launched server's last death of its own (its exception)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._restarting: set[str] = set()  # servers in launched[url].restart() now
@@ -141,6 +142,15 @@ class HealthMonitor:
             if probe(url, s.server_health_timeout_s, generate=False) is None:
                 self.pool.rejoin(url, "answers again")
             return
+        cause = self.launched[url].death_cause()
+        if cause is not None and cause == self._deaths.get(url):
+            # it died of the same exception after a restart, on the requests that came again: the
+            # inputs' failure (the model, its config, the prompts), which no restart or requeue mends
+            self.pool.give_up(url, f"it died the same way after a restart ({cause}; log "
+                              f"{self.launched[url].log_path}): a failure of its inputs, not restarted again",
+                              input_failure=f"{cause} (log {self.launched[url].log_path})")
+            return
+        self._deaths[url] = cause
         with self._lock:
             if self._stop.is_set():  # (checked under the lock close() reads _restarting with)
                 return

@@ -32,6 +32,13 @@ TRANSIENT = (
     (re.compile(r"address already in use|Port is already in use"), "a port taken by another process"),
 )
 RETRY_PAUSE_S = 5.0
+# SGLang's own words when one of its processes failed, after which it SIGKILLs its process tree
+# (sglang 0.5 srt/managers/scheduler.py run_scheduler_process, tokenizer_manager.py
+# running_phase_sigquit_handler, utils/common.py kill_process_tree): a death of its own, not a kill
+# from outside (the OOM killer, a test, an operator), though both end with SIGKILL.
+SELF_STOP = re.compile(r"Scheduler hit an exception|SIGQUIT received|Received sigquit from a child process")
+# The last line of a Python traceback: the exception and its message.
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception)): ?(.*)$")
 
 
 def _say(line: str) -> None:
@@ -100,6 +107,23 @@ class ManagedProcess:
                 return f.read().decode(errors="replace")
         except OSError:
             return ""
+
+    def death_cause(self) -> str | None:
+        """Why the process died, when it stopped on its own with a Python exception (SGLang's
+        SELF_STOP words, or an exit code of its own): the traceback's last line, as
+        "IndexError: index out of range in self"; None while it runs, or when it was killed from
+        outside (its log of this start has no exception of its own)."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        log = self.log_of_this_start()
+        if self.proc.returncode < 0 and not SELF_STOP.search(log):
+            return None
+        last = None
+        for line in log.splitlines():
+            m = EXCEPTION_LINE.match(line.strip())
+            if m:
+                last = f"{m.group(1)}: {m.group(2)}" if m.group(2) else m.group(1)
+        return re.sub(r"0x[0-9a-f]+", "0x...", last) if last else None
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s

@@ -85,6 +85,7 @@ class ServerPool:
         self.log = log or (lambda line: None)
         self._status = {c.url: LIVE for c in self.clients}
         self._reason: dict[str, str] = {}
+        self._input_failures: dict[str, str] = {}  # gone servers that died the same way twice
         self._counts: collections.Counter = collections.Counter()
         self.pause_epoch = 0  # counts pauses and continues: a probe across one is not judged
         self._targets: set[str] | None = None  # while paused for a sync: the servers it updates
@@ -166,9 +167,22 @@ class ServerPool:
         self._set(url, REJOINING, reason, f"{self.role.name} {url} {reason}: it rejoins at the next "
                   "weight sync (it generates only once it holds the current weights)")
 
-    def give_up(self, url: str, reason: str) -> None:
+    def give_up(self, url: str, reason: str, input_failure: str | None = None) -> None:
+        """Gone for good; input_failure: it died the same way on every try (HealthMonitor), a
+        failure of the inputs that another start, or a requeued run, meets again."""
+        if input_failure is not None:
+            self._input_failures[url] = input_failure
         self._set(url, GONE, f"{self.reason(url)}; {reason}",
                   f"{self.role.name} {url} stays out of service: {reason}")
+
+    def input_failure(self) -> str | None:
+        """When every server of the pool is gone and one of them died the same way on every try:
+        each such server and its failure, in one line; else None (a lost server: a requeued
+        run may find it back)."""
+        with self._lock:
+            if not self._input_failures or any(s != GONE for s in self._status.values()):
+                return None
+            return "; ".join(f"{u}: {f}" for u, f in self._input_failures.items())
 
     def _count(self, what: str) -> None:
         with self._lock:
