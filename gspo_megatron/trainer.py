@@ -16,6 +16,7 @@ import sys
 import time
 from contextlib import nullcontext
 
+from gspo_megatron.actor.reward_kl import reward_kl_advantages
 from gspo_megatron.algorithms.distill import distillation_advantages
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver.evaluation import eval_due
@@ -67,9 +68,11 @@ def run_loop(run: Run) -> None:
                 shard.advantages = distillation_advantages(
                     shard.token_advantages(), shard.old_log_probs, shard.teacher_log_probs, shard.loss_mask,
                     coef=cfg.distill.coef, reward_coef=cfg.distill.reward_coef)
-            if cfg.loss.kl_coef > 0:
+            if cfg.loss.reference_reason:
                 with t("ref_log_probs"):  # the KL reference: forward-only with its weights swapped in
                     shard.ref_log_probs, _ = actor.compute_ref_log_probs(shard)
+            if cfg.loss.kl_in_reward:  # the KL in the reward: advantages on the last stage, over DP
+                shard.advantages = reward_kl_advantages(shard, cfg.loss, cfg.rollout.group_size)
             with t("train"):  # k mini-batch GSPO updates (paper: 4)
                 updates = [actor.train_step(mini) for mini in shard.mini_batches()]
             if actor.routing_settings.drift:

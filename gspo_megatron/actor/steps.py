@@ -7,7 +7,8 @@ reduced to the loss. Only scalar totals leave the last stage (metrics below).
 How the loss is scaled (megatron-core 0.16.1; docs/algorithm.md "Aggregation")
 ------------------------------------------------------------------------------
 The objective is a mean over the N valid sequences of the whole (mini-)batch, over all DP ranks:
-`L = (1/N) sum_i l_i` (l_i = the row's -J_i term; for "ce" a token and N = trained tokens).
+`L = (1/N) sum_i l_i` (l_i = the row's -J_i term under loss.loss_agg_mode; for "ce" and for
+token-mean a token, and N = trained tokens).
 Before the schedule, N is all-reduced over the DP group (`_global_count`). Each micro-batch's
 loss_func on the last stage returns, in the schedule's 2-tuple contract,
 
@@ -166,13 +167,14 @@ def _mismatch_metrics(totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def _finish(totals: dict[str, torch.Tensor], name: str | None) -> dict[str, float]:
+def _finish(totals: dict[str, torch.Tensor], name: str | None, per_token: bool = False) -> dict[str, float]:
+    """per_token: the loss is a mean over trained tokens (ce, token-mean), else over sequences."""
     n_tok = max(totals["num_tokens"].item(), 1.0)
     out = dict(totals)
     if name is not None and name != "ce":
         out = finalize_metrics(totals)
     if name is not None:
-        denom = n_tok if name == "ce" else max(totals["num_sequences"].item(), 1.0)
+        denom = n_tok if name == "ce" or per_token else max(totals["num_sequences"].item(), 1.0)
         out["loss"] = totals["loss_sum"] / denom
     out["entropy_mean"] = totals["entropy_sum"] / n_tok
     out["log_prob_mean"] = totals["log_prob_sum"] / n_tok
@@ -289,12 +291,13 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
         raise ValueError(f"{loss.describe()}: the mismatch corrections need batch.rollout_log_probs")
     mbs = plan(batch, batching, forward_only=False)
     num_mb = len(mbs)
-    local = int(batch.loss_mask.sum()) if loss.name == "ce" else batch.num_valid_sequences()
-    if correct and is_last_stage_rank():  # MIS may leave rows without trained tokens: not counted
+    per_token = loss.name == "ce" or loss.counts_tokens  # the mean runs over trained tokens
+    local = int(batch.loss_mask.sum()) if per_token else batch.num_valid_sequences()
+    if correct and is_last_stage_rank():  # MIS may leave rows (tokens) untrained: not counted
         # (per micro-batch: padded to its own rows only; filler rows train nothing)
-        local = sum(int(mismatch_correction(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
-                                            **loss.mismatch_kwargs()).loss_mask.any(dim=1).sum())
-                    for mb in mbs)
+        kept = [mismatch_correction(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
+                                    **loss.mismatch_kwargs()).loss_mask for mb in mbs]
+        local = sum(int(m.sum()) if per_token else int(m.any(dim=1).sum()) for m in kept)
     global_count = _global_count(local)
     # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
     scale = num_mb * ps.get_data_parallel_world_size() / max(global_count, 1)
@@ -337,7 +340,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     if update_ok and scheduler is not None:
         scheduler.step(increment=1)
     metrics = _finish(reduce_to_all_ranks(reports, _metric_keys(loss, batch.rollout_log_probs is not None)),
-                      loss.name)
+                      loss.name, per_token)
     if not with_entropy:  # not computed (the fused path) or not asked for: not reported either
         metrics.pop("entropy_mean")
     metrics.update(grad_norm=float(grad_norm), lr=float(lr), update_successful=float(bool(update_ok)),

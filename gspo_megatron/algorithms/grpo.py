@@ -1,4 +1,5 @@
-"""GRPO baseline (Eqs. 2-3): token-level importance ratios, kept for comparison runs."""
+"""GRPO baseline (Eqs. 2-3): token-level importance ratios, kept for comparison runs. The loss of
+the four aggregations (loss.loss_agg_mode: verl's and ROLL's agg_loss modes, rows.Rows.aggregate)."""
 from __future__ import annotations
 
 import torch
@@ -6,34 +7,38 @@ import torch
 from .gspo import clipped_objective_loss
 from .kl import rows_kl
 from .registry import GRPO_CLIP
-from .rows import LOG_RATIO_CLAMP, finish_loss, prepare_rows
+from .rows import LOG_RATIO_CLAMP, SEQUENCE_MEAN, check_aggregation, finish_loss, prepare_rows
 
 
 def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
               loss_mask: torch.Tensor, *, eps_low: float = GRPO_CLIP[0], eps_high: float = GRPO_CLIP[1],
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
               kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
-              row_weights: torch.Tensor | None = None,
+              row_weights: torch.Tensor | None = None, dual_clip_c: float | None = None,
+              loss_agg_mode: str = SEQUENCE_MEAN, token_sum_norm: float | None = None,
               cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss: per row `(1/L_i) sum_t -min(w_{i,t} A, clip(w_{i,t}) A)`, `w = exp(l_{i,t})`.
+    """GRPO loss: token terms `l_t = -min(w_t A, clip(w_t) A)`, `w_t = exp(l_{i,t})`, aggregated by
+    loss_agg_mode (default: per row `(1/L_i) sum_t l_t`, averaged over rows as in `gspo_loss`).
 
-    advantages: `[b]` (one per sequence, as GRPO defines them) or `[b, s]`. Rows are then averaged
-    (`"mean"`) or summed (`"sum"`) exactly as in `gspo_loss`, so both losses aggregate the same way.
-    `clip_fraction` is the fraction of trainable tokens clipped; `seq_ratio_*` report the GSPO
-    sequence ratio `exp(mean l)` of the same batch, for comparison. cp_group: as in `gspo_loss`
-    (the token terms' row sums are reduced over it).
+    advantages: `[b]` (one per sequence, as GRPO defines them) or `[b, s]`. With reduction "mean"
+    the rows' terms are averaged over rows (over trained tokens for token-mean); "sum" sums them.
+    dual_clip_c: as in `gspo_loss`, per token. `clip_fraction` is the fraction of trainable tokens
+    clipped; `seq_ratio_*` report the GSPO sequence ratio `exp(mean l)` of the same batch, for
+    comparison. cp_group: as in `gspo_loss` (the token terms' row sums are reduced over it).
     """
+    check_aggregation("grpo", loss_agg_mode, token_sum_norm, dual_clip_c)
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row", "token"),
                              reduction, eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     if adv.dim() == 1:
         adv = adv[:, None]  # [b, 1]
     log_ratio = (rows.log_probs - rows.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [b, s]
-    per_token, clipped = clipped_objective_loss(torch.exp(log_ratio), adv, eps_low, eps_high)  # [b, s]
+    per_token, clipped = clipped_objective_loss(torch.exp(log_ratio), adv, eps_low, eps_high,
+                                                dual_clip_c)  # [b, s]
     if token_weights is not None:  # truncated importance weights of the mismatch (mismatch.py)
         per_token = per_token * token_weights.detach().to(per_token.dtype)
     with torch.no_grad():
         seq_ratio = torch.exp(rows.seq_log_ratio())
-    return finish_loss(rows, rows.weighted(rows.mean(per_token), None, row_weights), reduction=reduction,
-                       seq_ratio=seq_ratio,
-                       clipped_tokens=clipped, clipped_sequences=None,
-                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)
+    return finish_loss(rows, per_token=per_token, row_weights=row_weights, reduction=reduction,
+                       seq_ratio=seq_ratio, clipped_tokens=clipped, clipped_sequences=None,
+                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef,
+                       loss_agg_mode=loss_agg_mode, token_sum_norm=token_sum_norm)

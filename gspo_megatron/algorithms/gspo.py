@@ -8,11 +8,15 @@ divides by the number of valid sequences of the whole global batch itself; megat
 divides each micro-batch loss by the number of micro-batches and the DP gradient all-reduce averages
 over ranks, so the actor multiplies by `num_microbatches * dp_size` as well. Then the gradient equals
 the full-batch gradient for any split, uneven ones included (docs/algorithm.md "Aggregation", property 11).
+GSPO's sequence ratio fixes the aggregation (a mean over sequences of one term each, Eq. 5): both
+losses here take only loss_agg_mode="seq-mean-token-mean" (grpo.py takes the others).
 
 Loss terms use an explicit clip decision instead of `min(.)`: for A > 0 the row is clipped when
 s > 1 + eps_high, for A < 0 when s < 1 - eps_low; a clipped row contributes the constant
 `-clip(s) A` (zero gradient, as in the min form), the others `-s A`. This is the min form exactly,
-and gives the clip count the metrics report.
+and gives the clip count the metrics report. The dual clip (dual_clip_c = c > 1, for A < 0) caps
+`-s A` at `-c A` where s > c: the constant branch again (verl compute_policy_loss_vanilla's
+clip_ratio_c; clipped units count in the clip metrics).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 
 from .kl import rows_kl
 from .registry import GSPO_CLIP
-from .rows import finish_loss, prepare_rows
+from .rows import SEQUENCE_MEAN, check_aggregation, finish_loss, prepare_rows
 
 
 def clip_decision(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
@@ -30,10 +34,16 @@ def clip_decision(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
 
 
 def clipped_objective_loss(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                           eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`-min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A)` elementwise, and the clip decision."""
+                           eps_high: float, dual_clip_c: float | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`-min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A)` elementwise, and the clip decision;
+    with dual_clip_c = c, `min(that, -c A)` where A < 0 (the constant -c A where ratio > c)."""
     clipped = clip_decision(ratio, advantages, eps_low, eps_high)
     bound = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)
+    if dual_clip_c is not None:
+        dual = (advantages < 0) & (ratio > dual_clip_c)
+        bound = torch.where(dual, torch.full_like(bound, dual_clip_c), bound)
+        clipped = clipped | dual
     return torch.where(clipped, -bound * advantages, -ratio * advantages), clipped
 
 
@@ -41,52 +51,57 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
               loss_mask: torch.Tensor, *, eps_low: float = GSPO_CLIP[0], eps_high: float = GSPO_CLIP[1],
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
               kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
-              row_weights: torch.Tensor | None = None,
-              cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              row_weights: torch.Tensor | None = None, dual_clip_c: float | None = None,
+              loss_agg_mode: str = SEQUENCE_MEAN, cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO loss `-J` (Eq. 5) with the sequence ratio `s_i` of Eq. 7.
 
     log_probs, old_log_probs, loss_mask: `[b, s]` (old/ref are treated as constants); advantages:
     `[b]`. `s_i = exp(masked mean of (log_probs - old_log_probs))`, the log-ratio clamped to +-20
     before exp (see rows.LOG_RATIO_CLAMP). With `ref_log_probs`, `kl_coef * KL_i` (per-row masked
-    mean of the k1/k3 estimate) is added to each row's term. Returns `(loss, metrics)`; metrics are
-    detached, see loss_metrics.py (`clip_fraction` = clipped sequences / valid sequences).
-    token_weights `[b, s]` / row_weights `[b]`: constant importance weights of the train/inference
-    mismatch (mismatch.py): a row's term is multiplied by its row weight and by the mean of its
-    tokens' weights. cp_group: the context-parallel group the rows' positions are split over; the
-    per-row sums are reduced over it before the exp (rows.py).
+    mean of the kl_estimator's estimate) is added to each row's term. Returns `(loss, metrics)`;
+    metrics are detached, see loss_metrics.py (`clip_fraction` = clipped sequences / valid
+    sequences). token_weights `[b, s]` / row_weights `[b]`: constant importance weights of the
+    train/inference mismatch (mismatch.py): a row's term is multiplied by its row weight and by the
+    mean of its tokens' weights. dual_clip_c: the module docstring. cp_group: the context-parallel
+    group the rows' positions are split over; the per-row sums are reduced over it before the exp
+    (rows.py).
     """
+    check_aggregation("gspo", loss_agg_mode, None, dual_clip_c)
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row",), reduction,
                              eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
-    per_row, clipped = clipped_objective_loss(seq_ratio, adv, eps_low, eps_high)  # [b], [b]
-    per_row = rows.weighted(per_row, rows.mean(token_weights.detach()) if token_weights is not None
-                            else None, row_weights)
-    return finish_loss(rows, per_row, reduction=reduction, seq_ratio=seq_ratio,
-                       clipped_tokens=clipped[:, None].expand_as(rows.mask), clipped_sequences=clipped,
-                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)
+    per_row, clipped = clipped_objective_loss(seq_ratio, adv, eps_low, eps_high, dual_clip_c)  # [b], [b]
+    if token_weights is not None:
+        per_row = per_row * rows.mean(token_weights.detach())
+    return finish_loss(rows, per_row=per_row, row_weights=row_weights, reduction=reduction,
+                       seq_ratio=seq_ratio, clipped_tokens=clipped[:, None].expand_as(rows.mask),
+                       clipped_sequences=clipped, kl=rows_kl(rows, ref_log_probs, kl_estimator),
+                       kl_coef=kl_coef)
 
 
 def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                     loss_mask: torch.Tensor, *, eps_low: float = GSPO_CLIP[0], eps_high: float = GSPO_CLIP[1],
                     reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
                     kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
-                    row_weights: torch.Tensor | None = None,
+                    row_weights: torch.Tensor | None = None, dual_clip_c: float | None = None,
+                    loss_agg_mode: str = SEQUENCE_MEAN,
                     cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token (Eqs. 13-14): per-token advantages `[b, s]`, otherwise as `gspo_loss`
-    (token_weights multiply the token terms, row_weights the rows'; cp_group as there).
+    (token_weights multiply the token terms, row_weights the rows'; dual_clip_c, cp_group as there).
 
     `s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]`: its value is s_i, its gradient w.r.t. log pi(y_t) is
     s_i, so the row term `(1/L_i) sum_t -min(s_{i,t} A_{i,t}, clip(s_{i,t}) A_{i,t})` equals GSPO
     when A_{i,t} = A_i. Clipping is decided per token (the sign of A_{i,t} may vary along a row), so
     `clip_fraction` here is the fraction of trainable tokens clipped.
     """
+    check_aggregation("gspo_token", loss_agg_mode, None, dual_clip_c)
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("token",), reduction,
                              eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
     token_ratio = seq_ratio.detach()[:, None] * torch.exp(rows.log_probs - rows.log_probs.detach())  # [b, s]
-    per_token, clipped = clipped_objective_loss(token_ratio, adv, eps_low, eps_high)  # [b, s]
+    per_token, clipped = clipped_objective_loss(token_ratio, adv, eps_low, eps_high, dual_clip_c)  # [b, s]
     if token_weights is not None:
         per_token = per_token * token_weights.detach().to(per_token.dtype)
-    return finish_loss(rows, rows.weighted(rows.mean(per_token), None, row_weights), reduction=reduction,
+    return finish_loss(rows, per_token=per_token, row_weights=row_weights, reduction=reduction,
                        seq_ratio=seq_ratio, clipped_tokens=clipped, clipped_sequences=None,
                        kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)

@@ -1,4 +1,5 @@
-"""KL penalty against a reference policy (off by default: the GSPO paper omits it)."""
+"""KL penalty against a reference policy (off by default: the GSPO paper omits it), as a loss term
+(loss.kl_coef) or in the reward (loss.kl_in_reward_coef, advantage/pipeline.py)."""
 from __future__ import annotations
 
 import torch
@@ -6,20 +7,30 @@ import torch
 from .registry import KL_ESTIMATORS
 from .rows import LOG_RATIO_CLAMP, Rows
 
+# low_var_kl's bound (verl kl_penalty_forward, slime compute_approx_kl, ROLL compute_approx_kl).
+LOW_VAR_KL_BOUND = 10.0
+
 
 def token_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k3).
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman, "Approximating
+    KL divergence", 2020), with d = log pi_theta - log pi_ref:
 
-    k1 = log pi_theta - log pi_ref (unbiased, can be negative);
-    k3 = exp(r) - r - 1 with r = log pi_ref - log pi_theta (unbiased, >= 0, lower variance).
+    k1 = d (unbiased, can be negative); k2 = d^2 / 2; k3 = exp(-d) + d - 1 (unbiased, >= 0, lower
+    variance; -d clamped to +-20 before the exp); low_var_kl = k3 clamped to [-10, 10] (the peers'
+    clamped form: its gradient is 0 beyond); abs = |d|.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     log_ratio = log_probs - ref_log_probs.detach()
     if estimator == "k1":
         return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "abs":
+        return log_ratio.abs()
     r = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.expm1(r) - r
+    k3 = torch.expm1(r) - r
+    return k3.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND) if estimator == "low_var_kl" else k3
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, loss_mask: torch.Tensor,
@@ -40,10 +51,10 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, loss_mask: 
 
 
 def rows_kl(rows: Rows, ref_log_probs: torch.Tensor | None, estimator: str) -> torch.Tensor | None:
-    """`kl_penalty` of a prepared batch, or None without a reference policy (the losses' KL term);
+    """The per-token KL estimate `[b, s]` of a prepared batch (0 at untrained positions), or None
+    without a reference policy: the losses aggregate it like their own terms (rows.finish_loss),
     under context parallelism over the whole rows (rows.py)."""
     if ref_log_probs is None:
         return None
-    # kl_penalty's masked row mean, with the row sums over the CP group (rows.py)
     ref = torch.where(rows.mask, ref_log_probs.detach().to(rows.log_probs.dtype), 0)
-    return rows.mean(token_kl(rows.log_probs, ref, estimator))
+    return torch.where(rows.mask, token_kl(rows.log_probs, ref, estimator), 0)

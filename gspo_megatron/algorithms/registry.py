@@ -19,7 +19,21 @@ from typing import Callable, Literal
 GSPO_CLIP = (3e-4, 4e-4)
 GRPO_CLIP = (0.2, 0.27)
 
-KL_ESTIMATORS = ("k1", "k3")
+# Schulman's estimators of KL(pi || pi_ref) per token (kl.py): k1, k2, k3; low_var_kl is k3 clamped to
+# [-10, 10] (verl's k3 and low_var_kl, slime's low_var_kl); abs is |k1| (verl, ROLL).
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
+KLEstimatorName = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
+
+# How a loss's per-token (or per-row) terms become one number, verl's and ROLL's agg_loss modes
+# (rows.py, docs/algorithm.md "Loss aggregation"); N = rows with a trained token in the global batch,
+# T = trained tokens of the global batch, C = loss.token_sum_norm:
+#   seq-mean-token-mean      (1/N) sum_i (1/L_i) sum_t l_it
+#   seq-mean-token-sum       (1/N) sum_i sum_t l_it
+#   seq-mean-token-sum-norm  (1/N) sum_i sum_t l_it / C          (Dr. GRPO)
+#   token-mean               (1/T) sum_i sum_t l_it
+AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean")
+AggregationName = Literal[AGGREGATIONS]  # type: ignore[valid-type]
+SEQUENCE_MEAN = AGGREGATIONS[0]
 
 # How each loss metric combines over micro-batches and ranks (loss_metrics.py explains the keys).
 METRIC_REDUCTIONS: dict[str, str] = {
@@ -54,6 +68,17 @@ class LossSpec:
     description: str
     rl: bool = True
     """A policy-gradient loss the run config may select (False: "ce", for warm starts/benchmarks)."""
+    also_token_advantages: bool = False
+    """A "sequence" row whose function takes per-token advantages `[b, s]` as well (grpo): the
+    per-token estimators and per-turn credit may feed it."""
+    aggregations: tuple[str, ...] = (SEQUENCE_MEAN,)
+    """The AGGREGATIONS its function computes (`loss_agg_mode`); a row that takes only the default
+    is called without the argument. GSPO's sequence ratio fixes its own (Eq. 5: a mean over
+    sequences of one term each), so gspo and gspo_token list only seq-mean-token-mean."""
+
+    @property
+    def takes_token_advantages(self) -> bool:
+        return self.advantages == "token" or self.also_token_advantages
 
     def function(self) -> Callable | None:
         if self.function_path is None:
@@ -74,7 +99,8 @@ LOSSES: dict[str, LossSpec] = {s.name: s for s in (
     LossSpec("gspo_token", "gspo:gspo_token_loss", GSPO_CLIP, "token", _RATIO_KEYS,
              "GSPO-token: s_i per token with per-token advantages (Eqs. 13-14)"),
     LossSpec("grpo", "grpo:grpo_loss", GRPO_CLIP, "sequence", _RATIO_KEYS,
-             "GRPO baseline: token-level ratios (Eqs. 2-3)"),
+             "GRPO baseline: token-level ratios (Eqs. 2-3)", also_token_advantages=True,
+             aggregations=AGGREGATIONS),
     LossSpec("ce", None, None, "sequence", ("num_sequences", "num_tokens"),
              "next-token cross-entropy over trained tokens (warm start, cost comparisons)", rl=False),
 )}
@@ -97,8 +123,23 @@ class LossSettings:
     kl_coef: float = 0.0
     """Weight of a KL penalty against the reference policy (the policy RL starts from, after any
     warm start; saved in checkpoint.dir/reference); 0 = off (the GSPO paper omits it)."""
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator when kl_coef > 0 (algorithms/kl.py)."""
+    kl_estimator: KLEstimatorName = "k3"
+    """KL estimator of the loss term when kl_coef > 0 (algorithms/kl.py): k1, k2, k3, low_var_kl (k3
+    clamped to [-10, 10]: verl's k3 and low_var_kl, ROLL's k3), abs."""
+    loss_agg_mode: AggregationName = SEQUENCE_MEAN
+    """How the per-token terms (and the KL term) become the loss, verl's and ROLL's modes:
+    seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO: the token sums over a
+    constant, token_sum_norm), token-mean (over the trained tokens of the global batch). A loss
+    takes the modes its LOSSES row lists: gspo and gspo_token only seq-mean-token-mean (the sequence
+    ratio fixes it, Eq. 5), grpo all four (docs/algorithm.md "Loss aggregation")."""
+    token_sum_norm: float | None = None
+    """The constant C of seq-mean-token-sum-norm (each sequence's token sum is divided by it): Dr.
+    GRPO's and verl's loss_scale_factor, usually the generation budget (rollout.max_new_tokens);
+    required with that mode, null otherwise."""
+    dual_clip_c: float | None = None
+    """Dual clip for negative advantages (Ye et al. 2020; verl clip_ratio_c, slime eps_clip_c, ROLL's
+    dual_clip_loss with c = 1 + 2 pg_clip): where A < 0 and the ratio (the sequence ratio s_i for
+    gspo) exceeds c, the term is the constant -c A (zero gradient); null = off. c > 1."""
     # Train/inference mismatch corrections (algorithms/mismatch.py), for pi_old recomputed by
     # megatron while SGLang sampled: d_t = log pi_old(y_t) - log pi_engine(y_t), constants.
     tis_cap: float | None = None
@@ -132,15 +173,40 @@ class LossSettings:
                 raise ValueError(f"{field}={cap!r}: expected null with the {self.name} loss")
         if self.mis_level not in ("token", "sequence"):
             raise ValueError(f"mis_level={self.mis_level!r}: expected 'token' or 'sequence'")
+        self._check_aggregation()
         lo, hi = self.clip_range()
         if not 0 <= lo < 1:
             raise ValueError(f"eps_low={lo!r}: expected in [0, 1)")
         if not hi >= 0:
             raise ValueError(f"eps_high={hi!r}: expected >= 0")
 
+    def _check_aggregation(self) -> None:
+        if self.loss_agg_mode not in self.spec.aggregations:
+            why = (" (GSPO's sequence ratio fixes its own: one term per sequence, Eq. 5)"
+                   if self.name.startswith("gspo") else "")
+            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}: expected "
+                             f"{' or '.join(self.spec.aggregations)} with the {self.name} loss{why}")
+        norm = self.loss_agg_mode == "seq-mean-token-sum-norm"
+        if norm and not (self.token_sum_norm is not None and self.token_sum_norm > 0):
+            raise ValueError(f"token_sum_norm={self.token_sum_norm!r}: expected > 0 with loss_agg_mode="
+                             "seq-mean-token-sum-norm (the constant each token sum is divided by, "
+                             "e.g. rollout.max_new_tokens)")
+        if not norm and self.token_sum_norm is not None:
+            raise ValueError(f"token_sum_norm={self.token_sum_norm!r}: expected null unless "
+                             "loss_agg_mode=seq-mean-token-sum-norm")
+        if self.dual_clip_c is not None and not (self.dual_clip_c > 1 and self.spec.clip is not None):
+            raise ValueError(f"dual_clip_c={self.dual_clip_c!r}: expected > 1 (or null for off), with a "
+                             f"loss that clips (the {self.name} loss "
+                             f"{'does' if self.spec.clip is not None else 'does not'})")
+
     @property
     def spec(self) -> LossSpec:
         return LOSSES[self.name]
+
+    @property
+    def counts_tokens(self) -> bool:
+        """The loss is a mean over trained tokens (token-mean), not over sequences."""
+        return self.loss_agg_mode == "token-mean"
 
     def clip_range(self) -> tuple[float, float]:
         """(eps_low, eps_high): the configured values, else the paper's for this loss."""
@@ -156,6 +222,12 @@ class LossSettings:
             out["eps_low"], out["eps_high"] = self.clip_range()
         if self.kl_coef > 0:
             out.update(kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
+        if self.loss_agg_mode != SEQUENCE_MEAN:  # a row with only the default never sees it
+            out["loss_agg_mode"] = self.loss_agg_mode
+        if self.token_sum_norm is not None:
+            out["token_sum_norm"] = self.token_sum_norm
+        if self.dual_clip_c is not None:
+            out["dual_clip_c"] = self.dual_clip_c
         return out
 
     @property
@@ -176,4 +248,9 @@ class LossSettings:
         kl = f"kl_coef={self.kl_coef} ({self.kl_estimator})" if self.kl_coef else "KL off"
         caps = "".join(f" {k}={v:g}" for k, v in self.mismatch_kwargs().items()
                        if k != "mis_level" and v is not None)
-        return f"loss={self.name} {clip} {kl}{caps}"
+        if self.dual_clip_c is not None:
+            clip += f" dual_clip_c={self.dual_clip_c:g}"
+        agg = "" if self.loss_agg_mode == SEQUENCE_MEAN else f" {self.loss_agg_mode}"
+        if self.token_sum_norm is not None:
+            agg += f" (C={self.token_sum_norm:g})"
+        return f"loss={self.name}{agg} {clip} {kl}{caps}"

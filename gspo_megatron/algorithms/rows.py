@@ -1,4 +1,5 @@
-"""What the three losses share: input checks, masking, per-sequence (row) means, the reduction.
+"""What the three losses share: input checks, masking, per-sequence (row) means, the aggregation
+(loss.loss_agg_mode, registry.AGGREGATIONS) and the reduction.
 
 Masked positions are replaced with `torch.where`, never multiplied by the mask: a NaN or inf in a
 padded position (a log-prob of a pad token, garbage after a packed segment) then changes neither
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .loss_metrics import finalize_metrics
+from .registry import LOSSES
 
 # Log-ratios are clamped to [-20, 20] before exp: e^20 ~ 4.9e8 is finite in fp32/bf16, and no
 # ratio that is not clipped anyway lies near it (clip ranges are 3e-4 .. 0.27), so the clamp cannot
@@ -34,6 +36,7 @@ from .loss_metrics import finalize_metrics
 LOG_RATIO_CLAMP = 20.0
 
 REDUCTIONS = ("mean", "sum")
+SEQUENCE_MEAN = "seq-mean-token-mean"
 
 
 class _ContextSum(torch.autograd.Function):
@@ -73,10 +76,23 @@ class Rows:
     valid: torch.Tensor          # [b] bool, L_i > 0
     cp_group: object = None      # context-parallel group holding the rest of each row, or None
 
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Masked per-row sum sum_t m_t x_t over the whole row -> [b] (over the CP group)."""
+        return cp_sum(torch.where(self.mask, x, 0).sum(dim=-1), self.cp_group)
+
     def mean(self, x: torch.Tensor) -> torch.Tensor:
         """Masked per-row mean (1/L_i) sum_t m_t x_t over the whole row -> [b]; 0 for rows with
         L_i = 0. The sum runs over the CP group (module docstring)."""
-        return cp_sum(torch.where(self.mask, x, 0).sum(dim=-1), self.cp_group) / self.lengths.clamp(min=1)
+        return self.sum(x) / self.lengths.clamp(min=1)
+
+    def aggregate(self, per_token: torch.Tensor, mode: str, token_sum_norm: float | None) -> torch.Tensor:
+        """A row's share of the loss under `mode` (registry.AGGREGATIONS) -> [b]: the token mean
+        (seq-mean-token-mean), the token sum (seq-mean-token-sum, token-mean: finish_loss divides
+        by tokens instead of rows), or the token sum over C (seq-mean-token-sum-norm)."""
+        if mode == SEQUENCE_MEAN:
+            return self.mean(per_token)
+        total = self.sum(per_token)
+        return total / token_sum_norm if mode == "seq-mean-token-sum-norm" else total
 
     def weighted(self, per_row: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
         """per_row times each given `[b]` weight (constants; None = 1)."""
@@ -88,6 +104,20 @@ class Rows:
     def seq_log_ratio(self) -> torch.Tensor:
         """(1/L_i) sum_t m_t l_{i,t}, clamped -> [b] (GSPO Eq. 7 before the exp)."""
         return self.mean(self.log_probs - self.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def check_aggregation(name: str, mode: str, token_sum_norm: float | None, dual_clip_c: float | None) -> None:
+    """A loss's aggregation options against its LOSSES row (registry.LossSettings says the same
+    to the config), errors naming the values."""
+    allowed = LOSSES[name].aggregations
+    if mode not in allowed:
+        raise ValueError(f"loss_agg_mode={mode!r}: the {name} loss takes {' or '.join(allowed)}")
+    if (mode == "seq-mean-token-sum-norm") != (token_sum_norm is not None) or \
+            (token_sum_norm is not None and not token_sum_norm > 0):
+        raise ValueError(f"token_sum_norm={token_sum_norm!r}: expected > 0 exactly with "
+                         f"seq-mean-token-sum-norm (loss_agg_mode={mode!r})")
+    if dual_clip_c is not None and not dual_clip_c > 1.0:
+        raise ValueError(f"dual_clip_c={dual_clip_c!r}: expected > 1")
 
 
 def prepare_rows(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask: torch.Tensor,
@@ -126,21 +156,39 @@ def prepare_rows(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask
     return rows, advantages.detach().to(dtype)
 
 
-def finish_loss(rows: Rows, per_row: torch.Tensor, *, reduction: str, seq_ratio: torch.Tensor,
+def finish_loss(rows: Rows, *, per_row: torch.Tensor | None = None, per_token: torch.Tensor | None = None,
+                row_weights: torch.Tensor | None = None, reduction: str, seq_ratio: torch.Tensor,
                 clipped_tokens: torch.Tensor, clipped_sequences: torch.Tensor | None,
-                kl: torch.Tensor | None, kl_coef: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Add the KL term, reduce the per-row `-J_i` terms over valid rows, build the metrics.
+                kl: torch.Tensor | None, kl_coef: float, loss_agg_mode: str = SEQUENCE_MEAN,
+                token_sum_norm: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Aggregate the terms of -J (and the KL term), reduce over valid rows, build the metrics.
 
-    per_row: `[b]` -J_i; seq_ratio: `[b]` s_i; clipped_tokens: `[b, s]` bool; clipped_sequences:
-    `[b]` bool (GSPO) or None; kl: `[b]` per-row KL estimate or None. Under context parallelism
-    the loss is the full rows' on every rank; the metrics are this rank's share (module docstring).
+    per_token: `[b, s]` terms l_it (grpo, gspo_token), aggregated per row by `loss_agg_mode`
+    (Rows.aggregate); or per_row: `[b]` terms -J_i (gspo: seq-mean-token-mean only). row_weights:
+    `[b]` constants on each row's policy term (the mismatch corrections; not on the KL term).
+    kl: `[b, s]` per-token KL estimate (kl.rows_kl) or None, aggregated like the policy terms.
+    The reduction divides by the rows with a trained token, or, with token-mean, by the trained
+    tokens (reduction "mean"), or not at all ("sum": the actor divides by the global count).
+    seq_ratio: `[b]` s_i; clipped_tokens: `[b, s]` bool; clipped_sequences: `[b]` bool (GSPO) or
+    None. Under context parallelism the loss is the full rows' on every rank; the metrics are this
+    rank's share (module docstring).
     """
-    if kl is not None and kl_coef != 0.0:
-        per_row = per_row + kl_coef * kl
+    if (per_row is None) == (per_token is None):
+        raise ValueError("finish_loss takes per_row or per_token terms, exactly one")
+    if per_row is not None and loss_agg_mode != SEQUENCE_MEAN:
+        raise ValueError(f"loss_agg_mode={loss_agg_mode!r}: per-sequence terms take {SEQUENCE_MEAN} only")
+    terms = per_row if per_row is not None else rows.aggregate(per_token, loss_agg_mode, token_sum_norm)
+    terms = rows.weighted(terms, row_weights)
+    kl_mean = None
+    if kl is not None:
+        kl_mean = rows.mean(kl)
+        if kl_coef != 0.0:
+            terms = terms + kl_coef * rows.aggregate(kl, loss_agg_mode, token_sum_norm)
     valid = rows.valid
-    total = torch.where(valid, per_row, 0).sum()
-    num_sequences = valid.sum().to(per_row.dtype)
-    loss = total if reduction == "sum" else total / num_sequences.clamp(min=1)
+    total = torch.where(valid, terms, 0).sum()
+    num_sequences = valid.sum().to(terms.dtype)
+    units = torch.where(valid, rows.lengths, 0).sum() if loss_agg_mode == "token-mean" else num_sequences
+    loss = total if reduction == "sum" else total / units.clamp(min=1)
 
     with torch.no_grad():
         ratio = seq_ratio.detach()
@@ -156,6 +204,6 @@ def finish_loss(rows: Rows, per_row: torch.Tensor, *, reduction: str, seq_ratio:
         }
         if clipped_sequences is not None:
             totals["clipped_sequences"] = (clipped_sequences & valid).sum().to(ratio.dtype) * share
-        if kl is not None:
-            totals["kl_sum"] = torch.where(valid, kl.detach(), 0).sum() * share
+        if kl_mean is not None:
+            totals["kl_sum"] = torch.where(valid, kl_mean.detach(), 0).sum() * share
     return loss, finalize_metrics(totals)

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, OptimizerSettings,
                                           RoutingSettings)
+from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.algorithms.registry import LossSettings, RLLossName
 from gspo_megatron.config.parsing import apply_overrides, build, describe, read_yaml_mapping
 from gspo_megatron.config.validation import validate
@@ -47,10 +48,24 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
-class LossConfig(LossSettings):
+class LossConfig(LossSettings, AdvantageSettings):
     name: RLLossName = "gspo"
     """Policy loss, a name of the LOSSES table (gspo_megatron/algorithms/registry.py): gspo (sequence
     ratio, Eq. 5), gspo_token (Eqs. 13-14), grpo (token ratio), or one you added there."""
+
+    def __post_init__(self) -> None:
+        LossSettings.__post_init__(self)
+        AdvantageSettings.__post_init__(self)
+
+    @property
+    def reference_reason(self) -> str:
+        """The field that needs the reference policy ("loss.kl_coef=0.1"), or "" when none does."""
+        if self.kl_coef > 0:
+            return f"loss.kl_coef={self.kl_coef:g}"
+        return f"loss.kl_in_reward_coef={self.kl_in_reward_coef:g}" if self.kl_in_reward else ""
+
+    def describe(self) -> str:
+        return f"{LossSettings.describe(self)} | {AdvantageSettings.describe(self)}"
 
 
 @dataclasses.dataclass
@@ -295,7 +310,8 @@ class RunConfig:
     """Layer implementation (TE or local), fused kernels and recomputation; null = what the
     machine supports."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    """Policy-gradient loss, its clip ranges and the train/inference mismatch corrections."""
+    """Policy-gradient loss, its clip ranges, aggregation and the train/inference mismatch
+    corrections; the advantage estimator and the reward and advantage shaping."""
     moe: RoutingSettings = dataclasses.field(default_factory=RoutingSettings)
     """MoE routing: replay of SGLang's experts (R3), routing drift and engine-vs-megatron metrics."""
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)

@@ -41,15 +41,16 @@ def validate(cfg: Any) -> None:
     for name in ("tensor", "pipeline", "expert", "context"):
         v = getattr(cfg.parallel, name)
         need(v >= 1, f"parallel.{name}", v, ">= 1")
-    # Every loss here has group-relative advantages (GSPO Eq. 6, and turn credit normalised
-    # over the group): with one response per prompt every advantage is exactly 0 and the run
-    # learns nothing while looking healthy. A config whose every advantage must be 0 is an error.
+    # A group-relative estimator (GSPO Eq. 6, RLOO, ...) or reward norm gives a group of one
+    # advantage exactly 0 everywhere: the run would learn nothing while looking healthy.
     d = cfg.distill
     per_token = bool(d.teacher) and d.coef > 0  # distillation's per-token term needs no group
-    need(r.group_size >= 2 or (per_token and r.group_size >= 1), "rollout.group_size", r.group_size,
-         f">= 2: loss.name={cfg.loss.name} uses group-relative advantages (reward minus the mean of "
-         f"the prompt's group, GSPO Eq. 6), so a group of one has advantage 0 everywhere and the run "
-         f"would learn nothing")
+    need(r.group_size >= 2 or not cfg.loss.group_relative or (per_token and r.group_size >= 1),
+         "rollout.group_size", r.group_size,
+         f">= 2: loss.name={cfg.loss.name} uses group-relative advantages (loss.advantage_estimator="
+         f"{cfg.loss.advantage_estimator}: reward minus the mean of the prompt's group, GSPO Eq. 6), so "
+         f"a group of one has advantage 0 everywhere and the run would learn nothing")
+    _advantage_rules(cfg, need)
     if d.teacher:
         need(cfg.loss.name == "gspo_token", "loss.name", cfg.loss.name,
              "gspo_token with distill.teacher (each token gets its own advantage; GSPO's sequence "
@@ -129,3 +130,24 @@ def validate(cfg: Any) -> None:
              "false with train.max_staleness > 0 (stale tokens train, with their own pi_old)")
     need(not (cfg.moe.replay and cfg.moe.engine_routing is False), "moe.engine_routing",
          cfg.moe.engine_routing, "true or null with moe.replay=true (replay needs the engine's routing)")
+
+
+def _advantage_rules(cfg: Any, need) -> None:
+    """The loss section's advantage fields against the loss, the rollout and distillation."""
+    loss, r = cfg.loss, cfg.rollout
+    credit = r.turn_credit if r.environment else "episode"
+    need(not loss.per_token(credit) or loss.spec.takes_token_advantages, "loss.name", loss.name,
+         f"a loss that takes one advantage per token (gspo_token, grpo): {loss.describe().split(' | ')[1]}"
+         f"{' with rollout.turn_credit=return_to_go' if credit == 'return_to_go' else ''} gives each "
+         f"token its own, and {loss.name}'s ratio takes one per sequence")
+    if credit == "return_to_go":
+        shaped = [f for f in ("reward_norm_mean", "reward_norm_std", "reward_clip") if getattr(loss, f) is not None]
+        need(not shaped, f"loss.{shaped[0] if shaped else ''}", getattr(loss, shaped[0]) if shaped else None,
+             "null with rollout.turn_credit=return_to_go (reward shaping acts on one reward per response)")
+        need(loss.estimator.kind == "group" or r.turn_discount == 1, "rollout.turn_discount", r.turn_discount,
+             f"1 with loss.advantage_estimator={loss.advantage_estimator} (it discounts per token: loss.gamma)")
+    if loss.kl_in_reward:
+        need(credit == "episode", "loss.kl_in_reward_coef", loss.kl_in_reward_coef,
+             "0 with rollout.turn_credit=return_to_go (the KL in the reward takes one reward per response)")
+        need(not cfg.distill.teacher, "loss.kl_in_reward_coef", loss.kl_in_reward_coef,
+             "0 with distill.teacher (distillation's per-token term is the advantage's KL already)")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gspo_megatron.actor.batching.batch import TrainBatch
+from gspo_megatron.algorithms.advantage.shaping import RunningMoments
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver.environment import env_factory
 from gspo_megatron.driver.records import RolloutRecords
@@ -81,6 +82,9 @@ class Driver:
         self.producer: AsyncRollouts | None = None  # train.max_staleness > 0: start_async()
         self._async_state: dict[str, Any] | None = None  # a resume's queue, until start_async()
         self.evaluator = None  # eval: made at its first use
+        # loss.reward_norm_* = running: the run's reward statistics (checkpointed with the buffer)
+        self.reward_moments = RunningMoments() if "running" in (cfg.loss.reward_norm_mean,
+                                                                 cfg.loss.reward_norm_std) else None
         # last, once nothing can fail: probes each server, restarts those this run launched
         self.health = HealthMonitor(self.pool, r, launched=servers.launched(), log=_say).start()
         self.teacher_health = None if teachers is None else \
@@ -139,8 +143,11 @@ class Driver:
                 raise
             groups, manager_metrics = result.groups, result.metrics
         per_token = r.environment is not None and r.turn_credit == "return_to_go"
-        batch = samples_to_batch(groups, r.group_size, turn_discount=r.turn_discount if per_token else None)
+        shaping: dict[str, float] = {}
+        batch = samples_to_batch(groups, r.group_size, turn_discount=r.turn_discount if per_token else None,
+                                 advantage=self.cfg.loss, running=self.reward_moments, metrics=shaping)
         metrics = rollout_metrics(groups, manager_metrics)
+        metrics.update({f"rollout/{k}": v for k, v in shaping.items()})
         metrics["rollout/policy_lag_max"] = policy_lag(batch, int(weight_version))
         for pool in self.pools():  # servers live, failures, restarts, resubmitted (and the teacher's)
             metrics.update(pool.pop_health_metrics())
@@ -240,6 +247,8 @@ class Driver:
             manager = self.manager.to_state()
             if self.producer is not None:
                 manager["async"] = self.producer.to_state()
+            if self.reward_moments is not None:
+                manager["reward_moments"] = self.reward_moments.to_state()
             return {"stream": self.stream.to_state(), "manager": manager}
 
     def load_state(self, cursor: dict[str, Any], buffer: dict[str, Any]) -> None:
@@ -247,6 +256,9 @@ class Driver:
             self.stream.load_state(cursor)
         if buffer:
             buffer = dict(buffer)
+            moments = buffer.pop("reward_moments", None)
+            if self.reward_moments is not None:
+                self.reward_moments = RunningMoments.from_state(moments)
             self._async_state = buffer.pop("async", None)
             if self._async_state and self.producer is not None:
                 self.producer.load_state(self._async_state)

@@ -1,13 +1,17 @@
 """Samples -> the actor's rows: a rollout batch's TrainBatch (driver, rank 0; packed). Rows are prompt + response; per-token fields sit at the position
-of the token they belong to (TrainBatch's target alignment).
+of the token they belong to (TrainBatch's target alignment). The advantages come from the rewards
+through the loss section's estimator (algorithms/advantage/pipeline.py), here with every row at
+hand, or on the ranks after the reference log-probs when the KL is in the reward.
 """
 from __future__ import annotations
 
 import torch
 
 from gspo_megatron.actor.batching.batch import ROUTE_NONE_U8, TrainBatch, compact_routes
-from gspo_megatron.algorithms.advantages import group_advantages
-from gspo_megatron.driver.turn_credit import turn_credit_advantages
+from gspo_megatron.algorithms.advantage.pipeline import BatchRows, batch_advantages, shape_rewards
+from gspo_megatron.algorithms.advantage.shaping import RunningMoments
+from gspo_megatron.algorithms.advantage.table import AdvantageSettings
+from gspo_megatron.driver.turn_credit import turn_batch_advantages
 from rollout.generation.sample import Sample
 
 
@@ -18,19 +22,21 @@ def _version_number(label: str) -> int:
 
 
 def samples_to_batch(groups: list[list[Sample]], group_size: int,
-                     turn_discount: float | None = None) -> TrainBatch:
+                     turn_discount: float | None = None, *, advantage: AdvantageSettings | None = None,
+                     running: RunningMoments | None = None, metrics: dict[str, float] | None = None) -> TrainBatch:
     """The rows of the samples (prompt + response each), packed (TrainBatch's packed form: only
     real tokens, no padded batch on the driver); loss_mask / rollout log-probs / weight versions at
-    the position of the token they belong to (TrainBatch's target alignment); advantages
-    group-normalised (GSPO Eq. 6) from the rewards, or, with `turn_discount` (per-turn credit of
-    multi-turn episodes, for gspo_token), per token from the per-turn rewards
-    (turn_credit.turn_credit_advantages); the engine's routes compact (uint8 up to 255 experts)."""
+    the position of the token they belong to (TrainBatch's target alignment); the engine's routes
+    compact (uint8 up to 255 experts).
+
+    Advantages: `advantage`'s estimator (default: grpo, GSPO Eq. 6) on the rewards, one per row, or,
+    with `turn_discount` (per-turn credit of multi-turn episodes) or a per-token estimator, one per
+    token. `rewards` holds the shaped rewards (reward norm and clip; `running` keeps the running
+    norm's statistics); with the KL in the reward the advantages are left at 0 for the last
+    pipeline stage to compute (actor/reward_kl.py). `metrics`, when given, receives the shaping's
+    clip fractions."""
+    settings = advantage or AdvantageSettings()
     samples = [s for g in groups for s in g]
-    if turn_discount is None:
-        rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float64)
-        advantages = group_advantages(rewards, group_size).float()  # [b]
-    else:
-        advantages = turn_credit_advantages(samples, group_size, None, turn_discount)  # [T]
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     total = int(lengths.sum())
     tokens = torch.zeros(total, dtype=torch.long)
@@ -51,8 +57,21 @@ def samples_to_batch(groups: list[list[Sample]], group_size: int,
         if teacher is not None and s.teacher_logprobs is not None:
             teacher[response] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
         start += p + r
-    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=advantages,
-                      rollout_log_probs=logp, weight_versions=versions,
+    rewards, shaping = shape_rewards(settings, torch.tensor([float(s.reward) for s in samples],
+                                                            dtype=torch.float64), group_size, running)
+    rows = BatchRows(lengths, loss_mask, torch.arange(len(samples)) // group_size, len(samples) // group_size)
+    if settings.kl_in_reward:  # finished on the last pipeline stage, after the reference log-probs
+        advantages = torch.zeros(len(samples), dtype=torch.float32)
+    elif turn_discount is not None:
+        advantages, m = turn_batch_advantages(settings, samples, rows, turn_discount)
+        shaping.update(m)
+    else:
+        advantages, m = batch_advantages(settings, rewards, rows)
+        shaping.update(m)
+    if metrics is not None:
+        metrics.update(shaping)
+    return TrainBatch(tokens=tokens, lengths=lengths, loss_mask=loss_mask, advantages=advantages.float(),
+                      rewards=rewards.float(), rollout_log_probs=logp, weight_versions=versions,
                       routed_experts=routed_experts(samples, total), teacher_log_probs=teacher)
 
 

@@ -77,6 +77,8 @@ TAGS = {
     "async/rollout_busy": "fraction of the step's wall time the rollout thread was generating",
     "async/train_busy": "fraction of the step's wall time the trainer computed (log-probs, train, sync)",
     "async/overlap": "fraction of the step's wall time both were busy at once",
+    "rollout/reward_clip_fraction": "rewards clipped by loss.reward_clip (after the reward norm)",
+    "rollout/advantage_clip_fraction": "trained tokens whose advantage loss.advantage_clip clipped",
     "rollout/policy_lag_max": "most weight updates between the policy that sampled a trained token "
                               "and the current one (0 = on-policy; > 0 with partial rollouts)",
     "rollout/servers_live": "SGLang servers in service at the end of the rollout (rollout/servers/health.py: "

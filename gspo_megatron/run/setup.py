@@ -186,7 +186,7 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
 
 def begin_rl(run: Run) -> None:
     """After any warm start: the KL reference is the current policy, and the servers get it."""
-    if run.cfg.loss.kl_coef > 0:
+    if run.cfg.loss.reference_reason:
         set_up_reference(run)
     # Servers started here hold the HF weights; attached ones may hold anything (another run's
     # policy): always give them the policy this run starts from, under a new weight version.

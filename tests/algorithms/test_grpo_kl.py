@@ -73,11 +73,13 @@ def test_kl_estimators_values():
     assert kl_penalty(lp, lp, mask, "k3").item() == 0.0
     assert (token_kl(lp[:, :3], ref[:, :3], "k3") >= 0).all()
     assert kl_penalty(lp, ref, torch.zeros_like(mask), "k3").item() == 0.0
-    with pytest.raises(ValueError, match="got 'k2'"):
-        kl_penalty(lp, ref, mask, "k2")
+    torch.testing.assert_close(kl_penalty(lp, ref, mask, "k2"), (d.square() / 2).mean()[None])
+    torch.testing.assert_close(kl_penalty(lp, ref, mask, "abs"), d.abs().mean()[None])
+    with pytest.raises(ValueError, match="got 'full'"):  # verl's full-distribution KL: not offered
+        kl_penalty(lp, ref, mask, "full")
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k3"])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "low_var_kl", "abs"])
 def test_kl_gradcheck_and_zero_grad_on_masked(estimator):
     lp, old, adv, mask = batch(scale=0.2)
     ref = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3), dtype=F64)

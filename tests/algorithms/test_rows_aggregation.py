@@ -1,18 +1,21 @@
 """docs/algorithm.md property 11 in its single-process form: reduction="sum" over uneven chunks, divided by the
-global number of valid sequences, equals reduction="mean" on the whole batch (value, gradient and
-metrics), also under megatron-core's schedule contract (divide by micro-batches, average over DP)."""
+global number of units (valid sequences, or trained tokens for token-mean), equals reduction="mean" on the
+whole batch (value, gradient and metrics), also under megatron-core's schedule contract (divide by
+micro-batches, average over DP). Every RL loss of the LOSSES table, with every aggregation its row lists:
+a new row is tested without an edit here."""
 import pytest
 import torch
 
 from gspo_megatron.algorithms import (LOSS_FUNCTIONS, METRIC_REDUCTIONS, combine_metrics, grpo_loss, gspo_loss,
                                      gspo_token_loss)
-from gspo_megatron.algorithms.registry import RL_LOSSES
+from gspo_megatron.algorithms.registry import LOSSES, RL_LOSSES
 
 F64 = torch.float64
-FNS = [gspo_loss, gspo_token_loss, grpo_loss]
+# (loss name, aggregation): every mode a row takes
+CASES = [(n, mode) for n in RL_LOSSES for mode in LOSSES[n].aggregations]
 
 
-def global_batch(fn, b=13, s=11, seed=0):
+def global_batch(name, b=13, s=11, seed=0):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(b, s, generator=g, dtype=F64) * 2
     # a spread of log-ratios: some rows clipped by GSPO's 3e-4/4e-4, some not
@@ -21,10 +24,26 @@ def global_batch(fn, b=13, s=11, seed=0):
     lengths[[2, 3, 4]] = 0  # empty rows, a whole chunk of them below
     mask = torch.arange(s)[None, :] < lengths[:, None]
     adv = torch.randn(b, generator=g, dtype=F64)
-    if fn is gspo_token_loss:
+    if LOSSES[name].advantages == "token":
         adv = adv[:, None] * (1 + torch.rand(b, s, generator=g, dtype=F64))
     ref = old + 0.1 * torch.randn(b, s, generator=g, dtype=F64)
     return lp, old, adv, mask, ref
+
+
+def options(name, mode):
+    """The loss's keyword arguments: GSPO's clip range for every loss that clips (GRPO's 0.2 would
+    clip nothing at these ratios: the split must cross clip decisions), and the aggregation."""
+    kw = dict(eps_low=3e-4, eps_high=4e-4) if LOSSES[name].clip is not None else {}
+    if mode != "seq-mean-token-mean":
+        kw["loss_agg_mode"] = mode
+    if mode == "seq-mean-token-sum-norm":
+        kw["token_sum_norm"] = 7.0
+    return kw
+
+
+def units(mask, mode):
+    """What the loss is a mean over: trained tokens (token-mean) or rows with one."""
+    return int(mask.sum()) if mode == "token-mean" else int(mask.any(-1).sum())
 
 
 CHUNKS = [2, 3, 1, 5, 2]  # uneven; the second chunk holds only empty rows
@@ -38,26 +57,27 @@ def chunked(total, sizes):
     assert start == total
 
 
-@pytest.mark.parametrize("fn", FNS)
+@pytest.mark.parametrize("name,mode", CASES)
 @pytest.mark.parametrize("kl_coef", [0.0, 0.2])
-def test_sum_over_uneven_chunks_equals_full_batch_mean(fn, kl_coef):
-    lp, old, adv, mask, ref = global_batch(fn)
-    # GRPO's 0.2 would clip nothing at these ratios: give it GSPO's range so the split crosses clips.
-    eps = dict(eps_low=3e-4, eps_high=4e-4) if fn is grpo_loss else {}
-    kw = dict(ref_log_probs=ref, kl_coef=kl_coef, **eps) if kl_coef else eps
+def test_sum_over_uneven_chunks_equals_full_batch_mean(name, mode, kl_coef):
+    fn = LOSS_FUNCTIONS[name]
+    lp, old, adv, mask, ref = global_batch(name)
+    kw = options(name, mode)
+    kl = dict(kl_coef=kl_coef) if kl_coef else {}
     x = lp.clone().requires_grad_(True)
-    full, full_m = fn(x, old, adv, mask, **kw)
+    full, full_m = fn(x, old, adv, mask, **kw, **(dict(ref_log_probs=ref, **kl) if kl_coef else {}))
     (full_grad,) = torch.autograd.grad(full, x)
-    assert 0 < full_m["clipped_tokens"] < full_m["num_tokens"]  # the split crosses clip decisions
+    if LOSSES[name].clip is not None:
+        assert 0 < full_m["clipped_tokens"] < full_m["num_tokens"]  # the split crosses clip decisions
 
-    n_valid = int(mask.any(-1).sum())
+    n_units = units(mask, mode)
     y = lp.clone().requires_grad_(True)
     total, metrics = 0.0, []
     for sl in chunked(lp.shape[0], CHUNKS):
-        kw_sl = dict(ref_log_probs=ref[sl], kl_coef=kl_coef, **eps) if kl_coef else eps
-        loss_sum, m = fn(y[sl], old[sl], adv[sl], mask[sl], reduction="sum", **kw_sl)
-        (loss_sum / n_valid).backward()
-        total = total + loss_sum.detach() / n_valid
+        extra = dict(ref_log_probs=ref[sl], **kl) if kl_coef else {}
+        loss_sum, m = fn(y[sl], old[sl], adv[sl], mask[sl], reduction="sum", **kw, **extra)
+        (loss_sum / n_units).backward()
+        total = total + loss_sum.detach() / n_units
         metrics.append(m)
     torch.testing.assert_close(total, full.detach())
     torch.testing.assert_close(y.grad, full_grad)
@@ -67,29 +87,54 @@ def test_sum_over_uneven_chunks_equals_full_batch_mean(fn, kl_coef):
         torch.testing.assert_close(combined[k], full_m[k], msg=k)
 
 
-@pytest.mark.parametrize("fn", FNS)
-def test_megatron_schedule_contract_dp2_uneven_microbatches(fn):
+@pytest.mark.parametrize("name,mode", CASES)
+def test_megatron_schedule_contract_dp2_uneven_microbatches(name, mode):
     """Rank r runs M_r micro-batches; the schedule divides each loss by M_r and DP averages the ranks'
     gradients. Scaling the summed loss by M_r * dp / N_global undoes both exactly."""
-    lp, old, adv, mask, _ = global_batch(fn, seed=1)
+    fn = LOSS_FUNCTIONS[name]
+    lp, old, adv, mask, _ = global_batch(name, seed=1)
+    kw = options(name, mode)
     x = lp.clone().requires_grad_(True)
-    (full_grad,) = torch.autograd.grad(fn(x, old, adv, mask)[0], x)
-    n_global = int(mask.any(-1).sum())
+    (full_grad,) = torch.autograd.grad(fn(x, old, adv, mask, **kw)[0], x)
+    n_global = units(mask, mode)
     ranks = [[slice(0, 4), slice(4, 5), slice(5, 9)], [slice(9, 10), slice(10, 13)]]  # DP2, 3 and 2 micro-batches
     dp = len(ranks)
     rank_grads = []
     for micro_batches in ranks:
         y = lp.clone().requires_grad_(True)
         for sl in micro_batches:
-            loss_sum, _ = fn(y[sl], old[sl], adv[sl], mask[sl], reduction="sum")
+            loss_sum, _ = fn(y[sl], old[sl], adv[sl], mask[sl], reduction="sum", **kw)
             scaled = loss_sum * len(micro_batches) * dp / n_global  # what the actor hands the schedule
             (scaled / len(micro_batches)).backward()                 # what the schedule backprops
         rank_grads.append(y.grad)
     torch.testing.assert_close(sum(rank_grads) / dp, full_grad)   # DP all-reduce average
 
 
+@pytest.mark.parametrize("name", RL_LOSSES)
+def test_aggregations_a_row_does_not_list_are_refused_by_name(name):
+    lp, old, adv, mask, _ = global_batch(name)
+    for mode in {"token-mean", "seq-mean-token-sum"} - set(LOSSES[name].aggregations):
+        with pytest.raises(ValueError, match=f"loss_agg_mode='{mode}': the {name} loss takes"):
+            LOSS_FUNCTIONS[name](lp, old, adv, mask, loss_agg_mode=mode)
+
+
+def test_token_sums_weigh_rows_by_length_and_the_means_do_not():
+    """What the modes mean, on two rows of lengths 1 and 3 with one advantage each, on-policy
+    (every token's term is -A): seq-mean-token-mean -mean(A); seq-mean-token-sum -(A0 + 3 A1) / 2;
+    seq-mean-token-sum-norm that over C; token-mean -(A0 + 3 A1) / 4."""
+    lp = torch.zeros(2, 4, dtype=F64)
+    mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -2.0], dtype=F64)
+    want = {"seq-mean-token-mean": 0.5, "seq-mean-token-sum": 2.5, "seq-mean-token-sum-norm": 2.5 / 4,
+            "token-mean": 5 / 4}
+    for mode, value in want.items():
+        kw = dict(token_sum_norm=4.0) if mode.endswith("norm") else {}
+        loss, _ = grpo_loss(lp, lp, adv, mask, loss_agg_mode=mode, **kw)
+        assert float(loss) == pytest.approx(value, abs=1e-15), mode
+
+
 def test_metric_reduction_table_covers_every_summable_key():
-    lp, old, adv, mask, ref = global_batch(gspo_loss)
+    lp, old, adv, mask, ref = global_batch("gspo")
     _, m = gspo_loss(lp, old, adv, mask, ref_log_probs=ref)
     derived = {"clip_fraction", "token_clip_fraction", "seq_ratio_mean", "kl"}
     assert set(m) == set(METRIC_REDUCTIONS) | derived

@@ -29,7 +29,7 @@ def test_samples_to_batch_alignment_and_advantages():
     packed = samples_to_batch(groups, group_size=2)
     # the driver's batch holds the real tokens only, row after row (no padded batch on rank 0)
     assert packed.is_packed and packed.tokens.tolist() == [5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 12, 3, 4, 3, 4]
-    assert packed.nbytes() == 15 * (8 + 1 + 4 + 8) + 4 * (8 + 4)  # tokens, mask, log-probs, versions; lengths, advantages
+    assert packed.nbytes() == 15 * (8 + 1 + 4 + 8) + 4 * (8 + 4 + 4)  # tokens, mask, log-probs, versions; lengths, advantages, rewards
     b = packed.padded()
     assert b.tokens.tolist()[1] == [5, 6, 7, 10, 11, 12] and b.lengths.tolist() == [5, 6, 2, 2]
     # loss_mask[i, t] refers to token t (predicted from < t): the response tokens, env token off

@@ -88,6 +88,7 @@ class TrainBatch:
     lengths: torch.Tensor                    # [b] int64, real tokens per row (prompt + response)
     loss_mask: torch.Tensor                  # [b, s] bool, trained target tokens
     advantages: torch.Tensor                 # [b] float (gspo, grpo) or [b, s] (gspo_token; packed [T])
+    rewards: torch.Tensor | None = None      # [b] float, the shaped rewards the advantages came from
     rollout_log_probs: torch.Tensor | None = None  # [b, s] float, the engine's log p(tokens[:, t])
     weight_versions: torch.Tensor | None = None    # [b, s] int64, policy version that sampled token t
     old_log_probs: torch.Tensor | None = None      # [b, s] float; set on the LAST pipeline stage
@@ -133,7 +134,7 @@ class TrainBatch:
             raise ValueError("loss_mask is True at a padding position (t >= lengths[i])")
 
     def _check_rows(self, b: int) -> None:
-        for name in ("lengths", "global_rows"):
+        for name in ("lengths", "global_rows", "rewards"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (b,):
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({b},)")
