@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 2 $(which gspo-megatron) train CONFIG --set parallel.tensor=2
     gspo-megatron config                      # every config field with its docstring and default
     gspo-megatron plan CONFIG --gpus 64 --model Qwen3-235B-A22B   # layouts that fit (planner/)
+    gspo-megatron migrate --from roll|verl|slime FILE > run.yaml   # a peer's config in ours (config/peers/)
 
 Known failures (bad config, missing file, unreachable server, impossible layout, unusable
 checkpoint: every GspoError, gspo_errors/__init__.py) print one line `gspo-megatron: error: ...` on stderr
@@ -33,6 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field, e.g. --set parallel.tensor=2 (repeatable)")
     sub.add_parser("config", help="print every config field with its default and docstring")
+    m = sub.add_parser("migrate", help="a ROLL, verl or slime config in this project's YAML (stdout); what "
+                       "was carried or not, and why, on stderr")
+    m.add_argument("--from", dest="peer", required=True, choices=("roll", "verl", "slime"),
+                   help="roll: ROLL's pipeline YAML; verl: its YAML or Hydra key=value lines; slime: its flags")
+    m.add_argument("file", help="the peer's config file")
+    m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one of our fields in the output, e.g. --set model.hf_path=/models/x (repeatable)")
     from gspo_megatron.planner.arguments import add_arguments
     add_arguments(sub.add_parser("plan", help="layouts that fit a model on N GPUs: memory per GPU, "
                                  "largest token budget, estimated step time (--check runs one)"))
@@ -59,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         print(describe_fields())
         return 0
     try:
+        if args.command == "migrate":
+            from gspo_megatron.config.peers import migrate
+            migration = migrate(args.peer, args.file, args.overrides)
+            print(migration.report(), file=sys.stderr)
+            print(migration.yaml(), end="")
+            return 0
         if args.command == "plan":
             quiet_expected_warnings()
             from gspo_megatron.planner.command import run

@@ -1,0 +1,175 @@
+"""What a migration collects: the peer's keys (flattened to dotted paths), our config's values,
+and one line per key saying what became of it. The peers' vocabularies (roll.py, verl.py,
+slime.py) read keys with `take` and say `carry` or `skip`; `finish` names every key left over, so
+none is dropped without a line, and checks the result with the trainer's own config checks.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gspo_megatron.config.parsing import ConfigError, apply_overrides
+from gspo_megatron.config.schema import config_from_dict
+
+# Fields the trainer needs that a peer's algorithm block need not hold (placeholders in the check).
+REQUIRED = {"model.hf_path": "/path/to/hf-model", "rollout.prompts": "/path/to/prompts.jsonl"}
+_INTERPOLATION = re.compile(r"^\$\{([A-Za-z0-9_.]+)\}$")
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as {dotted.key: leaf value} (lists and scalars are leaves)."""
+    if not isinstance(data, dict):
+        return {prefix.rstrip("."): data} if prefix else {}
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def resolve_interpolations(flat: dict[str, Any]) -> dict[str, Any]:
+    """Hydra/OmegaConf `${key}` values that name another key of the same file, resolved (ROLL's
+    `max_new_tokens: ${response_length}`); anything else is left as written."""
+    out = dict(flat)
+    for _ in range(5):  # chains of references, a few deep
+        for k, v in out.items():
+            match = _INTERPOLATION.match(v) if isinstance(v, str) else None
+            if match and match.group(1) in out and match.group(1) != k:
+                out[k] = out[match.group(1)]
+    return out
+
+
+def _number(value: Any) -> Any:
+    """A number YAML 1.1 read as a string ("1e-6", "3e-4") as a float; anything else as it is."""
+    if isinstance(value, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?", value.strip()):
+        return float(value)
+    return value
+
+
+def read_yaml(path: Path, peer: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"migrate --from {peer}: {str(path)!r} is not a file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"migrate --from {peer}: {str(path)!r} is not valid YAML: "
+                          f"{' '.join(str(e).split())}") from None
+    return data
+
+
+@dataclass
+class Migration:
+    peer: str
+    source: str
+    keys: dict[str, Any]                      # the peer's keys, dotted, in file order
+    values: dict[str, Any] = field(default_factory=dict)   # ours, dotted
+    lines: list[str] = field(default_factory=list)
+    taken: set[str] = field(default_factory=set)
+    named: set[str] = field(default_factory=set)          # keys a line names
+    known: dict[str, str] = field(default_factory=dict)     # key prefix -> why it has no counterpart
+
+    # --- what the vocabularies call --------------------------------------------------------------
+    def has(self, key: str) -> bool:
+        return key in self.keys
+
+    def take(self, key: str, default: Any = None) -> Any:
+        """The peer's value of `key` (default when absent), marked as read."""
+        self.taken.add(key)
+        return self.keys.get(key, default)
+
+    def carry(self, key: str, ours: str, value: Any, how: str = "") -> None:
+        """`key` became our `ours` = value (how: the formula or the peer's meaning)."""
+        self.taken.add(key)
+        self.named.add(key)
+        value = _number(value)
+        self.values[ours] = value
+        shown = f"{key} = {self.keys[key]!r}" if key in self.keys else key
+        self.lines.append(f"carried      {shown}  ->  {ours}: {value!r}" + (f"  ({how})" if how else ""))
+
+    def also(self, key: str, ours: str, value: Any, how: str = "") -> None:
+        """A second field of ours that `key` sets (its own line)."""
+        self.values[ours] = value
+        self.lines.append(f"carried      {key} = {self.keys.get(key)!r}  ->  {ours}: {value!r}"
+                          + (f"  ({how})" if how else ""))
+
+    def said(self, key: str, what: str) -> None:
+        """`key` is carried as `what` says (no field of its own: a default that agrees, a no-op)."""
+        if key not in self.keys:
+            return
+        self.taken.add(key)
+        self.named.add(key)
+        self.lines.append(f"carried      {key} = {self.keys[key]!r}  ->  {what}")
+
+    def skip(self, key: str, why: str) -> None:
+        """`key` is not carried, and why."""
+        if key not in self.keys:
+            return
+        self.taken.add(key)
+        self.named.add(key)
+        self.lines.append(f"not carried  {key} = {self.keys[key]!r}: {why}")
+
+    def note(self, text: str) -> None:
+        self.lines.append(f"note         {text}")
+
+    # --- the end -----------------------------------------------------------------------------------
+    def finish(self, overrides: list[str]) -> None:
+        """Name every key no rule read, apply `--set` overrides, and check the result with the
+        trainer's config checks (placeholders for the fields the trainer needs that are missing)."""
+        for key, value in self.keys.items():
+            if key in self.named:
+                continue
+            if key in self.taken:  # read by a rule that named another key: say so, never nothing
+                self.lines.append(f"carried      {key} = {value!r}  ->  read with the lines above")
+                continue
+            why = next((w for prefix, w in self.known.items() if key == prefix or key.startswith(prefix + ".")), None)
+            if why is not None:
+                self.lines.append(f"not carried  {key} = {value!r}: {why}")
+            else:
+                self.lines.append(f"unknown      {key} = {value!r}: not a {self.peer_name} key this migration "
+                                  "knows; not carried")
+        data = self.nested()
+        apply_overrides(data, overrides)
+        self.values = flatten(data)
+        for text in overrides:
+            self.lines.append(f"set          {text}  (--set)")
+        missing = [k for k in REQUIRED if k not in self.values]
+        if missing:
+            self.lines.append(f"missing      {', '.join(missing)}: not in the {self.peer_name} input; set them "
+                              "(--set KEY=VALUE, or in the YAML) before training")
+        check = copy.deepcopy(data)
+        apply_overrides(check, [f"{k}={v}" for k, v in REQUIRED.items() if k in missing])
+        try:
+            config_from_dict(check)
+        except ConfigError as e:
+            raise ConfigError(f"migrate --from {self.peer}: the translated config does not pass the trainer's "
+                              f"checks: {e}") from None
+
+    @property
+    def peer_name(self) -> str:
+        return {"roll": "ROLL", "verl": "verl", "slime": "slime"}[self.peer]
+
+    def nested(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in self.values.items():
+            node = out
+            *path, last = key.split(".")
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+        return out
+
+    def yaml(self) -> str:
+        head = (f"# Migrated from {self.peer_name} ({self.source}) by `gspo-megatron migrate --from {self.peer}`:\n"
+                "# what was carried, what was not and why is on its stderr (docs/algorithm.md,\n"
+                "# \"Coming from ROLL, verl or slime\").\n")
+        return head + yaml.safe_dump(self.nested(), sort_keys=False, default_flow_style=False)
+
+    def report(self) -> str:
+        return "\n".join(f"[migrate] {line}" for line in self.lines)

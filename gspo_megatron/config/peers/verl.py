@@ -1,0 +1,247 @@
+"""verl's trainer config (verl/trainer/config/ppo_trainer.yaml, ppo_megatron_trainer.yaml; the
+nested actor_rollout_ref / algorithm / data keys) in this project's terms, from a YAML file or a
+file of Hydra overrides (`algorithm.adv_estimator=grpo`, one per line, `+` / `++` prefixes and a
+trailing `\\` allowed). Formulas: docs/algorithm.md.
+
+verl's estimators (core_algos compute_*_outcome_advantage) score a response by the sum of its
+token rewards (the KL in the reward included: ray_trainer.apply_kl_penalty); its policy losses
+take `loss_agg_mode`, the vanilla (PPO) one with a dual clip at clip_ratio_c (3 unless set), the
+GSPO one (loss_mode gspo) fixing seq-mean-token-mean and no dual clip.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from gspo_megatron.config.parsing import ConfigError
+from gspo_megatron.config.peers.migration import Migration, flatten, read_yaml, resolve_interpolations
+
+A = "actor_rollout_ref.actor"
+R = "actor_rollout_ref.rollout"
+ESTIMATORS = {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
+              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline", "grpo_vectorized": "grpo",
+              "rloo_vectorized": "rloo"}
+KL_KINDS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "k3": "low_var_kl",
+            "low_var_kl": "low_var_kl"}  # verl's k3 is clamped to [-10, 10]: our low_var_kl
+LOSSES = {"vanilla": "grpo", "gspo": "gspo"}
+NO_COUNTERPART = {
+    "trainer": "verl's trainer settings (logging, nodes, naming): here the run's folder, TensorBoard and "
+               "the launch scripts", "ray_kwargs": "no Ray here", "ray_init": "no Ray here",
+    "global_profiler": "not offered", "critic": "no critic here (no GAE)",
+    "reward_model": "rewards are functions here (rollout.reward: docs/rewards.md)",
+    "custom_reward_function": "rollout.reward: package.module:function here",
+    "actor_rollout_ref.ref": "the reference is the policy RL starts from (loss.kl_coef), in the trainer's layout",
+    "actor_rollout_ref.hybrid_engine": "SGLang servers beside the trainer here",
+    "actor_rollout_ref.model": "the model is model.hf_path (its own config and tokenizer)",
+    R: "SGLang's own settings: rollout.server_extra_args here", f"{A}.profiler": "not offered",
+    f"{A}.checkpoint": "checkpoints hold everything here (checkpoint.*)", f"{A}.fsdp_config": "megatron-core here",
+    f"{A}.megatron": "megatron's own settings: compute.* here", f"{A}.optim": "train.* here",
+    f"{A}.policy_loss": "the clip-cov / kl-cov losses are not offered", "data": "the prompt set's own options",
+    "algorithm.rollout_correction": "the mismatch corrections are loss.tis_cap, seq_is_cap, mis_cap here",
+    "algorithm.pf_ppo": "not offered", "algorithm.filter_groups": "rollout.dynamic_sampling here",
+    "algorithm.lam": "GAE's lambda: no critic here", "algorithm.kl_ctrl": "a fixed KL coefficient here",
+}
+
+
+def _override_lines(text: str) -> dict[str, str]:
+    """`key=value` per line (Hydra overrides): `+` / `++` prefixes, trailing `\\` and comments
+    dropped; a line that is not an override is kept under its own text (and named, not carried)."""
+    out: dict[str, str] = {}
+    for raw in text.splitlines():
+        line = raw.split(" #")[0].strip().rstrip("\\").strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^\+{0,2}([A-Za-z_][\w.]*)=(.*)$", line)
+        if match is None:
+            out[f"(line) {line}"] = "not a key=value override"
+            continue
+        value = match.group(2).strip()
+        try:
+            out[match.group(1)] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError:
+            out[match.group(1)] = value
+    return out
+
+
+def read(path: Path) -> Migration:
+    data = read_yaml(path, "verl")
+    if isinstance(data, dict):
+        keys = resolve_interpolations(flatten(data))
+    elif data is None or isinstance(data, str):
+        keys = _override_lines(path.read_text(encoding="utf-8"))
+    else:
+        raise ConfigError(f"migrate --from verl: {str(path)!r} is neither a YAML mapping nor key=value lines")
+    return Migration("verl", str(path), keys, known=dict(NO_COUNTERPART))
+
+
+def _unresolved(m: Migration) -> None:
+    for key, value in m.keys.items():
+        if isinstance(value, str) and ("$" in value):
+            m.skip(key, "a shell variable or interpolation this file does not resolve: resolve it first")
+
+
+def translate(m: Migration) -> None:
+    _unresolved(m)
+    for key, ours, how in (("data.train_batch_size", "rollout.prompts_per_step", "prompts per step"),
+                           ("data.max_prompt_length", "rollout.max_prompt_tokens", "longer prompts are dropped"),
+                           ("data.max_response_length", "rollout.max_new_tokens", "the generation budget"),
+                           ("data.train_files", "rollout.prompts", "parquet / jsonl"),
+                           ("data.val_files", "eval.prompts", "a held-out set"),
+                           ("data.prompt_key", "rollout.prompt_key", ""), ("data.shuffle", "rollout.shuffle_prompts", ""),
+                           ("actor_rollout_ref.model.path", "model.hf_path", "the initial policy"),
+                           (f"{R}.n", "rollout.group_size", "responses per prompt"),
+                           (f"{R}.temperature", "rollout.temperature", ""), (f"{R}.top_p", "rollout.top_p", ""),
+                           (f"{R}.top_k", "rollout.top_k", ""), (f"{R}.val_kwargs.temperature", "eval.temperature", ""),
+                           (f"{R}.val_kwargs.top_p", "eval.top_p", ""), (f"{R}.val_kwargs.n", "eval.samples_per_prompt", ""),
+                           (f"{A}.optim.lr", "train.lr", ""), (f"{A}.optim.clip_grad", "train.clip_grad", ""),
+                           (f"{A}.grad_clip", "train.clip_grad", ""), (f"{A}.optim.weight_decay", "train.weight_decay", ""),
+                           (f"{A}.ppo_micro_batch_size_per_gpu", "train.micro_batch_size", "rows per micro-batch"),
+                           (f"{A}.megatron.tensor_model_parallel_size", "parallel.tensor", ""),
+                           (f"{A}.megatron.pipeline_model_parallel_size", "parallel.pipeline", ""),
+                           (f"{A}.megatron.virtual_pipeline_model_parallel_size", "parallel.virtual_pipeline", ""),
+                           (f"{A}.megatron.expert_model_parallel_size", "parallel.expert", ""),
+                           (f"{A}.megatron.expert_tensor_parallel_size", "parallel.expert_tensor", ""),
+                           (f"{A}.megatron.context_parallel_size", "parallel.context", ""),
+                           ("trainer.total_training_steps", "train.steps", "RL steps"),
+                           ("trainer.default_local_dir", "checkpoint.dir", "")):
+        if m.has(key) and key not in m.taken and m.keys[key] is not None:
+            m.carry(key, ours, m.take(key), how)
+    if m.take(f"{A}.use_dynamic_bsz"):
+        m.carry(f"{A}.ppo_max_token_len_per_gpu", "train.max_tokens_per_micro_batch",
+                m.take(f"{A}.ppo_max_token_len_per_gpu", 16384), "use_dynamic_bsz: a token budget per micro-batch")
+        m.said(f"{A}.use_dynamic_bsz", "token-budget micro-batches (train.max_tokens_per_micro_batch)")
+    else:
+        m.said(f"{A}.use_dynamic_bsz", "row-count micro-batches (train.micro_batch_size)")
+        m.skip(f"{A}.ppo_max_token_len_per_gpu", "acts only with use_dynamic_bsz")
+    if m.keys.get("data.filter_overlong_prompts") and m.has("data.max_prompt_length"):
+        m.said("data.filter_overlong_prompts", "rollout.max_prompt_tokens drops longer prompts at load")
+    _mini_batches(m)
+    loss = _loss(m)
+    _estimator(m, loss)
+    _kl_loss(m)
+
+
+def _mini_batches(m: Migration) -> None:
+    mini, batch = m.take(f"{A}.ppo_mini_batch_size"), m.keys.get("data.train_batch_size")
+    if mini is not None:
+        if isinstance(batch, int) and isinstance(mini, int) and mini > 0 and batch % mini == 0:
+            m.carry(f"{A}.ppo_mini_batch_size", "train.mini_batches", batch // mini,
+                    "data.train_batch_size / ppo_mini_batch_size (both in prompts)")
+        else:
+            m.skip(f"{A}.ppo_mini_batch_size", "not a divisor of data.train_batch_size: set train.mini_batches")
+    epochs = m.take(f"{A}.ppo_epochs", 1)
+    if m.has(f"{A}.ppo_epochs") and epochs != 1:
+        m.skip(f"{A}.ppo_epochs", "several passes over one rollout batch are not offered")
+    elif m.has(f"{A}.ppo_epochs"):
+        m.said(f"{A}.ppo_epochs", "one pass over each rollout batch, as here")
+    coeff = m.take(f"{A}.entropy_coeff", 0)
+    if coeff:
+        m.skip(f"{A}.entropy_coeff", "no entropy bonus here")
+    elif m.has(f"{A}.entropy_coeff"):
+        m.said(f"{A}.entropy_coeff", "no entropy bonus, as here")
+
+
+def _loss(m: Migration) -> str:
+    mode_key = next((k for k in (f"{A}.policy_loss.loss_mode", f"{A}.loss_mode") if m.has(k)), None)
+    mode = m.take(mode_key) if mode_key else "vanilla"
+    if mode not in LOSSES:
+        m.skip(mode_key, f"verl's {mode!r} loss is not offered (gspo, vanilla = grpo here)")
+        mode = "vanilla"
+    loss = LOSSES[mode]
+    per_token = m.keys.get("algorithm.use_kl_in_reward") and m.keys.get("algorithm.adv_estimator") == "reinforce_plus_plus"
+    if loss == "gspo" and (per_token or (m.keys.get("algorithm.gamma", 1.0) != 1.0
+                                         and m.keys.get("algorithm.adv_estimator") == "reinforce_plus_plus")):
+        loss = "gspo_token"
+    if mode_key:
+        m.carry(mode_key, "loss.name", loss, "verl's token-form GSPO: GSPO with one advantage per response, "
+                "GSPO-token with one per token" if mode == "gspo" else "PPO's token ratios")
+    else:
+        m.note("policy_loss.loss_mode is not set: verl's default is vanilla (token ratios, grpo here); "
+               "loss.name here defaults to gspo")
+    lo = m.take(f"{A}.clip_ratio_low", m.keys.get(f"{A}.clip_ratio"))
+    hi = m.take(f"{A}.clip_ratio_high", m.keys.get(f"{A}.clip_ratio"))
+    for key, ours, v in ((f"{A}.clip_ratio_low", "loss.eps_low", lo), (f"{A}.clip_ratio_high", "loss.eps_high", hi)):
+        if v is not None:
+            m.carry(key, ours, float(v), "")
+    if m.has(f"{A}.clip_ratio"):
+        m.said(f"{A}.clip_ratio", "loss.eps_low / eps_high where clip_ratio_low / clip_ratio_high are not set")
+    if lo is None and hi is None:
+        m.note("clip_ratio is not set: verl's default 0.2 applies there; here loss.eps_low / eps_high default to "
+               "the paper's for the loss")
+    c = m.take(f"{A}.clip_ratio_c")
+    if loss == "grpo":
+        m.carry(f"{A}.clip_ratio_c", "loss.dual_clip_c", float(c if c is not None else 3.0),
+                "verl's vanilla loss always dual-clips negative advantages (3 unless set)")
+    elif c is not None:
+        m.skip(f"{A}.clip_ratio_c", "verl's GSPO loss takes no dual clip (compute_policy_loss_gspo)")
+    agg = m.take(f"{A}.loss_agg_mode")
+    if loss.startswith("gspo"):
+        if agg == "seq-mean-token-mean":
+            m.said(f"{A}.loss_agg_mode", "GSPO's own aggregation, as here")
+        elif agg is not None:
+            m.skip(f"{A}.loss_agg_mode", "verl's GSPO loss fixes seq-mean-token-mean whatever this says, as here "
+                                         "(Eq. 5)")
+    elif agg is not None:
+        m.carry(f"{A}.loss_agg_mode", "loss.loss_agg_mode", agg, "verl's agg_loss mode")
+        if agg == "seq-mean-token-sum-norm":
+            norm = m.take(f"{A}.loss_scale_factor") or m.keys.get("data.max_response_length")
+            m.also(f"{A}.loss_agg_mode", "loss.token_sum_norm", float(norm), "C")
+            m.note(f"seq-mean-token-sum-norm: loss.token_sum_norm = {norm} (loss_scale_factor, else the response "
+                   "budget); verl's per-micro-batch sum is this times the micro-batch's rows (a constant under Adam)")
+    else:
+        m.note("loss_agg_mode is not set: verl's default is token-mean; here seq-mean-token-mean")
+    m.skip(f"{A}.loss_scale_factor", "acts only with seq-mean-token-sum-norm")
+    return loss
+
+
+def _estimator(m: Migration, loss: str) -> None:
+    est = m.take("algorithm.adv_estimator")
+    by_std = m.take("algorithm.norm_adv_by_std_in_grpo", True)
+    if est is None:
+        m.note("algorithm.adv_estimator is not set: verl's default is gae (a critic); here grpo")
+    elif est in ESTIMATORS:
+        ours = "dr_grpo" if ESTIMATORS[est] == "grpo" and not by_std else ESTIMATORS[est]
+        m.carry("algorithm.adv_estimator", "loss.advantage_estimator", ours, "verl's core_algos estimator"
+                + (" without the std (norm_adv_by_std_in_grpo: false)" if ours == "dr_grpo" else ""))
+        if ours == "grpo":
+            m.also("algorithm.adv_estimator", "loss.group_std", "unbiased", "torch.std")
+        m.said("algorithm.norm_adv_by_std_in_grpo", "the estimator above")
+    else:
+        m.skip("algorithm.adv_estimator", f"verl's {est!r} is not offered here (estimators: docs/algorithm.md)")
+    if m.has("algorithm.gamma"):
+        m.carry("algorithm.gamma", "loss.gamma", float(m.take("algorithm.gamma")), "the return-to-go's discount")
+    if m.take("algorithm.use_kl_in_reward", False):
+        coef = float(m.take("algorithm.kl_ctrl.kl_coef", 0.001))
+        m.carry("algorithm.use_kl_in_reward", "loss.kl_in_reward_coef", coef, "beta = kl_ctrl.kl_coef: "
+                "token_level_rewards = scores - beta KL(pi_old || pi_ref)")
+        m.said("algorithm.kl_ctrl.kl_coef", "beta above")
+        kind = m.take("algorithm.kl_penalty", "kl")
+        if kind in KL_KINDS:
+            m.carry("algorithm.kl_penalty", "loss.kl_in_reward_estimator", KL_KINDS[kind], "verl's kl_penalty kind")
+        else:
+            m.skip("algorithm.kl_penalty", f"{kind!r} is not offered (k1, k2, k3, low_var_kl, abs)")
+        if m.take("algorithm.kl_ctrl.type", "fixed") != "fixed":
+            m.skip("algorithm.kl_ctrl.type", "an adaptive KL coefficient is not offered")
+    else:
+        if m.has("algorithm.use_kl_in_reward"):
+            m.said("algorithm.use_kl_in_reward", "loss.kl_in_reward_coef: 0 (off)")
+        for key in ("algorithm.kl_penalty", "algorithm.kl_ctrl.kl_coef"):
+            m.skip(key, "acts only with use_kl_in_reward")
+
+
+def _kl_loss(m: Migration) -> None:
+    if m.take(f"{A}.use_kl_loss", False):
+        m.carry(f"{A}.kl_loss_coef", "loss.kl_coef", float(m.take(f"{A}.kl_loss_coef", 0.001)),
+                "agg_loss(kl, loss_agg_mode) * kl_loss_coef")
+        kind = m.take(f"{A}.kl_loss_type", "low_var_kl")
+        if kind in KL_KINDS:
+            m.carry(f"{A}.kl_loss_type", "loss.kl_estimator", KL_KINDS[kind], "verl's kl_penalty kind")
+        else:
+            m.skip(f"{A}.kl_loss_type", f"{kind!r} (a straight-through k2 gradient) is not offered")
+    else:
+        if m.has(f"{A}.use_kl_loss"):
+            m.said(f"{A}.use_kl_loss", "loss.kl_coef: 0 (off)")
+        for key in (f"{A}.kl_loss_coef", f"{A}.kl_loss_type"):
+            m.skip(key, "acts only with use_kl_loss")
