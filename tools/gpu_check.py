@@ -324,9 +324,11 @@ def main() -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --cpu-smoke for the CPU steps)", file=sys.stderr)
         return 2
+    from model_specs.families import FAMILIES
     from model_specs.norms import HAVE_TE
-    # gpt-oss's attention sinks build the local spec only (model_specs/features/sinks/)
-    have = ["local"] + (["te"] if HAVE_TE and device == "cuda" and args.arch != "gpt_oss" else [])
+    # a feature may build the local spec only (gpt-oss's attention sinks: model_specs/features/sinks/)
+    local_only = any(f.local_spec_only for f in FAMILIES[args.arch].all_features)
+    have = ["local"] + (["te"] if HAVE_TE and device == "cuda" and not local_only else [])
     wanted = args.rows or [*have, *(["offload"] if device == "cuda" else [])]
     if "te" in wanted and "te" not in have or "offload" in wanted and device != "cuda":
         here = ", ".join(have + (["offload"] if device == "cuda" else []))

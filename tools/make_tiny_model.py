@@ -41,11 +41,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss",
-         "qwen3_next")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, run as a script
+from model_specs.families import FAMILIES  # noqa: E402 - torch-free
+
+# The shapes below, then every other family with a tiny config (model_specs/families/): its
+# transformers config class is the one of its model_type, filled from that config.
+SHAPED = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss",
+          "qwen3_next")
+ARCHS = SHAPED + tuple(n for n, f in FAMILIES.items() if n not in SHAPED and f.tiny)
 VOCAB_SIZE = 512
 # ChatML, as Qwen models use. <|im_end|> ends a turn and is the EOS token.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -162,6 +169,12 @@ def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
             linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
+    elif arch in ARCHS:
+        tiny = FAMILIES[arch].tiny_hf_config()
+        tokens = {k: common[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id",
+                                         "tie_word_embeddings")}
+        fields = {**tiny, **tokens, **overrides}
+        return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     else:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     return cls(**{**common, **extra, **overrides})

@@ -2,7 +2,7 @@
 with the architecture it describes (qwen.py: Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next; ...).
 
     family = family_for(hf)                            # FAMILIES["qwen3_moe"], a Family
-    family.all_features                                # (Decoder(), GQA(...), QKNorm(), Rope(), ...)
+    family.all_features                        # (Decoder(), GQA(), QKNorm(), Rope(), MoE(), ...)
     tiny = FAMILIES["qwen3_moe"].tiny_hf_config(num_hidden_layers=6)   # the tests' tiny config
 
 Every module here that declares `FAMILIES = (Family(...), ...)` is read at import, in name order:

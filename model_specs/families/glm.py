@@ -17,7 +17,7 @@ FAMILIES = (
     # experts. The multi-token-prediction layers of the published checkpoints
     # (`num_nextn_predict_layers`, `model.layers.{num_hidden_layers}.*`) are not part of the
     # model: transformers ignores them when loading (modeling_glm4_moe.py,
-    # _keys_to_ignore_on_load_unexpected), so does the weight map (weights/maps.WeightMap.ignores_hf).
+    # _keys_to_ignore_on_load_unexpected), so does the weight map (weights/maps.py, ignores_hf).
     Family("glm4_moe", ("glm4_moe",),
            (GQA(), QKNorm(field="use_qk_norm"), Rope(partial=True), MoE(shared_expert="plain"),
             SigmoidRouter()),

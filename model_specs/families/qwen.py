@@ -13,7 +13,8 @@ FAMILIES = (
     # Qwen3 (dense): GQA, QK-norm (RMSNorm on each head's q and k), no qkv bias, RoPE.
     Family("qwen3", ("qwen3",), (GQA(), QKNorm(), Rope()), tiny=tiny.qwen3),
     # Qwen3-MoE: Qwen3 attention (GQA, QK-norm) + routed experts (softmax router, top-k,
-    # norm_topk_prob), no shared expert; `mlp_only_layers` / `decoder_sparse_step` pick dense layers.
+    # norm_topk_prob), no shared expert; `mlp_only_layers` / `decoder_sparse_step` pick dense
+    # layers.
     Family("qwen3_moe", ("qwen3_moe",), (GQA(), QKNorm(), Rope(), MoE(), SoftmaxRouter()),
            tiny=tiny.qwen3_moe),
     # Qwen2 (dense): GQA with a bias on q/k/v (no other biases), no QK-norm, RoPE.

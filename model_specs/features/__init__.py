@@ -1,8 +1,10 @@
 """Model features: what one architectural trait adds to a decoder, each in one place.
 
     class QKNorm(Feature):                             # a feature (features/attention.py)
-        def fields(self, hf, draft): draft.config["qk_layernorm"] = True
-        def weight_rules(self, hf, rules): return rules + [WeightRule(L + "...q_layernorm.weight", ...)]
+        def fields(self, hf, draft):
+            draft.config["qk_layernorm"] = True
+        def weight_rules(self, hf, rules):
+            return rules + [WeightRule(L + "self_attention.q_layernorm.weight", ...), ...]
 
 A family (families/) is a list of features; build.build_model_spec, shape.model_fields and
 weights.maps.weight_map_for loop over it, each asking every feature in order:

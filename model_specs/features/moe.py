@@ -31,6 +31,12 @@ class Router(Feature):
     """A router of an MoE family (the MoE feature needs exactly one)."""
 
 
+def moe_layers(hf: Mapping[str, Any]) -> frozenset[int]:
+    """The layers with routed experts (hf.config.moe_layer_pattern)."""
+    return frozenset(i for i, x in enumerate(moe_layer_pattern(hf, int(hf["num_hidden_layers"])))
+                     if x)
+
+
 @dataclass(frozen=True)
 class MoE(Feature):
     """Routed experts (module docstring); HF stores each expert's MLP under
@@ -68,7 +74,8 @@ class MoE(Feature):
         if self.shared_expert == "gated":
             size = int(require(hf, "shared_expert_intermediate_size", family))
             if size <= 0:
-                raise HFConfigError(f"{family}: shared_expert_intermediate_size={size}, expected > 0")
+                raise HFConfigError(f"{family}: shared_expert_intermediate_size={size}, "
+                                    "expected > 0")
             draft.config.update(moe_shared_expert_intermediate_size=size,
                                 moe_shared_expert_gate=True)
         elif self.shared_expert == "plain":
@@ -81,9 +88,8 @@ class MoE(Feature):
                 moe_shared_expert_gate=False)
 
     def weight_rules(self, hf: Mapping[str, Any], rules: list[WeightRule]) -> list[WeightRule]:
-        pattern = moe_layer_pattern(hf, int(hf["num_hidden_layers"]))
-        moe = frozenset(i for i, x in enumerate(pattern) if x)
-        dense = [i for i, x in enumerate(pattern) if not x]
+        moe = moe_layers(hf)
+        dense = [i for i in range(int(hf["num_hidden_layers"])) if i not in moe]
         e, x = L + "mlp.experts.local_experts.{expert}.", H + "mlp.experts.{expert}."
         mine = [
             WeightRule(L + "mlp.router.weight", (H + "mlp.gate.weight",), slot="router"),
@@ -92,13 +98,15 @@ class MoE(Feature):
             WeightRule(e + "linear_fc2.weight", (x + "down_proj.weight",), tp_dim=1,
                        scope="expert", slot="experts"),
         ]
-        # Shared experts: an MLP over the (expert-independent) TP group, in every MoE layer.
-        s, n = L + "mlp.shared_experts.", {"gated": "shared_expert", "plain": "shared_experts"}
+        # Shared experts: an MLP over the (expert-independent) TP group, in every MoE layer; HF
+        # names Qwen's `shared_expert` (with a gate), GLM-4.5's `shared_experts`.
+        s, h = L + "mlp.shared_experts.", H + "mlp.shared_expert."
+        if self.shared_expert == "plain":
+            h = H + "mlp.shared_experts."
         if self.shared_expert:
-            h = H + f"mlp.{n[self.shared_expert]}."
             mine += [WeightRule(s + "linear_fc1.weight", (h + "gate_proj.weight",
-                                                          h + "up_proj.weight"),
-                                GATE_UP, tp_dim=0, slot="shared_experts"),
+                                                          h + "up_proj.weight"), GATE_UP,
+                                tp_dim=0, slot="shared_experts"),
                      WeightRule(s + "linear_fc2.weight", (h + "down_proj.weight",), tp_dim=1,
                                 slot="shared_experts")]
         if self.shared_expert == "gated":

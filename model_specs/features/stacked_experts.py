@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from model_specs.features import Feature
-from model_specs.hf.config import moe_layer_pattern
+from model_specs.features.moe import moe_layers
 from model_specs.weights.rules import (STACKED, STACKED_GATE_UP, STACKED_GATE_UP_BIAS, STACKED_T, H,
                                        L, WeightRule)
 
@@ -24,8 +24,7 @@ class StackedExperts(Feature):
     quantization = ("mxfp4",)
 
     def weight_rules(self, hf: Mapping[str, Any], rules: list[WeightRule]) -> list[WeightRule]:
-        pattern = moe_layer_pattern(hf, int(hf["num_hidden_layers"]))
-        moe = frozenset(i for i, x in enumerate(pattern) if x)
+        moe = moe_layers(hf)
         e, x = L + "mlp.experts.local_experts.{expert}.", H + "mlp.experts."
         mine = [WeightRule(L + f"mlp.router.{p}", (H + f"mlp.router.{p}",), slot="router",
                            layers=moe) for p in ("weight", "bias")]

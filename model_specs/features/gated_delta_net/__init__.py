@@ -59,7 +59,8 @@ def gdn_fields(hf: Mapping[str, Any], family: str, num_layers: int) -> dict[str,
         "linear_num_key_heads", "linear_num_value_heads")}
     if dims["linear_num_value_heads"] % dims["linear_num_key_heads"]:
         raise HFConfigError(f"{family}: linear_num_value_heads={dims['linear_num_value_heads']} is "
-                            f"not a multiple of linear_num_key_heads={dims['linear_num_key_heads']}")
+                            f"not a multiple of linear_num_key_heads="
+                            f"{dims['linear_num_key_heads']}")
     return dict(
         experimental_attention_variant="gated_delta_net",
         # megatron's per-layer pattern: 1 = linear attention (experimental_attention_variant_

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from model_specs.features import Draft, LayerContext
-from model_specs.features.moe import Router
-from model_specs.hf.config import HFConfigError, moe_layer_pattern
+from model_specs.features.moe import Router, moe_layers
+from model_specs.hf.config import HFConfigError
 from model_specs.weights.rules import H, L, WeightRule
 
 
@@ -76,7 +76,6 @@ class SigmoidRouter(Router):
     def weight_rules(self, hf: Mapping[str, Any], rules: list[WeightRule]) -> list[WeightRule]:
         # megatron keeps the expert bias as a buffer; layers.ExpertBiasRouter makes it a frozen
         # parameter under the same name (fp32, as HF keeps e_score_correction_bias).
-        pattern = moe_layer_pattern(hf, int(hf["num_hidden_layers"]))
         return rules + [WeightRule(L + "mlp.router.expert_bias",
                                    (H + "mlp.gate.e_score_correction_bias",), slot="router",
-                                   layers=frozenset(i for i, x in enumerate(pattern) if x))]
+                                   layers=moe_layers(hf))]
