@@ -77,6 +77,14 @@ class OptimizerSettings:
         """Steps of the learning-rate decay (the run config counts the run's optimizer steps)."""
         return self.lr_decay_steps or 1
 
+    def check_machine(self, available: "Available") -> None:
+        """ValueError ("field=value: ...") for a setting this machine cannot run, at start: not as
+        megatron's traceback once the optimizer is built (actor/build.py build_optimizer)."""
+        if self.optimizer_cpu_offload and not available.cuda:
+            raise ValueError("optimizer_cpu_offload=True needs CUDA GPUs (megatron's HybridDeviceOptimizer "
+                             "copies gradients to the host and weights back on CUDA streams); on a CPU "
+                             "the optimizer's state is on the host already: set it false")
+
 
 @dataclass
 class MicroBatchSettings:

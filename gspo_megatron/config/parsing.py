@@ -211,19 +211,49 @@ def _describe_fields(cls: type, defaults: Any, indent: str) -> list[str]:
     return lines
 
 
+def _duplicate_key(node: yaml.Node | None, path: str = "") -> str | None:
+    """Where a key is given twice in one mapping of a composed YAML document, as the line the
+    user sees, or None. YAML says keys are unique; PyYAML keeps the last one silently (two
+    `model:` sections became the second alone, and "model.hf_path=''" then named the wrong thing)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor` merges, it never clashes
+                continue
+            key, line = str(key_node.value), key_node.start_mark.line + 1
+            if key in seen:
+                return (f"the key '{path}{key}' appears twice (lines {seen[key]} and {line}); YAML keeps "
+                        "only the second: merge the two into one")
+            seen[key] = line
+            found = _duplicate_key(value_node, f"{path}{key}.")
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            found = _duplicate_key(item, f"{path.rstrip('.')}[{i}].")
+            if found:
+                return found
+    return None
+
+
 def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
-    """The top-level mapping of a YAML file, or ConfigError naming the file and what is wrong."""
+    """The top-level mapping of a YAML file, or ConfigError naming the file and what is wrong (a
+    key given twice in one mapping too, with both lines)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        text = p.read_text(encoding="utf-8")
+        twice = _duplicate_key(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = yaml.safe_load(text) or {}
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte "
                           f"{e.start})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: "
                           f"{' '.join(str(e).split())}") from None
+    if twice:
+        raise ConfigError(f"config file {str(p)!r}: {twice}")
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r}: expected a mapping of sections, got "
                           f"{type(data).__name__}")

@@ -28,15 +28,14 @@ from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.parallel.layout import LayoutError
 from gspo_errors import EXIT_INPUT, EXIT_RUNTIME, GspoError, MissingInputError
+from gspo_megatron.run.model_checks import (TOKENIZER_FILES, check_model_folder, check_prompts_fit,
+                                           check_served_here, check_teacher)
 from gspo_megatron.run.folders import (REFERENCE_DIR, check_run_folders_unlocked, export_rules, output_fields,
                                       run_root)
 from gspo_megatron.sync.transports import TRANSPORTS
 from model_specs.hf.config import load_hf_config, model_dims
 from rollout.prompts.dataset import PromptFileError, PromptSet, load_prompts
 from rollout.prompts.rows import resolved
-
-# At least one of these makes a tokenizer AutoTokenizer can load.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 _Check = TypeVar("_Check", bound=Callable[..., Any])
 
@@ -56,47 +55,9 @@ def refusal(check: _Check) -> _Check:
     return checked  # type: ignore[return-value]
 
 
-def check_model_folder(field: str, path: str | Path) -> Path:
-    """A Hugging Face model folder named by `field`: a folder (not a file) with a config.json."""
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise MissingInputError(f"{field}={resolved(folder)} is a file, not a folder (expected a "
-                                "Hugging Face model directory with config.json)")
-    if not (folder / "config.json").is_file():
-        raise MissingInputError(f"{field}={resolved(folder)}: no config.json there (expected a "
-                                f"Hugging Face model directory)")
-    return folder
-
-
 def check_model_dir(cfg: RunConfig) -> Path:
     """model.hf_path, which must hold a config.json."""
     return check_model_folder("model.hf_path", cfg.model.hf_path)
-
-
-def check_teacher(cfg: RunConfig, student: Path) -> None:
-    """distill.teacher: a model folder SGLang can load (config.json and its weights' shapes agree:
-    model_specs/hf/tensors.py) with the student's vocabulary; the failures name the teacher."""
-    from gspo_megatron.checkpoint.hf_files import DamagedFileError, read_safetensors_header, weight_files
-    from model_specs.hf.config import HFConfigError
-    from model_specs.hf.tensors import shape_mismatch
-    from rollout.generation.teacher import vocabulary_mismatch
-    field = "distill.teacher"
-    teacher = check_model_folder(field, cfg.distill.teacher)
-    try:
-        hf = load_hf_config(teacher)
-        shapes = {name: t["shape"] for path in weight_files(teacher)
-                  for name, t in read_safetensors_header(path).tensors.items()
-                  if t["dtype"].startswith(("F", "BF"))}  # packed (integer) quantized weights aside
-    except (MissingInputError, HFConfigError, DamagedFileError) as e:  # damaged files, a missing shard
-        raise type(e)(f"{field}={resolved(teacher)}: {e}") from None
-    why = shape_mismatch(hf, shapes)
-    if why:
-        raise ConfigError(f"{field}={resolved(teacher)} cannot be loaded: {why}; SGLang would refuse "
-                          "its weights (fix the teacher's config.json or give its matching weights)")
-    why = vocabulary_mismatch(str(student), str(teacher))
-    if why:
-        raise ConfigError(f"{field}={resolved(teacher)} has {why} (model.hf_path={str(student)!r}); "
-                          "on-policy distillation needs the student's tokenizer")
 
 
 def check_prompts(cfg: RunConfig) -> tuple[PromptSet, PromptSet | None]:
@@ -179,6 +140,10 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
         compute = cfg.compute.resolve(available)  # a kernel this machine lacks: named now
     except ValueError as e:
         raise ConfigError(f"compute.{e}") from None
+    try:
+        cfg.train.check_machine(available)  # optimizer offload without CUDA
+    except ValueError as e:
+        raise ConfigError(f"train.{e}") from None
     try:  # the Actor resolves it with the same function: what this says is what it builds
         resolve_sequence_layout(cfg.parallel, cfg.train.pack_sequences,
                                 transformer_engine=compute.transformer_engine, cuda=available.cuda,
@@ -193,13 +158,16 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
     if not any((hf / n).is_file() for n in TOKENIZER_FILES):
         raise MissingInputError(f"model.hf_path={str(hf)!r}: no tokenizer there (none of "
                                 f"{', '.join(TOKENIZER_FILES)})")
-    train_set, _ = check_prompts(cfg)  # PromptFileError names the file, the row and the key
+    check_served_here(cfg, hf, cuda=available.cuda)  # SGLang cannot serve every model on a CPU
+    train_set, held_out = check_prompts(cfg)  # PromptFileError names the file, the row and the key
     check_sync(cfg)
     r = cfg.rollout
     prompts = prompt_set_fingerprint(train_set.files(), train_set.total_rows, selection={
         "prompt_key": r.prompt_key, "answer_key": r.answer_key, "max_prompt_tokens": r.max_prompt_tokens})
     kept = None
-    if r.max_prompt_tokens and int(os.environ.get("RANK", "0")) == 0:  # the driver's rows
+    if int(os.environ.get("RANK", "0")) == 0:  # the driver's rows: each prompt and its response fit the
+        check_prompts_fit(cfg, train_set, held_out, hf)  # context, with max_prompt_tokens (its bound) or not
+    if r.max_prompt_tokens and int(os.environ.get("RANK", "0")) == 0:
         kept = drop_overlong_prompts(cfg, train_set, hf)
     if cfg.distill.teacher:  # before any server starts: it loads, and reads the student's tokens
         check_teacher(cfg, hf)
@@ -237,10 +205,10 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
                                   f"than model.hf_path={str(hf)!r} ({change}); resume with that "
                                   f"model, or start over in a new checkpoint.dir")
-        if cfg.loss.reference_reason:
+        if cfg.loss.kl_coef > 0:
             ref = Path(cfg.checkpoint.dir) / REFERENCE_DIR
             if not (ref / "model.safetensors").is_file():
-                raise ConfigError(f"{cfg.loss.reference_reason}: resuming from {resume_from}, "
+                raise ConfigError(f"loss.kl_coef={cfg.loss.kl_coef}: resuming from {resume_from}, "
                                   f"but {ref / 'model.safetensors'} (the KL reference of this run) does "
                                   "not exist; was the run started with kl_coef=0? Start a new run "
                                   "(new checkpoint.dir)")
