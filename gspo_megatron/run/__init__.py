@@ -1,6 +1,7 @@
 """One trainer rank's lifecycle, around the loop of trainer.py:
 
     preflight.py   every check before anything is spent (before torch, then with it)
+    model_checks.py  the checks that read the models: teacher, prompts against the context, CPU serving
     setup.py       the Run: actor, driver (rank 0), weight sync, metrics; begin_rl, teardown
     model_files.py the run's derived model files: initial conversion, KL reference, HF export
     folders.py     the folders a run writes, their locks, the scratch directory
