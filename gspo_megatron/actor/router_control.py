@@ -136,10 +136,6 @@ class Routing:
         # on a stage without MoE layers), so every rank takes the same collectives
 
     @property
-    def has_routers(self) -> bool:
-        return any(self.controls.values())
-
-    @property
     def layers(self) -> list[int]:
         """The global MoE layers this rank's chunks route (its pipeline stage's)."""
         return sorted(c.layer for found in self.controls.values() for c in found)

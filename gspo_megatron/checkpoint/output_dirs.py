@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import json
 import os
 import shutil
 import tempfile
@@ -185,11 +184,3 @@ def _remove_leftovers(target: Path) -> None:
         except PermissionError:
             continue
         shutil.rmtree(p, ignore_errors=True)
-
-
-def read_marker(folder: str | Path) -> dict[str, Any] | None:
-    path = Path(folder) / EXPORT_MARKER
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None

@@ -92,10 +92,6 @@ class Sample:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
-    @property
-    def is_done(self) -> bool:
-        return self.status == DONE
-
     def append_model_tokens(self, ids: list[int], logprobs: list[float], versions: list[str],
                             routed_experts: np.ndarray | None = None) -> None:
         """routed_experts: the generate call's routing, [len(tokens) - 1, layers, k] counted after
