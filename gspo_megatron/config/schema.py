@@ -17,17 +17,14 @@ YAML / override machinery.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-from pathlib import Path
 from typing import Any, Literal
 
 from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, OptimizerSettings,
                                           RoutingSettings)
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.algorithms.registry import LossSettings, RLLossName
-from gspo_megatron.config.parsing import apply_overrides, build, describe, read_yaml_mapping
-from gspo_megatron.config.validation import validate
+from gspo_megatron.config.parsing import describe
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.sync.transports import TransportName
 from rollout.servers.health import ServerHealthSettings
@@ -337,27 +334,6 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-    def validate(self) -> None:
-        """Range and cross-field checks (types are checked while parsing, and each section's
-        own checks when it is built): validation.py."""
-        validate(self)
-
-
-def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
-    """A validated RunConfig from a mapping of sections and `a.b=c` overrides."""
-    data = apply_overrides(copy.deepcopy(dict(data or {})), list(overrides or []))
-    cfg = build(RunConfig, data)
-    cfg.validate()
-    return cfg
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML config (None: defaults only), apply `a.b=c` overrides, validate.
-
-    Relative paths in the file (model.hf_path, rollout.prompts) stay relative to the working
-    directory, as the user typed them."""
-    return config_from_dict(read_yaml_mapping(path) if path is not None else {}, overrides)
 
 
 def describe_fields() -> str:

@@ -1,17 +1,18 @@
-"""Range and cross-field checks of a run config (RunConfig.validate): every rule that involves a
+"""Range and cross-field checks of a run config (loading.py calls them): every rule that involves a
 value's range or two sections at once. Each failure is a ConfigError naming the field, the value
 and what was expected. Types are checked while parsing (parsing.py), and a section's own
 rules in its __post_init__.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from gspo_megatron.config.parsing import ConfigError
+from gspo_megatron.config.schema import RunConfig
 
 
-def validate(cfg: Any) -> None:
-    """cfg: a RunConfig (gspo_megatron/config/schema.py; not imported here: it imports this)."""
+def validate(cfg: RunConfig) -> None:
+    """ConfigError at the first rule `cfg` breaks."""
     def need(cond: bool, field: str, value: Any, expected: str) -> None:
         if not cond:
             raise ConfigError(f"{field}={value!r}: expected {expected}")
@@ -132,7 +133,7 @@ def validate(cfg: Any) -> None:
          cfg.moe.engine_routing, "true or null with moe.replay=true (replay needs the engine's routing)")
 
 
-def _advantage_rules(cfg: Any, need) -> None:
+def _advantage_rules(cfg: RunConfig, need: Callable[[bool, str, Any, str], None]) -> None:
     """The loss section's advantage fields against the loss, the rollout and distillation."""
     loss, r = cfg.loss, cfg.rollout
     credit = r.turn_credit if r.environment else "episode"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,10 @@ from gspo_megatron.run.preflight import Inputs, check_inputs
 from gspo_megatron.run.signals import GracefulStop
 from rollout.servers.ports import free_port
 
+if TYPE_CHECKING:  # built inside setup, so that importing this module loads no megatron-core
+    from gspo_megatron.actor.actor import Actor
+    from gspo_megatron.sync.weight_sync import WeightSync
+
 
 @dataclasses.dataclass
 class Run:
@@ -38,9 +42,9 @@ class Run:
     cfg: RunConfig
     rank: int
     world: int
-    actor: Any                       # gspo_megatron.actor.Actor
+    actor: Actor
     driver: Driver | None            # rank 0 only
-    sync: Any                        # gspo_megatron.sync.WeightSync
+    sync: WeightSync
     ckpt: CheckpointManager | None
     writer: MetricsWriter
     loop: LoopState
@@ -66,11 +70,11 @@ def rank_env() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def build_actor(cfg: RunConfig):
+def build_actor(cfg: RunConfig) -> Actor:
     from gspo_megatron.actor import Actor, LogProbSettings
     t = cfg.train
     # Routing drift compares pi_old's routing with the updated policy's: with asynchronous
-    # rollouts pi_old spans several versions, so its default is off there (config.validate
+    # rollouts pi_old spans several versions, so its default is off there (config/validation.py
     # refuses drift=true).
     routing = dataclasses.replace(cfg.moe, drift=False) if t.max_staleness and cfg.moe.drift is None else cfg.moe
     return Actor(cfg.model.hf_path, cfg.parallel, optimizer=t, loss=cfg.loss,
@@ -92,7 +96,7 @@ def start_driver(cfg: RunConfig, rank: int, prompt_rows=None) -> Driver | None:
     return holder[0] if holder else None
 
 
-def build_sync(cfg: RunConfig, actor, driver: Driver | None):
+def build_sync(cfg: RunConfig, actor: Actor, driver: Driver | None) -> WeightSync:
     """The weight sync; rank 0 (the driver) holds the transport (sync.transport, sync/transports.py)."""
     from gspo_megatron.sync.transport_base import make_transport
     from gspo_megatron.sync.weight_sync import WeightSync
@@ -107,7 +111,7 @@ def build_sync(cfg: RunConfig, actor, driver: Driver | None):
                       senders=cfg.sync.senders, delta=cfg.sync.delta)
 
 
-def share_cpu_with_servers(cfg) -> None:
+def share_cpu_with_servers(cfg: RunConfig) -> None:
     """Asynchronous rollouts on a CPU machine: the SGLang servers generate while torch trains, on
     the same cores. torch's OpenMP threads spin at their barriers, so with a thread per core the
     shared cores slowed the train phase ~10x (benchmarks/async.py, 2 cores: 825 s of steps against

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from gspo_megatron.config.parsing import ConfigError, apply_overrides
-from gspo_megatron.config.schema import config_from_dict
+from gspo_megatron.config.loading import config_from_dict
 
 # Fields the trainer needs that a peer's algorithm block need not hold (placeholders in the check).
 REQUIRED = {"model.hf_path": "/path/to/hf-model", "rollout.prompts": "/path/to/prompts.jsonl"}
