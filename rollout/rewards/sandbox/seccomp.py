@@ -8,26 +8,42 @@ The filter is built once per sandbox, before the program's pid is known: where i
 program's own pid (shared_host), it holds SELF_PID (and its negation) instead, and first_process.py
 puts its pid there (by instruction, never by searching bytes).
 
-What each part refuses, and why (the program sees an error: EPERM, ENOSYS or EAFNOSUPPORT):
+What each part refuses, and why (the program sees an error: EPERM, ENOSYS, EAFNOSUPPORT or
+EOPNOTSUPP, or a call that does nothing):
 - always: new user namespaces (unshare, setns, clone with CLONE_NEWUSER; clone3 answers ENOSYS, so
   the C library falls back to clone, whose flags can be read), because a child user namespace
   gives the program every capability in it again; kernel surface a program has no use for
   (keyrings, which outlive the run and join runs of one user; io_uring, bpf, perf events,
-  userfaultfd); sockets of any family but unix, IPv4, IPv6 and netlink (EAFNOSUPPORT): AF_VSOCK
-  and the like are not confined by the network namespace (vsock reaches the hypervisor's host);
-  and posix_fadvise does nothing (answers 0): DONTNEED on a read-only descriptor evicts the
-  host's page cache of that file for everyone;
+  userfaultfd; AIO, whose events are one host-wide budget, fs.aio-max-nr, that one run took
+  whole; inotify and fanotify, a per-user budget of 128 instances shared with every process of
+  the user); sockets of any family but unix, IPv4 and IPv6 (EAFNOSUPPORT): AF_VSOCK and the
+  like are not confined by the network namespace (vsock reaches the hypervisor's host), and a
+  netlink socket's queue is kernel memory no cgroup counts (140 sockets filled by the kernel's
+  acks: 1.1 GiB of the host's unreclaimable slab, 5 MiB in the run's cgroup); what tells a
+  program which of the host's file pages are cached without reading them (preadv2 and pwritev2
+  with any flag, RWF_NOWAIT among them: EOPNOTSUPP; mincore; cachestat), a channel between runs
+  (one run reads pages, a later one tests them); and calls that do nothing here (answer 0):
+  posix_fadvise (DONTNEED on a read-only descriptor evicts the host's page cache of that file
+  for everyone), sync and syncfs (they wrote back the host's dirty pages: 307 MB, the trainer's
+  checkpoints among them);
 - memory_unbounded (no cgroup bounds the run): memory outside RLIMIT_AS and the tmpfs sizes
-  (memfd_create, SysV shared memory, message queues, semaphores), and unix and netlink sockets
-  (socket and socketpair), whose queued buffers are kernel memory outside RLIMIT_AS (GBs from one
-  run under memory_mb 256); IPv4 and IPv6 stay, with nothing to reach or queue in an empty network
+  (memfd_create, SysV shared memory, message queues, semaphores), and unix sockets (socket and
+  socketpair), whose queued buffers are kernel memory outside RLIMIT_AS (GBs from one run under
+  memory_mb 256); IPv4 and IPv6 stay, with nothing to reach or queue in an empty network
   namespace;
 - shared_host (process mode: the host's IPC namespace, PIDs and network): every SysV IPC and POSIX
   queue call (they would reach, and outlive into, the host's); socket() of every family (the
   host's network and its unix sockets by path; a socketpair reaches nothing and stays, unless
-  memory_unbounded); and signals, tracing and memory access to any process but the program's own
-  first process and its process group: not the reward worker, which runs as the same user
-  unless the worker is root.
+  memory_unbounded); and whatever acts on another process, allowed on the program's own first
+  process (and, where a call names one, its process group) only: signals (kill, tkill, tgkill,
+  rt_sigqueueinfo, and the kernel's SIGIO on behalf of a descriptor: F_SETOWN, while F_SETOWN_EX
+  and the FIOSETOWN / SIOCSPGRP ioctls, whose owner is behind a pointer, are refused), tracing
+  and memory access (ptrace, process_vm_*, pidfd_*, kcmp), limits (prlimit64), priorities and
+  scheduling (setpriority, never PRIO_USER; sched_setscheduler, sched_setparam, sched_setattr,
+  sched_setaffinity; ioprio_set, never IOPRIO_WHO_USER) and page placement (migrate_pages,
+  move_pages). A worker that is not root runs its programs as its own user: `prlimit(worker,
+  RLIMIT_CPU, 1)` made every later run of that worker fail to start, and SCHED_IDLE, nice 19
+  and RLIMIT_NOFILE 0 reached any process of the user, the trainer among them.
 
 Standard library only. x86_64 and aarch64; any other architecture gets no filter (the sandbox
 says so in its start-up line); a call through another ABI on these kills the program (i386) or
@@ -40,11 +56,17 @@ import platform
 import struct
 
 # struct seccomp_data: int nr; __u32 arch; __u64 instruction_pointer; __u64 args[6]
-NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24
+NR, ARCH = 0, 4
+ARGS = tuple(16 + 8 * i for i in range(6))
+"""Offsets of the low 32 bits of each argument (little-endian machines only)."""
 BPF_LD_W_ABS, BPF_JEQ_K, BPF_JSET_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x45, 0x35, 0x06
 RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
 CLONE_NEWUSER = 0x10000000
-AF_UNIX, AF_INET, AF_INET6, AF_NETLINK = 1, 2, 10, 16
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+PRIO_PROCESS, PRIO_PGRP = 0, 1
+IOPRIO_WHO_PROCESS, IOPRIO_WHO_PGRP = 1, 2
+F_SETOWN, F_SETOWN_EX = 8, 15
+FIOSETOWN, SIOCSPGRP = 0x8901, 0x8902
 X32_SYSCALL_BIT = 0x40000000
 SELF_PID = 0x7EADBEEF
 """Stands for the program's pid in a filter (above PID_MAX_LIMIT, so no real pid looks like it)."""
@@ -52,37 +74,54 @@ SELF_PID = 0x7EADBEEF
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 """The kernel's AUDIT_ARCH_* of the machines the filter knows."""
 
+_SAME_ON_BOTH = {"pidfd_send_signal": 424, "pidfd_open": 434, "pidfd_getfd": 438, "clone3": 435,
+                 "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "cachestat": 451}
+"""asm-generic numbering, which x86_64 follows too from 424 on."""
 SYSCALLS = {
-    "x86_64": {
+    "x86_64": _SAME_ON_BOTH | {
         "memfd_create": 319, "shmget": 29, "shmat": 30, "shmctl": 31, "shmdt": 67, "msgget": 68,
         "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "semget": 64, "semop": 65, "semctl": 66,
-        "semtimedop": 220, "mq_open": 240, "unshare": 272, "setns": 308, "clone": 56, "clone3": 435,
-        "kill": 62, "tkill": 200, "tgkill": 234, "pidfd_send_signal": 424, "pidfd_open": 434,
-        "pidfd_getfd": 438, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
-        "kcmp": 312, "keyctl": 250, "add_key": 248, "request_key": 249, "io_uring_setup": 425,
-        "io_uring_enter": 426, "io_uring_register": 427, "bpf": 321, "perf_event_open": 298,
-        "userfaultfd": 323, "socket": 41, "socketpair": 53, "fadvise64": 221,
+        "semtimedop": 220, "mq_open": 240, "unshare": 272, "setns": 308, "clone": 56,
+        "kill": 62, "tkill": 200, "tgkill": 234, "rt_sigqueueinfo": 129, "rt_tgsigqueueinfo": 297,
+        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "keyctl": 250,
+        "add_key": 248, "request_key": 249, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
+        "socket": 41, "socketpair": 53, "fadvise64": 221, "io_setup": 206, "io_destroy": 207,
+        "io_submit": 209, "io_cancel": 210, "io_getevents": 208, "io_pgetevents": 333,
+        "inotify_init": 253, "inotify_init1": 294, "fanotify_init": 300, "sync": 162, "syncfs": 306,
+        "mincore": 27, "preadv2": 327, "pwritev2": 328, "prlimit64": 302, "setpriority": 141,
+        "sched_setparam": 142, "sched_setscheduler": 144, "sched_setaffinity": 203, "sched_setattr": 314,
+        "ioprio_set": 251, "migrate_pages": 256, "move_pages": 279, "fcntl": 72, "ioctl": 16,
     },
-    "aarch64": {
+    "aarch64": _SAME_ON_BOTH | {
         "memfd_create": 279, "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197, "msgget": 186,
         "msgsnd": 189, "msgrcv": 188, "msgctl": 187, "semget": 190, "semop": 193, "semctl": 191,
-        "semtimedop": 192, "mq_open": 180, "unshare": 97, "setns": 268, "clone": 220, "clone3": 435,
-        "kill": 129, "tkill": 130, "tgkill": 131, "pidfd_send_signal": 424, "pidfd_open": 434,
-        "pidfd_getfd": 438, "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271,
-        "kcmp": 272, "keyctl": 219, "add_key": 217, "request_key": 218, "io_uring_setup": 425,
-        "io_uring_enter": 426, "io_uring_register": 427, "bpf": 280, "perf_event_open": 241,
-        "userfaultfd": 282, "socket": 198, "socketpair": 199, "fadvise64": 223,
+        "semtimedop": 192, "mq_open": 180, "unshare": 97, "setns": 268, "clone": 220,
+        "kill": 129, "tkill": 130, "tgkill": 131, "rt_sigqueueinfo": 138, "rt_tgsigqueueinfo": 240,
+        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "keyctl": 219,
+        "add_key": 217, "request_key": 218, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282,
+        "socket": 198, "socketpair": 199, "fadvise64": 223, "io_setup": 0, "io_destroy": 1,
+        "io_submit": 2, "io_cancel": 3, "io_getevents": 4, "io_pgetevents": 292,
+        "inotify_init1": 26, "fanotify_init": 262, "sync": 81, "syncfs": 267,
+        "mincore": 232, "preadv2": 286, "pwritev2": 287, "prlimit64": 261, "setpriority": 140,
+        "sched_setparam": 118, "sched_setscheduler": 119, "sched_setaffinity": 122, "sched_setattr": 274,
+        "ioprio_set": 30, "migrate_pages": 238, "move_pages": 239, "fcntl": 25, "ioctl": 29,
     },
 }
 
 NO_USER_NAMESPACES = ("unshare", "setns")
 KERNEL_SURFACE = ("keyctl", "add_key", "request_key", "io_uring_setup", "io_uring_enter",
-                  "io_uring_register", "bpf", "perf_event_open", "userfaultfd")
+                  "io_uring_register", "bpf", "perf_event_open", "userfaultfd", "io_setup", "io_destroy",
+                  "io_submit", "io_cancel", "io_getevents", "io_pgetevents", "inotify_init",
+                  "inotify_init1", "fanotify_init", "mincore", "cachestat")
+DOES_NOTHING = ("fadvise64", "sync", "syncfs")
 UNBOUNDED_MEMORY = ("memfd_create", "shmget", "msgget", "semget")
 HOST_IPC = ("shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl", "semget",
             "semop", "semctl", "semtimedop", "mq_open")
 OTHER_PROCESSES = ("pidfd_send_signal", "pidfd_open", "pidfd_getfd", "ptrace", "process_vm_readv",
                    "process_vm_writev", "kcmp")
+OWN_PID_FIRST = ("prlimit64", "sched_setparam", "sched_setscheduler", "sched_setattr", "sched_setaffinity",
+                 "migrate_pages", "move_pages")
+"""Calls whose first argument is a pid, 0 for the caller."""
 
 
 def machine() -> str | None:
@@ -99,18 +138,22 @@ def _deny(nr: int, err: int) -> list[bytes]:
     return [_op(BPF_JEQ_K, nr, 0, 1), _op(BPF_RET_K, RET_ERRNO | err)]
 
 
-def _only_at(nr: int, arg: int, allowed: list[int]) -> list[bytes]:
-    """`nr` allowed when the low 32 bits of argument `arg` are one of `allowed`, else EPERM."""
-    n = len(allowed)
-    body = [_op(BPF_LD_W_ABS, arg)]
-    body += [_op(BPF_JEQ_K, value, n - i, 0) for i, value in enumerate(allowed)]  # to RET_ALLOW
-    body += [_op(BPF_RET_K, RET_ERRNO | errno.EPERM), _op(BPF_RET_K, RET_ALLOW)]
+def _only_if(nr: int, conditions: list[tuple[int, list[int]]], err: int = errno.EPERM) -> list[bytes]:
+    """`nr` allowed when, for every (argument, values), the low 32 bits of that argument are one of
+    the values; else the error."""
+    body = []
+    for arg, allowed in conditions:
+        n = len(allowed)
+        body += [_op(BPF_LD_W_ABS, ARGS[arg])]
+        body += [_op(BPF_JEQ_K, value, n - i, 0) for i, value in enumerate(allowed)]  # to the next condition
+        body += [_op(BPF_RET_K, RET_ERRNO | err)]
+    body.append(_op(BPF_RET_K, RET_ALLOW))
     return [_op(BPF_JEQ_K, nr, 0, len(body))] + body
 
 
 def _by_value(nr: int, arg: int, answers: dict[int, int], otherwise: int) -> list[bytes]:
     """`nr` answered by the low 32 bits of argument `arg`: answers[value] (a RET_*), else `otherwise`."""
-    body = [_op(BPF_LD_W_ABS, arg)]
+    body = [_op(BPF_LD_W_ABS, ARGS[arg])]
     for value, answer in answers.items():
         body += [_op(BPF_JEQ_K, value, 0, 1), _op(BPF_RET_K, answer)]
     body.append(_op(BPF_RET_K, otherwise))
@@ -120,19 +163,38 @@ def _by_value(nr: int, arg: int, answers: dict[int, int], otherwise: int) -> lis
 def _socket_rules(nr: dict[str, int], *, memory_unbounded: bool, shared_host: bool) -> list[bytes]:
     """socket() and socketpair() by family (module docstring)."""
     refused, other = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.EAFNOSUPPORT
-    sockets = {family: RET_ALLOW for family in (AF_UNIX, AF_INET, AF_INET6, AF_NETLINK)}
+    sockets = {family: RET_ALLOW for family in (AF_UNIX, AF_INET, AF_INET6)}
     pairs = {AF_UNIX: RET_ALLOW}
     if memory_unbounded:
-        sockets[AF_UNIX] = sockets[AF_NETLINK] = pairs[AF_UNIX] = refused
+        sockets[AF_UNIX] = pairs[AF_UNIX] = refused
     if shared_host:
         sockets = dict.fromkeys(sockets, refused)
-    return _by_value(nr["socket"], ARG0, sockets, other) + _by_value(nr["socketpair"], ARG0, pairs, other)
+    return _by_value(nr["socket"], 0, sockets, other) + _by_value(nr["socketpair"], 0, pairs, other)
+
+
+def _own_processes_only(nr: dict[str, int], self_pid: int) -> list[bytes]:
+    """shared_host: what acts on another process, allowed on the program's own (module docstring)."""
+    own, group = [0, self_pid], [0, self_pid, -self_pid]  # the caller, the first process, its group
+    ops = _only_if(nr["kill"], [(0, group)]) + _only_if(nr["tkill"], [(0, [self_pid])])
+    for name in ("tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo"):
+        ops += _only_if(nr[name], [(0, [self_pid])])
+    for name in OWN_PID_FIRST:
+        ops += _only_if(nr[name], [(0, own)])
+    ops += _only_if(nr["setpriority"], [(0, [PRIO_PROCESS, PRIO_PGRP]), (1, own)])
+    ops += _only_if(nr["ioprio_set"], [(0, [IOPRIO_WHO_PROCESS, IOPRIO_WHO_PGRP]), (1, own)])
+    # fcntl(F_SETOWN, pid) names its pid; F_SETOWN_EX's owner is behind a pointer: refused
+    ops += [_op(BPF_JEQ_K, nr["fcntl"], 0, 10), _op(BPF_LD_W_ABS, ARGS[1]),
+            _op(BPF_JEQ_K, F_SETOWN_EX, 5, 0), _op(BPF_JEQ_K, F_SETOWN, 0, 5), _op(BPF_LD_W_ABS, ARGS[2])]
+    ops += [_op(BPF_JEQ_K, value, 3 - i, 0) for i, value in enumerate(group)]
+    ops += [_op(BPF_RET_K, RET_ERRNO | errno.EPERM), _op(BPF_RET_K, RET_ALLOW)]
+    ops += _by_value(nr["ioctl"], 1, dict.fromkeys((FIOSETOWN, SIOCSPGRP), RET_ERRNO | errno.EPERM), RET_ALLOW)
+    return ops
 
 
 def build_filter(*, memory_unbounded: bool, shared_host: bool, self_pid: int = SELF_PID,
                  arch: str | None = None) -> bytes | None:
     """The filter (module docstring) as struct sock_filter[] bytes, or None on an unknown machine.
-    self_pid: the program's first process (shared_host: the one it may signal, with its group)."""
+    self_pid: the program's first process (shared_host: the one it may act on, with its group)."""
     arch = arch or machine()
     if arch is None:
         return None
@@ -147,17 +209,18 @@ def build_filter(*, memory_unbounded: bool, shared_host: bool, self_pid: int = S
     if shared_host:
         denied += list(HOST_IPC) + list(OTHER_PROCESSES)
     for name in dict.fromkeys(denied):
-        ops += _deny(nr[name], errno.EPERM)
+        if name in nr:  # inotify_init: x86_64 only
+            ops += _deny(nr[name], errno.EPERM)
     ops += _deny(nr["clone3"], errno.ENOSYS)
-    ops += _deny(nr["fadvise64"], 0)  # errno 0: the call "succeeds" without running
+    for name in DOES_NOTHING:
+        ops += _deny(nr[name], 0)  # errno 0: the call "succeeds" without running
+    for name in ("preadv2", "pwritev2"):  # flags, the sixth argument: none (RWF_NOWAIT tells what is cached)
+        ops += _only_if(nr[name], [(5, [0])], errno.EOPNOTSUPP)
     ops += _socket_rules(nr, memory_unbounded=memory_unbounded, shared_host=shared_host)
     # clone: everything but a new user namespace (threads and forks pass)
-    ops += [_op(BPF_JEQ_K, nr["clone"], 0, 4), _op(BPF_LD_W_ABS, ARG0), _op(BPF_JSET_K, CLONE_NEWUSER, 0, 1),
+    ops += [_op(BPF_JEQ_K, nr["clone"], 0, 4), _op(BPF_LD_W_ABS, ARGS[0]), _op(BPF_JSET_K, CLONE_NEWUSER, 0, 1),
             _op(BPF_RET_K, RET_ERRNO | errno.EPERM), _op(BPF_RET_K, RET_ALLOW)]
     if shared_host:
-        ours = [0, self_pid, -self_pid]  # kill(0), itself, its own process group
-        ops += _only_at(nr["kill"], ARG0, ours)
-        ops += _only_at(nr["tkill"], ARG0, [self_pid])
-        ops += _only_at(nr["tgkill"], ARG0, [self_pid])
+        ops += _own_processes_only(nr, self_pid)
     ops.append(_op(BPF_RET_K, RET_ALLOW))
     return b"".join(ops)
