@@ -5,7 +5,8 @@ per process and per user: 32 processes x memory_mb is more than a node has).
     layout = CgroupLayout.find()             # once per sandbox; None where no cgroup can be made
     run = layout.create(memory_bytes=1 << 30, tasks=33)
     subprocess.Popen(..., preexec_fn=run.join)   # the run's first process joins before its exec
-    run.remove()                             # kills what is left in it, then removes it
+    pids = run.remove()                      # kills what is left, empties its memory, removes it
+    # or run.kill(), the run's files removed, then run.release()
 
 Where, first that works (each tried by making and removing a cgroup):
 - cgroup v2, delegated: this process's cgroup, or its parent (the layout of Slurm's
@@ -18,7 +19,15 @@ Where, first that works (each tried by making and removing a cgroup):
 - else None: the sandbox refuses memory outside RLIMIT_AS with seccomp and lowers the process
   count instead (run.py).
 A run's cgroup is named `gspo-sandbox-<worker pid>-<n>`; one left by a worker that was killed is
-removed by the next sandbox that finds the layout. Standard library only.
+removed by the next sandbox that finds the layout.
+
+Its memory is emptied before it is removed: page cache a run brought in (a file no one had cached)
+stays charged to its cgroup after the run, and a removed cgroup lives on, pinned, until those
+pages are evicted (87 -> 118 cgroups after 30 runs that each read a cold file; at the kernel's
+65,535 no cgroup can be made), while the pages tell a later run what this one read (a channel
+between runs: interpreter_files.py). v1: memory.force_empty; v2: memory.reclaim (5.19+), else
+memory.max 0; only where its memory.stat counts file pages (~1 ms; the honest run's files are the
+worker's, cached before). Standard library only.
 """
 from __future__ import annotations
 
@@ -106,16 +115,19 @@ class RunCgroup:
         for d in self.dirs:
             _write(d / ("tasks" if self.version == 1 else "cgroup.procs"), "0")
 
-    def remove(self) -> None:
-        """SIGKILL what is left in it (a child that escaped its process group), then remove it."""
+    def kill(self) -> set[int]:
+        """SIGKILL what is left in it (a child that escaped its process group) and wait until it is
+        gone; returns every pid seen in it (the caller reaps those it adopted)."""
+        seen: set[int] = set()
         if not self.dirs:
-            return
+            return seen
         kill = self.dirs[0] / "cgroup.kill"
         deadline = time.monotonic() + REMOVE_WAIT_S
         while True:
             pids = _members(self.dirs[0])
+            seen.update(pids)
             if not pids or time.monotonic() > deadline:
-                break
+                return seen
             try:
                 _write(kill, "1")
             except OSError:
@@ -125,11 +137,60 @@ class RunCgroup:
                     except (ProcessLookupError, PermissionError):
                         pass
             time.sleep(0.002)
+
+    def lingering(self) -> int:
+        """Tasks still counted against its pids limit: its processes, and the zombies among them no
+        one has reaped (a zombie leaves the cgroup's member list at its exit, not its count)."""
         for d in self.dirs:
+            try:
+                return int((d / "pids.current").read_text())
+            except (OSError, ValueError):
+                continue
+        return 0
+
+    def remove(self) -> set[int]:
+        """kill(), then release(); the pids kill() saw."""
+        seen = self.kill()
+        self.release()
+        return seen
+
+    def release(self) -> None:
+        """Empty its memory (module docstring) and remove it, once kill() found it empty."""
+        for d in self.dirs:
+            _empty_memory(d, self.version)
             try:
                 d.rmdir()
             except OSError:
                 pass  # still busy: the next sandbox that finds the layout removes it
+
+
+def _memory_stat(d: Path) -> dict[str, int]:
+    try:
+        lines = (d / "memory.stat").read_text().splitlines()
+    except OSError:
+        return {}
+    return {name: int(value) for name, _, value in (line.partition(" ") for line in lines) if value.isdigit()}
+
+
+def _empty_memory(d: Path, version: int) -> None:
+    """Evict the page cache charged to a cgroup whose processes are gone (module docstring); a
+    directory of another controller has no memory.stat and is left as it is. Not while pages are
+    dirty (a file the run wrote outside a tmpfs and nobody removed): reclaim does not write them
+    back but waits on them, 100 ms at a time; the cgroup is then left pinned until they are."""
+    stat = _memory_stat(d)
+    cached, dirty = (stat.get("cache", 0), stat.get("dirty", 0)) if version == 1 else (
+        stat.get("file", 0), stat.get("file_dirty", 0))
+    if not cached or dirty:
+        return
+    try:
+        if version == 1:
+            _write(d / "memory.force_empty", "0")
+        elif (d / "memory.reclaim").exists():
+            _write(d / "memory.reclaim", str(cached))
+        else:
+            _write(d / "memory.max", "0")
+    except OSError:
+        pass  # EAGAIN: not all of it (a page another process has mapped); the rest pins it a while
 
 
 @dataclasses.dataclass

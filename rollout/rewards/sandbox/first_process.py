@@ -6,17 +6,18 @@ Standard library only, Linux only.
 
 namespaces mode (inside fresh user, mount, PID, network, IPC, UTS and cgroup namespaces, as the
 namespace's root):
-  1. a new root, on a small tmpfs, holding only what the plan from run.py lists: the
-     interpreter's directories bound read-only (/usr, /lib*, its prefix if elsewhere), the
-     merged-usr links (/bin -> usr/bin), /etc/ld.so.cache and a passwd of two lines, the device
-     nodes null, zero, full, random and urandom bound from the host, a fresh /proc of its PID
-     namespace, and size-bounded tmpfs on /tmp (the program's directory) and /dev/shm;
+  1. a new root, on a small tmpfs, holding only what the plan from interpreter_files.py lists:
+     the interpreter, the directories of its import path and the shared libraries they load,
+     bound read-only, with every symbolic link on the way to them (/lib -> usr/lib),
+     /etc/ld.so.cache and a passwd of two lines, the device nodes null, zero, full, random and
+     urandom bound from the host; all of it made read-only at once (mount_setattr, 5.12+; else
+     one remount per mount after step 2); then a fresh /proc of its PID namespace, and
+     size-bounded tmpfs on /tmp (the program's directory) and /dev/shm;
   2. pivot_root into it and the old root detached: nothing else of the host is reachable (no
-     project, run folders, data, sockets, /sys, /home, /root, /var, /run);
-  3. every mount read-only but /tmp, /dev/shm and /proc; user.max_user_namespaces = 0 in its user
-     namespace (no nested user namespace gives capabilities back; written before the new /proc,
-     which shows the run's processes only, `subset=pid`, where the kernel has it: 5.8+);
-     hostname "sandbox";
+     project, run folders, data, sockets, /sys, /home, /root, /var, /run, nor the rest of /usr);
+  3. user.max_user_namespaces = 0 in its user namespace (no nested user namespace gives
+     capabilities back; written before the new /proc, which shows the run's processes only,
+     `subset=pid`, where the kernel has it: 5.8+); hostname "sandbox";
   4. the program copied from an inherited file descriptor to /tmp/main.py;
   5. resource limits; every capability dropped (bounding set, then all sets), no_new_privs; the
      system-call filter (seccomp.py), last;
@@ -24,7 +25,7 @@ namespace's root):
 process mode (no namespaces): as root, the worker's own unprivileged user (process_mode.py); a
 private folder (0700) in the host's temporary directory, also the program's TMPDIR; then steps
 4-6, where Landlock, when the kernel has it, comes between no_new_privs and the filter: reads
-beneath what step 1 would bind and /proc only, writes beneath the folder only. Any failure before
+of what step 1 would bind and of /proc only, writes beneath the folder only. Any failure before
 the exec exits with code 121 and no "ok": the runner reports a sandbox failure, never a program
 result.
 """
@@ -46,6 +47,8 @@ SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "
 """pivot_root has no C library wrapper before glibc 2.36."""
 SYS_LANDLOCK = (444, 445, 446)
 """landlock_create_ruleset, landlock_add_rule, landlock_restrict_self: the same on every architecture."""
+SYS_MOUNT_SETATTR, MOUNT_ATTR_RDONLY, AT_FDCWD, AT_RECURSIVE = 442, 1, -100, 0x8000
+"""mount_setattr (5.12+), the same on every architecture."""
 LL_EXECUTE, LL_WRITE_FILE, LL_READ_FILE, LL_READ_DIR = 1, 2, 4, 8
 LL_REFER, LL_TRUNCATE = 1 << 13, 1 << 14
 """Landlock ABI 2 and 3; ABI 1's thirteen rights are the bits below 1 << 13."""
@@ -74,12 +77,15 @@ def mount(source, target, fstype, flags, data=None):
 
 
 def build_root(plan, tmp_mb, shm_mb):
-    """Steps 1 and 2 of the module docstring."""
+    """Steps 1 and 2 of the module docstring; whether the root's mounts are read-only already."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    for entry in plan:
+    made = set()
+    for entry in plan:  # each path's directories are real (no link among them), so made in the tmpfs
         kind, path, dest = entry[0], entry[1], NEW_ROOT + entry[1]
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        if os.path.dirname(dest) not in made:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            made.add(os.path.dirname(dest))
         if kind == "link":
             os.symlink(entry[2], dest)
         elif kind == "dir":
@@ -98,6 +104,9 @@ def build_root(plan, tmp_mb, shm_mb):
         os.symlink(target, f"{NEW_ROOT}/dev/{name}")
     for point in ("/proc", "/tmp", "/dev/shm"):
         os.makedirs(NEW_ROOT + point, exist_ok=True)
+    attr = (ctypes.c_uint64 * 4)(MOUNT_ATTR_RDONLY, 0, 0, 0)  # struct mount_attr: set, clr, propagation, userns
+    read_only = libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), NEW_ROOT.encode(),
+                             ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(32)) == 0
     try:
         mount("proc", f"{NEW_ROOT}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "subset=pid")
     except OSError:  # before 5.8: the whole /proc of its PID namespace
@@ -111,10 +120,12 @@ def build_root(plan, tmp_mb, shm_mb):
     check(libc.syscall(SYS_PIVOT_ROOT[machine], b".", b"."), "pivot_root")
     check(libc.umount2(b".", MNT_DETACH), "detaching the old root")
     os.chdir("/")
+    return read_only
 
 
 def read_only_but_private_dirs():
-    """Step 3's remount: every mount of the new root read-only, keeping the flags it is locked with."""
+    """Step 1's read-only root where mount_setattr is missing: every mount but /tmp, /dev/shm and
+    /proc remounted read-only, keeping the flags it is locked with."""
     with open("/proc/self/mountinfo") as f:
         rows = [line.split() for line in f]
     for row in rows:
@@ -178,8 +189,9 @@ def confine_files(abi, plan, folder):
         finally:
             os.close(fd)
     device = LL_READ_FILE | LL_WRITE_FILE | (LL_TRUNCATE if abi >= 3 else 0)
-    for entry in plan:  # "link" entries point into the directories
-        access = {"dir": LL_EXECUTE | LL_READ_FILE | LL_READ_DIR, "file": LL_READ_FILE, "dev": device}
+    for entry in plan:  # "link" entries are resolved by the path walk, which Landlock does not restrict
+        access = {"dir": LL_EXECUTE | LL_READ_FILE | LL_READ_DIR, "file": LL_EXECUTE | LL_READ_FILE,
+                  "dev": device}
         if entry[0] in access:
             allow(entry[1], access[entry[0]])
     allow("/proc", LL_READ_FILE | LL_READ_DIR)
@@ -213,8 +225,8 @@ def main():
     try:
         if config["mode"] == "namespaces":
             no_nested_user_namespaces()
-            build_root(config["root"], config["tmp_mb"], config["shm_mb"])
-            read_only_but_private_dirs()
+            if not build_root(config["root"], config["tmp_mb"], config["shm_mb"]):
+                read_only_but_private_dirs()
             workdir = "/tmp"
         else:
             import tempfile

@@ -1,24 +1,19 @@
-"""Process mode's own pieces (run.py, `isolation: process`): the user a run runs as, what
-confines its files, and removing what it leaves.
+"""Process mode's own pieces (run.py, `isolation: process`): what confines a run's files, and
+removing what it leaves.
 
-    uid = run_user()                 # root: a user of this reward worker's own; else None (the worker's user)
     abi = landlock_abi()             # the kernel's Landlock version, 0 where it has none
     remove_folder(path, until)       # the run's folder, waited for until `until` at most
     remove_left_behind(uid, until)   # root without Landlock: what the run's user left in the host's temp dirs
     remove_stale_folders(until)      # root: the folders of runs whose worker was killed in the middle
 
-A user per reward worker, as root: with one user for every run, a run can enter a concurrent
-run's folder and replace its main.py between its write and the interpreter's read (a sibling's low
-reward raises the attacker's advantage), or fail a starting worker's probe. A worker's runs are
-sequential, so one user per worker keeps each run's folder (0700) its own. The user is PROCESS_UID_BASE + the worker's
-pid (below PID_LIMIT), as uid and gid, with no entry in /etc/passwd.
+The run's user is the worker's own as root (users.py), so its folder (0700) is its own.
 
 Files: where the kernel has Landlock (5.13+, with the LSM enabled), first_process.py lets the program
-read only what the namespaces mode's root holds (the interpreter's directories, /etc/ld.so.cache,
-five device nodes) and /proc, and write only beneath its own folder. Without it, a root worker
-removes what the run's user left at the top of the host's temp directories (HOST_TEMP_DIRS) after
-each run, and RLIMIT_FSIZE bounds each file written elsewhere; a worker that is not root can do
-neither (docs/rewards.md).
+read only what the namespaces mode's root holds (interpreter_files.py: the interpreter, its import
+path, the shared libraries they load, five device nodes) and /proc, and write only beneath its own
+folder. Without it, a root worker removes what the run's user left at the top of the host's temp
+directories (HOST_TEMP_DIRS) after each run, and RLIMIT_FSIZE bounds each file written elsewhere; a
+worker that is not root can do neither (docs/rewards.md).
 """
 from __future__ import annotations
 
@@ -29,21 +24,13 @@ import threading
 import time
 from pathlib import Path
 
-PROCESS_UID_BASE = 0x7A000000
-"""2046820352: systemd's plan leaves 1879048192-2147352575 unused (no user, no container range);
-with the pid added, the range ends at 2051014656."""
-PID_LIMIT = 1 << 22
-"""The kernel's largest pid_max: the range of users is PID_LIMIT long."""
+from rollout.rewards.sandbox.users import worker_of
+
 HOST_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 """World-writable directories of every Linux host: where a run without Landlock leaves files."""
 FOLDER_PREFIX = "gspo-sandbox-"
 LANDLOCK_CREATE_RULESET = 444
 """The same number on every architecture (asm-generic); flag 1 asks for the ABI version."""
-
-
-def run_user() -> int | None:
-    """The uid (and gid) of this worker's runs when it is root, else None: they run as the worker."""
-    return PROCESS_UID_BASE + os.getpid() if os.geteuid() == 0 else None
 
 
 def landlock_abi() -> int:
@@ -73,15 +60,15 @@ def remove_left_behind(uid: int, until: float, keep: str = "") -> bool:
 
 def remove_stale_folders(until: float) -> bool:
     """Root: remove the folders of runs whose reward worker was killed in the middle (at a reward
-    timeout); the folder's owner names the worker (PROCESS_UID_BASE + its pid). As remove_folder."""
+    timeout); the folder's owner names the worker (users.worker_of). As remove_folder."""
     return _within(until, _remove_stale)
 
 
 def _remove_stale() -> None:
     for folder in Path("/tmp").glob(f"{FOLDER_PREFIX}*"):
         try:
-            worker = folder.lstat().st_uid - PROCESS_UID_BASE
-            if folder.is_symlink() or not 0 < worker < PID_LIMIT or worker == os.getpid():
+            worker = worker_of(folder.lstat().st_uid)
+            if folder.is_symlink() or worker is None or worker == os.getpid():
                 continue
             os.kill(worker, 0)
         except ProcessLookupError:

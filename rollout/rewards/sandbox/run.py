@@ -11,11 +11,13 @@ run, it will learn to use.
 
 namespaces (auto and namespaces: where user namespaces are allowed)
 - fresh user, mount, PID, network, IPC, UTS and cgroup namespaces per run (util-linux `unshare`);
-  as root, made as the unprivileged user nobody (util-linux `setpriv`), so the program's "root" is
-  nobody outside;
-- a root built from an allow-list (first_process.py): the interpreter's directories read-only, five
-  device nodes, a fresh /proc, a private /tmp and /dev/shm; nothing else of the host (no project,
-  run folders, data, sockets, /sys, /home, /root, /var, /run); pivot_root, the old root detached;
+  as root, made as an unprivileged user of the worker's own (users.py, util-linux `setpriv`), so
+  the program's "root" is that user outside, and no run shares per-user budgets with another
+  worker's;
+- a root built from an allow-list (interpreter_files.py, first_process.py): the interpreter, its
+  import path and the shared libraries they load, read-only, five device nodes, a fresh /proc, a
+  private /tmp and /dev/shm; nothing else of the host (no project, run folders, data, sockets,
+  /sys, /home, /root, /var, /run, the rest of /usr); pivot_root, the old root detached;
 - no network (a network namespace with only a down loopback), no SysV IPC or hostname shared with
   the host or another run, no nested user namespace (max_user_namespaces 0 inside, and the filter);
 - no other process visible; when the run ends or is killed, the kernel kills every process of its
@@ -23,20 +25,22 @@ namespaces (auto and namespaces: where user namespaces are allowed)
 - every capability dropped, no_new_privs, a system-call filter (seccomp.py).
 process (only when isolation: process is set; auto never falls back to it)
 - a process group of its own (killed whole), limits, a private folder (0700) as the working
-  directory, as root a user of the reward worker's own (process_mode.py: it cannot signal,
-  trace or read the worker, nor enter a concurrent run's folder); Landlock where the kernel has it
-  (reads beneath the interpreter's directories and /proc only, writes beneath its folder only),
-  else as root what its user left in the host's temp directories removed after the run; the
-  filter refuses SysV IPC, sockets (socketpair stays), and signals and tracing of any process but
-  its own; the host's PID, IPC and UTS namespaces, and without Landlock its file system. Said
-  once at start.
+  directory, as root a user of the reward worker's own (users.py: it cannot signal, trace or read
+  the worker, nor enter a concurrent run's folder); Landlock where the kernel has it (reads of the
+  namespaces mode's root and /proc only, writes beneath its folder only), else as root what its
+  user left in the host's temp directories removed after the run (process_mode.py); the filter
+  refuses SysV IPC, sockets (socketpair stays), and signals, tracing, limits, priorities and
+  scheduling of any process but its own; the host's PID, IPC and UTS namespaces, and without
+  Landlock its file system. Said once at start.
 Both: per test, a cgroup (cgroup.py) bounds memory (tmpfs, shared memory and memfd
 included), processes and CPU of the whole run where one can be made; else the filter refuses
 memfd_create, SysV IPC and unix and netlink sockets, and the process and descriptor counts are
-lowered to FALLBACK_PROCESSES and FALLBACK_FILES. And RLIMIT_CPU,
-RLIMIT_AS (memory per process), RLIMIT_FSIZE, RLIMIT_NPROC, no core files; a wall-clock limit; stdout
-capped (the program is killed past it); stdin from the test, never the expected output. It is not
-a VM: the kernel is shared, and a kernel exploit is out of its scope.
+lowered to FALLBACK_PROCESSES and FALLBACK_FILES; the cgroup's memory is emptied when the run
+ends (what the run brought into the page cache leaves with it). And RLIMIT_CPU, RLIMIT_AS (memory
+per process), RLIMIT_FSIZE, RLIMIT_NPROC, no core files, no locked memory; a wall-clock limit;
+stdout capped (the program is killed past it); stdin from the test, never the expected output; the
+worker a subreaper while a run lives, which reaps what the run's kill orphans (reaping.py). It is
+not a VM: the kernel is shared, and a kernel exploit is out of its scope.
 """
 from __future__ import annotations
 
@@ -44,7 +48,6 @@ import dataclasses
 import json
 import math
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -54,16 +57,18 @@ from pathlib import Path
 
 from gspo_errors import GspoError
 from rollout.rewards.sandbox.cgroup import CgroupLayout, RunCgroup
+from rollout.rewards.sandbox.interpreter_files import root_plan, warm
 from rollout.rewards.sandbox.process_mode import (FOLDER_PREFIX, landlock_abi, remove_folder, remove_left_behind,
-                                             remove_stale_folders, run_user)
+                                                  remove_stale_folders)
+from rollout.rewards.sandbox.reaping import adopted_since, adopting, children_of, reap, start_ticks
 from rollout.rewards.sandbox.seccomp import SELF_PID, build_filter
+from rollout.rewards.sandbox.streams import SET_UP_LIMIT_S, STDERR_TAIL, communicate
+from rollout.rewards.sandbox.users import run_user
 from rollout.rewards.settings import INTERPRETER_START_S, CodeSandboxSettings
 
 INIT_SOURCE = (Path(__file__).parent / "first_process.py").read_text()
-SET_UP_LIMIT_S = 10.0
-"""Bound on the sandbox's own set-up (namespaces, mounts), before the program's clock starts."""
-STDERR_TAIL = 4096
-NOBODY = 65534
+REAP_WAIT_S = 0.5
+"""How long a run's end waits for the processes its kill orphaned to exit (they are SIGKILLed)."""
 SANDBOX_ENV = "GSPO_SANDBOX"
 """Set in every sandboxed process's environment (to the Sandbox's tag): how a check finds leftovers."""
 FALLBACK_PROCESSES = 4
@@ -77,10 +82,8 @@ PROBE_TRIES = 3
 meets something else once (a run beside it) is not a sandbox that cannot work."""
 TMP_MB, SHM_MB = 64, 16
 """Sizes of the run's private /tmp (its working directory) and /dev/shm (namespaces mode)."""
-SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-DEVICES = ("null", "zero", "full", "random", "urandom")
 PREFERRED_PYTHON = "/usr/bin/python3"
-"""The system's interpreter lives under /usr, so the root needs nothing else for it."""
+"""The system's interpreter, preferred: it needs only the system's libraries."""
 
 
 class SandboxUnavailable(GspoError, RuntimeError):
@@ -97,25 +100,6 @@ class RunResult:
     stderr_tail: bytes
     returncode: int | None
     seconds: float
-
-
-def root_plan(python: str) -> list[list[str]]:
-    """What the new root holds (first_process.build_root): ["dir", path] bound read-only,
-    ["link", path, target] recreated, ["file" | "dev", path] a host file bound onto an empty one."""
-    plan: list[list[str]] = []
-    for top in SYSTEM_DIRS:
-        if os.path.islink(top):
-            plan.append(["link", top, os.readlink(top)])
-        elif os.path.isdir(top):
-            plan.append(["dir", top])
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
-    covered = [p[1] for p in plan if p[0] == "dir"] + [os.path.realpath(p[1]) for p in plan if p[0] == "link"]
-    if prefix != "/" and not any(prefix == d or prefix.startswith(d + "/") for d in covered):
-        plan.append(["dir", prefix])  # an interpreter installed elsewhere (conda, pyenv): its prefix only
-    if os.path.isfile("/etc/ld.so.cache"):
-        plan.append(["file", "/etc/ld.so.cache"])
-    plan += [["dev", f"/dev/{d}"] for d in DEVICES if os.path.exists(f"/dev/{d}")]
-    return plan
 
 
 def _set_parent_death_signal() -> None:
@@ -142,7 +126,11 @@ class Sandbox:
         self.root: list[list[str]] = []
         self._filter: bytes | None = None
         self.uid: int | None = None
-        """process mode: the runs' user (root: this worker's own), None: the worker's."""
+        """The runs' user outside their namespaces (root: this worker's own), None: the worker's."""
+        self.whole_system = False
+        """The system's directories bound whole: the loader could not list the libraries."""
+        self._unreaped: set[int] = set()
+        """Processes of earlier runs still exiting when their run ended: reaped by a later run."""
         self.landlock = 0
         """process mode: the Landlock ABI that confines the runs' files, 0: none."""
 
@@ -151,8 +139,8 @@ class Sandbox:
         if mode != "namespaces":
             return []
         # setpriv's uid change clears the parent-death signal: --pdeathsig sets it again
-        drop = (["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--pdeathsig=KILL"]
-                if os.geteuid() == 0 else [])
+        drop = (["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--pdeathsig=KILL"]
+                if self.uid is not None else [])
         return drop + ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child",
                        "--mount", "--mount-proc", "--ipc", "--uts", "--cgroup", "--"]
 
@@ -171,13 +159,20 @@ class Sandbox:
         mode = "process" if wanted == "process" else "namespaces"
         self.cgroups = CgroupLayout.find()
         self._filter = build_filter(memory_unbounded=self.cgroups is None, shared_host=mode == "process")
+        self.uid = run_user()
         if mode == "process":
-            self.uid, self.landlock = run_user(), landlock_abi()
+            self.landlock = landlock_abi()
             if self.uid is not None:
                 remove_stale_folders(time.monotonic() + SET_UP_LIMIT_S)
         reasons = []
         for python in self._candidates():
-            self.mode, self.python, self.root = mode, python, root_plan(python)
+            self.mode, self.python = mode, python
+            self.root, self.whole_system = root_plan(python)
+            # what a run may read, and what the set-up reads (setpriv, unshare, the locale), cached
+            # and charged to this worker: a run's cgroup is emptied at its end, and would take
+            # with it, for every run to read again, the pages it was first to read
+            warm(self.root)
+            self._run_once("print(6 * 7)", b"", 10.0, bounded=False)
             for _ in range(PROBE_TRIES):
                 r = self._run_once("print(6 * 7)", b"", 10.0)
                 if r.status == "ok" and r.stdout.strip() == b"42":
@@ -198,21 +193,26 @@ class Sandbox:
             bounds = self.cgroups.describe()
         else:
             bounds = (f"no cgroup here: memory bounded per process, at most {self._processes()} processes, "
-                      "memfd, SysV IPC and unix sockets refused")
+                      "memfd, SysV IPC and unix sockets refused, and the pages a run reads stay cached "
+                      "after it (a later run can time them)")
         if self._filter is None:
             bounds += f"; no system-call filter on {os.uname().machine}"
+        user = f"as uid {self.uid}" if self.uid is not None else (
+            "as the worker's user, whose per-user budgets (pipe pages, processes) the runs share with it")
         if self.mode == "namespaces":
-            return (f"code sandbox: namespaces (a root of the interpreter's read-only directories, no network, "
-                    f"private /tmp, IPC and hostname, no nested user namespaces), {bounds}, {self.python}")
-        user = f"as uid {self.uid}" if self.uid is not None else "as the worker's user"
+            files = ("the system's directories whole (the loader listed no libraries)" if self.whole_system
+                     else "the interpreter's files only")
+            return (f"code sandbox: namespaces (a read-only root of {files}, no network, private /tmp, IPC and "
+                    f"hostname, no nested user namespaces, {user}), {bounds}, {self.python}")
         if self.landlock:
-            files = (f"files confined by Landlock (ABI {self.landlock}: reads of the interpreter's directories, "
+            files = (f"files confined by Landlock (ABI {self.landlock}: reads of the interpreter's files, "
                      "writes in its folder)")
         elif self.uid is not None:
             files = ("NO file-system isolation (no Landlock in this kernel; what its user leaves in /tmp, "
                      "/var/tmp and /dev/shm is removed)")
         else:
-            files = "NO file-system isolation (no Landlock in this kernel)"
+            files = ("NO file-system isolation (no Landlock in this kernel: the user's files, and the /proc "
+                     "files of its processes, the trainer's oom_score_adj among them, open to the runs)")
         return (f"code sandbox: process isolation only (rollout.code_sandbox.isolation: process): the host's "
                 f"processes visible, sockets refused, {user}, {files}, {bounds}, {self.python}")
 
@@ -232,17 +232,18 @@ class Sandbox:
         s = self.settings
         # a backstop past the wall limit, which decides "timeout" (CPU counts per process)
         cpu = math.ceil(time_limit_s + INTERPRETER_START_S) + 1
+        # no locked memory: a page another run mlocks could not be evicted with its run's cgroup
         return {"RLIMIT_CPU": cpu, "RLIMIT_AS": s.memory_mb << 20, "RLIMIT_FSIZE": s.max_file_mb << 20,
-                "RLIMIT_NPROC": self._processes(), "RLIMIT_CORE": 0,
+                "RLIMIT_NPROC": self._processes(), "RLIMIT_CORE": 0, "RLIMIT_MEMLOCK": 0,
                 "RLIMIT_NOFILE": FILES if self.cgroups is not None else FALLBACK_FILES, "RLIMIT_MSGQUEUE": 0}
 
     def _run_once(self, program: str, stdin: bytes, time_limit_s: float,
-                  deadline: float | None = None) -> RunResult:
+                  deadline: float | None = None, bounded: bool = True) -> RunResult:
         t0 = time.monotonic()
         hard = min(deadline or math.inf, t0 + SET_UP_LIMIT_S + time_limit_s + INTERPRETER_START_S)
         # the whole run in one cgroup, the sandbox's own unshare process included (+1)
         cgroup = (self.cgroups.create(self.settings.memory_mb << 20, self.settings.max_processes + 1)
-                  if self.cgroups is not None else None)
+                  if self.cgroups is not None and bounded else None)
         program_fd = os.memfd_create("program")
         os.write(program_fd, program.encode(errors="surrogatepass"))  # a lone surrogate: a SyntaxError, not ours
         os.lseek(program_fd, 0, os.SEEK_SET)
@@ -252,30 +253,28 @@ class Sandbox:
                   "seccomp": self._filter.hex() if self._filter else None, "self_pid": SELF_PID,
                   "uid": self.uid, "landlock": self.landlock}
         argv = self._prefix(self.mode) + [self.python, "-I", "-S", "-c", INIT_SOURCE, json.dumps(config)]
-        try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    pass_fds=(program_fd, status_w), start_new_session=True,
-                                    preexec_fn=_in_child(cgroup),
-                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", SANDBOX_ENV: self.tag})
-        except BaseException:
-            os.close(status_r)
-            if cgroup is not None:
-                cgroup.remove()
-            raise
-        finally:
-            os.close(program_fd)
-            os.close(status_w)
-        try:
-            stdout, stderr, status, overflow, timed_out = self._communicate(
-                proc, stdin, status_r, time_limit_s + INTERPRETER_START_S, hard)
-        finally:
-            os.close(status_r)
-            _kill_group(proc)
-            if cgroup is not None:
-                cgroup.remove()  # and with it whatever escaped the process group (process mode)
+        with adopting():  # what the run's kill orphans comes to this process, which reaps it
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        pass_fds=(program_fd, status_w), start_new_session=True,
+                                        preexec_fn=_in_child(cgroup),
+                                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", SANDBOX_ENV: self.tag})
+            except BaseException:
+                os.close(status_r)
+                if cgroup is not None:
+                    cgroup.remove()
+                raise
+            finally:
+                os.close(program_fd)
+                os.close(status_w)
+            status, started = "", start_ticks(proc.pid)
+            try:
+                stdout, stderr, status, overflow, timed_out = communicate(
+                    proc, stdin, status_r, time_limit_s + INTERPRETER_START_S, hard, self.settings.max_output_bytes)
+            finally:
+                os.close(status_r)
+                self._end(proc, cgroup, started, status, deadline or math.inf)
         seconds = time.monotonic() - t0
-        if self.mode == "process":
-            self._clean_up(status[3:].strip() if status.startswith("ok ") else "", deadline or math.inf)
         tail = stderr[-STDERR_TAIL:]
         if not status.startswith("ok"):
             if timed_out and deadline is not None and time.monotonic() >= deadline:
@@ -287,6 +286,25 @@ class Sandbox:
             return RunResult("timeout", stdout, tail, proc.returncode, seconds)
         return RunResult("ok" if proc.returncode == 0 else "runtime_error", stdout, tail, proc.returncode, seconds)
 
+    def _end(self, proc: subprocess.Popen, cgroup: RunCgroup | None, started: int, status: str,
+             until: float) -> None:
+        """Kill the run whole, remove its files (process mode), empty and remove its cgroup (its
+        written files gone first: reclaim waits on dirty pages), and reap what the kill orphaned."""
+        seen = set(self._unreaped)
+        if cgroup is None and proc.poll() is None:
+            seen.update(children_of(proc.pid))  # namespaces: its first process, which no cgroup lists
+        _kill_group(proc)
+        if cgroup is not None:
+            seen |= cgroup.kill()  # and with it whatever escaped the process group (process mode)
+            if cgroup.lingering():  # zombies it lists no more: left to this process outside its group
+                seen.update(adopted_since(started))
+        if self.mode == "process":
+            self._clean_up(status[3:].strip() if status.startswith("ok ") else "", until)
+        if cgroup is not None:
+            cgroup.release()
+        seen.discard(proc.pid)
+        self._unreaped = reap(seen, proc.pid, time.monotonic() + REAP_WAIT_S)
+
     def _clean_up(self, folder: str, until: float) -> None:
         """Process mode, after the run: its folder, and as root without Landlock what its user left in
         the host's temp directories, removed within the caller's deadline (process_mode.py)."""
@@ -294,60 +312,6 @@ class Sandbox:
             remove_folder(folder, until)
         if self.uid is not None and not self.landlock:
             remove_left_behind(self.uid, until, keep=folder)
-
-    def _communicate(self, proc: subprocess.Popen, stdin: bytes, status_r: int,
-                     limit_s: float, hard: float) -> tuple[bytes, bytes, str, bool, bool]:
-        """Feed stdin, read stdout (capped) and stderr (tail) until exit, the cap, `limit_s` after
-        the set-up said "ok" (SET_UP_LIMIT_S before it), or `hard`, whichever comes first."""
-        cap = self.settings.max_output_bytes
-        out, err, status = bytearray(), bytearray(), bytearray()
-        pending = memoryview(stdin)
-        readers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, status_r: status}
-        for fd in readers:
-            os.set_blocking(fd, False)
-        writer = proc.stdin.fileno()
-        os.set_blocking(writer, False)
-        if not pending:
-            proc.stdin.close()
-            writer = None
-        overflow = timed_out = False
-        deadline, started = min(time.monotonic() + SET_UP_LIMIT_S, hard), False
-        while readers or writer is not None:
-            if not started and status.endswith(b"\n"):
-                # the program's clock starts at its exec
-                deadline, started = min(time.monotonic() + limit_s, hard), True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            r, w, _ = select.select(list(readers), [writer] if writer is not None else [], [], left)
-            if w:
-                try:
-                    pending = pending[os.write(writer, pending[:65536]):]
-                except (BrokenPipeError, BlockingIOError):
-                    pending = pending[len(pending):]
-                if not pending:
-                    proc.stdin.close()
-                    writer = None
-            for fd in r:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    del readers[fd]
-                    continue
-                buf = readers[fd]
-                buf += chunk
-                if fd == proc.stderr.fileno() and len(buf) > 4 * STDERR_TAIL:
-                    del buf[:-STDERR_TAIL]
-                if fd == proc.stdout.fileno() and len(buf) > cap:
-                    overflow = True
-            if overflow:
-                break
-        if not (overflow or timed_out):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-        return bytes(out[:cap]), bytes(err), status.decode(errors="replace"), overflow, timed_out
 
 
 def _in_child(cgroup: RunCgroup | None):

@@ -109,6 +109,20 @@ def test_scores_right_wrong_and_partly_right(code):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("isolation", ["auto", "namespaces", "process", "process without landlock"])
+def test_an_honest_solution_scores_one_in_every_mode(isolation, monkeypatch):
+    # what closes an attack must leave the honest path whole: the root of the interpreter's files,
+    # the filter, the emptied cgroup
+    if isolation == "process without landlock":
+        from rollout.rewards.sandbox import run as sandbox_run
+        monkeypatch.setattr(sandbox_run, "landlock_abi", lambda: 0)
+    reward = CodeReward(CodeSandboxSettings(isolation=isolation.split()[0], time_limit_s=2.0))
+    honest = ("```python\nimport collections, heapq, json, sys\nfrom fractions import Fraction\n"
+              "a, b = map(int, sys.stdin.read().split())\nprint(int(Fraction(a) + Fraction(b)))\n```")
+    assert reward.score({"answer": json.dumps(ADD)}, honest) == 1.0
+
+
+@pytest.mark.slow
 def test_hostile_programs_score_zero_within_the_limit_and_leave_nothing(code, tmp_path):
     record = {"answer": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
     listener = socket.socket()

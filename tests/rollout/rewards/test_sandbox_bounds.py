@@ -255,7 +255,8 @@ def test_without_a_cgroup_socket_buffers_are_refused_and_descriptors_fewer(isola
     r = sandbox.run(SOCKET_BUFFERS, b"", 5.0)
     assert r.status == "ok", r.stderr_tail
     files, *refused, queued_mb = r.stdout.decode().splitlines()
-    assert int(files) == FALLBACK_FILES and refused == ["refused 1"] * 3 and queued_mb == "0"
+    # netlink: no family of a run's (EAFNOSUPPORT), cgroup or not
+    assert int(files) == FALLBACK_FILES and refused == ["refused 1"] * 2 + ["refused 97"] and queued_mb == "0"
 
 
 def test_the_run_dies_with_its_reward_worker(ns):

@@ -197,14 +197,14 @@ def test_a_probe_that_meets_something_else_is_retried(monkeypatch):
     # with it (RewardWorkerError: the training run stopped)
     real, calls = Sandbox._run_once, []
 
-    def swapped_once(self, program, stdin, time_limit_s, deadline=None):
-        calls.append(program)
-        if len(calls) == 1:
+    def swapped_once(self, program, stdin, time_limit_s, deadline=None, bounded=True):
+        calls.append(bounded)
+        if calls == [False, True]:  # the warm-up outside a cgroup, then the probe's first run
             return RunResult("ok", b"SABOTAGED\n", b"", 0, 0.1)
-        return real(self, program, stdin, time_limit_s, deadline)
+        return real(self, program, stdin, time_limit_s, deadline, bounded)
     monkeypatch.setattr(Sandbox, "_run_once", swapped_once)
     sandbox = Sandbox(CodeSandboxSettings(isolation="process"))
-    assert "process isolation only" in sandbox.probe() and len(calls) == 2
+    assert "process isolation only" in sandbox.probe() and calls == [False, True, True]
 
 
 def test_the_folders_removal_keeps_to_the_callers_deadline(proc, monkeypatch):
@@ -262,6 +262,80 @@ def test_without_root_other_processes_of_the_user_stay_out_of_reach():
                               "-c", script], capture_output=True, text=True, timeout=60, cwd="/")
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split("\n")[:2] == ["environ refused", "mem refused"], out.stdout
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+REACH = """
+import ctypes, fcntl, os, platform, resource, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+IOPRIO_SET, RT_SIGQUEUEINFO = {{"x86_64": (251, 129), "aarch64": (30, 138)}}[platform.machine()]
+trainer, outcome = int(sys.stdin.read()), {{}}
+def attempt(name, call):
+    try:
+        call()
+        outcome[name] = "DONE"
+    except OSError as e:
+        outcome[name] = "refused"
+def checked(rc):
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "")
+attempt("worker RLIMIT_CPU", lambda: resource.prlimit(os.getppid(), resource.RLIMIT_CPU, (1, 1)))
+attempt("trainer RLIMIT_NOFILE", lambda: resource.prlimit(trainer, resource.RLIMIT_NOFILE, (0, 0)))
+attempt("trainer nice", lambda: os.setpriority(os.PRIO_PROCESS, trainer, 19))
+attempt("user nice", lambda: os.setpriority(os.PRIO_USER, os.getuid(), 19))
+attempt("trainer SCHED_IDLE", lambda: os.sched_setscheduler(trainer, os.SCHED_IDLE, os.sched_param(0)))
+attempt("trainer ioprio", lambda: checked(libc.syscall(IOPRIO_SET, 1, trainer, 3 << 13)))
+info = (ctypes.c_int * 32)(signal.SIGKILL, 0, -1)   # si_code SI_QUEUE
+attempt("trainer queued SIGKILL", lambda: checked(libc.syscall(RT_SIGQUEUEINFO, trainer, signal.SIGKILL, info)))
+r, w = os.pipe()
+attempt("trainer SIGIO owner", lambda: fcntl.fcntl(r, fcntl.F_SETOWN, trainer))
+attempt("trainer oom_score_adj", lambda: open(f"/proc/{{trainer}}/oom_score_adj", "w").write("1000"))
+print(outcome)
+"""
+NOBODY_WORKER = """
+import sys
+sys.path.insert(0, {root!r})
+from rollout.rewards.sandbox.run import Sandbox
+from rollout.rewards.settings import CodeSandboxSettings
+s = Sandbox(CodeSandboxSettings(isolation="process"))
+reach = s.run({program!r}, sys.stdin.read().encode(), 5.0)
+after = s.run("print(6 * 7)", b"", 5.0)
+print(reach.status, reach.stdout.decode().strip(), sep="\\n")
+print(after.status, after.stdout.decode().strip(), after.stderr_tail.decode()[-300:])
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the worker and a stand-in trainer as nobody")
+def test_without_root_a_program_reaches_neither_its_worker_nor_the_trainer():
+    # a worker that is not root runs its programs as its own user: prlimit(worker, RLIMIT_CPU, 1)
+    # scored 1.0, and every later run of that worker failed to start (a reward error that stopped
+    # the run); SCHED_IDLE, nice 19, RLIMIT_NOFILE 0 reached the trainer, which the kernel then
+    # slowed and killed
+    from rollout.rewards.sandbox.seccomp import machine
+    if machine() is None:
+        pytest.skip("no system-call filter for this architecture")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    check = subprocess.run(nobody + ["/usr/bin/python3", "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                                     "import rollout.rewards.sandbox.run"], capture_output=True, text=True, cwd="/")
+    if check.returncode != 0:
+        pytest.skip(f"nobody cannot import this checkout: {check.stderr[-200:]}")
+    trainer = subprocess.Popen(nobody + ["/usr/bin/python3", "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        out = subprocess.run(nobody + ["/usr/bin/python3", "-c", NOBODY_WORKER.format(root=str(ROOT),
+                                                                                      program=REACH.format())],
+                             input=str(trainer.pid), capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 0, out.stderr[-2000:]
+        status, outcome, after = out.stdout.split("\n")[:3]
+        assert status == "ok" and "DONE" not in outcome, outcome
+        assert after.split()[:2] == ["ok", "42"], after  # the worker's next run starts
+        assert trainer.poll() is None
+        stat = Path(f"/proc/{trainer.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert (stat[16], stat[38]) == ("0", "0")  # nice 0, SCHED_OTHER
+        assert "Max open files" in Path(f"/proc/{trainer.pid}/limits").read_text()
+        assert " 0 " not in Path(f"/proc/{trainer.pid}/limits").read_text().split("Max open files")[1].split("\n")[0]
     finally:
         trainer.kill()
         trainer.wait()
