@@ -49,13 +49,15 @@ class CodeSandboxSettings:
     64 MiB that disappears with it."""
     scoring: Literal["fraction", "all_pass"] = "fraction"
     """The reward: the fraction of tests passed, or 1.0 only when every test passes (then the first
-    failure stops the run of the remaining tests)."""
+    failure stops the run of the remaining tests). fraction pays a guess: a program printing one
+    constant earns the share of the tests expecting it (a constant YES: 0.5 on a YES/NO row), so
+    pick all_pass for rows with few distinct outputs or few tests (docs/rewards.md)."""
     isolation: Literal["auto", "namespaces", "process"] = "auto"
     """namespaces (and auto, the same): each test in fresh user, mount, PID, network, IPC, UTS and
-    cgroup namespaces, in a root holding only the interpreter's read-only directories and a private
-    /tmp (no project, data or run folder, no network, no other process visible, everything killed
-    with it) as an unprivileged user; refused at start, in one line, where the machine does not
-    allow it. process: weaker, only by choice: the host's namespaces, with limits, a process group,
+    cgroup namespaces, in a root holding only the interpreter's read-only files and a private /tmp
+    (no project, data or run folder, no network, no other process visible, everything killed with
+    it) as an unprivileged user (as root: one of each worker's own); refused at start, in one line,
+    where the machine does not allow it. process: weaker, only by choice: the host's namespaces, with limits, a process group,
     a private folder, a user of each worker's own (as root), Landlock on its files where the kernel
     has it (else no file-system isolation) and a system-call filter that refuses sockets."""
     private_tests: bool = True
