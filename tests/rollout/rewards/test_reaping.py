@@ -30,7 +30,8 @@ WORKER = textwrap.dedent("""
                           b"", 5.0).status)
     # a child that leaves the run's session and exits: a zombie outside its group when the program ends
     statuses.append(s.run("import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    if os.fork() == 0:\\n"
-                          "        os.closerange(0, 3)\\n        time.sleep(60)\\n    os._exit(0)\\ntime.sleep(0.2)", b"", 5.0).status)
+                          "        os.closerange(0, 3)\\n        time.sleep(60)\\n    os._exit(0)\\n"
+                          "time.sleep(0.2)", b"", 5.0).status)
     print(" ".join(statuses))
 """)
 

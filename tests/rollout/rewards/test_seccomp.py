@@ -162,8 +162,8 @@ def test_what_tells_the_page_cache_and_the_host_wide_budgets_is_refused():
     EPERM, EBADF, EOPNOTSUPP = -1, -9, -95
     assert before["preadv2 RWF_NOWAIT"] == 8 and before["mincore"] == 0 and before["syncfs"] == EBADF
     assert after["preadv2 flags 0"] == 8 and after["preadv2 RWF_NOWAIT"] == EOPNOTSUPP
-    assert {k: after[k] for k in ("mincore", "cachestat", "io_setup", "inotify_init1", "fanotify_init")} == dict.fromkeys(
-        ("mincore", "cachestat", "io_setup", "inotify_init1", "fanotify_init"), EPERM)
+    refused = ("mincore", "cachestat", "io_setup", "inotify_init1", "fanotify_init")
+    assert {k: after[k] for k in refused} == dict.fromkeys(refused, EPERM)
     assert after["sync"] == after["syncfs"] == 0  # answered without running (syncfs of a bad descriptor)
 
 
@@ -197,7 +197,8 @@ def sigio_owner(pid):
 theirs = {{"prlimit": call("prlimit64", other, resource.RLIMIT_NOFILE, ctypes.addressof(limit), 0),
           "setpriority": call("setpriority", 0, other, 19), "setpriority user": call("setpriority", 2, os.getuid(), 19),
           "sched_setscheduler": call("sched_setscheduler", other, 5, ctypes.addressof(param)),   # SCHED_IDLE
-          "ioprio_set": call("ioprio_set", 1, other, 3 << 13), "ioprio_set user": call("ioprio_set", 3, os.getuid(), 3 << 13),
+          "ioprio_set": call("ioprio_set", 1, other, 3 << 13),
+          "ioprio_set user": call("ioprio_set", 3, os.getuid(), 3 << 13),
           "rt_sigqueueinfo": call("rt_sigqueueinfo", other, 9, ctypes.addressof(info)),
           "F_SETOWN": sigio_owner(other)}}
 ours = {{"getrlimit": resource.getrlimit(resource.RLIMIT_NOFILE)[0] > 0,
