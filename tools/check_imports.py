@@ -26,7 +26,9 @@ those submodules. The rules (docs/architecture.md, "Import rules"):
   checks (gspo_megatron.run.preflight): those errors come before the heavy imports;
 - no two modules of gspo_megatron have near-twin names (the same once underscores and a final
   s or es are dropped: micro_batch / microbatches, routing / routing);
-- no module imports itself through a chain of others (no cycles), and no package does either:
+- no module imports itself through a chain of others (no cycles; an import under `if
+  TYPE_CHECKING:` never runs, and is how a type names a module that imports this one: it counts
+  for every other rule), and no package does either:
   the top-level packages, and the packages inside each, form no cycle once a package stands for
   the modules it holds (rollout.servers -> rollout.generation -> rollout.servers is refused even
   when the modules themselves form none);
@@ -76,11 +78,25 @@ def _eager_nodes(tree: ast.Module):
             todo.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(module: str, path: Path, modules: set[str], eager_only: bool = False
-               ) -> tuple[set[str], set[str]]:
+def _type_checking_imports(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+                or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")):
+            found |= {id(n) for stmt in node.body for n in ast.walk(stmt)
+                      if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return found
+
+
+def imports_of(module: str, path: Path, modules: set[str], eager_only: bool = False,
+               runtime_only: bool = False) -> tuple[set[str], set[str]]:
     """(project modules, external top-level packages) that `module` imports; eager_only: only
-    the imports that run when the module itself is imported."""
+    the imports that run when the module itself is imported; runtime_only: without the imports
+    under `if TYPE_CHECKING:`."""
     tree = ast.parse(path.read_text(), str(path))
+    type_only = _type_checking_imports(tree) if runtime_only else set()
     is_pkg = path.name == "__init__.py"
     internal, external = (set() if eager_only else _lazy_exports(tree, module)), set()
 
@@ -95,6 +111,8 @@ def imports_of(module: str, path: Path, modules: set[str], eager_only: bool = Fa
             internal.add(name)
 
     for node in (_eager_nodes(tree) if eager_only else ast.walk(tree)):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             for a in node.names:
                 add(a.name)
@@ -112,11 +130,13 @@ def imports_of(module: str, path: Path, modules: set[str], eager_only: bool = Fa
     return internal, external
 
 
-def graph(eager_only: bool = False) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+def graph(eager_only: bool = False, runtime_only: bool = False
+          ) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     files = module_files()
     internal, external = {}, {}
     for module, path in files.items():
-        internal[module], external[module] = imports_of(module, path, set(files), eager_only)
+        internal[module], external[module] = imports_of(module, path, set(files), eager_only,
+                                                        runtime_only)
     return internal, external
 
 
@@ -230,7 +250,7 @@ def violations() -> list[str]:
             if heavy:
                 problems.append(f"{m} imports {', '.join(sorted(heavy))}, and {light} imports {m}: "
                                 "it must load without torch")
-    for comp in find_cycles(internal):
+    for comp in find_cycles(graph(runtime_only=True)[0]):
         problems.append(f"import cycle: {' <-> '.join(comp)}")
     for comp in find_cycles(folder_graph(internal, files)):
         problems.append(f"package cycle: {' <-> '.join(comp)} (a package imports another that imports it back)")

@@ -56,6 +56,8 @@ def test_the_tree_follows_the_rules():
      "gspo_megatron.parallel.layout imports torch, and gspo_megatron.config imports"),
     ("gspo_megatron/checkpoint/hf_files.py", "def f():\n    from gspo_megatron.checkpoint import manager",
      "import cycle: gspo_megatron.checkpoint.hf_files <-> gspo_megatron.checkpoint.manager"),
+    ("rollout/generation/sample.py", "if TYPE_CHECKING:\n    from gspo_megatron.config import RunConfig",
+     "rollout.generation.sample imports gspo_megatron.config (rollout knows nothing of megatron"),
 ])
 def test_the_checker_catches_each_kind_of_violation(tmp_path, monkeypatch, where, line, needle):
     for pkg in check_imports.PACKAGES:
@@ -75,3 +77,18 @@ def test_no_source_file_over_400_lines():
                                                     "benchmarks", "launch", "tests", "scripts")
             for p in (ROOT / pkg).rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert long == {}
+
+
+def test_a_type_checking_import_closes_no_cycle(tmp_path, monkeypatch):
+    """STYLE's way to name the type of a module that imports this one: the import never runs, so
+    it is no cycle (and still counts for the direction rules, above)."""
+    for pkg in check_imports.PACKAGES:
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    hf_files = tmp_path / "gspo_megatron/checkpoint/hf_files.py"
+    typed = "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gspo_megatron.checkpoint import manager\n"
+    hf_files.write_text(hf_files.read_text() + typed)
+    monkeypatch.setattr(check_imports, "ROOT", tmp_path)
+    assert check_imports.violations() == []
+    hf_files.write_text(hf_files.read_text() + "from gspo_megatron.checkpoint import manager\n")
+    assert any("import cycle: gspo_megatron.checkpoint.hf_files <-> gspo_megatron.checkpoint.manager" in v
+               for v in check_imports.violations())
