@@ -118,7 +118,7 @@ def served_context(cfg: RunConfig, model_dir: Path) -> tuple[int, str]:
         if value is not None and value.isdigit():
             return int(value), "--context-length in rollout.server_extra_args"
     raw: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
-    scaling = raw.get("rope_scaling") or {}
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters") or {}  # transformers 5 writes the latter
     factor = 1.0
     if scaling and "original_max_position_embeddings" not in scaling and scaling.get("rope_type") != "llama3":
         factor = float(scaling.get("factor", 1))
