@@ -130,7 +130,7 @@ class AsyncRollouts:
         """Groups to generate again from their prompts (too stale to train)."""
         for group in groups:
             for s in group:
-                RolloutManager._reset(s)
+                s.restart()
         with self._cond:
             self.retry.extend(groups)
             self._cond.notify_all()

@@ -8,7 +8,8 @@
 
 One HTTP request per sample (segment), up to `max_in_flight_requests` at once; SGLang batches them.
 The manager holds what lasts between steps (the buffer, the ready groups, the group ids, the reward
-error budget, the request threads); one step's own state is a StepGeneration (step_generation.py).
+error budget) and the request threads (requests.py: one request or episode per sample); one
+step's own state is a StepGeneration (step.py), which works with these through their public names.
 Partial rollouts (paper-independent, as in slime/Kimi): once `num_groups` groups are complete the
 rest are aborted, and their partial responses wait in the buffer; next step they resume from
 prompt + partial response asking only for the REMAINING budget. Every token keeps the weight version
@@ -25,29 +26,28 @@ Multi-turn environments give their rewards during the episode (their own path).
 from __future__ import annotations
 
 import collections
-import itertools
-import threading
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
+from rollout.generation.chat import ChatTemplate
 from rollout.generation.manager_config import ManagerConfig
-from rollout.servers.pool import ServerPool
+from rollout.generation.multiturn import Environment
+from rollout.generation.requests import SampleRequests
+from rollout.generation.sample import Sample
+from rollout.generation.step import RolloutInterrupted, StepGeneration, StepResult  # noqa: F401 (re-exported)
+from rollout.generation.teacher import TeacherScorer
 from rollout.rewards.answers import RewardFn
 from rollout.rewards.scoring import RewardErrorBudget, Scorer, ThreadScorer
-from rollout.generation.sample import DONE, PENDING, Sample
-from rollout.generation.step import RolloutInterrupted, StepGeneration, StepResult  # noqa: F401 (re-exported)
-from rollout.generation.step_metrics import step_metrics
+from rollout.servers.pool import ServerPool
 
 
 class RolloutManager:
     def __init__(self, pool: ServerPool, config: ManagerConfig, *,
                  encode_prompt: Callable[[dict], list[int]] | None = None, decode: Callable[[list[int]], str],
                  reward_fn: RewardFn | None = None, scorer: Scorer | None = None,
-                 env_factory: Callable[[dict], Any] | None = None,
-                 encode_text: Callable[[str], list[int]] | None = None, chat: Any = None,
+                 env_factory: Callable[[dict], Environment] | None = None,
+                 encode_text: Callable[[str], list[int]] | None = None, chat: ChatTemplate | None = None,
                  max_turns: int | None = None, reward_budget: RewardErrorBudget | None = None,
-                 teacher: Any = None):
+                 teacher: TeacherScorer | None = None):
         """encode_prompt: prompt record -> prompt token ids (e.g. dataset.chat_prompt_ids).
         decode: token ids -> text, for reward functions and environments (never re-encoded).
         scorer: scores single-turn groups (rollout.rewards.RewardWorkerPool: processes, a hard
@@ -68,59 +68,29 @@ class RolloutManager:
         if env_factory is not None and encode_text is None and chat is None:
             raise ValueError("multi-turn (env_factory) needs a chat template (or encode_text)")
         self.pool, self.config = pool, config
-        self.encode_prompt, self.decode = encode_prompt, decode
-        self.env_factory, self.encode_text = env_factory, encode_text
+        self.encode_prompt, self.decode, self.env_factory = encode_prompt, decode, env_factory
+        self.requests = SampleRequests(pool, config, decode, env_factory=env_factory,
+                                       encode_text=encode_text, chat=chat, max_turns=max_turns)
         self._own_scorer = ThreadScorer(reward_fn) if scorer is None and reward_fn is not None else None
         self.scorer = scorer or self._own_scorer
-        self.chat, self.max_turns, self.teacher = chat, max_turns, teacher
+        self.teacher = teacher
         self.buffer: collections.deque[list[Sample]] = collections.deque()
+        """Unfinished groups (partial responses, or waiting for their scores) a step left: the
+        next step starts them first."""
         self.ready: collections.deque[list[Sample]] = collections.deque()
         """Complete, scored groups a stopped step kept (generate_step(keep_on_stop=True)): the
         next step takes them first, as they are."""
         self.next_group_id = 0
         self.reward_budget = reward_budget or RewardErrorBudget(config.max_reward_error_fraction)
-        self._run_tag = uuid.uuid4().hex[:8]
-        self._rid_counter = itertools.count()
-        self._abandon = threading.Event()  # set: the drain stops waiting for what is in flight
-        self._executor = ThreadPoolExecutor(max_workers=config.max_in_flight_requests,
-                                            thread_name_prefix="rollout")
 
-    # --- one unit of work (runs in a worker thread) ------------------------------------------
-    def _run_sample(self, sample: Sample) -> Sample:
-        if self.env_factory is not None:
-            from rollout.generation.multiturn import run_episode
-            try:
-                env = self.env_factory(sample.prompt)
-            except Exception as e:  # noqa: BLE001 - a broken environment is recorded and counted
-                sample.prompt_ids, sample.reward, sample.status = sample.prompt_ids or [0], 0.0, DONE
-                sample.finish_reason, sample.metadata["env_error"] = "env_error", f"{type(e).__name__}: {e}"
-                return sample
-            return run_episode(sample, env, self.pool, self.config, self.decode, self.encode_text,
-                               self._new_rid, chat=self.chat, max_turns=self.max_turns,
-                               abandon=self._abandon)
-        return self._generate_segment(sample)
+    @property
+    def episodes(self) -> bool:
+        """Multi-turn episodes (an env_factory): their rewards come from the environment."""
+        return self.env_factory is not None
 
-    def _new_rid(self, sample: Sample) -> str:
-        return f"{self._run_tag}-{sample.group_id}-{sample.index}-{next(self._rid_counter)}"
-
-    def _generate_segment(self, sample: Sample) -> Sample:
-        """Generate (the rest of) one single-turn response: prompt + partial -> remaining budget."""
-        if sample.remaining_tokens > 0:
-            out = self.pool.generate(sample.tokens, self.config.sampling_params(sample.remaining_tokens, sample),
-                                     rid=self._new_rid(sample), timeout_s=self.config.request_timeout_s,
-                                     abandon=self._abandon, **self.config.generate_kwargs())
-            sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions,
-                                       out.routed_experts)
-            sample.num_segments += 1 if out.output_ids else 0
-            sample.finish_reason = out.finish_reason
-        if sample.remaining_tokens <= 0 and sample.finish_reason != "stop":
-            sample.finish_reason = "length"
-        sample.status = PENDING if sample.finish_reason == "abort" else DONE
-        return sample
-
-    # --- a step ------------------------------------------------------------------------------
-    def _new_group(self, record: dict) -> list[Sample]:
-        prompt_ids = [] if self.env_factory is not None else list(self.encode_prompt(record))
+    def new_group(self, record: dict) -> list[Sample]:
+        """A group of group_size fresh samples of one prompt record, with the next group id."""
+        prompt_ids = [] if self.episodes else list(self.encode_prompt(record))
         gid = self.next_group_id
         self.next_group_id += 1
         budget = int(record.get("max_new_tokens", self.config.max_new_tokens))
@@ -142,22 +112,6 @@ class RolloutManager:
         return StepGeneration(self, prompts, num_groups, current_weight_version, should_stop,
                               keep_on_stop).run()
 
-    def _routes_of_another_version(self, sample: Sample, current: str | None) -> bool:
-        """A partial response with engine routes generated by weights other than `current`."""
-        if not (self.config.return_routed_experts and sample.response_ids and current):
-            return False
-        return any(v and v != current for v in sample.weight_versions)
-
-    @staticmethod
-    def _reset(sample: Sample) -> None:
-        sample.response_ids, sample.logprobs, sample.loss_mask, sample.weight_versions = [], [], [], []
-        sample.num_segments, sample.status, sample.finish_reason = 0, PENDING, None
-        sample.reward, sample.routed_experts, sample.teacher_logprobs = None, None, None
-
-    def _metrics(self, kept: list[list[Sample]], m: collections.Counter, seconds: float) -> dict[str, float]:
-        return step_metrics(kept, m, seconds, buffer_groups=len(self.buffer), budget=self.reward_budget,
-                            episodes=self.env_factory is not None)
-
     # --- checkpointing -----------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
         """The buffer and counters as plain data (JSON-serialisable when prompt records are)."""
@@ -173,6 +127,6 @@ class RolloutManager:
         self.reward_budget.load_state(state["reward_budget"])
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.requests.close()
         if self._own_scorer is not None:
             self._own_scorer.close()

@@ -92,6 +92,20 @@ class Sample:
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
+    def restart(self) -> None:
+        """Back to its prompt: the response, its per-token arrays, routes, reward and teacher
+        log-probs dropped (an episode cut by a stop, a partial response too stale to resume)."""
+        self.response_ids, self.logprobs, self.loss_mask, self.weight_versions = [], [], [], []
+        self.num_segments, self.status, self.finish_reason = 0, PENDING, None
+        self.reward, self.routed_experts, self.teacher_logprobs = None, None, None
+
+    def has_tokens_of_other_weights(self, version: str | None) -> bool:
+        """Some of its response's tokens came from weights other than `version` (None: unknown,
+        False). Environment tokens ("") come from no weights."""
+        if not (self.response_ids and version):
+            return False
+        return any(v and v != version for v in self.weight_versions)
+
     def append_model_tokens(self, ids: list[int], logprobs: list[float], versions: list[str],
                             routed_experts: np.ndarray | None = None) -> None:
         """routed_experts: the generate call's routing, [len(tokens) - 1, layers, k] counted after

@@ -23,12 +23,16 @@ import dataclasses
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
-from rollout.servers.errors import NoServerLeft
 from rollout.generation.drain import drain
-from rollout.rewards.scoring import DIED, TIMEOUT, Score
 from rollout.generation.sample import ABORTED, DONE, Sample
+from rollout.generation.step_metrics import step_metrics
+from rollout.rewards.scoring import DIED, TIMEOUT, Score
+from rollout.servers.errors import NoServerLeft
+
+if TYPE_CHECKING:  # manager.py builds a step for each generate_step
+    from rollout.generation.manager import RolloutManager
 
 
 class RolloutInterrupted(Exception):
@@ -44,11 +48,11 @@ class StepResult:
 
 class StepGeneration:
     """One call of RolloutManager.generate_step (its docstring gives the arguments' meaning).
-    `manager` is the RolloutManager whose step this is, typed Any because manager.py imports this
-    module: the step reads its config, request threads, scorer, teacher and reward budget, and
-    hands groups to and from its buffer and ready groups."""
+    `manager` is the RolloutManager whose step this is: the step submits through its request
+    threads (manager.requests), scores with its scorer, teacher and reward budget, draws new
+    groups from it (new_group) and hands groups to and from its buffer and ready groups."""
 
-    def __init__(self, manager: Any, prompts: Iterator[dict], num_groups: int,
+    def __init__(self, manager: RolloutManager, prompts: Iterator[dict], num_groups: int,
                  current_weight_version: str | None = None,
                  should_stop: Callable[[], bool] | None = None, keep_on_stop: bool = False):
         cfg = manager.config
@@ -63,7 +67,7 @@ class StepGeneration:
         self.open_groups: dict[int, list[Sample]] = {}
         """Group id -> a group started and not yet closed (generating, or waiting on its answers)."""
         self.in_flight: dict[Future, Sample] = {}
-        """A generation request (manager._run_sample on the executor) -> its sample."""
+        """A generation request (manager.requests.submit) -> its sample."""
         self.scoring: dict[Future, tuple[list[Sample], list[Sample]]] = {}
         """A scorer call -> (its group, the group's samples it scores)."""
         self.teaching: dict[Future, list[Sample]] = {}
@@ -104,11 +108,13 @@ class StepGeneration:
                     self.collect(done)
         finally:
             drain(manager.pool, self.in_flight, min(cfg.abort_timeout_s, cfg.request_timeout_s),
-                  manager._abandon)
+                  manager.requests.abandon)
         if self.interrupted or self.lost is not None:
             raise self.stopped_early()
         self.buffer_open_groups()
-        return StepResult(self.kept, manager._metrics(self.kept, m, time.monotonic() - self.t0))
+        return StepResult(self.kept, step_metrics(self.kept, m, time.monotonic() - self.t0,
+                                                  buffer_groups=len(manager.buffer),
+                                                  budget=manager.reward_budget, episodes=manager.episodes))
 
     def open_more(self) -> None:
         """Start groups, buffered ones first, until num_groups + oversample_groups are kept or open."""
@@ -122,7 +128,7 @@ class StepGeneration:
             if record is None:
                 break
             m["prompts_drawn"] += 1
-            self.start_group(manager._new_group(record))
+            self.start_group(manager.new_group(record))
 
     def wait_for_answers(self) -> set[Future]:
         """Wait up to one poll for a request, a score or a teacher answer; TimeoutError when no
@@ -163,12 +169,12 @@ class StepGeneration:
                 f.result()  # a server failure propagates here
             except NoServerLeft as e:  # the step stops as at a signal (keep_on_stop: nothing lost)
                 self.lost = e
-                if self.manager.env_factory is not None:
+                if self.manager.episodes:
                     sample.status = ABORTED  # an episode restarts from its prompt
                 return
             if sample.status != DONE:  # aborted by someone else before we were full: resume
                 if sample.status == ABORTED:
-                    self.manager._reset(sample)
+                    sample.restart()
                 self.submit(sample)
                 continue
             # several samples of a group can finish together: the first one closes it
@@ -196,7 +202,7 @@ class StepGeneration:
             if all(s.status == DONE for s in group):
                 manager.buffer.append(group)
                 m["groups_completed_buffered"] += 1
-            elif self.config.partial_rollouts and manager.env_factory is None:
+            elif self.config.partial_rollouts and not manager.episodes:
                 manager.buffer.append(group)
                 m["groups_partial_buffered"] += 1
             else:
@@ -204,21 +210,21 @@ class StepGeneration:
 
     # --- a group's life: start, generate, score, close ---------------------------------------
     def submit(self, sample: Sample) -> None:
-        manager = self.manager
-        self.in_flight[manager._executor.submit(manager._run_sample, sample)] = sample
+        self.in_flight[self.manager.requests.submit(sample)] = sample
 
     def start_group(self, group: list[Sample]) -> None:
-        manager, m = self.manager, self.counts
+        m = self.counts
         self.open_groups[group[0].group_id] = group
         for s in group:
             if s.status == ABORTED:  # an episode cut by a stop: it restarts
-                manager._reset(s)
-            elif s.status != DONE and manager._routes_of_another_version(s, self.current_weight_version):
+                s.restart()
+            elif (s.status != DONE and self.config.return_routed_experts
+                  and s.has_tokens_of_other_weights(self.current_weight_version)):
                 # Routing replay: a response resumed under new weights would have its prefix
                 # routed by them (SGLang recomputes it), while its earlier tokens' pi_old needs
                 # the old routes of the same positions; one routing per token cannot hold
                 # both, so the partial restarts from its prompt (tests/trainer/test_trainer_async.py).
-                manager._reset(s)
+                s.restart()
                 m["samples_restarted_routing"] += 1
             if s.status != DONE:
                 m["samples_resumed"] += bool(s.response_ids)
@@ -236,7 +242,7 @@ class StepGeneration:
             s.check_aligned()
         waits[gid] = 0
         unscored = [s for s in group if s.reward is None]
-        if unscored and manager.env_factory is None:
+        if unscored and not manager.episodes:
             future = manager.scorer.submit([s.prompt for s in unscored],
                                            [manager.decode(s.response_ids) for s in unscored])
             self.scoring[future] = (group, unscored)
@@ -277,7 +283,7 @@ class StepGeneration:
         del self.open_groups[group[0].group_id]
         self.waits.pop(group[0].group_id, None)
         for s in group:
-            if manager.env_factory is not None:  # an episode's reward came from its environment
+            if manager.episodes:  # an episode's reward came from its environment
                 error = s.metadata.get("env_error")
                 m["env_errors"] += error is not None
                 manager.reward_budget.record(error is None, error)

@@ -78,7 +78,7 @@ def test_episode_token_in_token_out(qwen3_server, env_cls):
         for s in g:
             s.check_aligned()
             assert s.status == "done" and s.reward is not None and len(s.response_ids) <= budget
-            replies = pool.outputs[f"{mgr._run_tag}-{s.group_id}-{s.index}"]
+            replies = pool.outputs[f"{mgr.requests.run_tag}-{s.group_id}-{s.index}"]
             spans = s.metadata["spans"]
             assert [k for k, _, _ in spans] == (["model", "env"] * len(spans))[:len(spans)]
             assert len([k for k, _, _ in spans if k == "model"]) == len(replies) == s.metadata["turns"]
