@@ -2,6 +2,7 @@
 # The main job: GSPO on a tiny Qwen3-MoE, on CPU, with a real SGLang server, watched in TensorBoard.
 #   bash scripts/main_job.sh                       # from a fresh machine: set-up, model, train, export
 #   bash scripts/main_job.sh --set train.steps=10  # extra overrides go to `gspo-megatron train`
+#   CONFIG=examples/tiny_moe_roll_gspo.yaml RUN=runs/tiny_moe_roll_gspo bash scripts/main_job.sh
 # Steps: build .venv (scripts/setup.sh), make the tiny random MoE if missing
 # (tools/make_tiny_model.py), train (examples/tiny_moe_larger_digit.yaml: a short supervised warm
 # start, then GSPO; resumes from its checkpoint dir if a previous run was interrupted), export the
@@ -13,7 +14,7 @@ bash scripts/setup.sh
 PY="$ROOT/.venv/bin/python"
 CONFIG="${CONFIG:-examples/tiny_moe_larger_digit.yaml}"
 MODEL="runs/models/tiny-qwen3-moe"
-RUN="runs/tiny_moe_larger_digit"
+RUN="${RUN:-runs/tiny_moe_larger_digit}"  # the run folder of CONFIG (its tensorboard/)
 if [[ ! -f "$MODEL/config.json" ]]; then
   echo "[main_job] making the tiny MoE at $MODEL"
   "$PY" tools/make_tiny_model.py --arch qwen3_moe --out "$MODEL" --seed 0

@@ -112,3 +112,44 @@ def test_moe_and_mismatch_cross_checks(overrides, needle):
     assert needle in str(e.value)
     ok = config_from_dict(BASE, ["loss.tis_cap=2", "loss.mis_cap=3", "loss.mis_level=sequence"])
     assert "tis_cap=2 mis_cap=3" in ok.describe_loss()
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["loss.advantage_estimator=ppo"], "loss.advantage_estimator='ppo': expected 'grpo' | 'dr_grpo' | 'rloo'"),
+    (["loss.loss_agg_mode=token-mean"], "loss.loss_agg_mode='token-mean': expected seq-mean-token-mean with the "
+                                        "gspo loss (GSPO's sequence ratio fixes its own"),
+    (["loss.name=grpo", "loss.loss_agg_mode=seq-mean-token-sum-norm"], "loss.token_sum_norm=None: expected > 0"),
+    (["loss.token_sum_norm=4"], "loss.token_sum_norm=4.0: expected null unless"),
+    (["loss.dual_clip_c=1"], "loss.dual_clip_c=1.0: expected > 1"),
+    (["loss.kl_estimator=full"], "loss.kl_estimator='full'"),
+    (["loss.gamma=0"], "loss.gamma=0.0: expected in (0, 1]"),
+    (["loss.advantage_clip=0"], "loss.advantage_clip=0.0: expected > 0"),
+    (["loss.reward_norm_mean=domain"], "loss.reward_norm_mean='domain'"),
+    (["loss.advantage_estimator=reinforce", "loss.gamma=0.9"],
+     "loss.name='gspo': expected a loss that takes one advantage per token (gspo_token, grpo)"),
+    (["loss.advantage_estimator=reinforce_plus_plus", "loss.kl_in_reward_coef=0.1"],
+     "loss.name='gspo': expected a loss that takes one advantage per token"),
+    (["loss.advantage_estimator=rloo", "rollout.group_size=1"], "rollout.group_size=1: expected >= 2"),
+    (["loss.name=gspo_token", "loss.kl_in_reward_coef=0.1", "rollout.environment=calculator",
+      "rollout.turn_credit=return_to_go"], "loss.kl_in_reward_coef=0.1: expected 0 with rollout.turn_credit"),
+    (["loss.name=gspo_token", "loss.reward_clip=1", "rollout.environment=calculator",
+      "rollout.turn_credit=return_to_go"], "loss.reward_clip=1.0: expected null with rollout.turn_credit"),
+])
+def test_advantage_and_aggregation_rules(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(BASE, overrides)
+    assert needle in str(e.value)
+
+
+def test_advantage_settings_accepted_and_described():
+    cfg = config_from_dict(BASE, ["loss.name=grpo", "loss.loss_agg_mode=seq-mean-token-sum-norm",
+                                  "loss.token_sum_norm=64", "loss.dual_clip_c=3", "loss.advantage_estimator=reinforce",
+                                  "loss.gamma=0.95", "loss.kl_in_reward_coef=0.01", "loss.whiten_advantages=true",
+                                  "rollout.group_size=1", "loss.advantage_clip=2"])
+    assert cfg.describe_loss().startswith(
+        "loss=grpo seq-mean-token-sum-norm (C=64) eps_low=0.2 eps_high=0.27 dual_clip_c=3 KL off | "
+        "advantage=reinforce gamma=0.95 KL in reward 0.01 (k1) whitened advantage_clip=2")
+    assert cfg.loss.reference_reason == "loss.kl_in_reward_coef=0.01"  # the reference pass runs
+    assert cfg.loss.function_kwargs() == dict(eps_low=0.2, eps_high=0.27, loss_agg_mode="seq-mean-token-sum-norm",
+                                              token_sum_norm=64.0, dual_clip_c=3.0)
+    assert config_from_dict(BASE).loss.function_kwargs() == dict(eps_low=3e-4, eps_high=4e-4)  # a new row's contract
