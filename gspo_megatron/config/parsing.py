@@ -5,6 +5,11 @@ gspo_megatron/config/schema.py (which holds the schema).
     cfg = build(RunConfig, data)                           # types checked, unknown keys named
     print(describe(RunConfig))                             # every field with its docstring
 
+A field whose values are the names of a table (losses, rewards, transports, environments) says so
+in its metadata, `dataclasses.field(..., metadata={CHOICES: fn})`, fn() -> {name: description}
+read from the table when the config is described, so that the description lists every row and
+nothing lists them by hand.
+
 Every error is a ConfigError that names the field and the offending value. A section's dataclass
 may validate itself in __post_init__ by raising ValueError("field=value: expected ..."); the
 error comes out as a ConfigError with the section's prefix ("train.field=value: ...").
@@ -28,6 +33,17 @@ from gspo_errors import InputError
 
 class ConfigError(InputError, ValueError):
     """A bad run configuration: the message names the field and the offending value."""
+
+
+CHOICES = "choices"
+
+
+def choices_text(f: dataclasses.Field) -> str:
+    """` Choices: name: description; ...` from the field's table, or ""."""
+    table = f.metadata.get(CHOICES)
+    if table is None:
+        return ""
+    return " Choices: " + "; ".join(f"{n}: {d}" if d else n for n, d in table().items()) + "."
 
 
 def type_name(tp: Any) -> str:
@@ -207,7 +223,8 @@ def _describe_fields(cls: type, defaults: Any, indent: str) -> list[str]:
             lines.append(f"{indent}{f.name}:  # {docs.get(f.name, '')}")
             lines += _describe_fields(hints[f.name], default, indent + "  ")
             continue
-        lines.append(f"{indent}{f.name}: {default!r}  # ({type_name(hints[f.name])}) {docs.get(f.name, '')}")
+        lines.append(f"{indent}{f.name}: {default!r}  # ({type_name(hints[f.name])}) {docs.get(f.name, '')}"
+                     f"{choices_text(f)}")
     return lines
 
 

@@ -23,10 +23,10 @@ from typing import Any, Literal
 from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, OptimizerSettings,
                                           RoutingSettings)
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
-from gspo_megatron.algorithms.registry import LossSettings, RLLossName
-from gspo_megatron.config.parsing import describe
+from gspo_megatron.algorithms.registry import LOSSES, LossSettings, RLLossName
+from gspo_megatron.config.parsing import CHOICES, describe
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.sync.transports import TransportName
+from gspo_megatron.sync.transports import TRANSPORTS, TransportName
 from rollout.servers.health import ServerHealthSettings
 from rollout.generation.manager_config import ManagerConfig
 from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
@@ -44,11 +44,28 @@ class ModelConfig:
     """Parameter dtype of the trainer (float32 on CPU: exact log-prob parity with SGLang)."""
 
 
+def _losses() -> dict[str, str]:
+    return {name: row.description for name, row in LOSSES.items() if row.rl}
+
+
+def _shipped_rewards() -> dict[str, str]:
+    from rollout.rewards.registry import SHIPPED  # the reward functions load when described only
+    return {name: row.description for name, row in SHIPPED.items()}
+
+
+def _environments() -> dict[str, str]:
+    from rollout.envs import environment_descriptions
+    return environment_descriptions()
+
+
+def _transports() -> dict[str, str]:
+    return {name: row.description for name, row in TRANSPORTS.items()}
+
+
 @dataclasses.dataclass
 class LossConfig(LossSettings, AdvantageSettings):
-    name: RLLossName = "gspo"
-    """Policy loss, a name of the LOSSES table (gspo_megatron/algorithms/registry.py): gspo (sequence
-    ratio, Eq. 5), gspo_token (Eqs. 13-14), grpo (token ratio), or one you added there."""
+    name: RLLossName = dataclasses.field(default="gspo", metadata={CHOICES: _losses})
+    """Policy loss, a row of LOSSES (gspo_megatron/algorithms/registry.py)."""
 
     def __post_init__(self) -> None:
         LossSettings.__post_init__(self)
@@ -82,11 +99,10 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     max_prompt_tokens: int | None = None
     """Drop prompts longer than this many tokens (through the chat template) when the set is
     loaded, and say how many (verl's filter_overlong_prompts); null = keep all."""
-    reward: str = "math"
-    """The reward: math (math-verify on the final answer), exact_match, format, code (the response's
-    program against the row's tests, in a sandbox: code_sandbox), an http(s):// reward service
-    (reward_service), or your own as package.module:function (fn(record, response_text) -> float;
-    docs/rewards.md)."""
+    reward: str = dataclasses.field(default="math", metadata={CHOICES: _shipped_rewards})
+    """The reward: a shipped one by name (a row of SHIPPED, rollout/rewards/registry.py), an
+    http(s):// reward service (reward_service), or your own as package.module:function
+    (fn(record, response_text) -> float; docs/rewards.md)."""
     reward_workers: int = 4
     """Processes that score responses while generation goes on (rollout/rewards/workers.py); the
     thread that feeds the servers never scores. Also the number of requests in flight to an HTTP
@@ -119,10 +135,11 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     """More `sglang.launch_server` flags for local servers."""
     server_startup_timeout_s: float = 300.0
     """How long to wait for a local server (or an attached one) to become healthy."""
-    environment: str | None = None
-    """Multi-turn episodes with this environment: a shipped one (calculator, guessing) or a class
-    of your own, `package.module:ClassName` (rollout.generation.multiturn.Environment); null = single-turn
-    responses scored by `reward`. The environment's rewards replace `reward`."""
+    environment: str | None = dataclasses.field(default=None, metadata={CHOICES: _environments})
+    """Multi-turn episodes with this environment: a shipped one by name (ENVIRONMENTS,
+    rollout/envs/__init__.py) or a class of your own, `package.module:ClassName`
+    (rollout.generation.multiturn.Environment); null = single-turn responses scored by `reward`.
+    The environment's rewards replace `reward`."""
     environment_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Keyword arguments of the environment class (one instance per episode)."""
     max_turns: int | None = None
@@ -182,11 +199,8 @@ class TrainConfig(OptimizerSettings, MicroBatchSettings):
 
 @dataclasses.dataclass
 class SyncConfig:
-    transport: TransportName = "disk"
-    """How the weights reach the servers, a row of TRANSPORTS (gspo_megatron/sync/transports.py):
-    disk (safetensors shards in sync.dir, a file system the servers read), tensor (shared memory:
-    servers on the trainer ranks' machines), distributed (a weights-update group per sender and
-    server: servers anywhere)."""
+    transport: TransportName = dataclasses.field(default="disk", metadata={CHOICES: _transports})
+    """How the weights reach the servers, a row of TRANSPORTS (gspo_megatron/sync/transports.py)."""
     bucket_mb: int = 512
     """Size bound of one transfer bucket, and of one request (per sender)."""
     senders: Literal["owners", "rank0"] = "owners"

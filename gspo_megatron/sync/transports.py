@@ -26,12 +26,17 @@ class TransportRow:
     """Whether it can carry deltas (only the changed elements, applied by the project's loader)."""
     folder_versions: int = 0
     """Copies of the model it keeps in sync.dir at once (0: it writes nothing there)."""
+    description: str = ""
+    """One line for `gspo-megatron config`: how the weights travel, where the servers may be."""
 
 
 TRANSPORTS: dict[str, TransportRow] = {row.name: row for row in (
-    TransportRow("disk", "disk:DiskTransport", deltas=False, folder_versions=2),
-    TransportRow("tensor", "tensor:TensorTransport", deltas=True),
-    TransportRow("distributed", "distributed:DistributedTransport", deltas=True),
+    TransportRow("disk", "disk:DiskTransport", deltas=False, folder_versions=2,
+                 description="safetensors shards in sync.dir, a file system the servers read"),
+    TransportRow("tensor", "tensor:TensorTransport", deltas=True,
+                 description="shared memory: servers on the trainer ranks' machines"),
+    TransportRow("distributed", "distributed:DistributedTransport", deltas=True,
+                 description="a weights-update group per sender and server: servers anywhere"),
 )}
 # A Literal of the names, so the config parser names them in its errors.
 TransportName = Literal[tuple(TRANSPORTS)]  # type: ignore[valid-type]

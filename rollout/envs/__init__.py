@@ -4,7 +4,9 @@
     env = cls(**environment_args)                          # one instance per episode
 
 An environment implements rollout.generation.multiturn.Environment: reset(prompt_record) -> first user
-message, step(model_turn_text) -> EnvStep(observation, reward, done, tool_call).
+message, step(model_turn_text) -> EnvStep(observation, reward, done, tool_call). A shipped one is
+an entry of ENVIRONMENTS; the first line of its class's docstring describes it in
+`gspo-megatron config`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ from rollout.envs.calculator import CalculatorEnv
 from rollout.envs.guessing import GuessingGameEnv
 
 ENVIRONMENTS = {"calculator": CalculatorEnv, "guessing": GuessingGameEnv}
+
+
+def environment_descriptions() -> dict[str, str]:
+    """Name -> the first line of its class's docstring (its own, never a base class's)."""
+    return {name: (cls.__doc__ or "").strip().split("\n")[0].rstrip(".")
+            for name, cls in ENVIRONMENTS.items()}
 
 
 class EnvironmentSpecError(InputError, ValueError):
@@ -49,4 +57,4 @@ def environment_class(spec: str) -> type:
 
 
 __all__ = ["CalculatorEnv", "ENVIRONMENTS", "EnvironmentSpecError", "GuessingGameEnv",
-           "environment_class"]
+           "environment_class", "environment_descriptions"]

@@ -46,7 +46,9 @@ def _fmt(x: float) -> str:
 
 
 class CalculatorEnv(Environment):
-    """tool_reward: reward of a turn whose tool call computes the answer (a per-turn reward: the
+    """Arithmetic with a calculator tool the model may call, the answer in \\boxed{}.
+
+    tool_reward: reward of a turn whose tool call computes the answer (a per-turn reward: the
     episode's reward is the sum, and GSPO-token's per-turn credit can use it); instructions:
     append the how-to-answer sentence to the question (off: the question alone, a shorter
     context for tiny models that learn the format in a warm start)."""

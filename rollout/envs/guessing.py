@@ -14,6 +14,8 @@ _INT = re.compile(r"-?\d+")
 
 
 class GuessingGameEnv(Environment):
+    """Find a secret integer in [low, high] with higher/lower hints."""
+
     def __init__(self, max_turns: int = 6):
         self.max_turns = max_turns
         self.secret, self.low, self.high = 0, 1, 100

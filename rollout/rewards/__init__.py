@@ -4,9 +4,9 @@
     pool = RewardWorkerPool("math", workers=8, timeout_s=60)    # the trainer's way (workers.py)
     get_reward("math")(record, response_text)                  # one sample, in this process
 
-Shipped: math (math_answers.py), exact_match and format (answers.py), code (code_reward.py, run in
-a sandbox: sandbox/), a reward service over HTTP (http_service.py); yours as
-package.module:function (registry.py). Error accounting: scoring.py.
+Shipped rewards are the rows of SHIPPED (registry.py: each names its module), beside a reward
+service over HTTP (http_service.py) and yours as package.module:function. Error accounting:
+scoring.py.
 """
 from rollout.rewards.answers import (RewardFn, exact_match_reward, extract_answer, format_reward, last_boxed,
                                      weighted_sum)

@@ -1,6 +1,6 @@
 """The one table of shipped rewards, and reward names -> what the reward workers call.
 
-    reward = get_reward("math")                     # shipped (SHIPPED): math, exact_match, format, code
+    reward = get_reward("math")                     # shipped: a name of SHIPPED, below
     reward = get_reward("my_pkg.rewards:judge")     # yours: fn(record, response_text) -> float
     reward = get_reward("http://judge:8000/score")  # a reward service (http_service.py)
     reward(record, text)                            # one sample, in this process
@@ -66,6 +66,8 @@ class ShippedReward:
     name: str
     build: Callable[[CodeSandboxSettings], Reward]
     """The run's code sandbox settings -> the Reward (imports what only it needs on first use)."""
+    description: str
+    """One line for `gspo-megatron config` (rollout.reward's choices): what it scores."""
     check: Callable[[CodeSandboxSettings], str | None] | None = None
     """Start-up check beyond building it (check_reward): raises when the reward cannot run here,
     or returns a line for the run's output; None: building it is the whole check."""
@@ -87,10 +89,13 @@ def _probe_sandbox(code_sandbox: CodeSandboxSettings) -> str | None:
 
 
 SHIPPED: dict[str, ShippedReward] = {r.name: r for r in (
-    ShippedReward("math", _math),
-    ShippedReward("exact_match", lambda code_sandbox: Reward("exact_match", exact_match_reward)),
-    ShippedReward("format", lambda code_sandbox: Reward("format", format_reward())),
-    ShippedReward("code", _code, check=_probe_sandbox),
+    ShippedReward("math", _math, "the final answer against the row's, by math-verify"),
+    ShippedReward("exact_match", lambda code_sandbox: Reward("exact_match", exact_match_reward),
+                  "the final answer equals the row's, whitespace, $ and case aside"),
+    ShippedReward("format", lambda code_sandbox: Reward("format", format_reward()),
+                  "the response has a \\boxed{} answer"),
+    ShippedReward("code", _code, "the response's program against the row's tests, in a sandbox "
+                  "(rollout.code_sandbox)", check=_probe_sandbox),
 )}
 
 

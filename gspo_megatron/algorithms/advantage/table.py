@@ -13,6 +13,7 @@ checked before torch loads.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Literal
@@ -71,10 +72,9 @@ class AdvantageSettings:
     """How rewards become advantages (the loss section's advantage fields; pipeline.py applies
     them in this order: reward norm, reward clip, KL in the reward, estimator, whitening, clip)."""
 
-    advantage_estimator: EstimatorName = "grpo"
-    """A name of ESTIMATORS (gspo_megatron/algorithms/advantage/table.py): grpo (group mean and std,
-    GSPO Eq. 6), dr_grpo (group mean only), rloo (leave-one-out mean), reinforce_plus_plus_baseline,
-    reinforce (ROLL's: the return-to-go), reinforce_plus_plus (the return-to-go, whitened)."""
+    advantage_estimator: EstimatorName = dataclasses.field(default="grpo", metadata={  # config/parsing.py
+        "choices": lambda: {n: s.description for n, s in ESTIMATORS.items()}})
+    """A row of ESTIMATORS (gspo_megatron/algorithms/advantage/table.py)."""
     group_std: Literal["population", "unbiased"] = "population"
     """The std of grpo's groups: population (the set's std, as GSPO Eq. 6 writes it) or unbiased
     (Bessel's correction, torch.std: what verl, ROLL and slime compute)."""
