@@ -5,7 +5,7 @@
 
 It stands in for `gspo-megatron train` until the trainer exists, with the same contract: CONFIG.yaml,
 `--set key=value` overrides, torch.distributed env:// variables (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT) as torchrun or launch/slurm/rank.sh set them, `checkpoint.dir` with a
+MASTER_ADDR, MASTER_PORT) as torchrun or launch/rank.sh set them, `checkpoint.dir` with a
 `latest` pointer it resumes from, and `rollout.server_urls` it must reach.
 
 Each step all-reduces (rank + 1) * step over every rank (gloo on CPU, NCCL on GPU) and rank 0 then

@@ -1,7 +1,7 @@
 """GSPO, GSPO-token and GRPO losses, group advantages and KL penalty: pure torch, no megatron.
 
 The equations and the properties the tests prove are in docs/algorithm.md (the paper: arXiv
-2507.18071); tests/test_algorithms_*.py prove properties 1-12. The loss table (names, clip ranges,
+2507.18071); tests/algorithms/ prove its properties 1-12. The loss table (names, clip ranges,
 metric keys) is registry.py. Names are imported on first use (PEP 562), so that reading the
 registry (config validation) does not import torch.
 

@@ -7,8 +7,8 @@ gpt-oss's published checkpoints (`quantization_config.quant_method: mxfp4`) stor
 expert tensor X as `X_blocks` (uint8 [E, rows, G, 16]: 32 four-bit E2M1 values a block, the low
 nibble first) and `X_scales` (uint8 [E, rows, G]: one power-of-two exponent a block, biased by
 127); X is their product over the blocks, transposed to [E, G x 32, rows] (transformers'
-integrations/mxfp4.py, _convert_moe_packed_tensors, which tests/checkpoint/test_mxfp4.py holds
-this against). The trainer holds the dequantized weights in the checkpoint's other dtype (bf16):
+integrations/mxfp4.py, convert_moe_packed_tensors, which tests/checkpoint/test_convert_gpt_oss.py
+holds this against). The trainer holds the dequantized weights in the checkpoint's other dtype (bf16):
 every E2M1 value times a power of two is exact there. Export writes them so, unquantized
 (checkpoint/export.py); the converter leaves quantization_config out of the checkpoint's copy of
 config.json.

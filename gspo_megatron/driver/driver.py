@@ -95,7 +95,7 @@ class Driver:
               prompt_rows=None) -> "Driver":
         """Attach to rollout.server_urls, or launch rollout.num_servers local servers (servers.py).
         log_dir: the servers' logs; cache_dir: where parquet prompt sets are memory-mapped from
-        (prompt_sets.py); prompt_rows: the rows of the prompt set to use (rollout.max_prompt_tokens;
+        (rollout/prompts/sets.py); prompt_rows: the rows of the prompt set to use (rollout.max_prompt_tokens;
         None: all)."""
         r = cfg.rollout
         # A bad prompt set fails before any server starts; parquet is memory-mapped from a cache

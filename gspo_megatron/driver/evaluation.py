@@ -57,7 +57,7 @@ class Evaluator:
 
     def __init__(self, cfg: RunConfig, driver: Any, cache_dir: Path | None = None) -> None:
         """driver: the run's Driver (its pool, tokenizer, environment); cache_dir: where parquet
-        sets are memory-mapped from (prompt_sets.py)."""
+        sets are memory-mapped from (rollout/prompts/sets.py)."""
         r, e = cfg.rollout, cfg.eval
         self.cfg = cfg
         self.prompts = load_prompts(e.prompts, e.prompt_key or r.prompt_key, e.answer_key or r.answer_key,

@@ -3,7 +3,7 @@
 
 With sync.senders=owners every rank that holds whole tensors after the tensor-parallel /
 expert-tensor-parallel gather sends its own to the servers, concurrently (gspo_megatron/sync/
-owners.py). A dense parameter's owner is TP rank 0 at DP rank 0 of its pipeline stage; a routed
+stream.py). A dense parameter's owner is TP rank 0 at DP rank 0 of its pipeline stage; a routed
 expert's is the owner of its (pipeline stage, EP rank). The dense owner of a stage is also its EP
 rank 0's expert owner, so PP x EP ranks send and the busiest holds its stage's dense parameters
 and its experts. Bytes are in the served dtype (bf16: 2 per parameter).

@@ -31,7 +31,7 @@ class NotPositional(RuntimeError):
 
 
 def own_load_weights(model: torch.nn.Module):
-    """The model's own load_weights (route_load_weights in weight_delta.py keeps it aside)."""
+    """The model's own load_weights (route_load_weights in weight_loader.py keeps it aside)."""
     return getattr(model, "gspo_own_load_weights", None) or model.load_weights
 
 

@@ -13,7 +13,7 @@ from distributed import run_distributed
 
 pytestmark = pytest.mark.slow  # 0.19.2: the same megatron-core paths run in test_actor_layouts' mcore019 layouts (suite time)
 
-# Project code as the GPU run found it (actor/train.py before the fix): a count made on the
+# The project's code as the GPU run found it, kept to show the failure: a count made on the
 # default device, all-reduced over the data-parallel group.
 _OLD_GLOBAL_COUNT = textwrap.dedent("""
     import torch, torch.distributed as dist
