@@ -156,11 +156,25 @@ def check_is_checkpoint(ckpt_dir: str | Path) -> None:
     if not (path / "metadata.json").is_file():
         raise MissingInputError(f"{path} is not a megatron dist_checkpointing checkpoint "
                                 f"(no metadata.json){_where_the_model_is(path)}")
-    for name, what in (("common.pt", "megatron's common state"), (".metadata", "torch's index of the shards")):
-        if not (path / name).is_file():
-            raise MissingInputError(f"checkpoint {path} is incomplete: {path / name} ({what}, written by "
-                                    "every dist_checkpointing save) is missing")
+    if not (path / ".metadata").is_file():
+        raise MissingInputError(f"checkpoint {path} is incomplete: {path / '.metadata'} (torch's index of "
+                                "the shards, written by every dist_checkpointing save) is missing")
+    if not (path / "common.pt").is_file() and not _common_state_in_shards(path):
+        raise MissingInputError(f"checkpoint {path} is incomplete: {path / 'common.pt'} (megatron's common "
+                                "state, which this checkpoint's index does not hold either) is missing")
     _check_shard_sizes(path)
+
+
+def _common_state_in_shards(path: Path) -> bool:
+    """Whether megatron's common state is a sharded object in the torch_dist shards (the format of
+    megatron-core 0.17 and later: dist_checkpointing.serialization.load_common_state_dict reads a
+    legacy common.pt where there is one, else the "common_state" object) rather than common.pt."""
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # noqa: BLE001 - a damaged index is named by _check_shard_sizes
+        return True
+    return any(k.startswith("common_state") for k in keys)
 
 
 def _where_the_model_is(path: Path) -> str:
