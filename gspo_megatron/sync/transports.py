@@ -27,16 +27,14 @@ class TransportRow:
     folder_versions: int = 0
     """Copies of the model it keeps in sync.dir at once (0: it writes nothing there)."""
     description: str = ""
-    """One line for `gspo-megatron config`: how the weights travel, where the servers may be."""
+    """One line for `gspo-megatron config`: how the weights travel, where the servers may be (a row
+    is one line, so that a recipe adds one)."""
 
 
 TRANSPORTS: dict[str, TransportRow] = {row.name: row for row in (
-    TransportRow("disk", "disk:DiskTransport", deltas=False, folder_versions=2,
-                 description="safetensors shards in sync.dir, a file system the servers read"),
-    TransportRow("tensor", "tensor:TensorTransport", deltas=True,
-                 description="shared memory: servers on the trainer ranks' machines"),
-    TransportRow("distributed", "distributed:DistributedTransport", deltas=True,
-                 description="a weights-update group per sender and server: servers anywhere"),
+    TransportRow("disk", "disk:DiskTransport", deltas=False, folder_versions=2, description="safetensors files in sync.dir"),
+    TransportRow("tensor", "tensor:TensorTransport", deltas=True, description="shared memory on the trainers' hosts"),
+    TransportRow("distributed", "distributed:DistributedTransport", deltas=True, description="an update group per server"),
 )}
 # A Literal of the names, so the config parser names them in its errors.
 TransportName = Literal[tuple(TRANSPORTS)]  # type: ignore[valid-type]
