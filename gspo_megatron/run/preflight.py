@@ -205,10 +205,10 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
                                   f"than model.hf_path={str(hf)!r} ({change}); resume with that "
                                   f"model, or start over in a new checkpoint.dir")
-        if cfg.loss.kl_coef > 0:
+        if cfg.loss.reference_reason:
             ref = Path(cfg.checkpoint.dir) / REFERENCE_DIR
             if not (ref / "model.safetensors").is_file():
-                raise ConfigError(f"loss.kl_coef={cfg.loss.kl_coef}: resuming from {resume_from}, "
+                raise ConfigError(f"{cfg.loss.reference_reason}: resuming from {resume_from}, "
                                   f"but {ref / 'model.safetensors'} (the KL reference of this run) does "
                                   "not exist; was the run started with kl_coef=0? Start a new run "
                                   "(new checkpoint.dir)")
