@@ -4,6 +4,12 @@ copy, the venv's bin first on PATH, so `python` is the project's), one test per 
 its section's heading. A block writes its new files with heredocs and ends with a command that
 shows the plug-in used; a nonzero exit fails it, with its output. Slow: each block starts fresh
 interpreters in the copy, and some start reward workers, a server or a GPU check's CPU smoke run.
+
+The copy is a git repository, so what a recipe touched is read afterwards: an extension point is a
+module of its own and a row, so every library file a block adds or changes sits in one package
+(a new family: one file of model_specs/families/; a transport: its module and one line of
+sync/transports.py), and the sections in TOUCHED say exactly which files, with what the last
+command must print.
 """
 from __future__ import annotations
 
@@ -20,6 +26,15 @@ GUIDE = ROOT / "docs" / "extending.md"
 COPIED = ("gspo_errors", "gspo_megatron", "model_specs", "rollout", "tools", "tests", "examples",
           "benchmarks", "pyproject.toml")
 MAX_LINES = 200
+LIBRARY = ("gspo_errors", "gspo_megatron", "model_specs", "rollout", "tools")
+# section -> (the library files the block leaves changed, as `git status --porcelain` lines; lines
+# its output must hold)
+TOUCHED = {
+    "A weight-sync transport": ([" M gspo_megatron/sync/transports.py", "?? gspo_megatron/sync/toy.py"],
+                                ["both owners posted through gspo_megatron.sync.toy.ToySender"]),
+    "A model feature, and a family made of features": (["?? model_specs/families/mistral.py"],
+                                                       ["; mistral; specs checked: local"]),
+}
 
 
 def recipe_blocks(text: str) -> list[tuple[str, str]]:
@@ -47,7 +62,7 @@ def _named(blocks: list[tuple[str, str]]) -> list:
     for heading, block in blocks:
         seen[heading] = seen.get(heading, 0) + 1
         name = heading if seen[heading] == 1 else f"{heading} #{seen[heading]}"
-        out.append(pytest.param(block, id=name))
+        out.append(pytest.param(heading, block, id=name))
     return out
 
 
@@ -55,19 +70,30 @@ BLOCKS = recipe_blocks(GUIDE.read_text())
 
 
 def scratch_copy(dest: Path) -> Path:
+    """The repository's code in `dest`, committed to a git repository of its own."""
     dest.mkdir()
     for name in COPIED:
         src = ROOT / name
         if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(src, dest / name)
+    git = ["git", "-c", "user.name=recipe", "-c", "user.email=recipe@localhost"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "before the recipe"]):
+        subprocess.run(git + args, cwd=dest, check=True)
     return dest
 
 
+def touched(copy: Path) -> list[str]:
+    """The library files the recipe added or changed, as `git status --porcelain` lines."""
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--", *LIBRARY],
+                         cwd=copy, capture_output=True, text=True, check=True).stdout.splitlines()
+    return sorted(line for line in out if line and "__pycache__" not in line)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("block", _named(BLOCKS))
-def test_recipe_runs_as_written(block, tmp_path):
+@pytest.mark.parametrize("section,block", _named(BLOCKS))
+def test_recipe_runs_as_written(section, block, tmp_path):
     copy = scratch_copy(tmp_path / "repo")
     env = {**os.environ, "PYTHONPATH": str(copy), "PYTHONDONTWRITEBYTECODE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -76,6 +102,19 @@ def test_recipe_runs_as_written(block, tmp_path):
     print(got.stdout[-3000:])
     assert got.returncode == 0, (f"exit {got.returncode}\n--- stdout\n{got.stdout[-6000:]}\n"
                                  f"--- stderr\n{got.stderr[-6000:]}")
+    changed = touched(copy)
+    assert len({str(Path(line[3:]).parent) for line in changed}) <= 1, (
+        f"{section}: the recipe touched more than one package of the library: {changed}")
+    if section in TOUCHED:
+        files, said = TOUCHED[section]
+        assert changed == sorted(files), changed
+        for needle in said:
+            assert needle in got.stdout, (needle, got.stdout[-4000:])
+        for line in files:
+            if line.startswith(" M "):  # a changed table: one row added, nothing else
+                numstat = subprocess.run(["git", "diff", "--numstat", "--", line[3:]], cwd=copy,
+                                         capture_output=True, text=True, check=True).stdout.split()
+                assert numstat[:2] == ["1", "0"], (line, numstat)
 
 
 def test_the_guide_is_short_and_its_blocks_are_found():
