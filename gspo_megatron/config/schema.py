@@ -267,9 +267,9 @@ class EvalConfig:
     """Eval response budget (null: rollout.max_new_tokens)."""
     max_prompts: int | None = None
     """Evaluate on the first this many prompts of the set (null: all)."""
-    reward: str | None = None
-    """Reward function of the eval (null: rollout.reward; an environment's rewards when
-    rollout.environment is set)."""
+    reward: str | None = dataclasses.field(default=None, metadata={CHOICES: _shipped_rewards})
+    """Reward of the eval, any that rollout.reward takes (null: rollout.reward; an environment's
+    rewards when rollout.environment is set)."""
 
 
 @dataclasses.dataclass

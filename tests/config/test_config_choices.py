@@ -13,7 +13,7 @@ from gspo_megatron.algorithms.registry import LOSSES
 from gspo_megatron.config import describe_fields
 from gspo_megatron.sync.transports import TRANSPORTS, TransportRow
 from rollout.envs import ENVIRONMENTS
-from rollout.rewards.registry import SHIPPED, Reward, ShippedReward
+from rollout.rewards.registry import SHIPPED, Reward, RewardSpecError, ShippedReward, get_reward
 
 
 def _line(text: str, section: str, field: str) -> str:
@@ -46,6 +46,19 @@ def test_a_new_row_is_listed_and_the_config_command_prints_the_tables(monkeypatc
     out = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "config"], capture_output=True,
                          text=True, check=True).stdout
     assert "choice" not in _line(out, "rollout", "reward") and "code: the response's program" in out
+
+
+def test_a_new_shipped_reward_is_named_wherever_the_shipped_names_are(monkeypatch):
+    """The names are listed from SHIPPED alone: rollout.reward's and eval.reward's choices in
+    `gspo-megatron config` and get_reward's error for an unknown name (registry.py's and
+    rollout/rewards' docstrings, and the peers' notes, point to the table instead)."""
+    monkeypatch.setitem(SHIPPED, "choice", ShippedReward("choice", lambda sandbox: Reward("choice", len),
+                                                         "a letter A-J against the row's answer"))
+    text = describe_fields()
+    for section in ("rollout", "eval"):
+        assert _line(text, section, "reward").endswith("; choice: a letter A-J against the row's answer.")
+    with pytest.raises(RewardSpecError, match="'code', 'choice'"):
+        get_reward("no_such_reward")
 
 
 def test_a_field_without_a_table_has_no_choices():

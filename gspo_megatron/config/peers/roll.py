@@ -25,8 +25,8 @@ NO_COUNTERPART = {
     "save_steps": "checkpoint.interval here (set it)", "logging_steps": "every step is logged here",
     "eval_steps": "eval.interval here (set it)", "resume_from_checkpoint": "a run resumes from checkpoint.dir/latest here",
     "reward_pretrain": "rewards are functions here (rollout.reward), not a model",
-    "validation": "eval.* here (a held-out prompt set)", "rewards": "rollout.reward here (math, exact_match, code, "
-    "an HTTP service or your function: docs/rewards.md)",
+    "validation": "eval.* here (a held-out prompt set)", "rewards": "rollout.reward here (a shipped one, an HTTP "
+    "service or your function: `gspo-megatron config`, docs/rewards.md)",
     "actor_train": "ROLL's worker settings: the layout is parallel.*, the optimizer train.* here",
     "actor_infer": "ROLL's inference workers: SGLang servers here (rollout.*)",
     "reference": "the reference policy is the policy RL starts from here (loss.kl_coef)",

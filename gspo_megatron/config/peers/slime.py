@@ -27,7 +27,8 @@ NO_COUNTERPART = {
     "rollout-num-gpus": "SGLang servers: rollout.num_servers / server_urls here",
     "rollout-num-gpus-per-engine": "SGLang's own: rollout.server_extra_args here",
     "colocate": "SGLang servers beside the trainer here", "train-backend": "megatron-core here",
-    "rm-type": "the reward is rollout.reward here (math, exact_match, code, an HTTP service, your function)",
+    "rm-type": "the reward is rollout.reward here (a shipped one, an HTTP service or your function: "
+               "`gspo-megatron config`)",
     "adam-beta1": "megatron's Adam betas (not a run setting here)", "adam-beta2": "megatron's Adam betas",
     "save": "checkpoint.dir here", "load": "checkpoint.dir here (a run resumes from it)",
     "save-interval": "checkpoint.interval here", "ref-load": "the reference is the policy RL starts from here",
