@@ -8,7 +8,8 @@ gspo_megatron/config/schema.py (which holds the schema).
 A field whose values are the names of a table (losses, rewards, transports, environments) says so
 in its metadata, `dataclasses.field(..., metadata={CHOICES: fn})`, fn() -> {name: description}
 read from the table when the config is described, so that the description lists every row and
-nothing lists them by hand.
+nothing lists them by hand. A field whose value is not a row's name but must match one (a model
+directory of a supported family) adds `CHOICES_LABEL: "Families"` to say what the rows are.
 
 Every error is a ConfigError that names the field and the offending value. A section's dataclass
 may validate itself in __post_init__ by raising ValueError("field=value: expected ..."); the
@@ -36,14 +37,16 @@ class ConfigError(InputError, ValueError):
 
 
 CHOICES = "choices"
+CHOICES_LABEL = "choices_label"
 
 
 def choices_text(f: dataclasses.Field) -> str:
-    """` Choices: name: description; ...` from the field's table, or ""."""
+    """` Choices: name: description; ...` from the field's table (its CHOICES_LABEL for Choices), or ""."""
     table = f.metadata.get(CHOICES)
     if table is None:
         return ""
-    return " Choices: " + "; ".join(f"{n}: {d}" if d else n for n, d in table().items()) + "."
+    rows = "; ".join(f"{n}: {d}" if d else n for n, d in table().items())
+    return f" {f.metadata.get(CHOICES_LABEL, 'Choices')}: {rows}."
 
 
 def type_name(tp: Any) -> str:

@@ -24,7 +24,7 @@ from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, O
                                           RoutingSettings)
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.algorithms.registry import LOSSES, LossSettings, RLLossName
-from gspo_megatron.config.parsing import CHOICES, describe
+from gspo_megatron.config.parsing import CHOICES, CHOICES_LABEL, describe
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.sync.transports import TRANSPORTS, TransportName
 from rollout.servers.health import ServerHealthSettings
@@ -32,11 +32,21 @@ from rollout.generation.manager_config import ManagerConfig
 from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
 
 
+def _families() -> dict[str, str]:
+    from model_specs.families import FAMILIES  # the feature modules load when described only
+    rows = {}
+    for name, family in FAMILIES.items():
+        features = ", ".join(type(feature).__name__ for feature in family.features)
+        rows[name] = f"model_type {' or '.join(family.model_types)}" + (f" ({features})" if features else "")
+    return rows
+
+
 @dataclasses.dataclass
 class ModelConfig:
-    hf_path: str = ""
+    hf_path: str = dataclasses.field(default="", metadata={CHOICES: _families, CHOICES_LABEL: "Families"})
     """Hugging Face model directory (config.json, safetensors, tokenizer): the initial policy, the
-    tokenizer, and what the SGLang servers load first."""
+    tokenizer, and what the SGLang servers load first. Its config.json's model_type names its
+    family, a row of FAMILIES (model_specs/families/: the features each is built from)."""
     megatron_checkpoint: str | None = None
     """Optional megatron dist_checkpointing directory (tools/convert_hf_to_megatron.py) to load the
     initial weights from instead of hf_path's safetensors. A resume from checkpoint.dir wins."""
