@@ -1,5 +1,6 @@
 """Each loss aggregation (loss.loss_agg_mode) through the actor on real gloo ranks: DP2 with
-token-budget micro-batches (different micro-batch counts per rank) and PP2 give the one-process
+token-budget micro-batches (different micro-batch counts per rank), PP2, and TP2 (MoE: sequence
+parallel; the token counts must stay those of the DP group, not of every rank) give the one-process
 parameters after each optimizer step (1e-5), as tests/actor/test_actor_layouts.py shows for the
 default. The loss is grpo (the loss that takes every mode) with the dual clip; the optimizer is
 linear in the gradient (Adam with eps = 10, see test_actor_layouts), so a wrong scale of the
@@ -67,7 +68,8 @@ def reference():
 @pytest.mark.parametrize("world,layout,options", [
     (2, {}, dict(micro_batch_size=8, max_tokens=48)),           # DP2, token-budget micro-batches
     (2, dict(pipeline=2), dict(micro_batch_size=3)),             # PP2, uneven micro-batches
-], ids=["dp2_token_budget", "pp2"])
+    (2, dict(tensor=2), dict(micro_batch_size=8, max_tokens=48)),  # TP2 (sequence parallel), token budget
+], ids=["dp2_token_budget", "pp2", "tp2_token_budget"])
 def test_every_aggregation_equals_one_process(reference, world, layout, options):
     results = run_distributed(_run, world, (layout, options, reference["init"]), timeout=600)
     moved = {}
