@@ -49,13 +49,17 @@ def held_out(a: int, k: int, share: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < share
 
 
-def make_counting_task(out_dir: str | Path, held_out_share: float = 0.1, seed: int = 0) -> dict[str, Path]:
-    """Write train.jsonl and eval.jsonl into out_dir (created); returns their paths."""
+def make_counting_task(out_dir: str | Path, held_out_share: float = 0.1, seed: int = 0,
+                       starts: range = STARTS, steps: range = STEPS) -> dict[str, Path]:
+    """Write train.jsonl and eval.jsonl into out_dir (created); returns their paths. `starts` and
+    `steps` (subsets of the defaults: numbers stay one token) choose the rows, and so the lengths."""
     if not 0 < held_out_share < 1:
         raise ValueError(f"held_out_share={held_out_share}: expected a share in (0, 1)")
+    if not (set(starts) <= set(STARTS) and set(steps) <= set(STEPS) and starts and steps):
+        raise ValueError(f"starts={starts}, steps={steps}: expected non-empty subsets of {STARTS} and {STEPS}")
     train, evaluation = [], []
-    for k in STEPS:
-        for a in STARTS:
+    for k in steps:
+        for a in starts:
             (evaluation if held_out(a, k, held_out_share) else train).append(row(a, k))
     random.Random(seed).shuffle(train)
     out = Path(out_dir)

@@ -1,0 +1,80 @@
+"""The regimes and arms of benchmarks/moe_stability.py (docs/moe_stability.md says why each value).
+
+A regime fixes everything but the loss: the task, the model, the warm start, the steps and the
+optimizer settings, the arms it runs by default and its pilot seed (where its settings were
+searched: never one of the reported seeds 0..N-1). An arm is the overrides that make one loss.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GSPO_CLIP = (3e-4, 4e-4)  # gspo_megatron/algorithms/registry.py: the paper's
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    summary: str
+    config: str
+    """The run config every arm starts from (examples/)."""
+    task: dict
+    """Arguments of tools/make_counting_task.make_counting_task besides the folder and the seed."""
+    layers: int
+    experts: int
+    steps: int
+    warm_start_steps: int
+    eval_interval: int
+    """Held-out eval every N steps (0: none; N = steps: at the start and the end)."""
+    sets: tuple[str, ...]
+    """Overrides of every run of the regime (the warm start's and every arm's)."""
+    arms: tuple[str, ...]
+    pilot_seed: int
+    probe: bool
+    """Keep each run's last two checkpoints and measure the importance ratios (stability/ratios.py)."""
+    max_new_tokens: int
+
+
+REGIMES = {r.name: r for r in (
+    Regime("collapse", "the first experiment: lr 1e-3, where routing moves as in the paper and every arm "
+           "degrades", config="examples/tiny_moe_counting.yaml", task={}, layers=4, experts=16, steps=20,
+           warm_start_steps=500, eval_interval=0, sets=(), arms=("gspo", "grpo", "grpo_r3", "gspo_token", "grpo_seqclip"),
+           pilot_seed=100, probe=False, max_new_tokens=288),
+    Regime("learn", "the second experiment: the settings where the GSPO arm learns on its pilot seed",
+           config="examples/tiny_moe_counting.yaml", task={}, layers=4, experts=16, steps=40,
+           warm_start_steps=500, eval_interval=40, sets=("train.lr=1e-4", "train.lr_warmup_steps=8"),
+           arms=("gspo", "grpo", "grpo_r3", "gspo_token", "dr_grpo", "rloo", "reinforce_pp"),
+           pilot_seed=100, probe=True, max_new_tokens=288),
+)}
+
+# arm -> (its overrides, what it is); "{seqclip}" and "{budget}" are filled by arm_sets
+ARMS = {
+    "gspo": (("loss.name=gspo",), "sequence ratio (Eq. 7), the paper's clip 3e-4 / 4e-4"),
+    "grpo": (("loss.name=grpo",), "token ratios, the paper's clip 0.2 / 0.27"),
+    "grpo_r3": (("loss.name=grpo", "moe.replay=true"), "GRPO, megatron routes every token to SGLang's experts"),
+    "gspo_token": (("loss.name=gspo_token",), "GSPO's ratio per token (Eqs. 13-14)"),
+    "grpo_seqclip": (("loss.name=grpo", "{seqclip}"), "GRPO, GSPO's clip x sqrt(mean response length)"),
+    "dr_grpo": (("loss.name=grpo", "loss.advantage_estimator=dr_grpo", "loss.loss_agg_mode=seq-mean-token-sum-norm",
+                 "{budget}"), "Dr. GRPO: group mean only, token sums over the response budget"),
+    "rloo": (("loss.name=grpo", "loss.advantage_estimator=rloo"), "GRPO's loss, leave-one-out baseline (RLOO)"),
+    "reinforce_pp": (("loss.name=grpo", "loss.advantage_estimator=reinforce_plus_plus"),
+                     "GRPO's loss, REINFORCE++ advantages (batch-whitened returns)"),
+}
+
+
+def seqclip_sets(mean_length: float) -> list[str]:
+    scale = math.sqrt(mean_length)
+    return [f"loss.eps_low={GSPO_CLIP[0] * scale:.3g}", f"loss.eps_high={GSPO_CLIP[1] * scale:.3g}"]
+
+
+def arm_sets(arm: str, *, mean_length: float, max_new_tokens: int) -> list[str]:
+    """The overrides of one arm."""
+    out = []
+    for s in ARMS[arm][0]:
+        if s == "{seqclip}":
+            out += seqclip_sets(mean_length)
+        elif s == "{budget}":
+            out.append(f"loss.token_sum_norm={max_new_tokens}")  # Dr. GRPO's constant: the generation budget
+        else:
+            out.append(s)
+    return out
