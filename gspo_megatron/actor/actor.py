@@ -69,7 +69,7 @@ def _cut_hidden_references(chunks: list[torch.nn.Module]) -> None:
                     setattr(dispatcher, name, None)
         chunk.grad_accs.clear()
         # megatron caches methods with functools.lru_cache on the class, `self` in the key
-        # (RotaryEmbedding.forward: rotary_pos_embedding.py:177), which holds the module and,
+        # (RotaryEmbedding.forward in rotary_pos_embedding.py), which holds the module and,
         # through the cached values' graph, the rest. The caches only save recomputation.
         for cls in {c for m in unwrap(chunk).modules() for c in type(m).__mro__}:
             for attr in vars(cls).values():

@@ -105,10 +105,11 @@ def _check_config_matches_layout(spec: ModelSpec, layout: ParallelLayout) -> Non
 def _native_linears_buildable_without_apex(needed: bool) -> Iterator[None]:
     """While `needed`: megatron's ColumnParallelLinear builds with gradient_accumulation_fusion=True
     although apex's fused_weight_gradient_mlp_cuda is missing. Its constructor refuses that
-    (megatron/core/tensor_parallel/layers.py:924, module flag `_grad_accum_fusion_available`, set
-    at import at line 44), which made every TE-spec model crash on a GPU without apex: the output
-    layer is megatron's own ColumnParallelLinear in either spec. `unfuse_native_linears` turns the
-    fusion off on those layers right after the build, so the extension is never called."""
+    (megatron-core tensor_parallel/layers.py ColumnParallelLinear.__init__, module flag
+    `_grad_accum_fusion_available`, set at import), which made every TE-spec model crash on a GPU
+    without apex: the output layer is megatron's own ColumnParallelLinear in either spec.
+    `unfuse_native_linears` turns the fusion off on those layers right after the build, so the
+    extension is never called."""
     from megatron.core.tensor_parallel import layers
     if not hasattr(layers, "_grad_accum_fusion_available"):
         raise RuntimeError("megatron-core moved tensor_parallel.layers._grad_accum_fusion_available: "
@@ -125,8 +126,9 @@ def unfuse_native_linears(model: torch.nn.Module) -> list[str]:
     """Turn gradient_accumulation_fusion off on megatron's own Column/RowParallelLinear layers of
     `model` (they need apex's extension; Transformer Engine's layers accumulate into main_grad
     themselves and keep it); returns their names. DDP's backward hook adds a layer's `.grad` into
-    `main_grad` per parameter unless the GEMM already did (distributed_data_parallel.py:437,
-    `grad_added_to_main_grad`), so fused TE layers and unfused native ones mix in one model."""
+    `main_grad` per parameter unless the GEMM already did (`grad_added_to_main_grad`,
+    DistributedDataParallel._make_backward_post_hook), so fused TE layers and unfused native ones
+    mix in one model."""
     names = []
     for name, m in model.named_modules():
         if isinstance(m, (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)) \

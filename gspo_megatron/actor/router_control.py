@@ -3,10 +3,11 @@ how often top-k expert sets differ (routing drift, and SGLang vs megatron).
 
 megatron-core's TopKRouter hands its top-k selection to `router.router_replay.get_replay_topk(
 scores, topk, num_groups, group_topk, default_compute_topk)` whenever `router_replay` is set
-(megatron/core/transformer/moe/moe_utils.py:700-706 in 0.16.1, :828-833 in 0.19.2). We set it to a
-`RouterControl` of our own on every router instead of megatron's RouterReplay, which keeps a
-process-global list of instances (router_replay.py:26) and one replay tensor per layer for the
-whole pass: ours takes the engine's experts per micro-batch, token by token, from the batch.
+(megatron-core 0.16 and 0.19 moe_utils.topk_routing_with_score_function.compute_topk). We set
+it to a `RouterControl` of our own on every router instead of megatron's RouterReplay, which keeps
+a process-global list of instances (RouterReplay.global_router_replay_instances) and one replay
+tensor per layer for the whole pass: ours takes the engine's experts per micro-batch, token by
+token, from the batch.
 
 What a control does on each call (one call per MoE layer per micro-batch forward):
 1. computes the router's own top-k (`natural`): megatron's function, unchanged;

@@ -19,20 +19,20 @@ every CP rank of a DP rank holds the same rows (each its zig-zag chunks of them,
 returns this same full-row value: the loss sums each row over the CP group before the exp
 (algorithms/rows.py; "ce" is a plain token sum, each rank its own tokens).
 
-1. pipeline_parallel/schedules.py:264-269 (forward_step_calc_loss, 2-tuple branch): the schedule
-   multiplies by cp_size (:268) and divides by num_microbatches before backward.
+1. pipeline_parallel/schedules.py forward_step_calc_loss (its 2-tuple branch): the schedule
+   multiplies by cp_size (cp_group_size) and divides by num_microbatches before backward.
 2. CP: the loss's all-reduce passes the gradient through unchanged (rows.cp_sum), so CP rank r's
    backward gives d/dtheta of sum_{t on r} g_t logp_t, g_t = d loss_mb / d logp_t of the
    full rows (TE's attention returns the key/value gradients to the ranks owning those positions).
    Summed over the CP ranks that is the full rows' gradient once, and with step 1 and the sum
    over the rank's micro-batches (DDP grad buffers accumulate): cp_size * (sum over the DP rank's
    rows) * dp_size / N. Without CP, cp_size = 1 and the same holds.
-3. distributed/distributed_data_parallel.py:284-288 (average_in_collective=False, set in
+3. DistributedDataParallel.__init__ (average_in_collective=False, set in
    build.py): the grad buffers are scaled by 1 / dp_cp_group.size() = 1 / (dp_size * cp_size),
-   then all-reduced (or reduce-scattered) with SUM over the DP x CP group (intra_dp_cp_group,
-   :291-293; expert parameters: the same factor, summed over the expert-DP group, which spans the
+   then all-reduced (or reduce-scattered) with SUM over the DP x CP group (intra_dp_cp_group;
+   expert parameters: the same factor, summed over the expert-DP group, which spans the
    CP ranks too and holds the same tokens' contributions) -> (sum over ALL rows) / N = dL/dtheta.
-(megatron-core 0.19.2: schedules.py:340, distributed_data_parallel.py:210-213, the same.)
+(The same in megatron-core 0.16 and 0.19.)
 The factors num_microbatches, dp_size and cp_size cancel exactly whatever the split: uneven row
 counts per rank and micro-batches of unequal size included (filler rows count 0 everywhere). With
 calculate_per_token_loss=True the schedule and DDP would skip the divisions; build.py/forward.py

@@ -41,7 +41,7 @@ MANIFEST = "MANIFEST.json"  # a training checkpoint's files and sizes (checkpoin
 
 class _OwnFolderFilter(logging.Filter):
     """megatron's save warns "Overwriting old incomplete / corrupted checkpoint..." whenever the
-    folder is not empty (megatron/core/dist_checkpointing/serialization.py:383-387 in 0.16.1).
+    folder is not empty (megatron-core 0.16 and 0.19 dist_checkpointing/serialization.py save).
     Ours never is: the HF files go into `hf/` first, into a folder made for this save (checkpoints
     and conversions are written beside their place and renamed in), so the warning is never true."""
 

@@ -23,7 +23,8 @@ from torch.overrides import TorchFunctionMode
 _APPLIED = False
 
 # Tensor.type() strings megatron's optimizers and grad clipping compare against
-# (optimizer/optimizer.py:690, optimizer/distrib_optimizer.py:420, optimizer/clip_grads.py:167).
+# (Float16OptimizerWithFloat16Params.__init__, clip_grads.clip_grad_by_total_norm_fp32 and
+# DistributedOptimizer._build_model_and_main_param_groups).
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",
     torch.float16: "torch.cuda.HalfTensor",
@@ -48,9 +49,9 @@ def _is_cuda_device(device: Any) -> bool:
 class CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA devices to CPU in torch calls, and answers megatron's CUDA type checks.
 
-    Needed for the `device="cuda"` literals in megatron-core (pipeline_parallel/schedules.py:596,
-    optimizer/clip_grads.py:90, optimizer/optimizer.py:473, distributed/param_and_grad_buffer.py:768,
-    transformer/utils.py:35, ...), `.to(<int>)`, and `param.type() == 'torch.cuda.FloatTensor'`
+    Needed for the `device="cuda"` literals in megatron-core (forward_backward_no_pipelining,
+    clip_grads.get_grad_norm_fp32, MixedPrecisionOptimizer.__init__, _ParamAndGradBuffer.__init__,
+    get_default_causal_mask, ...), `.to(<int>)`, and `param.type() == 'torch.cuda.FloatTensor'`
     checks in the optimizers. A TorchFunctionMode is not active inside autograd's backward threads,
     so functions called from backward (torch.cuda.current_device in tensor_parallel/mappings.py) are
     patched separately below.
@@ -76,7 +77,8 @@ class _NoOpStream:
         pass
 
     def __getattr__(self, name: str):
-        # record_event() must return something with .synchronize() (token_dispatcher.py:895-899).
+        # record_event() must return something with .synchronize()
+        # (MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize).
         return lambda *a, **k: _NOOP_STREAM
 
     def __eq__(self, other: object) -> bool:
@@ -101,8 +103,8 @@ def _patch_torch_cuda() -> None:
     cuda.current_stream = lambda *a, **k: _NOOP_STREAM
     cuda.default_stream = lambda *a, **k: _NOOP_STREAM
     cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    # RNG: route CUDA's generator calls to the CPU generator (tensor_parallel/random.py:235-238 in the
-    # rng tracker's add(); model_parallel_cuda_manual_seed:422).
+    # RNG: route CUDA's generator calls to the CPU generator (tensor_parallel/random.py
+    # CudaRNGStatesTracker.add and model_parallel_cuda_manual_seed).
     # (torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator directly.)
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     cuda.manual_seed_all = lambda seed: None
@@ -111,14 +113,15 @@ def _patch_torch_cuda() -> None:
     cuda.random.get_rng_state = cuda.get_rng_state
     cuda.random.set_rng_state = cuda.set_rng_state
     # Tensor.cuda() is called on CPU tensors by the optimizer's state loading
-    # (optimizer/optimizer.py:375) and data helpers: keep them where they are.
+    # (MegatronOptimizer.restore_from_cpu) and data helpers: keep them where they are.
     torch.Tensor.cuda = lambda self, *a, **k: self
 
 
 def _patch_megatron_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
-    # tensor_parallel/random.py:50 and :72 read/write torch.cuda.default_generators[idx].
+    # tensor_parallel/random.py _get_cuda_rng_state and _set_cuda_rng_state read/write
+    # torch.cuda.default_generators[idx].
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
         torch.get_rng_state())
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
@@ -128,13 +131,15 @@ def _patch_megatron_rng() -> None:
 def _patch_moe() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
-    # moe_utils.py:34 imports te_general_gemm only when TE imports and never defines it otherwise;
-    # the router then raises NameError at moe_utils.py:1192 (a megatron-core bug).
+    # megatron-core 0.16's moe_utils imports te_general_gemm only when TE imports and never defines
+    # it otherwise (0.19 sets it to None); the router then raises NameError in
+    # RouterGatingLinearFunction.forward (a megatron-core bug).
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
-    # moe_utils.py:1093 converts split sizes to numpy only for CUDA tensors; with CPU tensors the
-    # alltoall dispatcher passes tensors to all_to_all_single, which raises TypeError on gloo.
+    # moe_utils.maybe_move_tensor_to_cpu converts split sizes to numpy only for CUDA tensors; with
+    # CPU tensors the alltoall dispatcher passes tensors to all_to_all_single, which raises
+    # TypeError on gloo.
     def maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
         if torch.is_tensor(tensor):
             tensor = tensor.cpu()
@@ -150,7 +155,7 @@ _gloo_all_gather = torch.distributed.all_gather
 
 def _all_gather_uneven(tensor_list, tensor, group=None, async_op=False):
     """gloo's all_gather rejects unequal sizes; megatron's sequence-parallel gather with
-    output_split_sizes (tensor_parallel/mappings.py:150, used by the alltoall dispatcher with
+    output_split_sizes (mappings._gather_along_first_dim, used by the alltoall dispatcher with
     expert-TP > 1) needs them. Pad every piece along dim 0 to the largest, gather, copy back."""
     sizes = [t.shape[0] for t in tensor_list]
     if len(set(sizes)) <= 1 or async_op:
@@ -171,9 +176,9 @@ def _patch_all_gather() -> None:
 
 def _patch_backward_device_literals() -> None:
     """Recomputation (compute.recompute) runs layers' forward again inside autograd's backward,
-    where CpuDeviceMode is not active: megatron's causal mask (transformer/utils.py:35, called by
-    fusions/fused_softmax.py:327) is then built with device="cuda" and fails. Both names point at
-    a CPU twin (cached like the original), and so do the sliding window's."""
+    where CpuDeviceMode is not active: megatron's causal mask (utils.get_default_causal_mask, called
+    by FusedScaleMaskSoftmax.forward_torch_softmax) is then built with device="cuda" and fails.
+    Both names point at a CPU twin (cached like the original), and so do the sliding window's."""
     import functools
 
     from megatron.core.fusions import fused_softmax
@@ -185,7 +190,7 @@ def _patch_backward_device_literals() -> None:
 
     utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = get_default_causal_mask
 
-    # the sliding window's mask (gpt-oss; transformer/utils.py:38, fused_softmax.py:322) likewise
+    # the sliding window's mask (gpt-oss; utils.get_sliding_window_causal_mask) likewise
     def get_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
         m = torch.ones(sq, skv, dtype=torch.bool, device="cpu")
         band = torch.tril(torch.triu(m, diagonal=skv - sq - window_size[0]),
@@ -235,9 +240,9 @@ def apply(skip: frozenset[str] | set[str] = frozenset()) -> bool:
 def current_device_is_cpu():
     """While megatron modules are built outside `apply()` (the checkpoint converters build a model
     on the meta device), torch.cuda.current_device() answers "cpu" when CUDA is absent, instead of
-    raising. Multi-latent attention builds its RoPE / YaRN embedding there (rotary_pos_embedding.py:78,
-    yarn_rotary_pos_embedding.py:76 and :122: MLA passes no use_cpu_initialization). A no-op with
-    CUDA or after apply()."""
+    raising. Multi-latent attention builds its RoPE / YaRN embedding there
+    (RotaryEmbedding.__init__, YarnRotaryEmbedding.__init__ and .get_emb: MLA passes no
+    use_cpu_initialization). A no-op with CUDA or after apply()."""
     if not cuda_absent() or _APPLIED:
         yield
         return
@@ -257,7 +262,7 @@ def cpu_config_overrides(virtual_pipeline: int | None = None) -> dict[str, Any]:
     `batch_p2p_comm=True` gives silently wrong losses (with PP=2 the previous and next stage are the
     same rank and batched isend/irecv pair the messages the wrong way), so it is forced off. For
     the same reason `variable_seq_lengths` is forced off there: megatron's shape exchange
-    (core/pipeline_parallel/p2p_communication.py:213-238, _communicate_shapes) always uses
+    (pipeline_parallel/p2p_communication.py P2PCommunicator._communicate_shapes) always uses
     batch_isend_irecv, whatever batch_p2p_comm says, and the ranks then crash on mismatched sizes;
     actor/forward.py pads every micro-batch to one [rows, seq] shape instead.
     """

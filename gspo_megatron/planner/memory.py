@@ -126,7 +126,7 @@ def layer_params(c, i: int, tp: int, ep: int, etp: int) -> tuple[int, int]:
     attention: attention_params; input and pre-MLP RMSNorm [h] each
     (replicated; TE fuses them into the next linear's layer_norm_weight, the same count).
     MoE (moe_layer.py): router [E, h] (+ bias [E] with add_bias_linear) replicated (the expert
-    bias is a buffer, router.py:172);
+    bias is a buffer, megatron-core TopKRouter.__init__);
     E / EP local experts of fc1 + fc2 split by ETP; a shared expert split by TP, its gate [1, h].
     Dense MLP split by TP.
     """

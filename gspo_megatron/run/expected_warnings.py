@@ -15,8 +15,9 @@ def quiet_expected_warnings() -> None:
       torch that there is no CUDA runtime: on a CPU that is expected (the run prints the compute
       settings it resolved instead);
     - torch's deprecations that megatron-core 0.16.1's own checkpoint code hits at every load
-      (`load_state_dict` -> `load` in dist_checkpointing/strategies/torch.py:799, ShardedTensor ->
-      DTensor): megatron's to change, not the user's (README, "What the main job prints")."""
+      (`load_state_dict` -> `load` in dist_checkpointing/strategies/torch.py
+      TorchDistLoadShardedStrategy.load, which 0.19 calls `load`; ShardedTensor -> DTensor):
+      megatron's to change, not the user's (README, "What the main job prints")."""
     warnings.filterwarnings("ignore", message=r".*(Apex is|Transformer Engine and Apex are) not installed",
                             category=UserWarning)
     warnings.filterwarnings("ignore", message="full scope is deprecated", category=UserWarning)

@@ -49,7 +49,7 @@ def initial_megatron_checkpoint(cfg: RunConfig, rank: int, fingerprint: dict[str
                 convert_hf_to_megatron(cfg.model.hf_path, tmp)
                 write_fingerprint(tmp, fingerprint, cfg.model.hf_path)
             except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-                # (torch/distributed/checkpoint/api.py:30); a full disk becomes one line, the rest re-raised
+                # (torch.distributed.checkpoint.api); a full disk becomes one line, the rest re-raised
                 _raise_if_disk_full(e, tmp, cfg.model.hf_path)
                 raise
             shutil.rmtree(out, ignore_errors=True)

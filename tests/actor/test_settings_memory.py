@@ -5,7 +5,7 @@ sharded over the data-parallel ranks, ZeRO-1). The sharding shows in the optimiz
 holds (less than the plain path's where the layout has data parallelism).
 
 Not here: megatron's CPU offload of the optimizer (HybridDeviceOptimizer) cannot be built without
-Transformer Engine (megatron-core 0.16.1 optimizer_config.py:383 asks TE's version for the
+Transformer Engine (megatron-core 0.16 and 0.19 OptimizerConfig.__post_init__ asks TE's version for the
 precision-aware optimizer it needs, and without it torch's optimizer refuses the distributed
 optimizer's non-leaf main params), so it is not offered as a setting yet.
 """

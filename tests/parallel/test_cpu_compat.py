@@ -97,7 +97,7 @@ class Recomputed(torch.autograd.Function):  # megatron's recomputation runs forw
 
     @staticmethod
     def backward(ctx, g):
-        mask = fused_softmax.get_default_causal_mask(5)   # fused_softmax.py:327
+        mask = fused_softmax.get_default_causal_mask(5)   # as forward_torch_softmax calls it
         assert mask.device.type == "cpu" and mask.shape == (5, 5) and mask[0, 1] and not mask[1, 0]
         return g
 

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 # Transformer Engine's unfused attention, its only backend for fp32, takes THD from TE 2.11: in
-# 2.5-2.10 dot_product_attention/utils.py (v2.10 lines 679-682) disables it for qkv_format="thd",
-# and dot_product_attention.py (v2.10 line 1398) then raises "No dot product attention backend is
+# 2.5-2.10 dot_product_attention/utils.py get_attention_backend disables it for qkv_format="thd",
+# and DotProductAttention.forward then raises "No dot product attention backend is
 # available". Flash and cuDNN attention take only 16-bit inputs.
 FP32_PACKING_MIN_TE = (2, 11)
 # megatron-core 0.16's GatedDeltaNet raises NotImplementedError for packed_seq_params
-# (ssm/gated_delta_net.py:293-295); 0.19's takes THD (ssm/gated_delta_net/common.py:352)
+# (ssm/gated_delta_net.py GatedDeltaNet.forward); 0.19's takes THD (ssm/gated_delta_net/gdn.py)
 GDN_PACKING_MIN_MCORE = (0, 19)
 
 
