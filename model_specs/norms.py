@@ -2,11 +2,11 @@
 parallelism, and checkpoint keys equal to the TE spec's.
 
 megatron-core's local spec uses WrappedTorchNorm (transformer/torch_norm.py), which refuses
-sequence parallelism (torch_norm.py:32). Sequence parallelism is required for MoE with TP > 1,
+sequence parallelism (in its __new__). Sequence parallelism is required for MoE with TP > 1,
 and a plain torch RMSNorm is correct under it as long as its weight gradients, which each TP rank
 computes from its own sequence chunk, are summed across the TP group: megatron's
 finalize_model_grads does that for parameters tagged `sequence_parallel=True`
-(distributed/finalize_model_grads.py:354). `SequenceParallelTorchNorm` is that norm; the spec
+(its _allreduce_non_tensor_model_parallel_grads). `SequenceParallelTorchNorm` is that norm; the spec
 builder swaps it in for WrappedTorchNorm. With Transformer Engine the TE spec is used instead.
 """
 from __future__ import annotations

@@ -126,5 +126,5 @@ class SoftmaxRouter(Router):
             raise HFConfigError(f"{draft.family}: num_experts_per_tok=1 with the softmax taken "
                                 "over the top-k is not supported: HF weighs the one expert by 1, "
                                 "megatron-core takes top-1 only after a full softmax "
-                                "(transformer_config.py:1641)")
+                                "(TransformerConfig.__post_init__)")
         draft.config.update(moe_router_score_function="softmax", moe_router_pre_softmax=pre_softmax)

@@ -1,8 +1,8 @@
 """Sliding-window attention (gpt-oss; Mistral's windowed models): megatron-core's `window_size`
 on the layers `window_attn_skip_freq` lists (megatron-core utils.get_sliding_window_attention:
 a list entry per layer, 1 = windowed); the local softmax then builds its own banded causal mask
-(fused_softmax.py:321). With an attention sink every masked score still has weight
-exp(-10000 - max) = 0 in fp32, as HF's -inf.
+(FusedScaleMaskSoftmax.forward_torch_softmax). With an attention sink every masked score still
+has weight exp(-10000 - max) = 0 in fp32, as HF's -inf.
 
 transformers keeps key j for query i when j > i - sliding_window (masking_utils.py,
 sliding_window_overlay): the query and the window - 1 before it; megatron keeps

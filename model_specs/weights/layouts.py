@@ -6,7 +6,7 @@ which parameter uses which: the features' weight rules (rules.py, maps.py).
   [q heads of g (np/ng x hn), k_g (hn), v_g (hn)]; HF's repeat_kv gives query head h the key/value
   head h // (np/ng), so the query heads of group g are HF heads g*np/ng ... (g+1)*np/ng - 1. With
   an output gate (Qwen3-Next: attention_output_gate) the rows of group g are [q heads of g, their
-  gates, k_g, v_g] (attention.py:1387-1443), where HF's q_proj holds each head's query then its
+  gates, k_g, v_g] (the same function), where HF's q_proj holds each head's query then its
   gate (modeling_qwen3_next.py, Qwen3NextAttention: view(..., np, 2 hn), chunk in 2). A TP rank
   holds a contiguous run of whole groups, so the TP shards concatenate along dim 0.
 - A Gated DeltaNet's `in_proj` (megatron/core/ssm/gated_delta_net.py, forward: the split after

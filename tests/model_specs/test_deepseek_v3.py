@@ -92,7 +92,7 @@ YARN_VARIANTS = {
 def test_yarn_scale_factor_and_frequencies_are_transformers(variant):
     """transformers' DeepseekV3Attention.scaling and its rotary embedding's cos / sin factor and
     frequencies, against what megatron's MLA computes from the mapped config
-    (multi_latent_attention.py:125-126, YarnRotaryEmbedding.get_emb)."""
+    (MultiLatentAttention.__init__'s softmax_scale, YarnRotaryEmbedding.get_emb)."""
     import transformers
     from megatron.core.models.common.embeddings import YarnRotaryEmbedding, _yarn_get_mscale
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3Attention,

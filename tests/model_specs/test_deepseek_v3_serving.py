@@ -4,7 +4,7 @@ job's task with routing replay (R3) against it: exit 0, the trainer's log-probs 
 SGLang's after every weight sync, every replayed route SGLang's.
 
 SGLang 0.5.23 takes the MHA path for MLA at a prefill without a cached prefix
-(models/deepseek_common/attention_backend_handler.py:98-102, the triton handler, which
+(models/deepseek_common/attention_backend_handler.py handle_attention_triton, which
 torch_native falls back to), and the torch_native backend then attends over the KV cache, where
 MLA keeps its latents, instead of the keys and values it is given: the CPU stand-in
 (rollout/in_server/cpu_stand_ins/sitecustomize.py) sends torch_native to the absorbed MLA path at every step.

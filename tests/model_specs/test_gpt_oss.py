@@ -121,7 +121,7 @@ def test_expert_tensor_parallelism_and_transformer_engine_are_refused():
 
 def test_megatron_still_refuses_expert_biases_with_expert_tensor_parallelism():
     """What the expert-TP refusal rests on (model_specs/features/linear_bias/): megatron asserts ETP == 1 for
-    MoE with biases (transformer_config.py:1590), and its expert MLP still adds the fc2 bias to
+    MoE with biases (TransformerConfig.__post_init__), and its expert MLP still adds the fc2 bias to
     each expert-TP rank's partial sum (mlp.py). When megatron lifts either, this fails and the
     refusal in model_specs/build.py can be revisited."""
     from megatron.core.transformer import TransformerConfig

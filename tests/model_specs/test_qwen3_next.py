@@ -234,7 +234,7 @@ def test_layouts_on_two_ranks_equal_one_process(tiny, ckpt, one_process):
 def test_each_machine_profile_resolves_its_spec_and_megatrons_config_checks(profile):
     """What a run's default compute settings give Qwen3-Next on each machine (the actor's own
     spec_for_layout, megatron's TransformerConfig checks included: its gated attention refuses
-    fused_single_qkv_rope, transformer_config.py:1555). Without TE the local spec; with TE (a GPU
+    fused_single_qkv_rope, TransformerConfig.__post_init__). Without TE the local spec; with TE (a GPU
     node's default) the TE spec, which cannot be built here (TE does not import): it is asked for
     and refused by name, then the same settings are checked with the local spec. The RoPE and
     permute fusions that the TE profiles turn on import TE in TransformerConfig. The TE spec's

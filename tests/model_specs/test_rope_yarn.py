@@ -50,7 +50,7 @@ def test_frequencies_and_attention_factor_are_transformers(variant):
                                                max_position_embeddings=4096))
     c = spec.config
     assert spec.position_embedding_type == "yarn" and spec.gpt_model_kwargs()["rotary_base"] == 1e6
-    rope = YarnRotaryEmbedding(  # as GPTModel builds it (gpt_model.py:172-190)
+    rope = YarnRotaryEmbedding(  # as GPTModel.__init__ builds it
         kv_channels=c.kv_channels, rotary_percent=spec.rotary_percent, rotary_base=spec.rotary_base,
         scaling_factor=c.yarn_rotary_scaling_factor,
         original_max_position_embeddings=c.yarn_original_max_position_embeddings,

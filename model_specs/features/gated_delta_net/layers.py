@@ -28,8 +28,8 @@ rsqrt(sum(x^2) + 1e-6)); `deterministic_mode` (set by the feature there, __init_
 the torch convolution (0.16.1 takes it whenever causal_conv1d is absent; 0.19.2 only then).
 
 SGLang's side on a CPU (its Qwen3-Next calls sgl-kernel's CPU ops, built for AMX / AVX-512 only:
-sglang/srt/layers/attention/linear/kernels/gdn_triton.py:27-32, linear/gdn_backend.py:183-188)
-runs on the torch forms in rollout/in_server/cpu_stand_ins/gdn_ops.py.
+the `elif is_cpu():` imports of sglang/srt/layers/attention/linear/kernels/gdn_triton.py and
+linear/gdn_backend.py) runs on the torch forms in rollout/in_server/cpu_stand_ins/gdn_ops.py.
 """
 from __future__ import annotations
 

@@ -1,13 +1,14 @@
 """A bias on every linear layer (gpt-oss): megatron-core's `add_bias_linear` gives the output
-projection, the router (router.py:56, its logits by addmm, moe_utils.py:1196) and every expert's
-fc1 / fc2 a bias (the `LinearBias` feature; the experts' fc2 on the local spec: layers.py).
+projection, the router (Router.__init__; its logits by addmm, RouterGatingLinearFunction.forward)
+and every expert's fc1 / fc2 a bias (the `LinearBias` feature; the experts' fc2 on the local spec:
+layers.py).
 
-An expert's fc2 bias is added once per token times its routing weight (mlp.py:247), as HF adds
+An expert's fc2 bias is added once per token times its routing weight (MLP.forward), as HF adds
 down_proj_bias before weighting. Under expert-tensor parallelism each expert-TP rank adds it to
-its partial sum before the ranks' sums are reduced (tensor_parallel/layers.py:1286, no reduce for
+its partial sum before the ranks' sums are reduced (RowParallelLinear.forward, no reduce for
 experts), so the bias would count expert_tensor_parallel_size times; megatron asserts ETP == 1 for
-MoE with biases (transformer_config.py:1590), and this feature refuses it first, by name, with the
-setting to change. The router's and the experts' HF names are their storage's
+MoE with biases (TransformerConfig.__post_init__), and this feature refuses it first, by name,
+with the setting to change. The router's and the experts' HF names are their storage's
 (stacked_experts.py); the output projection's is here.
 """
 from __future__ import annotations
@@ -35,11 +36,11 @@ class LinearBias(Feature):
         etp = kwargs.get("expert_tensor_parallel_size") or \
             kwargs.get("tensor_model_parallel_size", 1)
         if kwargs.get("num_moe_experts") and kwargs.get("add_bias_linear") and etp > 1:
-            # megatron asserts it too (transformer_config.py:1590), without naming the way out
+            # megatron asserts it too (TransformerConfig.__post_init__), without naming the way out
             raise HFConfigError(f"{build.family}: expert_tensor_parallel_size={etp} with expert "
                                 "biases is not supported: each expert-TP rank adds the fc2 bias "
                                 "to its partial sum before the sums are reduced (megatron-core "
-                                "mlp.py:247, tensor_parallel/layers.py:1286), so it would count "
+                                "MLP.forward, RowParallelLinear.forward), so it would count "
                                 "once per rank; set parallel.expert_tensor: 1")
 
     def layer_spec(self, spec: Any, layer: LayerContext) -> Any:

@@ -1,24 +1,26 @@
 """Experts with biases on megatron's local spec (what the feature maps: __init__.py).
 
 megatron's expert MLP adds its fc2 bias, times the token's routing weight, to fc2's output in
-place (mlp.py:247). With one expert-TP rank and no expert parallelism that output is what the TP
-reduction over a group of one returned as it was (tensor_parallel/layers.py:1286-1295 in 0.16.1;
+place (MLP.forward). With one expert-TP rank and no expert parallelism that output is what the TP
+reduction over a group of one returned as it was (RowParallelLinear.forward, 0.16 and 0.19;
 mappings.py, _ReduceFromModelParallelRegion), and autograd refuses the in-place add ("a view ...
 is being modified inplace"): a one-process model with expert biases does not run.
 `ExpertRowParallelLinear` takes the path megatron takes for experts under expert parallelism
 instead (`explicit_expert_comm`: fc2's output as computed, no reduction), which over a group of
 one is the same sum; `use_expert_fc2` puts it in the experts' spec.
 It also unmarks the fc2 bias as sequence-parallel: megatron marks every row-parallel bias so
-(tensor_parallel/layers.py:1229) and, with sequence parallelism, sums the gradients of marked
-parameters over the TP group (distributed/finalize_model_grads.py:353). An expert's bias gradient
-is whole on the rank that holds the expert (its tokens come through the dispatcher, and expert-DP
-replicas are reduced by DDP), so that sum added other ranks' experts' gradients to it: under
-TP2 x EP2 the fc2 biases were 1.3e-3 off one process after one GSPO step, the log-probs 1.4e-6.
+(RowParallelLinear.__init__) and, with sequence parallelism, sums the gradients of marked
+parameters over the TP group (finalize_model_grads._allreduce_non_tensor_model_parallel_grads).
+An expert's bias gradient is whole on the rank that holds the expert (its tokens come through
+the dispatcher, and expert-DP replicas are reduced by DDP), so that sum added other ranks'
+experts' gradients to it: under TP2 x EP2 the fc2 biases were 1.3e-3 off one process after one
+GSPO step, the log-probs 1.4e-6.
 And it marks that bias as split over its expert-TP group of one (expert-TP is 1 wherever experts
 have biases: __init__.py refuses more): the MoE optimizer counts a parameter in the gradient norm
-on the dense TP group's rank 0 only unless it is marked TP-split (optimizer/optimizer.py:156,
-optimizer/__init__.py:473 hands it the dense TP group), which left the other TP ranks' experts'
-fc2 biases out of the norm (1.3914 against 1.3932 under TP2 x EP2), and out of gradient clipping.
+on the dense TP group's rank 0 only unless it is marked TP-split (get_main_grads_for_grad_norm;
+optimizer/__init__.py _get_megatron_optimizer_based_on_param_groups hands it the dense TP group),
+which left the other TP ranks' experts' fc2 biases out of the norm (1.3914 against 1.3932 under
+TP2 x EP2), and out of gradient clipping.
 """
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def mla_fields(hf: Mapping[str, Any], family: str, num_heads: int) -> dict[str, 
     if hf.get("rope_interleave") is False:
         raise HFConfigError(f"{family}: rope_interleave=false is not supported: megatron-core's "
                             "multi-latent attention rotates the rope channels as interleaved pairs "
-                            "(rope_utils.py:116)")
+                            "(rope_utils._apply_rotary_pos_emb_bshd)")
     q_lora = hf.get("q_lora_rank")
     dims = {key: int(require(hf, key, family)) for key in
             ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}

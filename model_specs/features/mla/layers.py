@@ -14,11 +14,11 @@ megatron-core 0.16.1 multi_latent_attention.py, MLASelfAttention):
     o_proj                             linear_proj                    [h, n v]
 
 Every tensor is copied as it is: both sides view q as [.., n, nope + rope] and split it [nope,
-rope] (multi_latent_attention.py:792), the kv latent's output as [kv_lora, rope] (:609) and the
-kv up-projection as [.., n, nope + v] (:798). The rope channels are rotated in interleaved pairs
+rope], the kv latent's output as [kv_lora, rope] and the kv up-projection as [.., n, nope + v]
+(MLASelfAttention.get_query_key_value_tensors). The rope channels are rotated in interleaved pairs
 on both sides: transformers' apply_rotary_pos_emb_interleave (config.rope_interleave, true by
 default and in every published config) and megatron's _apply_rotary_pos_emb_bshd with
-multi_latent_attention (rope_utils.py:116: t[..., 0::2], t[..., 1::2], then rotate-half), so
+multi_latent_attention (t[..., 0::2], t[..., 1::2], then rotate-half), so
 q.k is the same sum in the same layout; rope_interleave=false is refused (__init__.py). k's rope
 part is one head's, shared by every head, on both sides. The softmax scale and YaRN: features/rope/.
 
@@ -28,28 +28,30 @@ the TE spec, `DuplicatedLinear` in the local one), their weights' gradients summ
 the sequence-parallel norms'. Checkpoint keys agree between the specs: the local spec's MLA
 layers save under the TE spec's keys (`te_checkpoint_keys`; the rest: norms.te_checkpoint_keys).
 Sequence parallelism is required with TP > 1 (the MLA feature refuses it off): the shared rope
-key is gathered over the sequence, whose backward sums every rank's heads' gradients (:620-622);
-without it each rank would keep its own heads' share.
+key is gathered over the sequence (in get_query_key_value_tensors), whose backward sums every
+rank's heads' gradients; without it each rank would keep its own heads' share.
 
 What megatron-core needs here:
-- The local spec's column-parallel down-projections (0.16.1 :453-462) lose gradient under TP:
-  their output is gathered over TP (:607), and the gather's backward keeps this rank's columns of
-  this rank's gradient (mappings.py _GatherFromModelParallelRegion), while the rope key's
-  gradient from each rank's heads is only a share of it (a GSPO step under TP2 moved
-  linear_kv_down_proj 2.8e-3 away from one process's, the log-probs equal).
-  `AdaptedMLASelfAttention` builds them as `DuplicatedLinear`, as the TE spec has them.
+- The local spec's column-parallel down-projections (MLASelfAttention.__init__) lose gradient
+  under TP: their output is gathered over TP (get_query_key_value_tensors), and the gather's
+  backward keeps this rank's columns of this rank's gradient (mappings.py
+  _GatherFromModelParallelRegion), while the rope key's gradient from each rank's heads is only a
+  share of it (a GSPO step under TP2 moved linear_kv_down_proj 2.8e-3 away from one process's,
+  the log-probs equal). `AdaptedMLASelfAttention` builds them as `DuplicatedLinear`, as the TE
+  spec has them.
 - 0.19 (mla_qk_norm_config.py, _resolve_mla_qk_layernorm): with qk_layernorm (which builds the
   latents' norms) and q_lora_rank null it puts a norm in front of q_proj, fused in the TE spec
   and refused in the local one ("qk_layernorm requires TransformerEngine"); transformers' q_proj
   (Moonlight, DeepSeek-V2-Lite) takes the layer's normed input as it is. `AdaptedMLASelfAttention`
   builds q_proj without one (0.16.1 never adds one; the override is not called there).
 - The local spec's DotProductAttention takes no `k_channels` / `v_channels`, which MLA passes when it builds
-  its core attention (:155-164: TypeError in 0.16.1 and 0.19.2). `LocalMLACoreAttention` takes
-  them and sizes its output by the value heads.
+  its core attention (MultiLatentAttention.__init__: TypeError in 0.16.1 and 0.19.2).
+  `LocalMLACoreAttention` takes them and sizes its output by the value heads.
 - 0.16.1 only: multi_latent_attention.py sets its HAVE_TE when megatron's TE extension module
   imports, which it does without Transformer Engine, leaving TELinear a MagicMock; its
-  `isinstance(self.linear_proj, TELinear)` (:185) then raises TypeError. `fix_have_te` sets the
-  flag to what it means (0.19 reads HAVE_TE from the extension module itself).
+  `isinstance(self.linear_proj, TELinear)` in MultiLatentAttention.__init__ then raises
+  TypeError. `fix_have_te` sets the flag to what it means (0.19 reads HAVE_TE from the extension
+  module itself).
 """
 from __future__ import annotations
 

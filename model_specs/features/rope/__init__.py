@@ -15,8 +15,8 @@ multiplied by an `attention_factor` (given, or the mscale / mscale_all_dim ratio
 0.1 ln(factor) + 1).
 megatron-core's YarnRotaryEmbedding computes the same frequencies (yarn_rotary_pos_embedding.py,
 get_emb), but what happens to the attention factor depends on the version: 0.16.1's GPTModel drops
-it (gpt_model.py:375 `rotary_pos_emb, _ = self.rotary_pos_emb(...)`), 0.19's Attention multiplies
-cos / sin by it when the config has yarn_* fields (attention.py:326). So megatron's own factor is
+it (_preprocess: `rotary_pos_emb, _ = self.rotary_pos_emb(...)`), 0.19's Attention multiplies
+cos / sin by it when the config has yarn_* fields (Attention.__init__). So megatron's own factor is
 pinned to 1 (yarn_mscale = yarn_mscale_all_dim = 1: the ratio is 1 in both versions) and the
 factor enters as the softmax scale instead: q and k each scaled by a (full-width rotary) scale
 q.k by a^2, i.e. softmax_scale = a^2 / sqrt(head_dim). With partial rotary that identity fails
@@ -30,7 +30,7 @@ each head, so the factor cannot move into the softmax scale there; MLA has its o
 and it computes what transformers' DeepseekV3 does: cos / sin times get_mscale(factor, mscale) /
 get_mscale(factor, mscale_all_dim) (yarn_rotary_pos_embedding.py, _yarn_get_concentration_factor;
 MLA applies it in apply_rotary_pos_emb), and a softmax scale of get_mscale(factor,
-mscale_all_dim)^2 / sqrt(q_head_dim) (multi_latent_attention.py:126; transformers:
+mscale_all_dim)^2 / sqrt(q_head_dim) (MultiLatentAttention.__init__; transformers:
 yarn_apply_mscale, where an absent mscale_all_dim is 0, and get_mscale(f, 0) = 1). Only the
 cos / sin factor is spelled differently: transformers takes `attention_factor` when given and the
 mscale ratio only when both are set (else 0.1 ln f + 1); megatron's mscale is solved so that its
@@ -110,7 +110,7 @@ def rope_mapping(hf: Mapping[str, Any], family: str, head_dim: int,
     if partial != 1.0:
         raise HFConfigError(f"{family}: YaRN with partial_rotary_factor={partial} is not supported: "
                             "megatron-core's YarnRotaryEmbedding computes its frequencies over the "
-                            "full kv_channels (yarn_rotary_pos_embedding.py:66, :81)")
+                            "full kv_channels (YarnRotaryEmbedding.__init__)")
     return RopeMapping("yarn", 1.0, base, _yarn_fields(hf, scaling, family, head_dim, base))
 
 

@@ -5,11 +5,12 @@ s = sigmoid(logits); the experts are CHOSEN by s + bias (`e_score_correction_bia
 first restricted to the best `topk_group` of `n_group` groups) but WEIGHTED by s alone,
 renormalised, times routed_scaling_factor (transformers modeling_glm4_moe.py,
 Glm4MoeTopkRouter.forward). megatron-core computes exactly that with score_function="sigmoid"
-and its expert bias (moe_utils.py:719-728: `scores_for_routing = scores + expert_bias` selects,
-`scores.gather` weighs, `/ (sum + 1e-20)`, `* scaling_factor`). What megatron cannot express is
-refused by name: norm_topk_prob=False or top-1 (megatron always renormalises when top-k > 1 and
-never when k = 1, moe_utils.py:724), and group scores other than the sum of each group's top 2
-(megatron sums the top topk/topk_group, moe_utils.py:554; HF always the top 2).
+and its expert bias (moe_utils.topk_routing_with_score_function: `scores_for_routing = scores +
+expert_bias` selects, `scores.gather` weighs, `/ (sum + 1e-20)`, `* scaling_factor`). What
+megatron cannot express is refused by name: norm_topk_prob=False or top-1 (megatron always
+renormalises when top-k > 1 and never when k = 1, in the same function), and group scores other
+than the sum of each group's top 2 (megatron sums the top topk/topk_group,
+moe_utils.group_limited_topk; HF always the top 2).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class SigmoidRouter(Router):
         if not hf.get("norm_topk_prob", True):
             raise HFConfigError(f"{family}: norm_topk_prob=false is not supported: megatron-core's "
                                 "sigmoid router always renormalises the top-k weights "
-                                "(moe_utils.py:724)")
+                                "(moe_utils.topk_routing_with_score_function)")
         if topk == 1:
             raise HFConfigError(f"{family}: num_experts_per_tok=1 is not supported: HF "
                                 "renormalises the single weight to 1, megatron-core's sigmoid "
@@ -62,7 +63,7 @@ class SigmoidRouter(Router):
                     f"{family}: n_group={groups} with num_experts_per_tok={topk} and topk_group="
                     f"{group_topk} is not supported: HF scores a group by its top-2 experts, "
                     f"megatron-core by its top num_experts_per_tok // topk_group = "
-                    f"{topk // group_topk} (moe_utils.py:554)")
+                    f"{topk // group_topk} (moe_utils.group_limited_topk)")
             draft.config.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
         elif group_topk != 1:
             raise HFConfigError(f"{family}: topk_group={group_topk} with n_group=1, expected 1")

@@ -2,7 +2,8 @@
 (what the router computes and its fields: __init__.py).
 
 megatron's TopKRouter keeps the expert bias as a persistent *buffer* `expert_bias` (fp32), and
-nudges it after every optimizer step by moe_router_bias_update_rate (finalize_model_grads.py:477).
+nudges it after every optimizer step by moe_router_bias_update_rate
+(finalize_model_grads._update_router_expert_bias).
 For RL fine-tuning the bias is a pretrained constant: the update rate is 0 (an override can set
 another), and `ExpertBiasRouter` holds the same tensor under the same name as a frozen
 (requires_grad=False) *parameter*, so that every path of this project that walks parameters (full
@@ -29,12 +30,12 @@ class ExpertBiasRouter(TopKRouter):
     (module docstring). Routing is TopKRouter's, unchanged.
 
     TopKRouter is built without the bias and the two tensors it would have registered
-    (router.py:162-183: `local_tokens_per_expert`, `expert_bias`) are added here, on the current
+    (TopKRouter.__init__: `local_tokens_per_expert`, `expert_bias`) are added here, on the current
     CUDA device or, without CUDA, the CPU: megatron's own calls torch.cuda.current_device(),
     which fails on a CPU-only machine (the checkpoint converters run there)."""
 
     def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
-        plain = copy.copy(config)  # a shallow copy, as SharedExpertMLP makes (shared_experts.py:46)
+        plain = copy.copy(config)  # a shallow copy, as 0.16's SharedExpertMLP.__init__ makes
         plain.moe_router_enable_expert_bias = False
         super().__init__(plain, *args, **kwargs)
         self.config = config

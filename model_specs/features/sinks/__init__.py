@@ -2,7 +2,7 @@
 megatron-core's learnable softmax offset (the `AttentionSinks` feature; layers.py).
 
 The layer spec is megatron's local one: Transformer Engine's attention takes `softmax_type` from
-TE 2.8 on (extensions/transformer_engine.py:1283) and keeps the offset inside TE, where no test of
+TE 2.8 on (TEDotProductAttention.__init__) and keeps the offset inside TE, where no test of
 this project has looked at its TP split; the local spec is built for a family with sinks, and
 transformer_engine=True is refused by name.
 """

@@ -3,9 +3,9 @@
 HF appends each head's `sinks` logit to every row of attention scores, takes the softmax and drops
 the sink's column (transformers modeling_gpt_oss.py, eager_attention_forward). megatron-core's
 learnable softmax (`softmax_type="learnable"`) does the same with its per-head `softmax_offset`
-(fused_softmax.py:154-176, SoftmaxOne; dot_product_attention.py:126-138). The parameter is split
+(fused_softmax.py SoftmaxOne; DotProductAttention.__init__). The parameter is split
 over TP ranks by heads (num_attention_heads_per_partition) but megatron does not mark it so (only
-its sharded_state_dict knows the axis, dot_product_attention.py:267), so the full-tensor paths of
+its sharded_state_dict knows the axis), so the full-tensor paths of
 this project (actor/weights.py, the sync) would take one rank's heads for all:
 `SinkDotProductAttention` marks it `tensor_model_parallel` along dim 0.
 """
