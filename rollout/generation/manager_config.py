@@ -38,7 +38,7 @@ class ManagerConfig:
     tokens so far): rollouts fixed by the seed and the weights. SGLang honours it only with
     --enable-deterministic-inference (added to servers the run starts), which needs a GPU
     attention backend: on CPU (torch_native) the server refuses that flag and the seed is
-    ignored (sglang/srt/sampling/sampling_batch_info.py:157). null = unseeded sampling."""
+    ignored (SGLang's SamplingBatchInfo.from_schedule_batch). null = unseeded sampling."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage) and draw more prompts to refill."""
     oversample_groups: int = 0
@@ -74,7 +74,8 @@ class ManagerConfig:
         params = {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "top_k": self.top_k}
         if self.seed is not None and sample is not None:
-            # SGLang seeds its sampler per request and position (sglang/srt/layers/sampler.py:386)
+            # SGLang seeds its sampler per request and position (sglang/srt/layers/sampler.py
+            # Sampler._sample_from_probs)
             key = f"{self.seed}/{sample.group_id}/{sample.index}/{len(sample.response_ids)}"
             params["sampling_seed"] = int.from_bytes(hashlib.sha256(key.encode()).digest()[:7], "big")
         if self.ignore_eos:

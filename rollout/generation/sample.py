@@ -20,22 +20,23 @@ What SGLang 0.5.23 returns (verified on a live CPU server, tests/rollout/test_ro
 paths under .venv/lib/python3.11/site-packages/sglang/srt/):
 - `"return_routed_experts": true` in /generate -> meta_info["routed_experts"], base64 of int32
   [prompt_tokens + completion_tokens - 1, num_hidden_layers, num_experts_per_tok]: rows [0, seqlen-1)
-  read by KV slot (state_capturer/base.py:173-188, called from
-  managers/scheduler_components/batch_result_processor.py:136-162), base64 by
-  managers/detokenizer_manager.py:432-446. Needs the server flag --enable-return-routed-experts
-  (state_capturer/routed_experts.py:50); without it the key is absent (batch_result_processor.py:
-  150-153), and sglang-router 0.3.2 drops the request field (rollout.servers.pool then goes direct).
+  read by KV slot (state_capturer/base.py BaseTopkCapturer.get_topk, called from
+  SchedulerBatchResultProcessor._maybe_collect_routed_experts), base64 by
+  DetokenizerManager._b64_encode_per_request. Needs the server flag --enable-return-routed-experts
+  (RoutedExpertsCapturer.create); without it the key is absent (the same
+  _maybe_collect_routed_experts), and sglang-router 0.3.2 drops the request field
+  (rollout.servers.pool then goes direct).
 - Routings are stored per KV slot: each forward writes its top-k ids at the slots it wrote KV to
-  (state_capturer/base.py:190-221, host buffer indexed by out_cache_loc). Prompt tokens whose KV
+  (BaseTopkCapturer.on_forward_end, host buffer indexed by out_cache_loc). Prompt tokens whose KV
   came from the radix (prefix) cache get the routing computed by the forward that filled that KV,
   i.e. with the same weights (weight updates flush the cache; an update with flush_cache=False
   leaves both the KV and the routing of cached prefixes stale). Verified equal: a fresh prompt, the
   same prompt from the cache (cached_tokens = prompt - 1), a resume from prompt + output (cached),
   and a recompute after /flush_cache; the expert sets equal transformers' router top-k.
 - Dense (non-MoE) layers are never captured: their rows are all 0 (the device buffer is zero-
-  filled, state_capturer/base.py:38-42), like a duplicated expert 0 (GLM-4.5's first dense layer
+  filled, BaseDeviceCache.__init__), like a duplicated expert 0 (GLM-4.5's first dense layer
   gives [0, 0]). Consumers must pick the MoE layers from the model config.
-- Shared experts fused into the top-k are cut off (state_capturer/routed_experts.py:145-147).
+- Shared experts fused into the top-k are cut off (RoutedExpertsCapturer._get_local_slice).
 - An aborted request that had started returns rows for everything it processed.
 """
 from __future__ import annotations

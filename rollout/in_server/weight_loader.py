@@ -16,17 +16,18 @@ The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART s
     |reply=G           uint8 [1]: broadcast the report over the weights-update group named G
     |flat=[[n, dtype, shape, offset], ...]   uint8: the entries above as one buffer (flatten():
                        the tensor transport shares one tensor per request, not hundreds)
-Nothing here may raise: SGLang calls a custom loader outside any try (model_runner_components/
-weight_updater.py:374-376), so an exception kills the scheduler. Errors and checksum mismatches
-go to the report instead: a file for the tensor transport (it runs on the servers' machine, so
-the sender reads it after the call), a broadcast back to the sender for the distributed one. The
-trainer counts a mismatch and sends that server a full sync.
+Nothing here may raise: SGLang calls a custom loader outside any try
+(WeightUpdater.update_weights_from_tensor), so an exception kills the scheduler. Errors and
+checksum mismatches go to the report instead: a file for the tensor transport (it runs on the
+servers' machine, so the sender reads it after the call), a broadcast back to the sender for the
+distributed one. The trainer counts a mismatch and sends that server a full sync.
 
 The distributed transport has no custom-loader hook in SGLang: /update_weights_from_distributed
 receives the tensors and hands them to `model.load_weights` (model_runner_components/
-weight_updater.py:324-338). So the first call of this loader (every sync ends with one, the
-version's) routes the model's load_weights (`route_load_weights`): a list with a PART name is
-this loader's payload, anything else goes to the model's own load_weights untouched.
+weight_updater.py WeightUpdater.load_weights_from_distributed). So the first call of this loader
+(every sync ends with one, the version's) routes the model's load_weights (`route_load_weights`):
+a list with a PART name is this loader's payload, anything else goes to the model's own
+load_weights untouched.
 """
 from __future__ import annotations
 

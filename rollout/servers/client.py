@@ -290,8 +290,8 @@ class SGLangClient(WeightUpdates):
             raise SGLangError(self.url, f"malformed input log-probs ({type(e).__name__}: {e})",
                               body=repr(reply)[:2000]) from None
         sent = list(input_ids[start:])
-        # SGLang reports ids >= vocab_size - 1 as 0 (sglang/srt/managers/scheduler_components/
-        # logprob_result_processor.py:53-55, "clip padded hash values of image tokens"): the
+        # SGLang reports ids >= vocab_size - 1 as 0 (SchedulerLogprobResultProcessor.
+        # _process_input_token_logprobs, "clip padded hash values of image tokens"): the
         # model's last real token comes back as 0, with its true log-prob
         if len(ids) != len(sent) or any(g != w and g != 0 for g, w in zip(ids, sent)):
             raise SGLangError(self.url, f"input log-probs for tokens {ids} from position {start}, "

@@ -16,10 +16,10 @@ student's weights, and a restarted server is healthy only once its model is load
 (its /health is /health_generate: one token, below).
 
 The probe is SGLang's /health_generate (one token, or nothing when the server is busy: it
-answers once the scheduler has produced anything, sglang/srt/entrypoints/http_server.py:723) while
+answers once the scheduler has produced anything, sglang/srt/entrypoints/http_server.py health_generate) while
 the servers generate, and /model_info while the pool is paused for a weight sync, and to see
 whether an attached server is back: a paused server cannot generate, and in SGLang 0.5.23 /health
-is the same handler as /health_generate (http_server.py:721-722, with
+is the same handler as /health_generate (both routes on health_generate, with
 SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default), so both would fail there after 20 s.
 No answer within server_health_timeout_s, or a non-200 answer, takes the server out: its in-flight requests move to the other servers
 (ServerPool._on_a_live_server), the weight sync skips it, and a server the run launched is

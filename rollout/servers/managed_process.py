@@ -59,7 +59,7 @@ def _tail(path: Path | None, lines: int = 40) -> str:
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the launching thread's process dies, so a killed
     trainer or benchmark leaves no server behind (SGLang's scheduler and detokenizer do the same
-    towards the server: sglang/srt/utils/common.py:3432 kill_itself_when_parent_died). Linux only;
+    towards the server: sglang/srt/utils/common.py kill_itself_when_parent_died). Linux only;
     launch from a long-lived thread (the signal fires when the creating thread exits)."""
     if sys.platform.startswith("linux"):
         import ctypes

@@ -6,8 +6,8 @@ On CPU, SGLang sizes its KV cache from the machine's free memory, measured twice
 scheduler: B before the model loads, A after. It refuses to start when
 
     A - B * (1 - mem_fraction_static) <= 0
-    (sglang 0.5.23, srt/mem_cache/kv_cache_configurator.py:3007 and :3038-3043, "Loaded weights
-    leave no GPU memory for the KV cache"),
+    (sglang 0.5.23, srt/mem_cache/kv_cache_configurator.py KVCacheConfigurator._profile_available_bytes,
+    "Loaded weights leave no GPU memory for the KV cache"),
 
 and the KV cache gets what is left of that, at most --max-total-tokens tokens (its
 _apply_token_constraints). With A = B - W - D (W: the weights it loaded, D: whatever else took

@@ -8,11 +8,11 @@ directory. The four patches:
   first /generate crashes. Replaced by the same math in torch: sigmoid(x @ gate_weight) * shared
   (+ added into the routed output).
 - `--enable-return-routed-experts` (the engine's routing, for routing replay) allocates its host
-  buffer with pin_memory=True, and sglang/srt/mem_cache/pool_host/common.py:147
+  buffer with pin_memory=True, and sglang/srt/mem_cache/pool_host/common.py
   (_cuda_host_register) then calls torch.cuda.cudart(): the server dies at start without a GPU.
   Pinning (cudaHostRegister) only speeds up device copies; without CUDA it is skipped.
 - DeepSeek-V2/V3's multi-latent attention takes the MHA path at a prefill without a cached prefix
-  (sglang/srt/models/deepseek_common/attention_backend_handler.py:98-102, the triton handler that
+  (sglang/srt/models/deepseek_common/attention_backend_handler.py handle_attention_triton, the handler that
   an unregistered backend falls back to): it writes the latents into the KV cache and hands the
   backend keys and values expanded per head, which flash backends attend over directly; the
   torch_native backend attends over the KV cache instead (layers/attention/torch_native_backend.py
@@ -20,13 +20,13 @@ directory. The four patches:
   torch_native is sent to the absorbed MLA path at every step, which reads the cache as it is
   written (the log-probs equal transformers' to 2e-6: tests/model_specs/test_deepseek_v3_serving.py).
 - SGLang starts its scheduler and detokenizer processes with the "spawn" start method
-  (sglang/srt/entrypoints/engine.py:1995, `mp.set_start_method("spawn", force=True)`), which CUDA
+  (entrypoints/engine.py _set_envs_and_config, `mp.set_start_method("spawn", force=True)`), which CUDA
   needs; each child then imports torch and SGLang again, and on 2 CPU cores the three processes'
   imports made a server start take 45 s (82 s next to a busy test suite). A CPU server has no CUDA
   context to protect, so here the children are forked from the server process, which has imported
   everything already: 39 s next to the same busy suite, 28-33 s alone (43-49 s spawned). The
-  forks happen before the server starts its own threads: engine.py launches the schedulers, then
-  the detokenizer (:1329), then makes the tokenizer manager (:1339) and the HTTP server.
+  forks happen before the server starts its own threads: engine.py (Engine._launch_subprocesses)
+  launches the schedulers, then the detokenizer, then makes the tokenizer manager and the HTTP server.
 Qwen3-Next (Gated DeltaNet; the kernels themselves: gdn_ops.py, reached through sgl_kernel/mamba.py)
 needs five more, each explained where it is defined: the gated RMSNorm in torch, the Mamba radix
 cache resolved to no_buffer, the full-attention interval read from transformers 5's layer_types,
@@ -96,7 +96,7 @@ def _qwen3_next_interval_from_layer_types(module):
 
 
 def _cpu_device_module(module):
-    """qwen3_next.py:235/252 place the gated norm on `torch.get_device_module().current_device()`;
+    """Qwen3GatedDeltaNet.__init__ places the gated norm on `torch.get_device_module().current_device()`;
     with no argument torch answers the build's accelerator (torch.cuda for a CUDA wheel, GPU or
     not), whose current_device() then fails on a CPU host. While a Qwen3GatedDeltaNet is built
     (and only then: torch.compile traces torch.get_device_module, and a replacement left in place
