@@ -1,7 +1,9 @@
 """Rollout manager against real SGLang servers: groups, dynamic sampling, partial rollouts, buffer."""
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import transformers
@@ -172,3 +174,16 @@ def test_restart_returns_a_sample_to_its_prompt_and_versions_decide_a_restart():
     s.restart()
     assert s == Sample(3, 1, {"prompt": "p"}, [1, 2], 10)
     assert s.status == PENDING and s.remaining_tokens == 10
+
+
+def test_generation_modules_use_each_others_public_names_only():
+    """The manager (what lasts between steps), its step (one step's state) and the request threads
+    work through public names: an `x._private` reached from outside its own class (`self._...`)
+    is a split made by size, not by concept."""
+    reached = []
+    for path in sorted((Path(__file__).parents[2] / "rollout" / "generation").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    assert not reached, reached
