@@ -6,7 +6,7 @@
 # Steps: build .venv (scripts/setup.sh), make the tiny random MoE if missing
 # (tools/make_tiny_model.py), train (examples/tiny_moe_larger_digit.yaml: a short supervised warm
 # start, then GSPO; resumes from its checkpoint dir if a previous run was interrupted), export the
-# final policy to HF format, print the reward curve's ends and the TensorBoard command.
+# final policy to HF format, print the reward curve's ends, the held-out accuracy at both ends and the TensorBoard command.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -25,11 +25,18 @@ echo "[main_job] training took $((SECONDS - t0)) s"
 "$PY" - "$RUN/tensorboard" <<'PY'
 import sys
 from gspo_megatron.run.metrics import read_scalars
-rewards = read_scalars(sys.argv[1]).get("rollout/reward_mean", [])
+scalars = read_scalars(sys.argv[1])
+rewards = scalars.get("rollout/reward_mean", [])
 if rewards:
     (s0, r0), (s1, r1) = rewards[0], rewards[-1]
     best = max(r for _, r in rewards)
-    print(f"[main_job] reward: step {s0} {r0:.3f} -> step {s1} {r1:.3f} (best {best:.3f})")
+    last = [r for _, r in rewards[-10:]]
+    print(f"[main_job] reward: step {s0} {r0:.3f} -> step {s1} {r1:.3f} (best {best:.3f}, "
+          f"last {len(last)} steps' mean {sum(last) / len(last):.3f})")
+held_out = scalars.get("eval/accuracy", [])
+if len(held_out) > 1:  # what the policy learned, on phrasings training never showed
+    (s0, a0), (s1, a1) = held_out[0], held_out[-1]
+    print(f"[main_job] held-out accuracy (greedy): step {s0} {a0:.3f} -> step {s1} {a1:.3f}")
 PY
 echo "[main_job] final policy (HF format): $RUN/final_hf"
 echo "[main_job] watch it: $ROOT/.venv/bin/tensorboard --logdir $RUN/tensorboard"
