@@ -2,21 +2,27 @@
 (arXiv 2507.18071 §5.3) measured, in two regimes (docs/moe_stability.md).
 
     .venv/bin/python benchmarks/moe_stability.py                  # the first experiment (collapse): 5 seeds x 5 arms x 20 steps
-    .venv/bin/python benchmarks/moe_stability.py --regime learn   # the second: 5 seeds x 7 arms where the policy learns
+    .venv/bin/python benchmarks/moe_stability.py --regime learn   # the second: 5 seeds x 7 arms x 50 steps, the policy learns
     .venv/bin/python benchmarks/moe_stability.py --regime learn --pilot   # its pilot seed only (the regime search)
     .venv/bin/python benchmarks/moe_stability.py --regime learn --plot    # + docs/img/moe_stability_learn_*.png
     .venv/bin/python benchmarks/moe_stability.py --seeds 1 --steps 3 --runs gspo grpo   # a smoke run
     .venv/bin/python benchmarks/moe_stability.py --model /models/Qwen3-30B-A3B \\
         --layout tensor=2,expert=4 --nproc 8 --url http://node:30000    # on GPUs, a larger model
 
-The task is the counting task (tools/make_counting_task.py): responses of about 80 tokens, some over
-200, where one wrong step makes the boxed answer wrong. The model is a tiny Qwen3-MoE with 4 layers
-of 16 experts, top-2 (tools/make_tiny_model.py), so that top-k sets have room to move. For each seed
-s: the model is initialised with seed s, the task's training order shuffled with s, the supervised
-warm start run once (train.seed s), and from that warm policy every arm trains the same steps on
-the same prompt stream; only the loss (and replay, and the advantage estimator) differ. The arms
-and the regimes are tables (benchmarks/stability/regimes.py); a regime sets the learning rate, the
-steps and the warm start, the same for every arm.
+A regime (benchmarks/stability/regimes.py) fixes the task, the model's shape, the warm start, the
+steps and the optimizer settings, the same for every arm:
+- collapse (the first experiment): the counting task (tools/make_counting_task.py), responses of
+  about 80 tokens, some over 200, where one wrong step makes the boxed answer wrong; a tiny
+  Qwen3-MoE with 4 layers of 16 experts, top-2, so that top-k sets have room to move; 500 warm-start
+  steps, 20 RL steps at lr 1e-3 (every arm degrades from its warm start there).
+- learn (the second): the main job's task and model (examples/tiny_moe_larger_digit.yaml): which
+  of two digits is larger (tools/make_larger_digit_task.py), responses of a few tokens, held-out
+  phrasings evaluated greedily at the start and the end; a tiny Qwen3-MoE with 2 layers of 4
+  experts, top-2; 80 warm-start steps that teach the format only, 50 RL steps at lr 1e-3.
+For each seed s: the model is initialised with seed s, the task's training order shuffled with s,
+the supervised warm start run once (train.seed s), and from that warm policy every arm trains the
+same steps on the same prompt stream; only the loss (and replay, and the advantage estimator)
+differ. The arms are a table too (regimes.ARMS); a regime names the ones it runs by default.
 
 Every run is `gspo-megatron train` against one SGLang server the script starts (or --url), which
 returns its routed experts (R3 and routing/engine_mismatch). The runs are kept under --out (one
@@ -38,6 +44,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +66,11 @@ def mean_response_tokens(task_file: Path, model: Path) -> float:
 
 
 def prepare_seed(args, regime: Regime, seed: int) -> tuple[Path, Path]:
-    """The seed's task folder (train.jsonl shuffled with the seed, eval.jsonl) and model."""
-    from tools.make_counting_task import make_counting_task
+    """The seed's task folder (the regime's task: train.jsonl shuffled with the seed, eval.jsonl)
+    and model (the regime's shape, or --layers/--experts, initialised with the seed)."""
     task = Path(args.out) / "task" / f"seed{seed}"
     if not (task / "eval.jsonl").is_file():
-        make_counting_task(task, seed=seed, **regime.task)
+        regime.task(task, seed)
     if args.model:
         return task, Path(args.model)
     model = Path(args.out) / "models" / f"seed{seed}"
@@ -128,10 +135,12 @@ def run_arm(args, arm: str, seed: int, task: Path, warm: Path, url: str, extra: 
             f"eval.interval={args.eval_interval}", *extra, *keep]
         train(args, sets, out / "train.log")
         if args.probe:
+            t0 = time.monotonic()
             prompts = [json.loads(ln) for ln in (task / "train.jsonl").read_text().splitlines()[:PROBE_PROMPTS]]
             ratios.save(ratios.probe(out / "ckpt", prompts, seed=seed, samples=PROBE_SAMPLES,
                                      max_new_tokens=args.max_new_tokens), out / "ratios.json")
             shutil.rmtree(out / "ckpt")
+            print(f"[bench] seed {seed}: {arm}: ratio probe {time.monotonic() - t0:.0f} s", flush=True)
         rewards = rewards_of({int(r["step"]): r for r in read_jsonl(out / "tb" / "metrics.jsonl", steps_only=True)})
         done.write_text(json.dumps({"arm": arm, "seed": seed, "sets": sets, "steps": len(rewards),
                                     "collapsed": collapsed(rewards), "up": learned(rewards) if rewards else None},

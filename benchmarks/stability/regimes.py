@@ -7,7 +7,11 @@ searched: never one of the reported seeds 0..N-1). An arm is the overrides that 
 from __future__ import annotations
 
 import math
+import random
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 GSPO_CLIP = (3e-4, 4e-4)  # gspo_megatron/algorithms/registry.py: the paper's
 
@@ -18,10 +22,12 @@ class Regime:
     summary: str
     config: str
     """The run config every arm starts from (examples/)."""
-    task: dict
-    """Arguments of tools/make_counting_task.make_counting_task besides the folder and the seed."""
+    task: Callable[[Path, int], None]
+    """Writes the seed's task into a folder: train.jsonl (its order shuffled with the seed), then
+    eval.jsonl (held out; its presence marks the folder done)."""
     layers: int
     experts: int
+    """The tiny Qwen3-MoE's shape (tools/make_tiny_model.py, top-2), initialised with the seed."""
     steps: int
     warm_start_steps: int
     eval_interval: int
@@ -35,16 +41,35 @@ class Regime:
     max_new_tokens: int
 
 
+def counting_task(folder: Path, seed: int) -> None:
+    """The counting task (tools/make_counting_task.py): long worked-out responses, about 80 tokens."""
+    from tools.make_counting_task import make_counting_task
+    make_counting_task(folder, seed=seed)
+
+
+def larger_digit_task(folder: Path, seed: int) -> None:
+    """The main job's task (tools/make_larger_digit_task.py): its 360 training rows in an order
+    shuffled with the seed, its 360 held-out rows (phrasings training never shows) as they are."""
+    from tools.make_larger_digit_task import make_larger_digit_task
+    paths = make_larger_digit_task(folder / "source")
+    rows = paths["larger_digit_rl"].read_text().splitlines(keepends=True)
+    random.Random(seed).shuffle(rows)
+    (folder / "train.jsonl").write_text("".join(rows))
+    paths["larger_digit_rl_eval"].replace(folder / "eval.jsonl")
+    shutil.rmtree(folder / "source")
+
+
 REGIMES = {r.name: r for r in (
     Regime("collapse", "the first experiment: lr 1e-3, where routing moves as in the paper and every arm "
-           "degrades", config="examples/tiny_moe_counting.yaml", task={}, layers=4, experts=16, steps=20,
+           "degrades", config="examples/tiny_moe_counting.yaml", task=counting_task, layers=4, experts=16, steps=20,
            warm_start_steps=500, eval_interval=0, sets=(), arms=("gspo", "grpo", "grpo_r3", "gspo_token", "grpo_seqclip"),
            pilot_seed=100, probe=False, max_new_tokens=288),
-    Regime("learn", "the second experiment: the settings where the GSPO arm learns on its pilot seed",
-           config="examples/tiny_moe_counting.yaml", task={}, layers=4, experts=16, steps=40,
-           warm_start_steps=500, eval_interval=40, sets=("train.lr=1e-4", "train.lr_warmup_steps=8"),
+    Regime("learn", "the second experiment: the main job's task (larger digit, held-out phrasings), model "
+           "(2 layers x 4 experts) and learning rate (1e-3), where the policy learns",
+           config="examples/tiny_moe_larger_digit.yaml", task=larger_digit_task, layers=2, experts=4, steps=50,
+           warm_start_steps=80, eval_interval=50, sets=(),
            arms=("gspo", "grpo", "grpo_r3", "gspo_token", "dr_grpo", "rloo", "reinforce_pp"),
-           pilot_seed=100, probe=True, max_new_tokens=288),
+           pilot_seed=100, probe=True, max_new_tokens=8),
 )}
 
 # arm -> (its overrides, what it is); "{seqclip}" and "{budget}" are filled by arm_sets
@@ -59,6 +84,10 @@ ARMS = {
     "rloo": (("loss.name=grpo", "loss.advantage_estimator=rloo"), "GRPO's loss, leave-one-out baseline (RLOO)"),
     "reinforce_pp": (("loss.name=grpo", "loss.advantage_estimator=reinforce_plus_plus"),
                      "GRPO's loss, REINFORCE++ advantages (batch-whitened returns)"),
+    "reinforce_pp_baseline": (("loss.name=grpo", "loss.advantage_estimator=reinforce_plus_plus_baseline"),
+                              "GRPO's loss, REINFORCE++-baseline advantages (group mean, batch-whitened)"),
+    "reinforce": (("loss.name=grpo", "loss.advantage_estimator=reinforce"),
+                  "GRPO's loss, plain REINFORCE: the return, no baseline, not whitened"),
 }
 
 

@@ -138,20 +138,39 @@ def test_ratio_summary_separates_token_and_sequence_noise():
     assert float(short[3]) / float(long[3]) == pytest.approx(5.0, rel=0.2)  # sqrt(200 / 8)
 
 
+def test_learn_task_is_the_main_jobs_shuffled_by_seed(tmp_path):
+    """The learn regime's task: the main job's 360 training rows in a seeded order, its held-out
+    file unchanged (the phrasings training never shows)."""
+    regime = REGIMES["learn"]
+    for seed in (0, 1):
+        regime.task(tmp_path / f"seed{seed}", seed)
+    shipped = (ROOT / "examples" / "data" / "larger_digit_rl.jsonl").read_text().splitlines()
+    orders = [(tmp_path / f"seed{s}" / "train.jsonl").read_text().splitlines() for s in (0, 1)]
+    assert all(sorted(o) == sorted(shipped) for o in orders) and orders[0] != orders[1] != shipped
+    for s in (0, 1):
+        assert (tmp_path / f"seed{s}" / "eval.jsonl").read_text() == \
+            (ROOT / "examples" / "data" / "larger_digit_rl_eval.jsonl").read_text()
+        assert sorted(p.name for p in (tmp_path / f"seed{s}").iterdir()) == ["eval.jsonl", "train.jsonl"]
+
+
 @pytest.mark.slow
 def test_learn_regime_smoke(server_url, tmp_path):  # noqa: F811
-    """The learn regime at the smallest size on the session's tiny MoE: two arms (one of them an
+    """The learn regime at the smallest size, on its own task and model shape (the main job's,
+    2 layers x 4 experts, against the session's server of that shape): two arms (one of them an
     estimator's), the held-out eval at both ends, the kept checkpoints, the ratio probe, the
     report and the figures."""
     out = _run([SCRIPT, "--regime", "learn", "--seeds", "1", "--steps", "2", "--runs", "gspo", "dr_grpo",
-                "--warm-start-steps", "0", "--layers", "2", "--experts", "4", "--url", server_url,
-                "--set", "moe.engine_routing=false", "--set", "rollout.max_new_tokens=32", "--set", "eval.max_prompts=4",
-                *SMALL_STEP, "--out", str(tmp_path), "--plot", "--plot-dir", str(tmp_path / "img")])
+                "--warm-start-steps", "0", "--url", server_url, "--set", "moe.engine_routing=false",
+                "--set", "eval.max_prompts=4", *SMALL_STEP, "--out", str(tmp_path), "--plot",
+                "--plot-dir", str(tmp_path / "img")])
     assert re.search(r"^learning: gspo [0-9.]+ -> [0-9.]+ \([01]/1 seeds up\); dr_grpo ", out, re.M), out[-3000:]
-    # the ratio probe: 16 prompts x 8 samples per run, in length bins
-    assert re.search(r"^\| dr_grpo \| \d+-\d+ \| \d+ \| \d+ \|", out, re.M), out[-3000:]
+    assert re.search(r"^\| gspo \| 1 \|.*\| [0-9.]+ -> [0-9.]+ \([01]/1 up\) \|$", out, re.M), out[-3000:]
+    # the ratio probe: 16 prompts x 8 samples per run; responses of a few tokens fall in one bin
+    assert re.search(r"^\| dr_grpo \| 1-15 \| \d+ \| \d+ \|", out, re.M), out[-3000:]
     assert len(json.loads((tmp_path / "runs" / "gspo" / "seed0" / "ratios.json").read_text())) == 16 * 8
     assert (tmp_path / "img" / "moe_stability_learn_accuracy.png").is_file()
     assert not (tmp_path / "runs" / "gspo" / "seed0" / "ckpt").exists()  # the probe's checkpoints are gone
+    model = json.loads((tmp_path / "models" / "seed0" / "config.json").read_text())
+    assert (model["num_hidden_layers"], model["num_experts"], model["num_experts_per_tok"]) == (2, 4, 2)
     summary = (tmp_path / "runs" / "dr_grpo" / "seed0" / "summary.json").read_text()
-    assert "loss.advantage_estimator=dr_grpo" in summary and "loss.token_sum_norm=32" in summary
+    assert "loss.advantage_estimator=dr_grpo" in summary and "loss.token_sum_norm=8" in summary
