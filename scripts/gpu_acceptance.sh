@@ -93,7 +93,7 @@ row 3 logprobs 50 logprobs "fused log-probs: peak memory and time against straig
   "$PY" benchmarks/logprobs_memory.py --device cuda --dtype bf16 --vocab 151936
 row 4 plan 70 plan "planner: predicted vs measured peak memory and step time (mfu.py's model)" -- \
   "$PY" -m gspo_megatron.cli plan examples/qwen3_235b_a22b.yaml --gpus 1 --gpu "$GPU_KIND" \
-  --model "$WORK/plan_model/config.json" --layout tensor=1 --tokens 16384 --set compute.recompute=none --check
+  --model "$WORK/plan_model/config.json" --layout tensor=1 --tokens 16384 --check
 row 5 sync 0 owed "weight sync over NCCL between processes on one GPU" -- \
   "owed: benchmarks/sync.py has no NCCL mode and needs an SGLang server, which the GPU machine lacks;" \
   "NCCL refuses two ranks of one communicator on one GPU (Duplicate GPU detected)"

@@ -12,9 +12,16 @@ import argparse
 import dataclasses
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from gspo_megatron.actor import Actor
+    from gspo_megatron.config.schema import RunConfig
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.planner.memory import MemorySettings
 
 
 def _batch(rows: int, length: int, vocab: int, seed: int):
@@ -41,9 +48,21 @@ def measured_static(actor) -> tuple[int, int, int]:
     return weights, grads, opt
 
 
-def main() -> None:
+def build_actor(cfg: RunConfig, hf: dict, layout: ParallelLayout, s: MemorySettings, length: int) -> Actor:
+    """The actor the check measures: the run config's optimizer and compute settings (the
+    prediction's recompute and recompute_modules come from the same `compute:` section,
+    command.settings_from), micro-batches of `length`-token rows within the token budget."""
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.actor.settings import MicroBatchSettings
+    opt = OptimizerSettings(**{k: getattr(cfg.train, k) for k in (
+        "optimizer", "lr", "use_distributed_optimizer", "grad_reduce_in_fp32", "sgd_momentum")})
+    return Actor(hf, layout, optimizer=opt, loss=LossSettings(name="gspo"), params_dtype=getattr(torch, s.params_dtype),
+                 compute=cfg.compute,
+                 batching=MicroBatchSettings(micro_batch_size=max(1, s.max_tokens // length),
+                                             max_tokens_per_micro_batch=s.max_tokens))
+
+
+def main() -> None:
     from gspo_megatron.config import load_config
     from gspo_megatron.parallel.layout import ParallelLayout
     from gspo_megatron.parallel.process_groups import destroy_process_groups
@@ -69,11 +88,7 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     length = min(s.max_tokens, 2048 if cuda else 64)
     rows = 2 * max(1, s.max_tokens // length)  # two micro-batches of the budget per DP rank
-    opt = OptimizerSettings(**{k: getattr(cfg.train, k) for k in (
-        "optimizer", "lr", "use_distributed_optimizer", "grad_reduce_in_fp32", "sgd_momentum")})
-    with Actor(hf, layout, optimizer=opt, loss=LossSettings(name="gspo"), params_dtype=getattr(torch, s.params_dtype),
-               batching=MicroBatchSettings(micro_batch_size=max(1, s.max_tokens // length),
-                                           max_tokens_per_micro_batch=s.max_tokens)) as actor:
+    with build_actor(cfg, hf, layout, s, length) as actor:
         from megatron.core import parallel_state as ps
         dp = ps.get_data_parallel_world_size()
         seconds = 0.0

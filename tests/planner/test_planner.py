@@ -255,6 +255,37 @@ def test_check_runs_the_layout_and_prints_predicted_against_measured():
     assert {r[1].strip() for r in rows} == {"0", "1"}  # one rank per pipeline stage
 
 
+
+def _check_actor_recompute(rank, world, overrides: list[str]):
+    """What plan --check predicts with (settings_from) and what its actor's model runs with."""
+    from gspo_megatron.config import load_config
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.planner.check import build_actor
+    from gspo_megatron.planner.command import settings_from
+    from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
+    cfg = load_config(str(ROOT / "examples/tiny_moe_larger_digit.yaml"), overrides)
+    s = settings_from(cfg, 64)
+    with build_actor(cfg, tiny_hf_config(), ParallelLayout(), s, 32) as actor:
+        model = actor.chunks[0].module.config  # the TransformerConfig the layers were built with
+        return dict(predicted=(s.recompute, s.recompute_modules),
+                    built=(model.recompute_granularity, model.recompute_method, model.recompute_num_layers,
+                           list(model.recompute_modules or [])))
+
+
+@pytest.mark.parametrize("overrides, predicted, built", [
+    (["compute.recompute=full"], ("full", ("core_attn",)), ("full", "uniform", 1)),
+    (["compute.recompute=selective", "compute.recompute_modules=[layernorm]"],
+     ("selective", ("layernorm",)), ("selective", None, None)),
+])
+def test_check_measures_the_recompute_it_predicts_with(overrides, predicted, built):
+    """plan --check predicts with the config's compute.recompute: its actor must run it, or the
+    measured column is another configuration's (the default, no recomputation)."""
+    (r,) = run_distributed(_check_actor_recompute, 1, (overrides,), timeout=300)
+    assert r["predicted"] == predicted
+    assert r["built"][:3] == built, r
+    if predicted[0] == "selective":
+        assert r["built"][3] == list(predicted[1]), r
+
 def test_without_model_the_config_model_is_named_not_a_flag_never_given():
     """`plan --gpus 8` plans the default config's model.hf_path: an error names that field and its
     file (the user typed no --model), and the published config of the same name."""

@@ -56,7 +56,7 @@ def test_dry_run_resolves_every_row_within_the_budget():
     ("qwen3_next:4", "qwen3_nxt:4", "argument --arch: invalid choice: 'qwen3_nxt'"),
     ("--only 5 6 7", "--only 4 6 7", "benchmarks/mfu.py --only 4: not a packed configuration"),
     ("--layout tensor=1", "--layuot tensor=1", "gspo-megatron: error: unrecognized arguments: --layuot"),
-    ("compute.recompute=none", "compute.recompte=none", "unknown key 'compute.recompte'"),
+    ("--layout tensor=1 ", "--layout tensr=1 ", "--layout 'tensr=1': expected fields such as tensor=4"),
     ("examples/qwen3_235b_a22b.yaml", "examples/qwen3_235b.yaml", "'examples/qwen3_235b.yaml' does not exist"),
     ("row 2 mfu 120 ", "row 2 mfu 400 ", "the budgets add up to"),
 ])
