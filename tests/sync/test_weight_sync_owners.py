@@ -6,7 +6,8 @@ TP2 x EP2. Rank 0 sends only what it owns; the server verifies checksums; a weig
 server behind the trainer's back is caught by the next delta's checksum, and that server gets a
 full sync in the same call.
 
-One server for the module; one spawn of 4 ranks per layout.
+One server for the module; one spawn of 4 ranks per layout, which runs both transports in turn
+(the spawn, the actor's build and the checkpoint conversion are shared).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from test_weight_sync_sglang import _gspo_step
 
 pytestmark = pytest.mark.slow
 DELTAS = 20
+TRANSPORTS = ("tensor", "distributed")
 
 
 def _transport(name, pool):
@@ -30,7 +32,10 @@ def _transport(name, pool):
     return TensorTransport(pool) if name == "tensor" else DistributedTransport(pool)
 
 
-def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt, transport):
+def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt):
+    """Each transport in turn on the same 4 ranks and server: a full sync, then DELTAS delta syncs
+    each after a GSPO step; a new WeightSync per transport starts with a full sync whatever the
+    server holds, so the second transport's run is the first's on weights that moved on."""
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
@@ -45,28 +50,31 @@ def _body(rank, world, ckpt, url, layout_kw, scratch, hf_path, corrupt, transpor
                   optimizer=OptimizerSettings(lr=1e-5, clip_grad=0.0), loss=LossSettings(name="gspo"))
     actor.load_weights(ckpt)
     pool = ServerPool([url]) if rank == 0 else None
-    sync = WeightSync(actor.chunks, hf, _transport(transport, pool) if rank == 0 else None, pool,
-                      bucket_bytes=64_000)
-    reports = [sync.sync(version="full")]
-    for step in range(1, DELTAS + 1):
-        _gspo_step(actor, seed=step)
-        if step == 2 and corrupt and rank == 0:
-            # The server's embedding changes behind the trainer's back (its version label
-            # stays): the next delta's checksum must catch it and send that server everything.
-            from safetensors.torch import load_file
-            embed = load_file(glob.glob(f"{hf_path}/*.safetensors")[0])["model.embed_tokens.weight"]
-            c = pool.clients[0]
-            c.begin_weight_update()
-            c.update_weights_from_tensor([("model.embed_tokens.weight", embed + 1.0)], flush_cache=False)
-            c.end_weight_update()
-        reports.append(sync.sync(version=f"delta{step}"))
-    mine = hf_state_dict(actor.chunks, weight_map_for(hf))
-    if rank != 0:
-        return None
-    served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
-                                            f"{scratch}/served.safetensors")
-    differ = [n for n, t in mine.items() if not torch.equal(served[n], t.to(torch.bfloat16))]
-    return dict(reports=reports, differ=differ, n=len(mine), version=pool.clients[0].weight_version())
+    out = {}
+    for i, transport in enumerate(TRANSPORTS):
+        sync = WeightSync(actor.chunks, hf, _transport(transport, pool) if rank == 0 else None, pool,
+                          bucket_bytes=64_000)
+        reports = [sync.sync(version=f"{transport}-full")]
+        for step in range(1, DELTAS + 1):
+            _gspo_step(actor, seed=i * DELTAS + step)
+            if step == 2 and corrupt and rank == 0:
+                # The server's embedding changes behind the trainer's back (its version label
+                # stays): the next delta's checksum must catch it and send that server everything.
+                from safetensors.torch import load_file
+                embed = load_file(glob.glob(f"{hf_path}/*.safetensors")[0])["model.embed_tokens.weight"]
+                c = pool.clients[0]
+                c.begin_weight_update()
+                c.update_weights_from_tensor([("model.embed_tokens.weight", embed + 1.0)], flush_cache=False)
+                c.end_weight_update()
+            reports.append(sync.sync(version=f"{transport}-delta{step}"))
+        mine = hf_state_dict(actor.chunks, weight_map_for(hf))
+        if rank == 0:
+            served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
+                                                    f"{scratch}/served-{transport}.safetensors")
+            differ = [n for n, t in mine.items() if not torch.equal(served[n], t.to(torch.bfloat16))]
+            out[transport] = dict(reports=reports, differ=differ, n=len(mine),
+                                  version=pool.clients[0].weight_version())
+    return out if rank == 0 else None
 
 
 @contextlib.contextmanager
@@ -91,31 +99,32 @@ def bf16_moe_server():
         yield group
 
 
-@pytest.mark.parametrize("transport", ["tensor", "distributed"])
 @pytest.mark.parametrize("layout", [dict(pipeline=2, expert=2), dict(tensor=2, expert=2)],
                          ids=["pp2-ep2", "tp2-ep2"])
-def test_delta_syncs_bit_exact(layout, transport, bf16_moe_server, tmp_path):
+def test_delta_syncs_bit_exact(layout, bf16_moe_server, tmp_path):
     corrupt = layout.get("pipeline") == 2
     with _checkpoint_then_restore(bf16_moe_server, tmp_path) as (ckpt, url):
         results = run_distributed(_body, 4, (ckpt, url, layout, str(tmp_path),
-                                             str(tiny_model_dir("qwen3_moe", 0)), corrupt, transport),
-                                  timeout=900)
-    r = results[0]
-    full, deltas = r["reports"][0], r["reports"][1:]
-    changed = [d["changed_fraction"] for d in deltas]
-    print(f"{layout} {transport}: full sync {full['bytes'] / 1e6:.2f} MB from {full['senders']:.0f} senders "
-          f"(rank 0 {full['rank0_bytes'] / 1e6:.2f} MB); deltas {min(d['bytes'] for d in deltas) / 1e6:.3f}-"
-          f"{max(d['bytes'] for d in deltas) / 1e6:.3f} MB, changed {min(changed):.3f}-{max(changed):.3f}")
-    assert r["differ"] == [], f"served tensors differ from the trainer's: {r['differ'][:5]}"
-    assert r["version"] == f"delta{DELTAS}"
-    repaired = [i for i, d in enumerate(deltas, start=1) if d["full_syncs"]]
-    assert full["full_syncs"] == 1 and repaired == ([2] if corrupt else [])
-    if corrupt:
-        assert deltas[1]["checksum_mismatches"] >= 1 and deltas[1]["attempts"] == 2
-    assert sum(d["checksum_mismatches"] for d in r["reports"]) == (deltas[1]["checksum_mismatches"] if corrupt else 0)
-    assert full["senders"] >= 2 and full["rank0_bytes"] < full["bytes"] and full["changed_fraction"] == 1.0
-    assert all(0 < d["bytes"] < full["bytes"] / 2 for i, d in enumerate(deltas, start=1) if i not in repaired)
-    assert 0 < min(changed) and max(changed) < 0.5
+                                             str(tiny_model_dir("qwen3_moe", 0)), corrupt),
+                                  timeout=1500)
+    assert sorted(results[0]) == sorted(TRANSPORTS)
+    for transport, r in results[0].items():
+        full, deltas = r["reports"][0], r["reports"][1:]
+        changed = [d["changed_fraction"] for d in deltas]
+        print(f"{layout} {transport}: full sync {full['bytes'] / 1e6:.2f} MB from {full['senders']:.0f} senders "
+              f"(rank 0 {full['rank0_bytes'] / 1e6:.2f} MB); deltas {min(d['bytes'] for d in deltas) / 1e6:.3f}-"
+              f"{max(d['bytes'] for d in deltas) / 1e6:.3f} MB, changed {min(changed):.3f}-{max(changed):.3f}")
+        assert r["differ"] == [], f"{transport}: served tensors differ from the trainer's: {r['differ'][:5]}"
+        assert r["version"] == f"{transport}-delta{DELTAS}"
+        repaired = [i for i, d in enumerate(deltas, start=1) if d["full_syncs"]]
+        assert full["full_syncs"] == 1 and repaired == ([2] if corrupt else []), transport
+        if corrupt:
+            assert deltas[1]["checksum_mismatches"] >= 1 and deltas[1]["attempts"] == 2, transport
+        assert sum(d["checksum_mismatches"] for d in r["reports"]) == \
+            (deltas[1]["checksum_mismatches"] if corrupt else 0), transport
+        assert full["senders"] >= 2 and full["rank0_bytes"] < full["bytes"] and full["changed_fraction"] == 1.0
+        assert all(0 < d["bytes"] < full["bytes"] / 2 for i, d in enumerate(deltas, start=1) if i not in repaired)
+        assert 0 < min(changed) and max(changed) < 0.5, (transport, changed)
 
 
 def _sender_killed(rank, world, ckpt, url, scratch, transport):
