@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, run as a script
+from tools.task_files import write_task_files  # noqa: E402
 
 STARTS, STEPS = range(20, 89), range(2, 10)
 
@@ -62,16 +65,7 @@ def make_counting_task(out_dir: str | Path, held_out_share: float = 0.1, seed: i
         for a in starts:
             (evaluation if held_out(a, k, held_out_share) else train).append(row(a, k))
     random.Random(seed).shuffle(train)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, rows in (("train", train), ("eval", evaluation)):
-        path = out / f"{name}.jsonl"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)  # whole or not at all
-        paths[name] = path
-    return paths
+    return write_task_files(out_dir, {"train": train, "eval": evaluation})
 
 
 def main(argv: list[str] | None = None) -> None:

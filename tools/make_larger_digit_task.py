@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, run as a script
+from tools.task_files import write_task_files  # noqa: E402
 
 TRAIN_PHRASINGS = ("Which is larger: {a} or {b}?", "Which is bigger: {a} or {b}?",
                    "Of {a} and {b}, which is bigger?", "Pick the larger of {a} and {b}.")
@@ -41,16 +44,7 @@ def make_larger_digit_task(out_dir: str | Path) -> dict[str, Path]:
              for k, text in enumerate(TRAIN_PHRASINGS) for a, b in pairs]
     held_out = [{"prompt": text.format(a=a, b=b), "answer": str(max(a, b)), "data_source": source}
                 for source, text in EVAL_PHRASINGS.items() for a, b in pairs]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name, rows in (("larger_digit_rl", train), ("larger_digit_rl_eval", held_out)):
-        path = out / f"{name}.jsonl"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)  # whole or not at all
-        paths[name] = path
-    return paths
+    return write_task_files(out_dir, {"larger_digit_rl": train, "larger_digit_rl_eval": held_out})
 
 
 def main(argv: list[str] | None = None) -> None:
