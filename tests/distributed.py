@@ -80,6 +80,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
     died: dict[int, int] = {}  # rank -> exit code, for a rank that ended without a result
     failed: dict[int, str] = {}  # rank -> traceback, for a rank that failed after a death
     deadline = time.monotonic() + timeout
+    given_up = False  # the ranks still running wait on a dead one: killed without a grace period
     try:
         while len(out) + len(died) + len(failed) < world_size:
             try:
@@ -90,6 +91,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
                     died[r] = code  # killed (SIGKILL: -9), or crashed
                     deadline = min(deadline, time.monotonic() + after_death)
                 if died and time.monotonic() > deadline:
+                    given_up = True
                     break  # the others wait on the dead rank (gloo has no timeout here)
                 if not died and time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(out) - set(died))
@@ -114,7 +116,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), *
             raise RankDied(died, out, failed)
     finally:
         for p in procs:
-            p.join(timeout=10)
+            p.join(timeout=0 if given_up else 10)
             if p.is_alive():
                 p.kill()
                 p.join()
