@@ -24,8 +24,10 @@ SETUP019=$!
 trap 'kill "$SETUP019" 2>/dev/null || true; wait "$SETUP019" 2>/dev/null || true; rm -f "$SETUP019_LOG"' EXIT
 # Two workers, whole files each (pytest-xdist --dist loadfile: a module's shared servers and models
 # stay one worker's): much of a test's time is waiting on servers and subprocesses, so the second
-# core was idle half the time with one.
-"$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadfile
+# core was idle half the time with one. The files go out heaviest first (tests/conftest.py orders
+# them; --no-loadscope-reorder keeps that order instead of xdist's, most tests first), so that the
+# run does not end on one worker with a 100 s test while the other idles.
+"$ROOT/.venv/bin/python" -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 # The second end of the range: the modules whose code builds or loads megatron-core objects (model
 # specs, the actor, conversion, checkpoints, layouts, the CPU adaptations), their fast tests and
 # the multi-rank ones marked mcore019. The rest (rollouts, rewards, config, launch, metrics) runs
@@ -53,4 +55,4 @@ if ! wait "$SETUP019"; then
   exit 1
 fi
 grep -v '^$' "$SETUP019_LOG" >&2 || true
-"$ROOT/.venv-mcore019/bin/python" -m pytest -p no:cacheprovider -n 2 --dist loadfile -m "not slow or mcore019" "${MCORE_TESTS[@]}"
+"$ROOT/.venv-mcore019/bin/python" -m pytest -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder -m "not slow or mcore019" "${MCORE_TESTS[@]}"

@@ -17,3 +17,16 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 # Session-scoped real SGLang servers shared by every rollout test module (one instance each).
 from fixtures_servers import moe_server, qwen3_server  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with the most slow tests (servers, rank groups: 30-110 s each) run first, each file's
+    tests in their own order. scripts/test.sh hands whole files to two workers in this order
+    (`--dist loadfile --no-loadscope-reorder`): xdist's default order, most tests first, put the
+    files of one or two 100 s tests last, where one worker ran them alone while the other idled."""
+    slow = {}
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: (-slow[item.path], first[item.path]))
