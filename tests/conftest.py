@@ -1,3 +1,4 @@
+import collections
 import os
 import sys
 from pathlib import Path
@@ -23,10 +24,7 @@ def pytest_collection_modifyitems(config, items):
     """Files with the most slow tests (servers, rank groups: 30-110 s each) run first, each file's
     tests in their own order. scripts/test.sh hands whole files to two workers in this order
     (`--dist loadfile --no-loadscope-reorder`): xdist's default order, most tests first, put the
-    files of one or two 100 s tests last, where one worker ran them alone while the other idled."""
-    slow = {}
-    first = {}
-    for i, item in enumerate(items):
-        first.setdefault(item.path, i)
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: (-slow[item.path], first[item.path]))
+    files of one or two 100 s tests last, where one worker ran them alone while the other idled.
+    The sort is stable: files with as many slow tests, and each file's tests, keep their order."""
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
