@@ -2,7 +2,7 @@
 
     gspo-megatron train examples/tiny_moe_larger_digit.yaml [--set a.b=c ...]
     torchrun --nproc-per-node 2 $(which gspo-megatron) train CONFIG --set parallel.tensor=2
-    gspo-megatron config                      # every config field with its docstring and default
+    gspo-megatron config [CONFIG] [--plugin M]  # every config field, its docstring, default and choices
     gspo-megatron plan CONFIG --gpus 64 --model Qwen3-235B-A22B   # layouts that fit (planner/)
     gspo-megatron migrate --from roll|verl|slime FILE > run.yaml   # a peer's config in ours (config/peers/)
 
@@ -33,7 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="YAML run config (see `gspo-megatron config`)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field, e.g. --set parallel.tensor=2 (repeatable)")
-    sub.add_parser("config", help="print every config field with its default and docstring")
+    c = sub.add_parser("config", help="print every config field with its default and docstring, and each "
+                       "table's rows (a run config's plug-ins, or --plugin's, included)")
+    c.add_argument("config", nargs="?", help="a run config whose `plugins:` to import first")
+    c.add_argument("--plugin", dest="plugins", action="append", default=[], metavar="MODULE",
+                   help="a plug-in module to import first (repeatable)")
     m = sub.add_parser("migrate", help="a ROLL, verl or slime config in this project's YAML (stdout); what "
                        "was carried or not, and why, on stderr")
     m.add_argument("--from", dest="peer", required=True, choices=("roll", "verl", "slime"),
@@ -63,10 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     from gspo_megatron.config import describe_fields, load_config
     from gspo_errors import GspoError
     from gspo_megatron.run.expected_warnings import quiet_expected_warnings
-    if args.command == "config":
-        print(describe_fields())
-        return 0
     try:
+        if args.command == "config":
+            from gspo_megatron.config.parsing import read_yaml_mapping
+            from gspo_tables import import_plugins
+            plugins = list(read_yaml_mapping(args.config).get("plugins") or []) if args.config else []
+            import_plugins(plugins + args.plugins, "--plugin" if not plugins else "plugins")
+            print(describe_fields())
+            return 0
         if args.command == "migrate":
             from gspo_megatron.config.peers import migrate
             migration = migrate(args.peer, args.file, args.overrides)

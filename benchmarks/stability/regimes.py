@@ -103,7 +103,7 @@ def arm_sets(arm: str, *, mean_length: float, max_new_tokens: int) -> list[str]:
         if s == "{seqclip}":
             out += seqclip_sets(mean_length)
         elif s == "{budget}":
-            out.append(f"loss.token_sum_norm={max_new_tokens}")  # Dr. GRPO's constant: the generation budget
+            out.append(f"loss.aggregation_args.token_sum_norm={max_new_tokens}")  # Dr. GRPO's constant: the generation budget
         else:
             out.append(s)
     return out

@@ -15,7 +15,7 @@ from typing import Any
 _EXPORTS = {
     "group_advantages": "advantages", "turn_advantages": "advantages", "gspo_loss": "gspo", "gspo_token_loss": "gspo", "grpo_loss": "grpo",
     "kl_penalty": "kl", "token_kl": "kl", "combine_metrics": "loss_metrics",
-    "finalize_metrics": "loss_metrics", "LOG_RATIO_CLAMP": "rows", "KL_ESTIMATORS": "registry",
+    "finalize_metrics": "loss_metrics", "LOG_RATIO_CLAMP": "rows", "KL_ESTIMATORS": "terms", "AGGREGATIONS": "terms",
     "METRIC_REDUCTIONS": "registry", "LOSSES": "registry", "LossSettings": "registry",
 }
 
@@ -23,7 +23,7 @@ _EXPORTS = {
 def __getattr__(name: str) -> Any:
     if name == "LOSS_FUNCTIONS":  # the RL losses by config name
         from .registry import LOSSES
-        return {n: s.function() for n, s in LOSSES.items() if s.rl}
+        return {n: s.loss_function() for n, s in LOSSES.items() if s.rl}
     if name in _EXPORTS:
         return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
-"""GRPO baseline (Eqs. 2-3): token-level importance ratios, kept for comparison runs. The loss of
-the four aggregations (loss.loss_agg_mode: verl's and ROLL's agg_loss modes, rows.Rows.aggregate)."""
+"""GRPO baseline (Eqs. 2-3): token-level importance ratios, kept for comparison runs. It takes every
+aggregation (loss.loss_agg_mode, a row of terms.AGGREGATIONS: verl's and ROLL's agg_loss modes)."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +7,8 @@ import torch
 from .gspo import clipped_objective_loss
 from .kl import rows_kl
 from .registry import GRPO_CLIP
-from .rows import LOG_RATIO_CLAMP, SEQUENCE_MEAN, check_aggregation, finish_loss, prepare_rows
+from .rows import LOG_RATIO_CLAMP, check_aggregation, finish_loss, prepare_rows
+from .terms import SEQUENCE_MEAN, Aggregation
 
 
 def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -15,10 +16,11 @@ def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
               kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
               row_weights: torch.Tensor | None = None, dual_clip_c: float | None = None,
-              loss_agg_mode: str = SEQUENCE_MEAN, token_sum_norm: float | None = None,
+              loss_agg_mode: Aggregation | str = SEQUENCE_MEAN,
               cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: token terms `l_t = -min(w_t A, clip(w_t) A)`, `w_t = exp(l_{i,t})`, aggregated by
-    loss_agg_mode (default: per row `(1/L_i) sum_t l_t`, averaged over rows as in `gspo_loss`).
+    loss_agg_mode (an AGGREGATIONS row's name, or an Aggregation with its settings; default: per
+    row `(1/L_i) sum_t l_t`, averaged over rows as in `gspo_loss`).
 
     advantages: `[b]` (one per sequence, as GRPO defines them) or `[b, s]`. With reduction "mean"
     the rows' terms are averaged over rows (over trained tokens for token-mean); "sum" sums them.
@@ -26,7 +28,7 @@ def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     clipped; `seq_ratio_*` report the GSPO sequence ratio `exp(mean l)` of the same batch, for
     comparison. cp_group: as in `gspo_loss` (the token terms' row sums are reduced over it).
     """
-    check_aggregation("grpo", loss_agg_mode, token_sum_norm, dual_clip_c)
+    aggregation = check_aggregation("grpo", loss_agg_mode, dual_clip_c)
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row", "token"),
                              reduction, eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     if adv.dim() == 1:
@@ -41,4 +43,4 @@ def grpo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     return finish_loss(rows, per_token=per_token, row_weights=row_weights, reduction=reduction,
                        seq_ratio=seq_ratio, clipped_tokens=clipped, clipped_sequences=None,
                        kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef,
-                       loss_agg_mode=loss_agg_mode, token_sum_norm=token_sum_norm)
+                       loss_agg_mode=aggregation)

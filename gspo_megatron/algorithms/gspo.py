@@ -24,7 +24,8 @@ import torch
 
 from .kl import rows_kl
 from .registry import GSPO_CLIP
-from .rows import SEQUENCE_MEAN, check_aggregation, finish_loss, prepare_rows
+from .rows import check_aggregation, finish_loss, prepare_rows
+from .terms import SEQUENCE_MEAN, Aggregation
 
 
 def clip_decision(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
@@ -52,7 +53,7 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
               reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
               kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
               row_weights: torch.Tensor | None = None, dual_clip_c: float | None = None,
-              loss_agg_mode: str = SEQUENCE_MEAN, cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              loss_agg_mode: Aggregation | str = SEQUENCE_MEAN, cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO loss `-J` (Eq. 5) with the sequence ratio `s_i` of Eq. 7.
 
     log_probs, old_log_probs, loss_mask: `[b, s]` (old/ref are treated as constants); advantages:
@@ -66,7 +67,7 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     group the rows' positions are split over; the per-row sums are reduced over it before the exp
     (rows.py).
     """
-    check_aggregation("gspo", loss_agg_mode, None, dual_clip_c)
+    check_aggregation("gspo", loss_agg_mode, dual_clip_c)
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row",), reduction,
                              eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
@@ -84,7 +85,7 @@ def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
                     reduction: str = "mean", ref_log_probs: torch.Tensor | None = None,
                     kl_coef: float = 0.0, kl_estimator: str = "k3", token_weights: torch.Tensor | None = None,
                     row_weights: torch.Tensor | None = None, dual_clip_c: float | None = None,
-                    loss_agg_mode: str = SEQUENCE_MEAN,
+                    loss_agg_mode: Aggregation | str = SEQUENCE_MEAN,
                     cp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO-token (Eqs. 13-14): per-token advantages `[b, s]`, otherwise as `gspo_loss`
     (token_weights multiply the token terms, row_weights the rows'; dual_clip_c, cp_group as there).
@@ -94,7 +95,7 @@ def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
     when A_{i,t} = A_i. Clipping is decided per token (the sign of A_{i,t} may vary along a row), so
     `clip_fraction` here is the fraction of trainable tokens clipped.
     """
-    check_aggregation("gspo_token", loss_agg_mode, None, dual_clip_c)
+    check_aggregation("gspo_token", loss_agg_mode, dual_clip_c)
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("token",), reduction,
                              eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]

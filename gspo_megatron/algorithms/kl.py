@@ -4,33 +4,40 @@ from __future__ import annotations
 
 import torch
 
-from .registry import KL_ESTIMATORS
 from .rows import LOG_RATIO_CLAMP, Rows
+from .terms import KL_ESTIMATORS
 
 # low_var_kl's bound (verl kl_penalty_forward, slime compute_approx_kl, ROLL compute_approx_kl).
 LOW_VAR_KL_BOUND = 10.0
 
 
-def token_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman, "Approximating
-    KL divergence", 2020), with d = log pi_theta - log pi_ref:
+# The estimators of the KL_ESTIMATORS table (terms.py), in d = log pi_theta - log pi_ref.
+def k1(d: torch.Tensor) -> torch.Tensor:
+    return d
 
-    k1 = d (unbiased, can be negative); k2 = d^2 / 2; k3 = exp(-d) + d - 1 (unbiased, >= 0, lower
-    variance; -d clamped to +-20 before the exp); low_var_kl = k3 clamped to [-10, 10] (the peers'
-    clamped form: its gradient is 0 beyond); abs = |d|.
-    """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    log_ratio = log_probs - ref_log_probs.detach()
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    if estimator == "abs":
-        return log_ratio.abs()
-    r = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    k3 = torch.expm1(r) - r
-    return k3.clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND) if estimator == "low_var_kl" else k3
+
+def k2(d: torch.Tensor) -> torch.Tensor:
+    return 0.5 * d.square()
+
+
+def k3(d: torch.Tensor) -> torch.Tensor:
+    r = (-d).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # exp of at most e^20: finite in fp32/bf16
+    return torch.expm1(r) - r
+
+
+def low_var_kl(d: torch.Tensor) -> torch.Tensor:
+    return k3(d).clamp(-LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
+
+
+def abs_kl(d: torch.Tensor) -> torch.Tensor:
+    return d.abs()
+
+
+def token_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta: the row `estimator` of
+    KL_ESTIMATORS (terms.py; Schulman, "Approximating KL divergence", 2020) at d = log pi_theta -
+    log pi_ref (the reference a constant)."""
+    return KL_ESTIMATORS.row(estimator, "kl_estimator").estimate()(log_probs - ref_log_probs.detach())
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, loss_mask: torch.Tensor,

@@ -1,39 +1,28 @@
 """The one table of policy losses: names, the paper's clip ranges, advantage shapes, metric keys.
 
     spec = LOSSES["gspo"]            # LossSpec
-    loss, metrics = spec.function()(log_probs, old_log_probs, advantages, loss_mask, ...)
+    loss, metrics = spec.loss_function()(log_probs, old_log_probs, advantages, loss_mask, ...)
     settings = LossSettings(name="grpo")   # clip_range() -> the paper's (0.2, 0.27)
 
 The run config (gspo_megatron/config/schema.py), the actor (actor/steps.py) and the package's exports
-read this table; nothing else writes a loss name, a default clip range or a metric key. The module
-imports no torch (the config is validated before torch is imported), so the functions are named
-here and imported on first use.
+read this table; nothing else writes a loss name, a default clip range or a metric key. A loss from
+outside the package is a LossSpec in an installed module: `loss.name: my_pkg.losses:CISPO`, or
+registered by a `plugins:` module (docs/extending.md). The module imports no torch (the config is
+validated before torch is imported), so the functions are named here and imported on first use.
 """
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Callable, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gspo_tables import SETTINGS_OF, TABLE, Table, load_object, row_settings
+
+from .terms import AGGREGATIONS, KL_ESTIMATORS, SEQUENCE_MEAN, Aggregation
 
 # The paper's clip ranges (arXiv 2507.18071 §5.1): GSPO 3e-4 / 4e-4; the GRPO baseline 0.2 / 0.27.
 GSPO_CLIP = (3e-4, 4e-4)
 GRPO_CLIP = (0.2, 0.27)
-
-# Schulman's estimators of KL(pi || pi_ref) per token (kl.py): k1, k2, k3; low_var_kl is k3 clamped to
-# [-10, 10] (verl's k3 and low_var_kl, slime's low_var_kl); abs is |k1| (verl, ROLL).
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs")
-KLEstimatorName = Literal[KL_ESTIMATORS]  # type: ignore[valid-type]
-
-# How a loss's per-token (or per-row) terms become one number, verl's and ROLL's agg_loss modes
-# (rows.py, docs/algorithm.md "Loss aggregation"); N = rows with a trained token in the global batch,
-# T = trained tokens of the global batch, C = loss.token_sum_norm:
-#   seq-mean-token-mean      (1/N) sum_i (1/L_i) sum_t l_it
-#   seq-mean-token-sum       (1/N) sum_i sum_t l_it
-#   seq-mean-token-sum-norm  (1/N) sum_i sum_t l_it / C          (Dr. GRPO)
-#   token-mean               (1/T) sum_i sum_t l_it
-AGGREGATIONS = ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean")
-AggregationName = Literal[AGGREGATIONS]  # type: ignore[valid-type]
-SEQUENCE_MEAN = AGGREGATIONS[0]
 
 # How each loss metric combines over micro-batches and ranks (loss_metrics.py explains the keys).
 METRIC_REDUCTIONS: dict[str, str] = {
@@ -55,8 +44,10 @@ class LossSpec:
     """One policy loss: what the config, the actor and the metrics need to know about it."""
 
     name: str
-    function_path: str | None
-    """`module:function` under gspo_megatron.algorithms; None for "ce" (the actor computes it)."""
+    function: str | Callable[..., Any] | None
+    """`package.module:function` (or the function itself); None for "ce" (the actor computes it).
+    Called per micro-batch as fn(log_probs, old_log_probs, advantages, loss_mask, *, reduction,
+    loss_agg_mode, ...) (gspo.py's gspo_loss is the model)."""
     clip: tuple[float, float] | None
     """The paper's (eps_low, eps_high) for this loss; None: the loss does not clip (its function
     then takes no eps_low / eps_high)."""
@@ -71,20 +62,33 @@ class LossSpec:
     also_token_advantages: bool = False
     """A "sequence" row whose function takes per-token advantages `[b, s]` as well (grpo): the
     per-token estimators and per-turn credit may feed it."""
-    aggregations: tuple[str, ...] = (SEQUENCE_MEAN,)
-    """The AGGREGATIONS its function computes (`loss_agg_mode`); a row that takes only the default
-    is called without the argument. GSPO's sequence ratio fixes its own (Eq. 5: a mean over
-    sequences of one term each), so gspo and gspo_token list only seq-mean-token-mean."""
+    aggregations: tuple[str, ...] | None = (SEQUENCE_MEAN,)
+    """The rows of AGGREGATIONS (`loss_agg_mode`) its function computes; None: every row, a
+    plug-in's included. GSPO's sequence ratio fixes its own (Eq. 5: a mean over sequences of one
+    term each), so gspo and gspo_token list only seq-mean-token-mean."""
+    settings: type | None = None
+    """Its own settings (a dataclass), from loss.loss_args: passed to its function as keyword
+    arguments. None: it takes none."""
+    peers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """The peers' names for it ({"verl": ("vanilla",)}; migrate reads them)."""
 
     @property
     def takes_token_advantages(self) -> bool:
         return self.advantages == "token" or self.also_token_advantages
 
-    def function(self) -> Callable | None:
-        if self.function_path is None:
-            return None
-        module, name = self.function_path.split(":")
-        return getattr(importlib.import_module(f"gspo_megatron.algorithms.{module}"), name)
+    def takes_aggregation(self, name: str) -> bool:
+        return name in AGGREGATIONS and (self.aggregations is None or name in self.aggregations)
+
+    def aggregation_names(self) -> tuple[str, ...]:
+        return tuple(AGGREGATIONS) if self.aggregations is None else self.aggregations
+
+    def loss_function(self) -> Callable[..., Any] | None:
+        if self.function is None or callable(self.function):
+            return self.function
+        fn = load_object(self.function, f"the {self.name} loss's function")
+        if not callable(fn):
+            raise TypeError(f"the {self.name} loss's function {self.function} is not callable")
+        return fn
 
     def reported_keys(self, with_kl: bool) -> dict[str, str]:
         """{metric key: reduction op} this loss reports per micro-batch."""
@@ -92,30 +96,35 @@ class LossSpec:
         return {k: METRIC_REDUCTIONS[k] for k in keys}
 
 
-LOSSES: dict[str, LossSpec] = {s.name: s for s in (
-    LossSpec("gspo", "gspo:gspo_loss", GSPO_CLIP, "sequence",
+LOSSES: Table[LossSpec] = Table("loss", LossSpec, (
+    LossSpec("gspo", "gspo_megatron.algorithms.gspo:gspo_loss", GSPO_CLIP, "sequence",
              _RATIO_KEYS + ("clipped_sequences",),
-             "sequence-level ratio s_i = exp(mean log-ratio), clipped per sequence (Eqs. 5-7)"),
-    LossSpec("gspo_token", "gspo:gspo_token_loss", GSPO_CLIP, "token", _RATIO_KEYS,
+             "sequence-level ratio s_i = exp(mean log-ratio), clipped per sequence (Eqs. 5-7)",
+             peers={"verl": ("gspo",), "roll": ("seq",), "slime": ("gspo",)}),
+    LossSpec("gspo_token", "gspo_megatron.algorithms.gspo:gspo_token_loss", GSPO_CLIP, "token", _RATIO_KEYS,
              "GSPO-token: s_i per token with per-token advantages (Eqs. 13-14)"),
-    LossSpec("grpo", "grpo:grpo_loss", GRPO_CLIP, "sequence", _RATIO_KEYS,
+    LossSpec("grpo", "gspo_megatron.algorithms.grpo:grpo_loss", GRPO_CLIP, "sequence", _RATIO_KEYS,
              "GRPO baseline: token-level ratios (Eqs. 2-3)", also_token_advantages=True,
-             aggregations=AGGREGATIONS),
+             aggregations=None, peers={"verl": ("vanilla",), "roll": ("token",), "slime": ("grpo",)}),
     LossSpec("ce", None, None, "sequence", ("num_sequences", "num_tokens"),
              "next-token cross-entropy over trained tokens (warm start, cost comparisons)", rl=False),
-)}
-RL_LOSSES = tuple(n for n, s in LOSSES.items() if s.rl)
-# A Literal of the names, so the config parser names them in its errors.
-RLLossName = Literal[RL_LOSSES]  # type: ignore[valid-type]
+), field="loss.name")
+
+
+def rl_losses() -> dict[str, str]:
+    """{name: description} of the losses the run config may select (every row but "ce")."""
+    return {name: row.description for name, row in LOSSES.items() if row.rl}
 
 
 @dataclass
 class LossSettings:
     """Which loss the train step applies on the last pipeline stage, and its parameters."""
 
-    name: str = "gspo"
-    """A name of the LOSSES table: gspo (sequence ratio, Eqs. 5-7), gspo_token (Eqs. 13-14), grpo
-    (token ratio), ..., or ce (plain next-token cross-entropy over trained tokens)."""
+    name: str = field(default="gspo", metadata={TABLE: lambda: LOSSES})
+    """A row of LOSSES (gspo_megatron/algorithms/registry.py), or package.module:Name of a LossSpec
+    of your own: gspo (sequence ratio, Eqs. 5-7), gspo_token (Eqs. 13-14), grpo (token ratio), ..."""
+    loss_args: dict[str, Any] = field(default_factory=dict, metadata={SETTINGS_OF: "name"})
+    """The loss's own settings, for a loss that declares some (its LossSpec.settings); {} otherwise."""
     eps_low: float | None = None
     """Lower clip range; null = the paper's value for the loss (gspo 3e-4, grpo 0.2)."""
     eps_high: float | None = None
@@ -123,19 +132,17 @@ class LossSettings:
     kl_coef: float = 0.0
     """Weight of a KL penalty against the reference policy (the policy RL starts from, after any
     warm start; saved in checkpoint.dir/reference); 0 = off (the GSPO paper omits it)."""
-    kl_estimator: KLEstimatorName = "k3"
-    """KL estimator of the loss term when kl_coef > 0 (algorithms/kl.py): k1, k2, k3, low_var_kl (k3
-    clamped to [-10, 10]: verl's k3 and low_var_kl, ROLL's k3), abs."""
-    loss_agg_mode: AggregationName = SEQUENCE_MEAN
-    """How the per-token terms (and the KL term) become the loss, verl's and ROLL's modes:
-    seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO: the token sums over a
-    constant, token_sum_norm), token-mean (over the trained tokens of the global batch). A loss
-    takes the modes its LOSSES row lists: gspo and gspo_token only seq-mean-token-mean (the sequence
-    ratio fixes it, Eq. 5), grpo all four (docs/algorithm.md "Loss aggregation")."""
-    token_sum_norm: float | None = None
-    """The constant C of seq-mean-token-sum-norm (each sequence's token sum is divided by it): Dr.
-    GRPO's and verl's loss_scale_factor, usually the generation budget (rollout.max_new_tokens);
-    required with that mode, null otherwise."""
+    kl_estimator: str = field(default="k3", metadata={TABLE: lambda: KL_ESTIMATORS})
+    """KL estimator of the loss term when kl_coef > 0, a row of KL_ESTIMATORS
+    (gspo_megatron/algorithms/terms.py)."""
+    loss_agg_mode: str = field(default=SEQUENCE_MEAN, metadata={TABLE: lambda: AGGREGATIONS})
+    """How the per-token terms (and the KL term) become the loss, a row of AGGREGATIONS
+    (gspo_megatron/algorithms/terms.py; verl's and ROLL's agg_loss modes). A loss takes the rows its
+    LOSSES row lists: gspo and gspo_token only seq-mean-token-mean (the sequence ratio fixes it,
+    Eq. 5), grpo every one (docs/algorithm.md "Loss aggregation")."""
+    aggregation_args: dict[str, Any] = field(default_factory=dict, metadata={SETTINGS_OF: "loss_agg_mode"})
+    """The aggregation's own settings: seq-mean-token-sum-norm's {token_sum_norm: C} (Dr. GRPO's and
+    verl's loss_scale_factor, usually rollout.max_new_tokens); {} for the others."""
     dual_clip_c: float | None = None
     """Dual clip for negative advantages (Ye et al. 2020; verl clip_ratio_c, slime eps_clip_c, ROLL's
     dual_clip_loss with c = 1 + 2 pg_clip): where A < 0 and the ratio (the sequence ratio s_i for
@@ -156,21 +163,20 @@ class LossSettings:
 
     def __post_init__(self) -> None:
         # Errors read "field=value: expected ..." so that the config can prefix its section.
-        if self.name not in LOSSES:
-            raise ValueError(f"name={self.name!r}: expected one of {sorted(LOSSES)}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator={self.kl_estimator!r}: expected one of {KL_ESTIMATORS}")
+        LOSSES.row(self.name, "name")
+        KL_ESTIMATORS.row(self.kl_estimator, "kl_estimator")
+        self.loss_settings = row_settings(self.spec, self.loss_args, "loss_args")
         if not self.kl_coef >= 0:
             raise ValueError(f"kl_coef={self.kl_coef!r}: expected >= 0")
         if self.kl_coef > 0 and not self.spec.rl:
             raise ValueError(f"kl_coef={self.kl_coef!r}: expected 0 with the {self.name} loss "
                              "(it takes no KL penalty)")
-        for field in ("tis_cap", "seq_is_cap", "mis_cap"):
-            cap = getattr(self, field)
+        for name in ("tis_cap", "seq_is_cap", "mis_cap"):
+            cap = getattr(self, name)
             if cap is not None and not cap >= 1.0:
-                raise ValueError(f"{field}={cap!r}: expected >= 1 (or null for off)")
+                raise ValueError(f"{name}={cap!r}: expected >= 1 (or null for off)")
             if cap is not None and not self.spec.rl:
-                raise ValueError(f"{field}={cap!r}: expected null with the {self.name} loss")
+                raise ValueError(f"{name}={cap!r}: expected null with the {self.name} loss")
         if self.mis_level not in ("token", "sequence"):
             raise ValueError(f"mis_level={self.mis_level!r}: expected 'token' or 'sequence'")
         self._check_aggregation()
@@ -181,19 +187,13 @@ class LossSettings:
             raise ValueError(f"eps_high={hi!r}: expected >= 0")
 
     def _check_aggregation(self) -> None:
-        if self.loss_agg_mode not in self.spec.aggregations:
+        if not self.spec.takes_aggregation(self.loss_agg_mode):
+            AGGREGATIONS.row(self.loss_agg_mode, "loss_agg_mode")  # an unknown name is named first
             why = (" (GSPO's sequence ratio fixes its own: one term per sequence, Eq. 5)"
                    if self.name.startswith("gspo") else "")
             raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}: expected "
-                             f"{' or '.join(self.spec.aggregations)} with the {self.name} loss{why}")
-        norm = self.loss_agg_mode == "seq-mean-token-sum-norm"
-        if norm and not (self.token_sum_norm is not None and self.token_sum_norm > 0):
-            raise ValueError(f"token_sum_norm={self.token_sum_norm!r}: expected > 0 with loss_agg_mode="
-                             "seq-mean-token-sum-norm (the constant each token sum is divided by, "
-                             "e.g. rollout.max_new_tokens)")
-        if not norm and self.token_sum_norm is not None:
-            raise ValueError(f"token_sum_norm={self.token_sum_norm!r}: expected null unless "
-                             "loss_agg_mode=seq-mean-token-sum-norm")
+                             f"{' or '.join(self.spec.aggregation_names())} with the {self.name} loss{why}")
+        self.aggregation = Aggregation.of(self.loss_agg_mode, self.aggregation_args, "aggregation_args")
         if self.dual_clip_c is not None and not (self.dual_clip_c > 1 and self.spec.clip is not None):
             raise ValueError(f"dual_clip_c={self.dual_clip_c!r}: expected > 1 (or null for off), with a "
                              f"loss that clips (the {self.name} loss "
@@ -201,12 +201,12 @@ class LossSettings:
 
     @property
     def spec(self) -> LossSpec:
-        return LOSSES[self.name]
+        return LOSSES.row(self.name, "name")
 
     @property
     def counts_tokens(self) -> bool:
         """The loss is a mean over trained tokens (token-mean), not over sequences."""
-        return self.loss_agg_mode == "token-mean"
+        return self.aggregation.spec.divides_by == "tokens"
 
     def clip_range(self) -> tuple[float, float]:
         """(eps_low, eps_high): the configured values, else the paper's for this loss."""
@@ -214,20 +214,21 @@ class LossSettings:
         return (lo if self.eps_low is None else self.eps_low,
                 hi if self.eps_high is None else self.eps_high)
 
-    def function_kwargs(self) -> dict[str, float | str]:
-        """Keyword arguments of the loss function: clip range (a loss that clips), and the KL term
-        when it is on."""
-        out: dict[str, float | str] = {}
+    def function_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the loss function: clip range (a loss that clips), the KL term when
+        it is on, the aggregation (with its settings) unless it is the default, the loss's own
+        settings."""
+        out: dict[str, Any] = {}
         if self.spec.clip is not None:
             out["eps_low"], out["eps_high"] = self.clip_range()
         if self.kl_coef > 0:
             out.update(kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
-        if self.loss_agg_mode != SEQUENCE_MEAN:  # a row with only the default never sees it
-            out["loss_agg_mode"] = self.loss_agg_mode
-        if self.token_sum_norm is not None:
-            out["token_sum_norm"] = self.token_sum_norm
+        if self.aggregation.name != SEQUENCE_MEAN:  # a row with only the default never sees it
+            out["loss_agg_mode"] = self.aggregation
         if self.dual_clip_c is not None:
             out["dual_clip_c"] = self.dual_clip_c
+        if self.loss_settings is not None:
+            out.update(vars(self.loss_settings))
         return out
 
     @property
@@ -250,7 +251,6 @@ class LossSettings:
                        if k != "mis_level" and v is not None)
         if self.dual_clip_c is not None:
             clip += f" dual_clip_c={self.dual_clip_c:g}"
-        agg = "" if self.loss_agg_mode == SEQUENCE_MEAN else f" {self.loss_agg_mode}"
-        if self.token_sum_norm is not None:
-            agg += f" (C={self.token_sum_norm:g})"
-        return f"loss={self.name}{agg} {clip} {kl}{caps}"
+        agg = "" if self.aggregation.name == SEQUENCE_MEAN else f" {self.aggregation.describe()}"
+        own = "" if self.loss_settings is None else f" {self.loss_settings}"
+        return f"loss={self.name}{own}{agg} {clip} {kl}{caps}"

@@ -1,5 +1,5 @@
-"""What the three losses share: input checks, masking, per-sequence (row) means, the aggregation
-(loss.loss_agg_mode, registry.AGGREGATIONS) and the reduction.
+"""What the losses share: input checks, masking, per-sequence (row) means, the aggregation
+(loss.loss_agg_mode: a row of terms.AGGREGATIONS, whose functions are here) and the reduction.
 
 Masked positions are replaced with `torch.where`, never multiplied by the mask: a NaN or inf in a
 padded position (a log-prob of a pad token, garbage after a packed segment) then changes neither
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .loss_metrics import finalize_metrics
 from .registry import LOSSES
+from .terms import SEQUENCE_MEAN, Aggregation
 
 # Log-ratios are clamped to [-20, 20] before exp: e^20 ~ 4.9e8 is finite in fp32/bf16, and no
 # ratio that is not clipped anyway lies near it (clip ranges are 3e-4 .. 0.27), so the clamp cannot
@@ -36,7 +37,6 @@ from .registry import LOSSES
 LOG_RATIO_CLAMP = 20.0
 
 REDUCTIONS = ("mean", "sum")
-SEQUENCE_MEAN = "seq-mean-token-mean"
 
 
 class _ContextSum(torch.autograd.Function):
@@ -85,14 +85,9 @@ class Rows:
         L_i = 0. The sum runs over the CP group (module docstring)."""
         return self.sum(x) / self.lengths.clamp(min=1)
 
-    def aggregate(self, per_token: torch.Tensor, mode: str, token_sum_norm: float | None) -> torch.Tensor:
-        """A row's share of the loss under `mode` (registry.AGGREGATIONS) -> [b]: the token mean
-        (seq-mean-token-mean), the token sum (seq-mean-token-sum, token-mean: finish_loss divides
-        by tokens instead of rows), or the token sum over C (seq-mean-token-sum-norm)."""
-        if mode == SEQUENCE_MEAN:
-            return self.mean(per_token)
-        total = self.sum(per_token)
-        return total / token_sum_norm if mode == "seq-mean-token-sum-norm" else total
+    def aggregate(self, per_token: torch.Tensor, aggregation: Aggregation) -> torch.Tensor:
+        """Each row's share of the loss under `aggregation` (its AGGREGATIONS row's function) -> [b]."""
+        return aggregation.spec.row_terms()(self, per_token, aggregation.settings)
 
     def weighted(self, per_row: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
         """per_row times each given `[b]` weight (constants; None = 1)."""
@@ -106,18 +101,29 @@ class Rows:
         return self.mean(self.log_probs - self.old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def check_aggregation(name: str, mode: str, token_sum_norm: float | None, dual_clip_c: float | None) -> None:
-    """A loss's aggregation options against its LOSSES row (registry.LossSettings says the same
-    to the config), errors naming the values."""
-    allowed = LOSSES[name].aggregations
-    if mode not in allowed:
-        raise ValueError(f"loss_agg_mode={mode!r}: the {name} loss takes {' or '.join(allowed)}")
-    if (mode == "seq-mean-token-sum-norm") != (token_sum_norm is not None) or \
-            (token_sum_norm is not None and not token_sum_norm > 0):
-        raise ValueError(f"token_sum_norm={token_sum_norm!r}: expected > 0 exactly with "
-                         f"seq-mean-token-sum-norm (loss_agg_mode={mode!r})")
+# The functions of the AGGREGATIONS rows (terms.py): fn(rows, per_token [b, s], settings) -> [b].
+def token_mean(rows: Rows, per_token: torch.Tensor, settings: object = None) -> torch.Tensor:
+    return rows.mean(per_token)
+
+
+def token_sum(rows: Rows, per_token: torch.Tensor, settings: object = None) -> torch.Tensor:
+    return rows.sum(per_token)
+
+
+def token_sum_over_constant(rows: Rows, per_token: torch.Tensor, settings) -> torch.Tensor:
+    return rows.sum(per_token) / settings.token_sum_norm
+
+
+def check_aggregation(name: str, mode: Aggregation | str, dual_clip_c: float | None) -> Aggregation:
+    """A loss's aggregation against its LOSSES row (registry.LossSettings says the same to the
+    config), errors naming the values; the aggregation with its settings."""
+    aggregation = Aggregation.of(mode)
+    if not LOSSES[name].takes_aggregation(aggregation.name):
+        raise ValueError(f"loss_agg_mode={aggregation.name!r}: the {name} loss takes "
+                         f"{' or '.join(LOSSES[name].aggregation_names())}")
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ValueError(f"dual_clip_c={dual_clip_c!r}: expected > 1")
+    return aggregation
 
 
 def prepare_rows(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask: torch.Tensor,
@@ -159,12 +165,12 @@ def prepare_rows(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask
 def finish_loss(rows: Rows, *, per_row: torch.Tensor | None = None, per_token: torch.Tensor | None = None,
                 row_weights: torch.Tensor | None = None, reduction: str, seq_ratio: torch.Tensor,
                 clipped_tokens: torch.Tensor, clipped_sequences: torch.Tensor | None,
-                kl: torch.Tensor | None, kl_coef: float, loss_agg_mode: str = SEQUENCE_MEAN,
-                token_sum_norm: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                kl: torch.Tensor | None, kl_coef: float,
+                loss_agg_mode: Aggregation | str = SEQUENCE_MEAN) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Aggregate the terms of -J (and the KL term), reduce over valid rows, build the metrics.
 
     per_token: `[b, s]` terms l_it (grpo, gspo_token), aggregated per row by `loss_agg_mode`
-    (Rows.aggregate); or per_row: `[b]` terms -J_i (gspo: seq-mean-token-mean only). row_weights:
+    (Rows.aggregate); or per_row: `[b]` terms -J_i (gspo with seq-mean-token-mean). row_weights:
     `[b]` constants on each row's policy term (the mismatch corrections; not on the KL term).
     kl: `[b, s]` per-token KL estimate (kl.rows_kl) or None, aggregated like the policy terms.
     The reduction divides by the rows with a trained token, or, with token-mean, by the trained
@@ -175,19 +181,21 @@ def finish_loss(rows: Rows, *, per_row: torch.Tensor | None = None, per_token: t
     """
     if (per_row is None) == (per_token is None):
         raise ValueError("finish_loss takes per_row or per_token terms, exactly one")
-    if per_row is not None and loss_agg_mode != SEQUENCE_MEAN:
-        raise ValueError(f"loss_agg_mode={loss_agg_mode!r}: per-sequence terms take {SEQUENCE_MEAN} only")
-    terms = per_row if per_row is not None else rows.aggregate(per_token, loss_agg_mode, token_sum_norm)
+    aggregation = Aggregation.of(loss_agg_mode)
+    if per_row is not None and aggregation.name != SEQUENCE_MEAN:
+        raise ValueError(f"loss_agg_mode={aggregation.name!r}: per-sequence terms take {SEQUENCE_MEAN} only")
+    terms = per_row if per_row is not None else rows.aggregate(per_token, aggregation)
     terms = rows.weighted(terms, row_weights)
     kl_mean = None
     if kl is not None:
         kl_mean = rows.mean(kl)
         if kl_coef != 0.0:
-            terms = terms + kl_coef * rows.aggregate(kl, loss_agg_mode, token_sum_norm)
+            terms = terms + kl_coef * rows.aggregate(kl, aggregation)
     valid = rows.valid
     total = torch.where(valid, terms, 0).sum()
     num_sequences = valid.sum().to(terms.dtype)
-    units = torch.where(valid, rows.lengths, 0).sum() if loss_agg_mode == "token-mean" else num_sequences
+    by_tokens = aggregation.spec.divides_by == "tokens"
+    units = torch.where(valid, rows.lengths, 0).sum() if by_tokens else num_sequences
     loss = total if reduction == "sum" else total / units.clamp(min=1)
 
     with torch.no_grad():

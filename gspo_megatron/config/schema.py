@@ -23,27 +23,43 @@ from typing import Any, Literal
 from gspo_megatron.actor.settings import (ComputeSettings, MicroBatchSettings, OptimizerSettings,
                                           RoutingSettings)
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
-from gspo_megatron.algorithms.registry import LOSSES, LossSettings, RLLossName
-from gspo_megatron.config.parsing import CHOICES, CHOICES_LABEL, describe
+from gspo_megatron.algorithms.registry import LOSSES, LossSettings
+from gspo_megatron.config.parsing import CHECK, CHOICES_LABEL, CHOOSE, SETTINGS_OF, TABLE, describe
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.sync.transports import TRANSPORTS, TransportName
+from gspo_megatron.sync.transports import TRANSPORTS
+from gspo_tables import Table, row_settings
 from rollout.servers.health import ServerHealthSettings
 from rollout.generation.manager_config import ManagerConfig
-from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
 
 
-def _families() -> dict[str, str]:
+def _families() -> Table:
     from model_specs.families import FAMILIES  # the feature modules load when described only
-    rows = {}
-    for name, family in FAMILIES.items():
-        features = ", ".join(type(feature).__name__ for feature in family.features)
-        rows[name] = f"model_type {' or '.join(family.model_types)}" + (f" ({features})" if features else "")
-    return rows
+    return FAMILIES
+
+
+def _rewards() -> Table:
+    from rollout.rewards.registry import REWARDS  # the reward functions load when described only
+    return REWARDS
+
+
+def _check_reward(name: str, field: str) -> None:
+    from rollout.rewards.registry import reward_spec
+    reward_spec(name, field)
+
+
+def _environments() -> Table:
+    from rollout.envs import ENVIRONMENTS
+    return ENVIRONMENTS
+
+
+def _prompt_formats() -> Table:
+    from rollout.prompts.formats import PROMPT_FORMATS
+    return PROMPT_FORMATS
 
 
 @dataclasses.dataclass
 class ModelConfig:
-    hf_path: str = dataclasses.field(default="", metadata={CHOICES: _families, CHOICES_LABEL: "Families"})
+    hf_path: str = dataclasses.field(default="", metadata={TABLE: _families, CHOICES_LABEL: "Families"})
     """Hugging Face model directory (config.json, safetensors, tokenizer): the initial policy, the
     tokenizer, and what the SGLang servers load first. Its config.json's model_type names its
     family, a row of FAMILIES (model_specs/families/: the features each is built from)."""
@@ -54,32 +70,16 @@ class ModelConfig:
     """Parameter dtype of the trainer (float32 on CPU: exact log-prob parity with SGLang)."""
 
 
-def _losses() -> dict[str, str]:
-    return {name: row.description for name, row in LOSSES.items() if row.rl}
-
-
-def _shipped_rewards() -> dict[str, str]:
-    from rollout.rewards.registry import SHIPPED  # the reward functions load when described only
-    return {name: row.description for name, row in SHIPPED.items()}
-
-
-def _environments() -> dict[str, str]:
-    from rollout.envs import environment_descriptions
-    return environment_descriptions()
-
-
-def _transports() -> dict[str, str]:
-    return {name: row.description for name, row in TRANSPORTS.items()}
-
-
 @dataclasses.dataclass
 class LossConfig(LossSettings, AdvantageSettings):
-    name: RLLossName = dataclasses.field(default="gspo", metadata={CHOICES: _losses})
-    """Policy loss, a row of LOSSES (gspo_megatron/algorithms/registry.py)."""
+    name: str = dataclasses.field(default="gspo", metadata={TABLE: lambda: LOSSES, CHOOSE: lambda row: row.rl})
+    """Policy loss, a row of LOSSES (gspo_megatron/algorithms/registry.py) or package.module:Name of a
+    LossSpec of your own. "ce" (the warm start's cross-entropy) is not a policy loss."""
 
     def __post_init__(self) -> None:
         LossSettings.__post_init__(self)
         AdvantageSettings.__post_init__(self)
+        LOSSES.row(self.name, "name", lambda row: row.rl)  # "ce" is the warm start's, not a policy loss
 
     @property
     def reference_reason(self) -> str:
@@ -99,6 +99,10 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     `datasets` writes them), a folder saved by datasets' save_to_disk, or a list of these (read in
     order). Local paths only: these machines have no dataset hub. Large sets are memory-mapped,
     never read whole (rollout/prompts/sets.py)."""
+    prompt_format: str | None = dataclasses.field(default=None, metadata={TABLE: _prompt_formats})
+    """How rollout.prompts (and eval.prompts) are read, a row of PROMPT_FORMATS
+    (rollout/prompts/formats.py) or package.module:Name of a PromptFormat of your own; null = by each
+    path's shape (the first format that claims it, a plug-in's included)."""
     prompt_key: str = "prompt"
     """Where a row keeps its prompt, a dotted path into nested fields; the prompt is a string or a
     list of {role, content} messages (both through the tokenizer's chat template)."""
@@ -109,10 +113,14 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     max_prompt_tokens: int | None = None
     """Drop prompts longer than this many tokens (through the chat template) when the set is
     loaded, and say how many (verl's filter_overlong_prompts); null = keep all."""
-    reward: str = dataclasses.field(default="math", metadata={CHOICES: _shipped_rewards})
-    """The reward: a shipped one by name (a row of SHIPPED, rollout/rewards/registry.py), an
-    http(s):// reward service (reward_service), or your own as package.module:function
-    (fn(record, response_text) -> float; docs/rewards.md)."""
+    reward: str = dataclasses.field(default="math", metadata={TABLE: _rewards, CHECK: _check_reward})
+    """The reward: a row of REWARDS (rollout/rewards/registry.py) by name, an http(s):// reward
+    service, or your own as package.module:function (fn(record, response_text) -> float) or
+    package.module:Name of a RewardSpec with settings of its own (docs/rewards.md)."""
+    reward_args: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={SETTINGS_OF: "reward"})
+    """The reward's own settings: code's sandbox (time_limit_s, memory_mb, isolation, scoring, ...:
+    rollout/rewards/settings.py CodeSandboxSettings), a reward service's request settings (timeout_s,
+    retries, backoff_s, headers: RewardServiceSettings), yours; {} for a reward without."""
     reward_workers: int = 4
     """Processes that score responses while generation goes on (rollout/rewards/workers.py); the
     thread that feeds the servers never scores. Also the number of requests in flight to an HTTP
@@ -120,10 +128,6 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     reward_timeout_s: float = 60.0
     """Hard bound on one reward call (and on a prompt's preparation: parsing its gold or its tests):
     past it the worker is killed and replaced, and the response scores 0 with a reward error."""
-    code_sandbox: CodeSandboxSettings = dataclasses.field(default_factory=CodeSandboxSettings)
-    """reward: code: limits and isolation of the programs' runs."""
-    reward_service: RewardServiceSettings = dataclasses.field(default_factory=RewardServiceSettings)
-    """reward: http(s)://...: timeout, retries and headers of the requests."""
     prompts_per_step: int = 8
     """Prompts (groups) per rollout batch; the batch has prompts_per_step x group_size responses."""
     shuffle_prompts: bool = True
@@ -145,7 +149,7 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     """More `sglang.launch_server` flags for local servers."""
     server_startup_timeout_s: float = 300.0
     """How long to wait for a local server (or an attached one) to become healthy."""
-    environment: str | None = dataclasses.field(default=None, metadata={CHOICES: _environments})
+    environment: str | None = dataclasses.field(default=None, metadata={TABLE: _environments})
     """Multi-turn episodes with this environment: a shipped one by name (ENVIRONMENTS,
     rollout/envs/__init__.py) or a class of your own, `package.module:ClassName`
     (rollout.generation.multiturn.Environment); null = single-turn responses scored by `reward`.
@@ -170,6 +174,10 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     max_buffered_tokens: int | None = None
     """With train.max_staleness > 0: tokens of the finished groups waiting, at most; null = no bound
     beyond max_buffered_groups."""
+
+    def __post_init__(self) -> None:
+        from rollout.rewards.registry import reward_settings
+        self.reward_settings = reward_settings(self.reward, self.reward_args, "reward_args")
 
 
 @dataclasses.dataclass
@@ -209,8 +217,11 @@ class TrainConfig(OptimizerSettings, MicroBatchSettings):
 
 @dataclasses.dataclass
 class SyncConfig:
-    transport: TransportName = dataclasses.field(default="disk", metadata={CHOICES: _transports})
-    """How the weights reach the servers, a row of TRANSPORTS (gspo_megatron/sync/transports.py)."""
+    transport: str = dataclasses.field(default="disk", metadata={TABLE: lambda: TRANSPORTS})
+    """How the weights reach the servers, a row of TRANSPORTS (gspo_megatron/sync/transports.py) or
+    package.module:Name of a TransportRow of your own."""
+    transport_args: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={SETTINGS_OF: "transport"})
+    """The transport's own settings, for a transport that declares some; {} for the shipped ones."""
     bucket_mb: int = 512
     """Size bound of one transfer bucket, and of one request (per sender)."""
     senders: Literal["owners", "rank0"] = "owners"
@@ -224,9 +235,15 @@ class SyncConfig:
     transport can carry deltas (TRANSPORTS' `deltas`: tensor and distributed, not disk); true: the
     same, refused at start with a transport that cannot; false: whole tensors every sync."""
     dir: str | None = None
-    """Folder of the disk transport's weight versions, on a file system every server can read
-    (null: under checkpoint.dir, else the run folder). It holds two copies of the model at most;
-    the start checks that they fit."""
+    """Folder of the disk transport's weight versions (and of any transport that keeps copies of the
+    model: its row's folder_versions), on a file system every server can read (null: under
+    checkpoint.dir, else the run folder). It holds two copies of the model at most; the start checks
+    that they fit. A folder the run owns (locked, checked for room, emptied of stale versions), so it
+    stays a field of the section, not a transport's own setting."""
+
+    def __post_init__(self) -> None:
+        self.transport_settings = row_settings(TRANSPORTS.row(self.transport, "transport"), self.transport_args,
+                                               "transport_args")
 
 
 @dataclasses.dataclass
@@ -277,9 +294,12 @@ class EvalConfig:
     """Eval response budget (null: rollout.max_new_tokens)."""
     max_prompts: int | None = None
     """Evaluate on the first this many prompts of the set (null: all)."""
-    reward: str | None = dataclasses.field(default=None, metadata={CHOICES: _shipped_rewards})
+    reward: str | None = dataclasses.field(default=None, metadata={TABLE: _rewards, CHECK: _check_reward})
     """Reward of the eval, any that rollout.reward takes (null: rollout.reward; an environment's
     rewards when rollout.environment is set)."""
+    reward_args: dict[str, Any] | None = dataclasses.field(default=None, metadata={SETTINGS_OF: "reward"})
+    """Its own settings, as rollout.reward_args (null: rollout.reward_args when the eval's reward is
+    rollout.reward, else the reward's defaults)."""
 
 
 @dataclasses.dataclass
@@ -323,6 +343,11 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class RunConfig:
+    plugins: list[str] = dataclasses.field(default_factory=list)
+    """Modules of installed packages imported before anything else is read (on every rank and in every
+    reward worker): each registers its rows in the tables (a loss, an estimator, a reward, a
+    transport, a family, ...; docs/extending.md), which the other fields may then name. A row can
+    also be named directly as package.module:Name where a name is expected."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """The policy model."""
     parallel: ParallelLayout = dataclasses.field(default_factory=ParallelLayout)
@@ -351,6 +376,13 @@ class RunConfig:
     """TensorBoard and progress output."""
 
     # --- derived -----------------------------------------------------------------------------
+    def eval_reward_args(self) -> dict[str, Any]:
+        """The eval reward's own settings as plain data (eval.reward_args; null: rollout's when the
+        eval's reward is rollout's, else the reward's defaults)."""
+        if self.eval.reward_args is not None:
+            return dict(self.eval.reward_args)
+        return dict(self.rollout.reward_args) if (self.eval.reward or self.rollout.reward) == self.rollout.reward else {}
+
     def describe_loss(self) -> str:
         return (f"{self.loss.describe()} | G={self.rollout.group_size} x "
                 f"{self.rollout.prompts_per_step} prompts, {self.train.mini_batches} mini-batches/step, "
@@ -358,6 +390,20 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+MOVED = {
+    "loss.group_std": "loss.estimator_args: {group_std: ...} (a setting of the grpo estimator)",
+    "loss.gamma": "loss.estimator_args: {gamma: ...} (a setting of the return estimators: reinforce, "
+                  "reinforce_plus_plus)",
+    "loss.token_sum_norm": "loss.aggregation_args: {token_sum_norm: ...} (a setting of the "
+                           "seq-mean-token-sum-norm aggregation)",
+    "rollout.code_sandbox": "rollout.reward_args: {...} (the code reward's own settings: time_limit_s, "
+                            "memory_mb, isolation, scoring, ...)",
+    "rollout.reward_service": "rollout.reward_args: {...} (a reward service's own settings: timeout_s, "
+                              "retries, backoff_s, headers)",
+}
+"""Keys that moved into a row's own settings: refused in one line naming the new place (loading.py)."""
 
 
 def describe_fields() -> str:

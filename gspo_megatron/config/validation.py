@@ -75,16 +75,13 @@ def validate(cfg: RunConfig) -> None:
          r.max_reward_error_fraction, "in [0, 1]")
     need(r.reward_workers >= 1, "rollout.reward_workers", r.reward_workers, ">= 1")
     need(r.reward_timeout_s > 0, "rollout.reward_timeout_s", r.reward_timeout_s, "> 0")
-    for reward in {r.reward, cfg.eval.reward or r.reward}:
-        if reward.startswith(("http://", "https://")):
-            worst = r.reward_service.worst_case_s()
-            need(r.reward_timeout_s > worst, "rollout.reward_timeout_s", r.reward_timeout_s,
-                 f"> {worst:g} s for the reward service's attempts to fit (rollout.reward_service: "
-                 f"timeout_s x (retries + 1) + backoffs), or fewer retries")
-        if reward == "code":  # a response's tests keep within one reward call (code_reward.py)
-            misfit = r.code_sandbox.misfit(r.reward_timeout_s)
-            if misfit:
-                raise ConfigError(misfit)
+    from rollout.rewards.registry import reward_settings
+    eval_settings = reward_settings(cfg.eval.reward or r.reward, cfg.eval_reward_args(),
+                                    "eval.reward_args" if cfg.eval.reward_args is not None else "rollout.reward_args")
+    for settings, where in ((r.reward_settings, "rollout.reward_args"), (eval_settings, "eval.reward_args")):
+        misfit = getattr(settings, "misfit", None)  # the reward's own bound against the call's
+        if misfit is not None and misfit(r.reward_timeout_s, where):
+            raise ConfigError(misfit(r.reward_timeout_s, where))
     for url in r.server_urls:
         need(url.startswith(("http://", "https://")), "rollout.server_urls", url,
              "URLs like http://host:port")

@@ -71,7 +71,7 @@ class Driver:
             self.manager = RolloutManager(self.pool, r, decode=decode, env_factory=self.env_factory,
                                           chat=self.chat, max_turns=r.max_turns, teacher=self.teacher)
         else:
-            self.rewards = RewardWorkerPool.from_config(r)  # starts its workers now, while the run sets up
+            self.rewards = RewardWorkerPool.from_config(r, plugins=cfg.plugins)  # starts its workers now, while the run sets up
             print(f"[gspo] reward: {r.reward} in {r.reward_workers} worker processes, at most "
                   f"{r.reward_timeout_s:g} s a call", flush=True)
             self.manager = RolloutManager(
@@ -100,7 +100,8 @@ class Driver:
         r = cfg.rollout
         # A bad prompt set fails before any server starts; parquet is memory-mapped from a cache
         # in the run's folder, made here once.
-        records = load_prompts(r.prompts, r.prompt_key, r.answer_key, cache_dir=cache_dir)
+        records = load_prompts(r.prompts, r.prompt_key, r.answer_key, cache_dir=cache_dir,
+                               prompt_format=r.prompt_format)
         if prompt_rows is not None:
             records = records.with_kept(prompt_rows)
         servers = start_policy_servers(cfg, log_dir)

@@ -61,7 +61,7 @@ class Evaluator:
         r, e = cfg.rollout, cfg.eval
         self.cfg = cfg
         self.prompts = load_prompts(e.prompts, e.prompt_key or r.prompt_key, e.answer_key or r.answer_key,
-                                    cache_dir=cache_dir)
+                                    cache_dir=cache_dir, prompt_format=r.prompt_format)
         greedy = e.temperature == 0
         config = dataclasses.replace(
             r, group_size=e.samples_per_prompt, temperature=1.0 if greedy else e.temperature,
@@ -72,7 +72,7 @@ class Evaluator:
         budget = RewardErrorBudget(1.0, what="the held-out eval")  # it never stops the run: said once
         self.own_rewards = None
         if driver.env_factory is None and (e.reward or r.reward) != r.reward:
-            self.own_rewards = RewardWorkerPool.from_config(r, e.reward)
+            self.own_rewards = RewardWorkerPool.from_config(r, e.reward, cfg.eval_reward_args(), cfg.plugins)
         if driver.env_factory is not None:
             self.manager = RolloutManager(driver.pool, config, decode=driver.manager.decode,
                                           env_factory=driver.env_factory, chat=driver.chat, max_turns=r.max_turns,

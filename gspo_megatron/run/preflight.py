@@ -64,16 +64,17 @@ def check_prompts(cfg: RunConfig) -> tuple[PromptSet, PromptSet | None]:
     """rollout.prompts and eval.prompts exist and every row has a usable prompt and answer
     (PromptFileError names the field, the file, the row and the key); nothing is written."""
     r, e = cfg.rollout, cfg.eval
-    train = _open("rollout.prompts", r.prompts, r.prompt_key, r.answer_key)
+    train = _open("rollout.prompts", r.prompts, r.prompt_key, r.answer_key, r.prompt_format)
     held_out = None
     if e.interval and e.prompts:
-        held_out = _open("eval.prompts", e.prompts, e.prompt_key or r.prompt_key, e.answer_key or r.answer_key)
+        held_out = _open("eval.prompts", e.prompts, e.prompt_key or r.prompt_key, e.answer_key or r.answer_key,
+                         r.prompt_format)
     return train, held_out
 
 
-def _open(field: str, spec, prompt_key: str, answer_key: str) -> PromptSet:
+def _open(field: str, spec, prompt_key: str, answer_key: str, prompt_format: str | None) -> PromptSet:
     try:
-        return load_prompts(spec, prompt_key=prompt_key, answer_key=answer_key)
+        return load_prompts(spec, prompt_key=prompt_key, answer_key=answer_key, prompt_format=prompt_format)
     except PromptFileError as err:
         raise PromptFileError(f"{field}: {err}") from None
 
@@ -176,9 +177,10 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
         env_factory(cfg.rollout)  # EnvironmentSpecError names a bad name, module, class or args
     else:
         from rollout.rewards.registry import check_reward
-        for reward in {cfg.rollout.reward, cfg.eval.reward or cfg.rollout.reward}:
+        rewards = [(r.reward, r.reward_args), (cfg.eval.reward or r.reward, cfg.eval_reward_args())]
+        for reward, args in rewards[:1] if rewards[1] == rewards[0] else rewards:
             # an unknown name, a module:function that fails, no sandbox, a service that is down
-            note = check_reward(reward, r.code_sandbox, r.reward_service)
+            note = check_reward(reward, args)
             if note and int(os.environ.get("RANK", "0")) == 0:
                 print(f"[gspo] {note}", flush=True)
     if cfg.model.megatron_checkpoint and not (Path(cfg.model.megatron_checkpoint) / "metadata.json").is_file():

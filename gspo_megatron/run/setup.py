@@ -105,7 +105,8 @@ def build_sync(cfg: RunConfig, actor: Actor, driver: Driver | None) -> WeightSyn
     if driver is not None:
         transport = make_transport(cfg.sync.transport, driver.pool, hf_path=cfg.model.hf_path,
                                    sync_dir=lambda: Path(cfg.sync.dir) if cfg.sync.dir else scratch_dir(cfg, "sync"),
-                                   master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+                                   master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                   settings=cfg.sync.transport_settings)
     return WeightSync(actor.chunks, load_hf_config(cfg.model.hf_path), transport,
                       driver.pool if driver else None, bucket_bytes=cfg.sync.bucket_mb << 20,
                       senders=cfg.sync.senders, delta=cfg.sync.delta)

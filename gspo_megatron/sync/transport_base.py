@@ -14,17 +14,18 @@ transport is the two parts of it that differ:
   What a sender keeps from one pass to the next (HTTP clients, process groups) is in SenderState.
 
     transport = make_transport("tensor", pool, hf_path=..., sync_dir=..., master_address=...)
+    transport.row          # its TRANSPORTS row (transports.py)
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar, Sequence, TypeVar
 
 import torch
 
-from gspo_megatron.sync.transports import TRANSPORTS
+from gspo_megatron.sync.transports import TRANSPORTS, TransportRow
+from gspo_tables import load_object
 
 if TYPE_CHECKING:
     from rollout.servers.client import SGLangClient
@@ -83,16 +84,19 @@ class Transport:
 
     name: ClassVar[str]
     sender_type: ClassVar[type[Sender]] = Sender
+    row: TransportRow | None = None
+    """Its row of TRANSPORTS (set by make_transport; None for one built by hand)."""
 
     def __init__(self, pool: ServerPool) -> None:
         self.pool = pool
 
     @classmethod
     def for_run(cls, pool: ServerPool, *, hf_path: str, sync_dir: Callable[[], Path],
-                master_address: str) -> Transport:
+                master_address: str, settings: object = None) -> Transport:
         """The transport of a training run (make_transport): hf_path supplies the model's config
         and tokenizer files, sync_dir() the folder sync.dir names (made on first call),
-        master_address trainer rank 0's address as the servers reach it."""
+        master_address trainer rank 0's address as the servers reach it, settings its row's own
+        (from sync.transport_args; None for a row without)."""
         return cls(pool)
 
     def begin(self, version: str) -> None:
@@ -114,15 +118,19 @@ class Transport:
 
 
 def transport_class(name: str) -> type[Transport]:
-    """The Transport of the TRANSPORTS row `name`."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"sync.transport={name!r}: expected one of {sorted(TRANSPORTS)}")
-    module, cls = TRANSPORTS[name].where.split(":")
-    return getattr(importlib.import_module(f"gspo_megatron.sync.{module}"), cls)
+    """The Transport of the TRANSPORTS row `name` (a row's name or package.module:ROW)."""
+    row = TRANSPORTS.row(name, "sync.transport")
+    cls = load_object(row.where, f"the {row.name} transport's class")
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TypeError(f"the {row.name} transport's class {row.where} is not a Transport")
+    return cls
 
 
 def make_transport(name: str, pool: ServerPool, *, hf_path: str, sync_dir: Callable[[], Path],
-                   master_address: str) -> Transport:
-    """The transport `name` of TRANSPORTS, built for a training run (Transport.for_run)."""
-    return transport_class(name).for_run(pool, hf_path=hf_path, sync_dir=sync_dir,
-                                         master_address=master_address)
+                   master_address: str, settings: object = None) -> Transport:
+    """The transport `name` of TRANSPORTS, built for a training run (Transport.for_run) with its
+    row's settings."""
+    transport = transport_class(name).for_run(pool, hf_path=hf_path, sync_dir=sync_dir,
+                                              master_address=master_address, settings=settings)
+    transport.row = TRANSPORTS.row(name, "sync.transport")
+    return transport

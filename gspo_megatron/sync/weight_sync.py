@@ -162,7 +162,7 @@ class WeightSync:
         if self.rank == 0:
             if transport is None or pool is None:
                 raise ValueError("WeightSync on rank 0 needs a transport and the server pool")
-            row = TRANSPORTS.get(transport.name)
+            row = transport.row or TRANSPORTS.get(transport.name)
             if row is None:
                 raise ValueError(f"transport {transport.name!r}: not a row of TRANSPORTS "
                                  f"({', '.join(TRANSPORTS)})")

@@ -5,8 +5,9 @@ with the architecture it describes (qwen.py: Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE,
     family.all_features                        # (Decoder(), GQA(), QKNorm(), Rope(), MoE(), ...)
     tiny = FAMILIES["qwen3_moe"].tiny_hf_config(num_hidden_layers=6)   # the tests' tiny config
 
-Every module here that declares `FAMILIES = (Family(...), ...)` is read at import, in name order:
-a new family is one such declaration (docs/extending.md has the recipe). Torch-free, so that the
+Every module here that declares `FAMILIES = (Family(...), ...)` is read at import, in name order,
+into the table FAMILIES; a family from outside the package is registered by a `plugins:` module
+(`FAMILIES.register(Family(...))`, docs/extending.md has the recipe). Torch-free, so that the
 planner and the command line's early checks tell a model's family without torch; build.py maps
 a family to megatron (model_spec_for), shape.py to its torch-free shape, weights/maps.py to its
 weight map.
@@ -18,6 +19,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from gspo_tables import Table, TableError
 from model_specs.features import Feature
 from model_specs.features.decoder import Decoder
 from model_specs.hf.config import HFConfigError
@@ -56,32 +58,43 @@ class Family:
         return self.tiny(**overrides)
 
 
-def _declared() -> dict[str, Family]:
+def _describe(family: Family) -> str:
+    features = ", ".join(type(feature).__name__ for feature in family.features)
+    return f"model_type {' or '.join(family.model_types)}" + (f" ({features})" if features else "")
+
+
+class FamilyTable(Table[Family]):
+    """The families by name; a model_type belongs to one family only."""
+
+    def register(self, row: Family) -> Family:
+        taken = {m for f in self.values() if f is not row for m in f.model_types} & set(row.model_types)
+        if taken:
+            raise TableError(f"family {row.name!r}: model_type(s) {sorted(taken)} belong to another family already")
+        return super().register(row)
+
+
+FAMILIES: FamilyTable = FamilyTable("model family", Family, description_of=_describe)
+
+
+def _declare_shipped() -> None:
     """Every Family of this package's modules (module docstring), refusing a name or model_type
     declared twice."""
-    found: dict[str, Family] = {}
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{__name__}.{info.name}")
         for family in getattr(module, "FAMILIES", ()):
-            if family.name in found:
-                raise ValueError(f"family {family.name!r} is declared twice ({module.__name__})")
-            taken = {m for f in found.values() for m in f.model_types} & set(family.model_types)
-            if taken:
-                raise ValueError(f"{module.__name__}: model_type(s) {sorted(taken)} of "
-                                 f"{family.name!r} belong to another family already")
-            found[family.name] = family
-    return found
+            FAMILIES.register(family)
 
 
-FAMILIES: dict[str, Family] = _declared()
-_BY_MODEL_TYPE = {m: f for f in FAMILIES.values() for m in f.model_types}
+_declare_shipped()
 
 
 def family_for(hf_config: Mapping[str, Any]) -> Family:
     """The family of a normalised HF config; an unknown model_type is refused by name."""
     model_type = hf_config.get("model_type")
-    if model_type not in _BY_MODEL_TYPE:
-        raise HFConfigError(f"unknown architecture: model_type={model_type!r} "
-                            f"(architectures={hf_config.get('architectures')}) is not a supported "
-                            f"family; supported: {sorted(_BY_MODEL_TYPE)}")
-    return _BY_MODEL_TYPE[model_type]
+    for family in FAMILIES.values():
+        if model_type in family.model_types:
+            return family
+    known = sorted(m for f in FAMILIES.values() for m in f.model_types)
+    raise HFConfigError(f"unknown architecture: model_type={model_type!r} "
+                        f"(architectures={hf_config.get('architectures')}) is not a supported "
+                        f"family; supported: {known} (a family of your own: docs/extending.md)")

@@ -1,29 +1,33 @@
-"""Multi-turn environments: the ones shipped with the project by name, or a user's class.
+"""Multi-turn environments: the table of them by name, or a user's class.
 
     cls = environment_class("calculator")                 # or "my_pkg.my_module:MyEnv"
     env = cls(**environment_args)                          # one instance per episode
 
 An environment implements rollout.generation.multiturn.Environment: reset(prompt_record) -> first user
-message, step(model_turn_text) -> EnvStep(observation, reward, done, tool_call). A shipped one is
-an entry of ENVIRONMENTS; the first line of its class's docstring describes it in
-`gspo-megatron config`.
+message, step(model_turn_text) -> EnvStep(observation, reward, done, tool_call). A row of
+ENVIRONMENTS is such a class, under its `name`; the first line of its docstring describes it in
+`gspo-megatron config`; its constructor's keyword arguments are its own settings
+(rollout.environment_args). One from outside the package is named `package.module:ClassName`, or
+registered by a `plugins:` module (`ENVIRONMENTS.register(MyEnv)`).
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 
 from gspo_errors import InputError
+from gspo_tables import Table, TableError
 from rollout.envs.calculator import CalculatorEnv
 from rollout.envs.guessing import GuessingGameEnv
 
-ENVIRONMENTS = {"calculator": CalculatorEnv, "guessing": GuessingGameEnv}
+
+def _first_line(cls: type) -> str:
+    """The first line of its class's own docstring (never a base class's)."""
+    return (cls.__dict__.get("__doc__") or "").strip().split("\n")[0].rstrip(".")
 
 
-def environment_descriptions() -> dict[str, str]:
-    """Name -> the first line of its class's docstring (its own, never a base class's)."""
-    return {name: (cls.__doc__ or "").strip().split("\n")[0].rstrip(".")
-            for name, cls in ENVIRONMENTS.items()}
+ENVIRONMENTS: Table[type] = Table("environment", type, (CalculatorEnv, GuessingGameEnv),
+                                  field="rollout.environment", name_of=lambda cls: cls.__dict__.get("name", ""),
+                                  description_of=_first_line, kind="class with reset() and step()")
 
 
 class EnvironmentSpecError(InputError, ValueError):
@@ -31,23 +35,11 @@ class EnvironmentSpecError(InputError, ValueError):
 
 
 def environment_class(spec: str) -> type:
-    """The class `spec` names: a shipped environment, or `package.module:ClassName`."""
-    if spec in ENVIRONMENTS:
-        cls = ENVIRONMENTS[spec]
-    elif ":" in spec:
-        module_name, _, name = spec.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as e:  # noqa: BLE001 - any import failure is the user's module's
-            raise EnvironmentSpecError(f"rollout.environment={spec!r}: cannot import {module_name!r} "
-                                       f"({type(e).__name__}: {e})") from None
-        cls = getattr(module, name, None)
-        if cls is None:
-            raise EnvironmentSpecError(f"rollout.environment={spec!r}: module {module_name!r} has no "
-                                       f"{name!r}")
-    else:
-        raise EnvironmentSpecError(f"rollout.environment={spec!r}: expected one of "
-                                   f"{sorted(ENVIRONMENTS)} or 'package.module:ClassName'")
+    """The class `spec` names: a row of ENVIRONMENTS, or `package.module:ClassName`."""
+    try:
+        cls = ENVIRONMENTS.row(spec, "rollout.environment")
+    except TableError as e:
+        raise EnvironmentSpecError(str(e)) from None
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not inspect.isclass(cls) or missing:
         raise EnvironmentSpecError(f"rollout.environment={spec!r}: {getattr(cls, '__name__', cls)!r} is "
@@ -56,5 +48,4 @@ def environment_class(spec: str) -> type:
     return cls
 
 
-__all__ = ["CalculatorEnv", "ENVIRONMENTS", "EnvironmentSpecError", "GuessingGameEnv",
-           "environment_class", "environment_descriptions"]
+__all__ = ["CalculatorEnv", "ENVIRONMENTS", "EnvironmentSpecError", "GuessingGameEnv", "environment_class"]

@@ -52,6 +52,7 @@ class CalculatorEnv(Environment):
     episode's reward is the sum, and GSPO-token's per-turn credit can use it); instructions:
     append the how-to-answer sentence to the question (off: the question alone, a shorter
     context for tiny models that learn the format in a warm start)."""
+    name = "calculator"
 
     def __init__(self, max_turns: int = 4, tool_reward: float = 0.0, instructions: bool = True):
         self.max_turns, self.tool_reward, self.instructions = max_turns, tool_reward, instructions

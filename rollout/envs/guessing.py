@@ -15,6 +15,7 @@ _INT = re.compile(r"-?\d+")
 
 class GuessingGameEnv(Environment):
     """Find a secret integer in [low, high] with higher/lower hints."""
+    name = "guessing"
 
     def __init__(self, max_turns: int = 6):
         self.max_turns = max_turns

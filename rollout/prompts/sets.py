@@ -12,7 +12,8 @@ into nested fields, verl's `reward_model.ground_truth`); every other field of th
 reward function or an environment sees `data_source`, `extra_info`, ... The prompt is a non-empty
 string or a list of {role, content} chat messages (both go through the tokenizer's chat template).
 
-Large sets are never copied into Python objects whole: parquet is converted once, batch by
+What a path is read as is a row of PROMPT_FORMATS (formats.py), chosen by the path's shape or by
+rollout.prompt_format. Large sets are never copied into Python objects whole: parquet is converted once, batch by
 batch, into an Arrow IPC file under `cache_dir` and memory-mapped; `save_to_disk` folders are
 Arrow files already and are memory-mapped as they are (rollout/prompts/arrow.py). A row becomes a
 dict only when it is asked for. jsonl files are read whole (they are the small, hand-written
@@ -29,36 +30,20 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from rollout.prompts.arrow import open_parquet, parquet_files, saved_dataset
-from rollout.prompts.rows import JsonlSource, PromptFileError, make_record, resolved  # noqa: F401  (PromptFileError: the API)
+from rollout.prompts.formats import PromptSource, format_for
+from rollout.prompts.rows import PromptFileError, make_record, resolved  # noqa: F401  (PromptFileError: the API)
 
 
-def open_source(spec: str, cache_dir: str | Path | None):
-    """A JsonlSource or an ArrowSource (rollout/prompts/arrow.py) for one path."""
+def open_source(spec: str, cache_dir: str | Path | None, prompt_format: str | None = None) -> PromptSource:
+    """The rows of one path, as its format reads them (formats.py: `prompt_format`, or the first
+    format of PROMPT_FORMATS that claims the path)."""
     path = Path(spec)
     if not path.exists():
         hub = "/" in spec and not spec.startswith((".", "/")) and len(spec.split("/")) == 2
         why = (" (it looks like a Hugging Face hub name: this machine has no hub access; download "
                "the dataset and give its local path)") if hub else ""
         raise PromptFileError(f"{resolved(spec)}: no such file or folder{why}")
-    if path.is_file() and path.suffix in (".jsonl", ".json"):
-        return JsonlSource(path)
-    if path.is_dir() and (path / "state.json").is_file() and (path / "dataset_info.json").is_file():
-        return saved_dataset(path)
-    if path.is_dir() and (path / "dataset_dict.json").is_file():  # a DatasetDict: one folder per split
-        try:
-            splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
-        except (OSError, ValueError):
-            splits = []
-        splits = [s for s in splits if (path / s / "state.json").is_file()] or sorted(
-            d.name for d in path.iterdir() if (d / "state.json").is_file())
-        raise PromptFileError(f"{path}: a DatasetDict saved by save_to_disk, with the splits {splits}: give "
-                              f"one split's folder, e.g. {path / (splits[0] if splits else 'train')}")
-    files = parquet_files(path)
-    if path.is_file() and path.suffix != ".parquet" or not files:
-        raise PromptFileError(f"{path}: not a prompt set (expected a .jsonl or .parquet file, a folder "
-                              f"of parquet shards, or a folder saved by datasets' save_to_disk)")
-    return open_parquet(path, files, cache_dir)
+    return format_for(path, prompt_format).open(path, Path(cache_dir) if cache_dir is not None else None)
 
 
 def prompt_set_fingerprint(paths: list[str | Path], records: int,
@@ -126,11 +111,12 @@ class PromptSet(Sequence):
 
 
 def open_prompt_set(spec: str | list[str], *, prompt_key: str = "prompt", answer_key: str = "answer",
-                    cache_dir: str | Path | None = None, validate: bool = True) -> PromptSet:
+                    cache_dir: str | Path | None = None, validate: bool = True,
+                    prompt_format: str | None = None) -> PromptSet:
     specs = [spec] if isinstance(spec, (str, Path)) else list(spec)
     if not specs:
         raise PromptFileError("no prompt sources given")
-    sources = [open_source(str(s), cache_dir) for s in specs]
+    sources = [open_source(str(s), cache_dir, prompt_format) for s in specs]
     if validate:
         for s in sources:
             s.validate(prompt_key, answer_key)

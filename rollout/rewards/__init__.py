@@ -4,9 +4,9 @@
     pool = RewardWorkerPool("math", workers=8, timeout_s=60)    # the trainer's way (workers.py)
     get_reward("math")(record, response_text)                  # one sample, in this process
 
-Shipped rewards are the rows of SHIPPED (registry.py: each names its module), beside a reward
-service over HTTP (http_service.py) and yours as package.module:function. Error accounting:
-scoring.py.
+Rewards are the rows of REWARDS (registry.py: each names its module and its own settings), beside a
+reward service over HTTP (http_service.py) and yours as package.module:function (or a RewardSpec).
+Error accounting: scoring.py.
 """
 from rollout.rewards.answers import (RewardFn, exact_match_reward, extract_answer, format_reward, last_boxed,
                                      weighted_sum)

@@ -17,11 +17,11 @@ users keep them in:
   and the output its return value (APPS wraps it in a one-element list: both are accepted).
 - LiveCodeBench: a list (or its JSON text) of `{"input", "output", "testtype": "stdin" |
   "functional"}`, from `public_test_cases`; the row's `private_test_cases` are added when
-  `code_sandbox.private_tests` is on (plain JSON, or LiveCodeBench's base64 + zlib + pickle of the
+  `private_tests` (rollout.reward_args) is on (plain JSON, or LiveCodeBench's base64 + zlib + pickle of the
   JSON text, unpickled with nothing but strings allowed). Functional tests take the function name
   from the row's `metadata` (`{"func_name": ...}`) and one JSON value per input line.
 A per-test time limit comes from the row (`time_limit`: seconds, or text such as "2 seconds", at
-the top level or in the tests' dict), else from code_sandbox.time_limit_s.
+the top level or in the tests' dict), else from the settings' time_limit_s.
 
 Comparison, exact wherever the expected value is exact (a tolerance on integers pays `a + b + 1`
 on 1000000, and factorial(20) off by 1e12): stdout equal after trimming trailing whitespace per line
@@ -35,7 +35,7 @@ digits, JSON nested past MAX_RESULT_DEPTH, 10**400 against a float) fails the te
 sandbox's own failure raises, a reward error.
 
 Time: each test has its limit, and the whole scoring of one response, from the call's start, has a
-budget below the reward call's bound (code_sandbox.tests_budget_s, by default rollout.reward_timeout_s
+budget below the reward call's bound (tests_budget_s, by default rollout.reward_timeout_s
 less a margin): the tests stop at the first that times out or when the budget is spent, and the
 tests not run count as failed. A slow or looping program thus scores 0 (or what it passed) in
 bounded time, never a reward error that would stop the run.

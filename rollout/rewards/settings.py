@@ -1,7 +1,7 @@
-"""Settings of the shipped rewards that take options: `reward: code` (the sandbox) and
-`reward: http(s)://...` (a remote reward service). They are sections of the run config's `rollout:`
-(`rollout.code_sandbox.*`, `rollout.reward_service.*`), and travel to the reward workers as plain data.
-No torch, no megatron: the config parser imports them.
+"""The own settings of the rewards that take some: `reward: code` (the sandbox) and `reward:
+http(s)://...` (a remote reward service). Each is its row's `settings` (registry.py): the run config
+gives them as `rollout.reward_args` (and `eval.reward_args`), and they travel to the reward workers
+as plain data. No torch, no megatron: the config parser imports them.
 """
 from __future__ import annotations
 
@@ -82,19 +82,23 @@ class CodeSandboxSettings:
             return self.tests_budget_s
         return reward_timeout_s - tests_margin_s(reward_timeout_s)
 
-    def misfit(self, reward_timeout_s: float) -> str | None:
+    def within(self, reward_timeout_s: float) -> CodeSandboxSettings:
+        """These settings in a reward call bounded by `reward_timeout_s`: tests_budget_s set."""
+        return dataclasses.replace(self, tests_budget_s=self.budget_within(reward_timeout_s))
+
+    def misfit(self, reward_timeout_s: float, where: str = "rollout.reward_args") -> str | None:
         """Why the tests cannot keep within a reward call bounded by `reward_timeout_s`, as one
-        line naming the fields, or None."""
+        line naming the fields (under `where`), or None."""
         room = reward_timeout_s - tests_margin_s(reward_timeout_s)
         if self.tests_budget_s is not None and self.tests_budget_s > room:
-            return (f"rollout.code_sandbox.tests_budget_s={self.tests_budget_s:g}: expected <= {room:g} s, "
+            return (f"{where}.tests_budget_s={self.tests_budget_s:g}: expected <= {room:g} s, "
                     f"rollout.reward_timeout_s={reward_timeout_s:g} less {tests_margin_s(reward_timeout_s):g} s "
                     "for the last run's kill (or raise rollout.reward_timeout_s)")
         budget = self.budget_within(reward_timeout_s)
         if self.time_limit_s + INTERPRETER_START_S > budget:
-            return (f"rollout.code_sandbox.time_limit_s={self.time_limit_s:g}: one test at its limit (+ "
+            return (f"{where}.time_limit_s={self.time_limit_s:g}: one test at its limit (+ "
                     f"{INTERPRETER_START_S:g} s for the interpreter) does not fit the {budget:g} s that one "
-                    f"response's tests may take (rollout.code_sandbox.tests_budget_s, by default "
+                    f"response's tests may take ({where}.tests_budget_s, by default "
                     f"rollout.reward_timeout_s={reward_timeout_s:g} less 10%, at least 2 s); lower it or raise "
                     "rollout.reward_timeout_s")
         return None
@@ -118,6 +122,14 @@ class RewardServiceSettings:
     def worst_case_s(self) -> float:
         """Every attempt timing out, with the backoffs between them."""
         return self.timeout_s * (self.retries + 1) + self.backoff_s * (2 ** self.retries - 1)
+
+    def misfit(self, reward_timeout_s: float, where: str = "rollout.reward_args") -> str | None:
+        """Why the attempts cannot fit in a reward call bounded by `reward_timeout_s`, or None."""
+        worst = self.worst_case_s()
+        if reward_timeout_s > worst:
+            return None
+        return (f"rollout.reward_timeout_s={reward_timeout_s:g}: expected > {worst:g} s for the reward "
+                f"service's attempts to fit ({where}: timeout_s x (retries + 1) + backoffs), or fewer retries")
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0:

@@ -103,12 +103,12 @@ def main(argv: list[str]) -> int:
     message = recv(task_fd)
     if message is None:
         return 0
-    _, name, options = message
+    _, name, args, timeout_s, plugins = message
     try:
+        from gspo_tables import import_plugins
         from rollout.rewards.registry import get_reward
-        from rollout.rewards.settings import CodeSandboxSettings, RewardServiceSettings
-        reward = get_reward(name, CodeSandboxSettings(**options.get("code_sandbox", {})),
-                            RewardServiceSettings(**options.get("reward_service", {})))
+        import_plugins(plugins)  # the run's plug-in modules register their rows here too
+        reward = get_reward(name, args, reward_timeout_s=timeout_s)
         if reward.warm is not None:
             reward.warm()
     except Exception as e:  # noqa: BLE001 - reported to the pool, which names it in one line

@@ -40,13 +40,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from gspo_errors import GspoError
 from rollout.rewards.frames import FrameReader, send
 from rollout.rewards.scoring import DIED, ERROR, OK, TIMEOUT, Score
-from rollout.rewards.settings import tests_margin_s
+
+
+class RolloutSettings(Protocol):
+    """What a pool reads of the run config's rollout section (gspo_megatron's RolloutConfig)."""
+
+    reward: str
+    reward_args: dict[str, Any]
+    reward_workers: int
+    reward_timeout_s: float
 
 SECRET = re.compile(r"_TOKEN$|_KEY$|SECRET|PASSWORD|PASSWD|CREDENTIAL|^AWS_|^HF_TOKEN$|^WANDB_API_KEY$", re.I)
 """Environment variables a reward worker of a shipped reward does not get: a worker runs the code
@@ -100,18 +109,15 @@ class RewardWorkerPool:
     """Workers that die (or fail to build the reward) before their first result, in a row, before
     the pool gives up with RewardWorkerError."""
 
-    def __init__(self, name: str, *, workers: int, timeout_s: float, options: dict[str, Any] | None = None) -> None:
-        """name: the reward (registry.get_reward); options: {"code_sandbox": {...},
-        "reward_service": {...}} as plain data, the settings of the rewards that take them."""
+    def __init__(self, name: str, *, workers: int, timeout_s: float, args: Mapping[str, Any] | None = None,
+                 plugins: Sequence[str] = ()) -> None:
+        """name: the reward (registry.get_reward); args: its own settings as plain data
+        (rollout.reward_args), built in each worker under the bound `timeout_s`; plugins: the
+        modules each worker imports first (the run config's `plugins`: they register rows)."""
         if workers < 1:
             raise ValueError(f"reward workers={workers}: expected >= 1")
         self.name, self.workers, self.timeout_s = name, workers, timeout_s
-        self.options = dict(options or {})
-        # the code reward keeps one response's tests within this bound (code_sandbox.tests_budget_s)
-        code = dict(self.options.get("code_sandbox") or {})
-        if code.get("tests_budget_s") is None:
-            code["tests_budget_s"] = timeout_s - tests_margin_s(timeout_s)
-        self.options["code_sandbox"] = code
+        self.args, self.plugins = dict(args or {}), list(plugins)
         self.batched = False
         self._has_prepare = False
         self.restarts = 0
@@ -128,13 +134,12 @@ class RewardWorkerPool:
         self._thread.start()  # workers are started by this thread: their parent-death signal is its lifetime
 
     @classmethod
-    def from_config(cls, rollout: Any, name: str | None = None) -> "RewardWorkerPool":
-        """rollout.reward_workers processes scoring `name` (default rollout.reward), with the run
-        config's rollout section's timeout and reward settings."""
-        options = {"code_sandbox": dataclasses.asdict(rollout.code_sandbox),
-                   "reward_service": dataclasses.asdict(rollout.reward_service)}
+    def from_config(cls, rollout: RolloutSettings, name: str | None = None, args: Mapping[str, Any] | None = None,
+                    plugins: Sequence[str] = ()) -> RewardWorkerPool:
+        """rollout.reward_workers processes scoring `name` with its settings `args` (default
+        rollout.reward with rollout.reward_args), under the rollout section's timeout."""
         return cls(name or rollout.reward, workers=rollout.reward_workers, timeout_s=rollout.reward_timeout_s,
-                   options=options)
+                   args=rollout.reward_args if name is None else args, plugins=plugins)
 
     # --- the caller's side -------------------------------------------------------------------------
     def submit(self, records: list[dict], texts: list[str]) -> "Future[list[Score]]":
@@ -204,7 +209,7 @@ class RewardWorkerPool:
         now = time.monotonic()
         worker = _Worker(proc, task_w, result_r, started=now, deadline=now + self.START_TIMEOUT_S)
         self._pool.append(worker)
-        send(task_w, ("init", self.name, self.options))
+        send(task_w, ("init", self.name, self.args, self.timeout_s, self.plugins))
 
     def _kill(self, w: _Worker) -> None:
         try:

@@ -44,7 +44,7 @@ def _run(rank, world, layout_kwargs, options, init_state):
         actor.load_full_state_dict(init)
         actor.reset_optimizer()
         actor.loss = LossSettings(name="grpo", eps_low=0.02, eps_high=0.02, dual_clip_c=1.5, loss_agg_mode=mode,
-                                  token_sum_norm=2.0 if mode.endswith("norm") else None)
+                                  aggregation_args={"token_sum_norm": 2.0} if mode.endswith("norm") else {})
         shard = actor.shard(make_batch().packed(), num_mini_batches=2)
         shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
         metrics, states = [], []

@@ -20,11 +20,11 @@ pytestmark = pytest.mark.slow
 
 F64 = torch.float64
 ESTIMATOR_CASES = {
-    "grpo": dict(advantage_estimator="grpo", group_std="unbiased", kl_in_reward_coef=0.3),
+    "grpo": dict(advantage_estimator="grpo", estimator_args={"group_std": "unbiased"}, kl_in_reward_coef=0.3),
     "rloo": dict(advantage_estimator="rloo", kl_in_reward_coef=0.3, whiten_advantages=True),
     "rf_pp_baseline": dict(advantage_estimator="reinforce_plus_plus_baseline", kl_in_reward_coef=0.3,
                            kl_in_reward_estimator="low_var_kl"),
-    "rf_pp_gamma": dict(advantage_estimator="reinforce_plus_plus", kl_in_reward_coef=0.3, gamma=0.9),
+    "rf_pp_gamma": dict(advantage_estimator="reinforce_plus_plus", kl_in_reward_coef=0.3, estimator_args={"gamma": 0.9}),
     "roll_reinforce": dict(advantage_estimator="reinforce", kl_in_reward_coef=0.3, whiten_advantages=True,
                            reward_clip=0.7, advantage_clip=1.0, kl_in_reward_estimator="k2"),
 }
@@ -112,13 +112,14 @@ def _batch_for_loss(seed: int = 0, b: int = 6, s: int = 16):
     return lp, old, adv, mask, ref
 
 
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]  # AGGREGATIONS' rows
 
 
 def _cp_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from gspo_megatron.algorithms import grpo_loss
+    from gspo_megatron.algorithms.terms import Aggregation
     from gspo_megatron.parallel import context
 
     lp, old, adv, mask, ref = _batch_for_loss()
@@ -129,8 +130,8 @@ def _cp_worker(rank: int, world: int) -> dict:
 
     out = {}
     for mode in MODES:
-        kw = dict(eps_low=0.2, eps_high=0.27, dual_clip_c=3.0, loss_agg_mode=mode, kl_coef=0.1,
-                  kl_estimator="low_var_kl", **({"token_sum_norm": 16.0} if mode.endswith("norm") else {}))
+        kw = dict(eps_low=0.2, eps_high=0.27, dual_clip_c=3.0, kl_coef=0.1, kl_estimator="low_var_kl",
+                  loss_agg_mode=Aggregation.of(mode, {"token_sum_norm": 16.0} if mode.endswith("norm") else {}))
         for reduction in ("mean", "sum"):
             x = lp.clone().requires_grad_(True)
             full, _ = grpo_loss(x, old, adv, mask, ref_log_probs=ref, reduction=reduction, **kw)

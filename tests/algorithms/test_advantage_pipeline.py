@@ -41,7 +41,7 @@ def test_a_rows_advantage_is_its_tokens_and_whitening_weighs_by_tokens(name):
     assert per_row.shape == (8,)
     if ESTIMATORS[name].kind == "return":
         near, _ = batch_advantages(AdvantageSettings(advantage_estimator=name, whiten_advantages=True,
-                                                     gamma=1 - 1e-9), rewards, r)
+                                                     estimator_args={"gamma": 1 - 1e-9}), rewards, r)
         assert near.shape == r.loss_mask.shape
         spread = torch.repeat_interleave(per_row, r.lengths)
         torch.testing.assert_close(near[r.loss_mask], spread[r.loss_mask], rtol=0, atol=1e-7)
@@ -89,7 +89,7 @@ def test_per_token_decisions():
     assert not AdvantageSettings().per_token()
     assert AdvantageSettings().per_token("return_to_go")
     assert not AdvantageSettings(advantage_estimator="reinforce").per_token()
-    assert AdvantageSettings(advantage_estimator="reinforce", gamma=0.9).per_token()
+    assert AdvantageSettings(advantage_estimator="reinforce", estimator_args={"gamma": 0.9}).per_token()
     assert AdvantageSettings(advantage_estimator="reinforce_plus_plus", kl_in_reward_coef=0.1).per_token()
     assert not AdvantageSettings(advantage_estimator="rloo", kl_in_reward_coef=0.1).per_token()
     assert AdvantageSettings(advantage_estimator="reinforce").group_relative is False

@@ -15,6 +15,7 @@ from gspo_megatron.algorithms.advantage.pipeline import BatchRows, batch_advanta
 from gspo_megatron.algorithms.advantage.shaping import RunningMoments
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.algorithms.kl import token_kl
+from gspo_megatron.algorithms.terms import Aggregation
 from peer_cases import F64, make_case
 
 TOL = dict(rtol=0, atol=1e-12)
@@ -188,7 +189,7 @@ def test_reinforce_whitened_clipped_with_token_level_kl(seed, gamma, kl):
     kw = dict(kl_coef=0.5, kl_penalty=kl) if kl else {}
     want = roll_advantages(case, reward_clip=10.0, gamma=gamma, whiten=True, advantage_clip=2.0, **kw)
     settings = AdvantageSettings(advantage_estimator="reinforce", whiten_advantages=True, advantage_clip=2.0,
-                                 reward_clip=10.0, gamma=gamma, kl_in_reward_coef=0.5 if kl else 0.0,
+                                 reward_clip=10.0, estimator_args={"gamma": gamma}, kl_in_reward_coef=0.5 if kl else 0.0,
                                  kl_in_reward_estimator={"kl": "k1", "k3": "low_var_kl", None: "k1"}[kl])
     ours_kl = token_kl(case.old_log_probs, case.ref_log_probs, settings.kl_in_reward_estimator) if kl else None
     torch.testing.assert_close(ours(case, settings, kl=ours_kl), want, **TOL)
@@ -201,7 +202,7 @@ def test_roll_grpo_is_reinforce_after_the_group_norm(seed):
     with gamma 1 and no token KL that is our grpo with the unbiased std."""
     case = make_case(seed)
     want = roll_advantages(case, norm=("group", "group"))
-    got = ours(case, AdvantageSettings(advantage_estimator="grpo", group_std="unbiased"))
+    got = ours(case, AdvantageSettings(advantage_estimator="grpo", estimator_args={"group_std": "unbiased"}))
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -245,8 +246,9 @@ def test_token_importance_sampling_every_aggregation(seed, mode):
     width = float(case.mask.shape[-1])
     kw = dict(token_sum_norm=width) if mode == "seq-mean-token-sum-norm" else {}
     got = _loss_and_grad(lambda x: grpo_loss(x, case.old_log_probs, adv, case.mask.bool(), eps_low=0.2, eps_high=0.2,
-                                             dual_clip_c=1.4, loss_agg_mode=mode, ref_log_probs=case.ref_log_probs,
-                                             kl_coef=0.01, kl_estimator="low_var_kl", **kw), case.log_probs)
+                                             dual_clip_c=1.4, loss_agg_mode=Aggregation.of(mode, kw),
+                                             ref_log_probs=case.ref_log_probs, kl_coef=0.01, kl_estimator="low_var_kl"),
+                          case.log_probs)
     if mode == "seq-mean-token-sum-norm":
         n = float((case.lengths > 0).sum())
         want = (want[0] / n, want[1] / n)

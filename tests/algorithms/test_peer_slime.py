@@ -106,7 +106,8 @@ def test_grpo_gspo_advantages(seed, std, normalize):
     if normalize:
         flat = slime_distributed_masked_whiten(torch.cat(adv), torch.cat(masks))
         adv = list(torch.split(flat, [m.numel() for m in masks]))
-    settings = AdvantageSettings(advantage_estimator="grpo" if std else "dr_grpo", group_std="unbiased",
+    settings = AdvantageSettings(advantage_estimator="grpo" if std else "dr_grpo",
+                                 estimator_args={"group_std": "unbiased"} if std else {},
                                  whiten_advantages=normalize)
     got = ours(case, settings)
     for i, a in zip(keep, adv):
@@ -126,7 +127,8 @@ def test_reinforce_plus_plus_with_kl_in_reward(seed, gamma, kl_coef, kl_type):
                                   masks, kl_coef, gamma)
     flat = slime_distributed_masked_whiten(torch.cat(returns), torch.cat(masks))
     want = list(torch.split(flat, [m.numel() for m in masks]))
-    settings = AdvantageSettings(advantage_estimator="reinforce_plus_plus", gamma=gamma, kl_in_reward_coef=kl_coef,
+    settings = AdvantageSettings(advantage_estimator="reinforce_plus_plus", estimator_args={"gamma": gamma},
+                                 kl_in_reward_coef=kl_coef,
                                  kl_in_reward_estimator=kl_type)
     got = ours(case, settings, kl=token_kl(case.old_log_probs, case.ref_log_probs, kl_type) if kl_coef else None)
     for i, a in zip(keep, want):

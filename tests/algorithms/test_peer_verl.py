@@ -15,6 +15,7 @@ from gspo_megatron.algorithms import grpo_loss, gspo_loss, gspo_token_loss
 from gspo_megatron.algorithms.advantage.pipeline import BatchRows, batch_advantages
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.algorithms.kl import token_kl
+from gspo_megatron.algorithms.terms import Aggregation
 from peer_cases import F64, make_case, outcome_rewards
 
 TOL = dict(rtol=0, atol=1e-12)
@@ -146,7 +147,8 @@ def ours(case, settings, kl=None):
 def test_grpo_and_dr_grpo(seed, estimator, std):
     case = make_case(seed)
     want = verl_grpo(outcome_rewards(case), case.mask, case.index, norm_adv_by_std_in_grpo=std)
-    got = ours(case, AdvantageSettings(advantage_estimator=estimator, group_std="unbiased"))
+    got = ours(case, AdvantageSettings(advantage_estimator=estimator,
+                                       estimator_args={"group_std": "unbiased"} if std else {}))
     torch.testing.assert_close(got[:, None] * case.mask, want, **TOL)
     assert torch.equal(got[:case.group_size], torch.zeros(case.group_size, dtype=F64))  # equal rewards
 
@@ -164,7 +166,7 @@ def test_rloo(seed):
 def test_reinforce_plus_plus(seed, gamma):
     case = make_case(seed)
     want = verl_reinforce_plus_plus(outcome_rewards(case), case.mask, gamma)
-    got = ours(case, AdvantageSettings(advantage_estimator="reinforce_plus_plus", gamma=gamma))
+    got = ours(case, AdvantageSettings(advantage_estimator="reinforce_plus_plus", estimator_args={"gamma": gamma}))
     got = case.to_peer(got) if got.numel() != case.rewards.numel() else got[:, None] * case.mask
     torch.testing.assert_close(got, want, **TOL)
 
@@ -189,7 +191,8 @@ def test_kl_in_reward(seed, estimator, kind):
     want = {"grpo": lambda: verl_grpo(rewards, case.mask, case.index),
             "rloo": lambda: verl_rloo(rewards, case.mask, case.index),
             "reinforce_plus_plus": lambda: verl_reinforce_plus_plus(rewards, case.mask, 1.0)}[estimator]()
-    settings = AdvantageSettings(advantage_estimator=estimator, group_std="unbiased", kl_in_reward_coef=beta,
+    settings = AdvantageSettings(advantage_estimator=estimator, kl_in_reward_coef=beta,
+                                 estimator_args={"group_std": "unbiased"} if estimator == "grpo" else {},
                                  kl_in_reward_estimator=kind)
     got = ours(case, settings, kl=token_kl(case.old_log_probs, case.ref_log_probs, kind))
     got = case.to_peer(got) if got.numel() != case.rewards.numel() else got[:, None] * case.mask
@@ -236,7 +239,7 @@ def test_vanilla_dual_clip_loss_every_aggregation(seed, mode, token_adv):
                                                     c_norm), case.log_probs)
     kw = dict(token_sum_norm=c_norm) if c_norm else {}
     lo, go = _loss_and_grad(grpo_loss, case.log_probs, case.old_log_probs, adv if token_adv else case.rewards,
-                            case.mask.bool(), dual_clip_c=3.0, loss_agg_mode=mode, **kw)
+                            case.mask.bool(), dual_clip_c=3.0, loss_agg_mode=Aggregation.of(mode, kw))
     if mode == "seq-mean-token-sum-norm":  # verl: no mean over sequences (ours: Dr. GRPO's 1/N)
         n = float((case.lengths > 0).sum())
         lw, gw = lw / n, gw / n
@@ -285,7 +288,7 @@ def test_equal_random_rewards_are_exactly_zero_here():
     case = make_case(0)
     case.rewards[:case.group_size] = 0.3
     want = verl_grpo(outcome_rewards(case), case.mask, case.index)
-    got = ours(case, AdvantageSettings(group_std="unbiased"))
+    got = ours(case, AdvantageSettings(estimator_args={"group_std": "unbiased"}))
     assert torch.equal(got[:case.group_size], torch.zeros(case.group_size, dtype=F64))
     assert float(want[:case.group_size].abs().max()) < 1e-9
 

@@ -8,11 +8,13 @@ import torch
 
 from gspo_megatron.algorithms import (LOSS_FUNCTIONS, METRIC_REDUCTIONS, combine_metrics, grpo_loss, gspo_loss,
                                      gspo_token_loss)
-from gspo_megatron.algorithms.registry import LOSSES, RL_LOSSES
+from gspo_megatron.algorithms.registry import LOSSES
+from gspo_megatron.algorithms.terms import Aggregation
 
 F64 = torch.float64
 # (loss name, aggregation): every mode a row takes
-CASES = [(n, mode) for n in RL_LOSSES for mode in LOSSES[n].aggregations]
+RL_LOSSES = [n for n, row in LOSSES.items() if row.rl]
+CASES = [(n, mode) for n in RL_LOSSES for mode in LOSSES[n].aggregation_names()]
 
 
 def global_batch(name, b=13, s=11, seed=0):
@@ -35,9 +37,7 @@ def options(name, mode):
     clip nothing at these ratios: the split must cross clip decisions), and the aggregation."""
     kw = dict(eps_low=3e-4, eps_high=4e-4) if LOSSES[name].clip is not None else {}
     if mode != "seq-mean-token-mean":
-        kw["loss_agg_mode"] = mode
-    if mode == "seq-mean-token-sum-norm":
-        kw["token_sum_norm"] = 7.0
+        kw["loss_agg_mode"] = Aggregation.of(mode, {"token_sum_norm": 7.0} if mode == "seq-mean-token-sum-norm" else {})
     return kw
 
 
@@ -113,7 +113,7 @@ def test_megatron_schedule_contract_dp2_uneven_microbatches(name, mode):
 @pytest.mark.parametrize("name", RL_LOSSES)
 def test_aggregations_a_row_does_not_list_are_refused_by_name(name):
     lp, old, adv, mask, _ = global_batch(name)
-    for mode in {"token-mean", "seq-mean-token-sum"} - set(LOSSES[name].aggregations):
+    for mode in {"token-mean", "seq-mean-token-sum"} - set(LOSSES[name].aggregation_names()):
         with pytest.raises(ValueError, match=f"loss_agg_mode='{mode}': the {name} loss takes"):
             LOSS_FUNCTIONS[name](lp, old, adv, mask, loss_agg_mode=mode)
 
@@ -129,7 +129,7 @@ def test_token_sums_weigh_rows_by_length_and_the_means_do_not():
             "token-mean": 5 / 4}
     for mode, value in want.items():
         kw = dict(token_sum_norm=4.0) if mode.endswith("norm") else {}
-        loss, _ = grpo_loss(lp, lp, adv, mask, loss_agg_mode=mode, **kw)
+        loss, _ = grpo_loss(lp, lp, adv, mask, loss_agg_mode=Aggregation.of(mode, kw))
         assert float(loss) == pytest.approx(value, abs=1e-15), mode
 
 

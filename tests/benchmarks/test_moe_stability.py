@@ -173,4 +173,4 @@ def test_learn_regime_smoke(server_url, tmp_path):  # noqa: F811
     model = json.loads((tmp_path / "models" / "seed0" / "config.json").read_text())
     assert (model["num_hidden_layers"], model["num_local_experts"], model["num_experts_per_tok"]) == (2, 4, 2)
     summary = (tmp_path / "runs" / "dr_grpo" / "seed0" / "summary.json").read_text()
-    assert "loss.advantage_estimator=dr_grpo" in summary and "loss.token_sum_norm=8" in summary
+    assert "loss.advantage_estimator=dr_grpo" in summary and "loss.aggregation_args.token_sum_norm=8" in summary

@@ -6,6 +6,7 @@ import pytest
 from gspo_megatron.config import (ConfigError, RunConfig, config_from_dict, describe_fields,
                                   field_docs, load_config, parse_override)
 from gspo_megatron.parallel.layout import ParallelLayout
+from gspo_megatron.algorithms.terms import Aggregation, TokenSumNorm
 
 BASE = {"model": {"hf_path": "/m"}, "rollout": {"prompts": "p.jsonl"}}
 
@@ -50,7 +51,7 @@ def test_typed_parse_of_overrides():
     ("trian.steps=3", "unknown key 'trian'"),
     ("train.steps=abc", "train.steps='abc': expected int"),
     ("train.steps=1.5", "train.steps=1.5: expected int"),
-    ("loss.name=ppo", "loss.name='ppo': expected 'gspo' | 'gspo_token' | 'grpo'"),
+    ("loss.name=ppo", "loss.name='ppo': expected one of gspo, gspo_token, grpo, or package.module:Name naming a LossSpec"),
     ("train.old_log_probs=cached", "train.old_log_probs='cached'"),
     ("train.mini_batches=3", "train.mini_batches=3: expected a divisor of the rollout batch"),
     ("rollout.temperature=0", "rollout.temperature=0.0: expected > 0"),
@@ -96,6 +97,8 @@ def test_every_field_has_a_docstring():
     assert set(field_docs(RunConfig)) == {f.name for f in dataclasses.fields(RunConfig)}
     for f in dataclasses.fields(RunConfig):
         cls = hints[f.name]
+        if not dataclasses.is_dataclass(cls):  # a top-level field (plugins), not a section
+            continue
         assert set(field_docs(cls)) == {g.name for g in dataclasses.fields(cls)}, cls.__name__
     text = describe_fields()
     assert "rollout:" in text and "group_size: 8" in text and "mini_batches: 4" in text
@@ -115,17 +118,33 @@ def test_moe_and_mismatch_cross_checks(overrides, needle):
 
 
 @pytest.mark.parametrize("overrides,needle", [
-    (["loss.advantage_estimator=ppo"], "loss.advantage_estimator='ppo': expected 'grpo' | 'dr_grpo' | 'rloo'"),
+    (["loss.advantage_estimator=ppo"], "loss.advantage_estimator='ppo': expected one of grpo, dr_grpo, rloo"),
     (["loss.loss_agg_mode=token-mean"], "loss.loss_agg_mode='token-mean': expected seq-mean-token-mean with the "
                                         "gspo loss (GSPO's sequence ratio fixes its own"),
-    (["loss.name=grpo", "loss.loss_agg_mode=seq-mean-token-sum-norm"], "loss.token_sum_norm=None: expected > 0"),
-    (["loss.token_sum_norm=4"], "loss.token_sum_norm=4.0: expected null unless"),
+    (["loss.name=grpo", "loss.loss_agg_mode=seq-mean-token-sum-norm"],
+     "loss.aggregation_args.token_sum_norm=0.0: expected > 0"),
+    (["loss.aggregation_args.token_sum_norm=4"], "loss.aggregation_args={'token_sum_norm': 4}: "
+                                                 "'seq-mean-token-mean' takes no settings of its own"),
+    (["loss.token_sum_norm=4"], "loss.token_sum_norm=4: moved; write loss.aggregation_args: {token_sum_norm: ...}"),
+    (["loss.group_std=unbiased"], "loss.group_std='unbiased': moved; write loss.estimator_args: {group_std: ...}"),
+    (["loss.advantage_estimator=rloo", "loss.estimator_args.group_std=unbiased"],
+     "loss.estimator_args={'group_std': 'unbiased'}: 'rloo' takes no settings of its own"),
+    (["loss.estimator_args.gamma=0.9"], "unknown key 'loss.estimator_args.gamma'; known: group_std"),
     (["loss.dual_clip_c=1"], "loss.dual_clip_c=1.0: expected > 1"),
-    (["loss.kl_estimator=full"], "loss.kl_estimator='full'"),
-    (["loss.gamma=0"], "loss.gamma=0.0: expected in (0, 1]"),
+    (["loss.kl_estimator=full"], "loss.kl_estimator='full': expected one of k1, k2, k3, low_var_kl, abs"),
+    (["loss.advantage_estimator=reinforce", "loss.estimator_args.gamma=0"],
+     "loss.estimator_args.gamma=0.0: expected in (0, 1]"),
+    (["rollout.code_sandbox.memory_mb=5"], "rollout.code_sandbox={'memory_mb': 5}: moved; write rollout.reward_args"),
+    (["rollout.reward=code", "rollout.reward_args.memory_mb=0"], "rollout.reward_args.memory_mb=0: expected >= 1"),
+    (["rollout.reward_args.memory_mb=5"], "rollout.reward_args={'memory_mb': 5}: 'math' takes no settings of its own"),
+    (["sync.transport_args.x=1"], "sync.transport_args={'x': 1}: 'disk' takes no settings of its own"),
+    (["loss.name=ce"], "loss.name='ce': expected one of gspo, gspo_token, grpo, or package.module:Name"),
+    (["plugins=[no_such_module]"], "plugins[0]='no_such_module': cannot import it (ModuleNotFoundError"),
+    (["loss.name=gspo_megatron.algorithms.registry:GSPO_CLIP"], "loss.name='gspo_megatron.algorithms.registry:GSPO_CLIP': "
+                                                            "(0.0003, 0.0004) is not a loss (expected a LossSpec)"),
     (["loss.advantage_clip=0"], "loss.advantage_clip=0.0: expected > 0"),
     (["loss.reward_norm_mean=domain"], "loss.reward_norm_mean='domain'"),
-    (["loss.advantage_estimator=reinforce", "loss.gamma=0.9"],
+    (["loss.advantage_estimator=reinforce", "loss.estimator_args.gamma=0.9"],
      "loss.name='gspo': expected a loss that takes one advantage per token (gspo_token, grpo)"),
     (["loss.advantage_estimator=reinforce_plus_plus", "loss.kl_in_reward_coef=0.1"],
      "loss.name='gspo': expected a loss that takes one advantage per token"),
@@ -143,13 +162,14 @@ def test_advantage_and_aggregation_rules(overrides, needle):
 
 def test_advantage_settings_accepted_and_described():
     cfg = config_from_dict(BASE, ["loss.name=grpo", "loss.loss_agg_mode=seq-mean-token-sum-norm",
-                                  "loss.token_sum_norm=64", "loss.dual_clip_c=3", "loss.advantage_estimator=reinforce",
-                                  "loss.gamma=0.95", "loss.kl_in_reward_coef=0.01", "loss.whiten_advantages=true",
+                                  "loss.aggregation_args.token_sum_norm=64", "loss.dual_clip_c=3",
+                                  "loss.advantage_estimator=reinforce", "loss.estimator_args.gamma=0.95",
+                                  "loss.kl_in_reward_coef=0.01", "loss.whiten_advantages=true",
                                   "rollout.group_size=1", "loss.advantage_clip=2"])
     assert cfg.describe_loss().startswith(
-        "loss=grpo seq-mean-token-sum-norm (C=64) eps_low=0.2 eps_high=0.27 dual_clip_c=3 KL off | "
+        "loss=grpo seq-mean-token-sum-norm (token_sum_norm=64) eps_low=0.2 eps_high=0.27 dual_clip_c=3 KL off | "
         "advantage=reinforce gamma=0.95 KL in reward 0.01 (k1) whitened advantage_clip=2")
     assert cfg.loss.reference_reason == "loss.kl_in_reward_coef=0.01"  # the reference pass runs
-    assert cfg.loss.function_kwargs() == dict(eps_low=0.2, eps_high=0.27, loss_agg_mode="seq-mean-token-sum-norm",
-                                              token_sum_norm=64.0, dual_clip_c=3.0)
+    assert cfg.loss.function_kwargs() == dict(eps_low=0.2, eps_high=0.27, dual_clip_c=3.0, loss_agg_mode=Aggregation(
+        "seq-mean-token-sum-norm", TokenSumNorm(64.0)))
     assert config_from_dict(BASE).loss.function_kwargs() == dict(eps_low=3e-4, eps_high=4e-4)  # a new row's contract

@@ -79,18 +79,20 @@ def test_verl_yaml_and_overrides_agree_and_match_the_example():
     assert a.nested() == b.nested()
     loss = a.nested()["loss"]
     assert loss == {"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "advantage_estimator": "grpo",
-                    "group_std": "unbiased", "gamma": 1.0}
+                    "estimator_args": {"group_std": "unbiased"}}
+    assert ("not carried  algorithm.gamma = 1.0: our grpo estimator takes no gamma (only a return estimator "
+            "discounts: reinforce, reinforce_plus_plus)") in a.report()
     assert a.nested()["train"]["mini_batches"] == 8 and a.nested()["parallel"] == {"tensor": 2, "expert": 8}
     assert "clip_ratio_c = 10.0: verl's GSPO loss takes no dual clip" in a.report()
     example = load_config(ROOT / "examples" / "tiny_moe_verl_gspo.yaml").loss
-    assert all(getattr(example, k) == v for k, v in loss.items() if k != "gamma")
+    assert all(getattr(example, k) == v for k, v in loss.items())
 
 
 def test_slime_flags_and_the_example():
     m = migrate("slime", PEERS / "slime_gspo.sh")
     loss = m.nested()["loss"]
-    assert loss == {"advantage_estimator": "grpo", "group_std": "unbiased", "name": "gspo", "eps_low": 3.5e-4,
-                    "eps_high": 3.5e-4}
+    assert loss == {"advantage_estimator": "grpo", "estimator_args": {"group_std": "unbiased"}, "name": "gspo",
+                    "eps_low": 3.5e-4, "eps_high": 3.5e-4}
     assert m.nested()["train"]["mini_batches"] == 1  # global batch 16 = 4 prompts x 4
     example = load_config(ROOT / "examples" / "tiny_moe_slime_gspo.yaml").loss
     assert all(getattr(example, k) == v for k, v in loss.items())
@@ -113,7 +115,7 @@ def test_slime_estimators_kl_and_clips(tmp_path, flags, want):
 
 @pytest.mark.parametrize("text,want", [
     ("adv_estimator: grpo\nnum_return_sequences_in_group: 4\nimportance_sampling: token\n",
-     {"advantage_estimator": "grpo", "group_std": "unbiased", "name": "grpo"}),
+     {"advantage_estimator": "grpo", "estimator_args": {"group_std": "unbiased"}, "name": "grpo"}),
     ("adv_estimator: grpo\nadd_token_level_kl: true\ninit_kl_coef: 0.1\nkl_penalty: k3\nimportance_sampling: token\n",
      {"advantage_estimator": "reinforce", "reward_norm_mean": "group", "reward_norm_std": "group", "name": "grpo",
       "kl_in_reward_coef": 0.1, "kl_in_reward_estimator": "low_var_kl"}),

@@ -71,18 +71,21 @@ class GroupStats:
         return (hi == lo)[self.groups]
 
 
-def group_mean_std(stats: GroupStats, unbiased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """grpo: baseline the group mean, scale its std + 1e-6 (population, or with unbiased=True
+# The group estimators of ESTIMATORS (table.py): fn(stats, settings) -> (baseline, scale) per row,
+# settings the row's own (table.GroupStd for grpo) or None.
+def group_mean_std(stats: GroupStats, settings: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """grpo: baseline the group mean, scale its std + 1e-6 (population, or with group_std unbiased
     Bessel's correction as torch.std: verl, ROLL, slime)."""
+    unbiased = getattr(settings, "group_std", "population") == "unbiased"
     return stats.mean, stats.std(unbiased) + GROUP_STD_EPS
 
 
-def group_mean(stats: GroupStats, unbiased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def group_mean(stats: GroupStats, settings: object = None) -> tuple[torch.Tensor, torch.Tensor]:
     """dr_grpo and reinforce_plus_plus_baseline: baseline the group mean, no scale."""
     return stats.mean, torch.ones_like(stats.scores)
 
 
-def leave_one_out(stats: GroupStats, unbiased: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def leave_one_out(stats: GroupStats, settings: object = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rloo: baseline the mean of the group's other scores (0 in a group of one, as verl)."""
     n = stats.count
     others = (stats.group_sum(stats.scores)[stats.groups] - stats.scores) / (n - 1).clamp(min=1)

@@ -13,12 +13,39 @@ checked before torch loads.
 """
 from __future__ import annotations
 
-import dataclasses
-import importlib
-from dataclasses import dataclass
-from typing import Callable, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from ..registry import KLEstimatorName, KL_ESTIMATORS
+from gspo_tables import SETTINGS_OF, TABLE, Table, load_object, row_settings
+
+from ..terms import KL_ESTIMATORS
+
+
+@dataclass
+class GroupStd:
+    """grpo's settings."""
+
+    group_std: Literal["population", "unbiased"] = "population"
+    """The std of the group's scores: population (the set's std, as GSPO Eq. 6 writes it) or
+    unbiased (Bessel's correction, torch.std: what verl, ROLL and slime compute)."""
+
+    def __post_init__(self) -> None:
+        if self.group_std not in ("population", "unbiased"):
+            raise ValueError(f"group_std={self.group_std!r}: expected 'population' or 'unbiased'")
+
+
+@dataclass
+class Discount:
+    """The return estimators' settings."""
+
+    gamma: float = 1.0
+    """Discount of later tokens' rewards in the return-to-go (ROLL's, verl's and slime's gamma); 1 =
+    every token of a response gets its whole reward."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"gamma={self.gamma!r}: expected in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -27,44 +54,51 @@ class EstimatorSpec:
 
     name: str
     kind: Literal["group", "return"]
-    function_path: str | None
-    """group: `module:function` under gspo_megatron.algorithms.advantage, fn(scores, stats) ->
-    (baseline, scale) per row (estimators.py); return: None (the return-to-go is the advantage)."""
+    function: str | Callable[..., Any] | None
+    """group: `package.module:function` (or the function), fn(stats, settings) -> (baseline, scale)
+    per row (estimators.py; settings: its own, or None); return: None (the return-to-go is the
+    advantage)."""
     whitens: bool
     """Always whitened over the batch's trained tokens (REINFORCE++), whiten_advantages or not."""
     description: str
-    peers: str
-    """The peers' names for it (docs/algorithm.md's table)."""
+    peers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """The peers' names for it ({"verl": ("rloo",), ...}: migrate reads them; docs/algorithm.md's table)."""
+    settings: type | None = None
+    """Its own settings (a dataclass), from loss.estimator_args; None: it takes none. A return
+    estimator's settings have `gamma`."""
 
-    def function(self) -> Callable | None:
-        if self.function_path is None:
-            return None
-        module, name = self.function_path.split(":")
-        return getattr(importlib.import_module(f"gspo_megatron.algorithms.advantage.{module}"), name)
+    def baseline_and_scale(self) -> Callable[..., Any] | None:
+        if self.function is None or callable(self.function):
+            return self.function
+        fn = load_object(self.function, f"the {self.name} estimator's function")
+        if not callable(fn):
+            raise TypeError(f"the {self.name} estimator's function {self.function} is not callable")
+        return fn
 
 
-ESTIMATORS: dict[str, EstimatorSpec] = {s.name: s for s in (
-    EstimatorSpec("grpo", "group", "estimators:group_mean_std", False,
+_E = "gspo_megatron.algorithms.advantage.estimators:"
+ESTIMATORS: Table[EstimatorSpec] = Table("advantage estimator", EstimatorSpec, (
+    EstimatorSpec("grpo", "group", _E + "group_mean_std", False,
                   "(S_i - mean_g) / (std_g + 1e-6); a group of equal scores gets 0 (GSPO Eq. 6)",
-                  "verl grpo, ROLL grpo (group reward norm), slime grpo / gspo"),
-    EstimatorSpec("dr_grpo", "group", "estimators:group_mean", False,
-                  "S_i - mean_g: the group mean as baseline, no std (Dr. GRPO)",
-                  "verl grpo with norm_adv_by_std_in_grpo: false, slime --disable-grpo-std-normalization"),
-    EstimatorSpec("rloo", "group", "estimators:leave_one_out", False,
-                  "S_i - mean of the group's other scores (RLOO)", "verl rloo"),
-    EstimatorSpec("reinforce_plus_plus_baseline", "group", "estimators:group_mean", True,
+                  {"verl": ("grpo", "grpo_vectorized"), "roll": ("grpo",), "slime": ("grpo", "gspo")},
+                  settings=GroupStd),
+    EstimatorSpec("dr_grpo", "group", _E + "group_mean", False,
+                  "S_i - mean_g: the group mean as baseline, no std (Dr. GRPO; verl's grpo with "
+                  "norm_adv_by_std_in_grpo: false, slime's --disable-grpo-std-normalization)"),
+    EstimatorSpec("rloo", "group", _E + "leave_one_out", False,
+                  "S_i - mean of the group's other scores (RLOO)", {"verl": ("rloo", "rloo_vectorized")}),
+    EstimatorSpec("reinforce_plus_plus_baseline", "group", _E + "group_mean", True,
                   "S_i - mean_g, whitened over the batch's tokens (REINFORCE++-baseline)",
-                  "verl reinforce_plus_plus_baseline, slime reinforce_plus_plus_baseline"),
+                  {"verl": ("reinforce_plus_plus_baseline",), "slime": ("reinforce_plus_plus_baseline",)}),
     EstimatorSpec("reinforce", "return", None, False,
                   "return-to-go of the token rewards (whitened with whiten_advantages)",
-                  "ROLL reinforce (and ROLL grpo: reinforce after group reward norm)"),
+                  {"roll": ("reinforce",)}, settings=Discount),
     EstimatorSpec("reinforce_plus_plus", "return", None, True,
                   "return-to-go of the token rewards, whitened over the batch's tokens (REINFORCE++)",
-                  "verl reinforce_plus_plus, slime reinforce_plus_plus"),
-)}
-EstimatorName = Literal[tuple(ESTIMATORS)]  # type: ignore[valid-type]
+                  {"verl": ("reinforce_plus_plus",), "slime": ("reinforce_plus_plus",)}, settings=Discount),
+), field="loss.advantage_estimator")
 NORMS = ("batch", "group", "running")
-NormName = Literal[NORMS]  # type: ignore[valid-type]
+NormName = Literal["batch", "group", "running"]
 
 
 @dataclass
@@ -72,15 +106,13 @@ class AdvantageSettings:
     """How rewards become advantages (the loss section's advantage fields; pipeline.py applies
     them in this order: reward norm, reward clip, KL in the reward, estimator, whitening, clip)."""
 
-    advantage_estimator: EstimatorName = dataclasses.field(default="grpo", metadata={  # config/parsing.py
-        "choices": lambda: {n: s.description for n, s in ESTIMATORS.items()}})
-    """A row of ESTIMATORS (gspo_megatron/algorithms/advantage/table.py)."""
-    group_std: Literal["population", "unbiased"] = "population"
-    """The std of grpo's groups: population (the set's std, as GSPO Eq. 6 writes it) or unbiased
-    (Bessel's correction, torch.std: what verl, ROLL and slime compute)."""
-    gamma: float = 1.0
-    """Discount of later tokens' rewards in the return-to-go of the return estimators (ROLL's, verl's
-    and slime's gamma); 1 = every token of a response gets its whole reward."""
+    advantage_estimator: str = field(default="grpo", metadata={TABLE: lambda: ESTIMATORS})
+    """A row of ESTIMATORS (gspo_megatron/algorithms/advantage/table.py), or package.module:Name of
+    an EstimatorSpec of your own."""
+    estimator_args: dict[str, Any] = field(default_factory=dict, metadata={SETTINGS_OF: "advantage_estimator"})
+    """The estimator's own settings: grpo's {group_std: population | unbiased} (the std of the group:
+    the set's, as GSPO Eq. 6 writes it, or Bessel-corrected as verl, ROLL and slime compute it); the
+    return estimators' {gamma: 1.0} (the return-to-go's discount); {} for the others."""
     whiten_advantages: bool = False
     """Whiten the advantages over the trained tokens of the whole rollout batch (every data-parallel
     rank's rows: one mean and one std), (A - mean) / sqrt(var + 1e-8), var with Bessel's correction
@@ -102,19 +134,14 @@ class AdvantageSettings:
     pi_ref) before the estimator (verl use_kl_in_reward + kl_ctrl.kl_coef, ROLL add_token_level_kl
     + init_kl_coef, slime --kl-coef); 0 = off. Computed where the reference log-probs are: on the
     last pipeline stage, with statistics over every data-parallel rank."""
-    kl_in_reward_estimator: KLEstimatorName = "k1"
-    """Its per-token estimator (verl algorithm.kl_penalty, ROLL kl_penalty): k1, k2, k3, low_var_kl,
-    abs (algorithms/kl.py)."""
+    kl_in_reward_estimator: str = field(default="k1", metadata={TABLE: lambda: KL_ESTIMATORS})
+    """Its per-token estimator (verl algorithm.kl_penalty, ROLL kl_penalty), a row of KL_ESTIMATORS
+    (gspo_megatron/algorithms/terms.py)."""
 
     def __post_init__(self) -> None:
         # Errors read "field=value: expected ..." so that the config can prefix its section.
-        if self.advantage_estimator not in ESTIMATORS:
-            raise ValueError(f"advantage_estimator={self.advantage_estimator!r}: expected one of "
-                             f"{sorted(ESTIMATORS)}")
-        if self.group_std not in ("population", "unbiased"):
-            raise ValueError(f"group_std={self.group_std!r}: expected 'population' or 'unbiased'")
-        if not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma={self.gamma!r}: expected in (0, 1]")
+        ESTIMATORS.row(self.advantage_estimator, "advantage_estimator")
+        self.estimator_settings = row_settings(self.estimator, self.estimator_args, "estimator_args")
         for field in ("advantage_clip", "reward_clip"):
             v = getattr(self, field)
             if v is not None and not v > 0:
@@ -125,13 +152,16 @@ class AdvantageSettings:
                 raise ValueError(f"{field}={v!r}: expected one of {NORMS} or null")
         if not self.kl_in_reward_coef >= 0:
             raise ValueError(f"kl_in_reward_coef={self.kl_in_reward_coef!r}: expected >= 0")
-        if self.kl_in_reward_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_in_reward_estimator={self.kl_in_reward_estimator!r}: expected one of "
-                             f"{KL_ESTIMATORS}")
+        KL_ESTIMATORS.row(self.kl_in_reward_estimator, "kl_in_reward_estimator")
 
     @property
     def estimator(self) -> EstimatorSpec:
-        return ESTIMATORS[self.advantage_estimator]
+        return ESTIMATORS.row(self.advantage_estimator, "advantage_estimator")
+
+    @property
+    def gamma(self) -> float:
+        """The return-to-go's discount: a return estimator's setting, 1 for the others."""
+        return float(getattr(self.estimator_settings, "gamma", 1.0))
 
     @property
     def kl_in_reward(self) -> bool:
@@ -152,10 +182,11 @@ class AdvantageSettings:
 
     def describe(self) -> str:
         parts = [f"advantage={self.advantage_estimator}"]
-        if self.advantage_estimator == "grpo" and self.group_std != "population":
-            parts.append(f"group_std={self.group_std}")
-        if self.estimator.kind == "return" and self.gamma != 1:
-            parts.append(f"gamma={self.gamma:g}")
+        if self.estimator_settings is not None:
+            defaults = self.estimator.settings()  # type: ignore[misc]
+            for key, value in vars(self.estimator_settings).items():
+                if value != getattr(defaults, key):  # what differs from the estimator's own defaults
+                    parts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
         norm = [f"{k}={v}" for k, v in (("mean", self.reward_norm_mean), ("std", self.reward_norm_std)) if v]
         if norm:
             parts.append("reward norm " + " ".join(norm))

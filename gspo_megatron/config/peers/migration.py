@@ -9,12 +9,19 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
 from gspo_megatron.config.parsing import ConfigError, apply_overrides
 from gspo_megatron.config.loading import config_from_dict
+
+def peer_names(table: Mapping[str, Any], peer: str) -> dict[str, str]:
+    """{the peer's name: ours} for every row of `table` (losses, estimators, aggregations, KL
+    estimators) whose `peers` names it: the vocabularies are read off the rows, never written here."""
+    return {theirs: name for name, row in table.items() for theirs in getattr(row, "peers", {}).get(peer, ())}
+
 
 # Fields the trainer needs that a peer's algorithm block need not hold (placeholders in the check).
 REQUIRED = {"model.hf_path": "/path/to/hf-model", "rollout.prompts": "/path/to/prompts.jsonl"}
@@ -114,6 +121,18 @@ class Migration:
         self.taken.add(key)
         self.named.add(key)
         self.lines.append(f"not carried  {key} = {self.keys[key]!r}: {why}")
+
+    def estimator_setting(self, key: str, setting: str, value: Any, how: str) -> None:
+        """`key` became the chosen estimator's own `setting` (loss.estimator_args), or is not carried
+        where that estimator has no such setting (a knob that would do nothing is named, not kept)."""
+        from gspo_megatron.algorithms.advantage.table import ESTIMATORS
+        from gspo_tables import settings_fields
+        ours = self.values.get("loss.advantage_estimator", "grpo")
+        if ours in ESTIMATORS and setting in settings_fields(ESTIMATORS[ours]):
+            self.carry(key, f"loss.estimator_args.{setting}", value, how)
+        else:
+            self.skip(key, f"our {ours} estimator takes no {setting} (only a return estimator discounts: "
+                           f"{', '.join(n for n, r in ESTIMATORS.items() if setting in settings_fields(r))})")
 
     def note(self, text: str) -> None:
         self.lines.append(f"note         {text}")

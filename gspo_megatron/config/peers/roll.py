@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gspo_megatron.config.peers.migration import Migration, flatten, read_yaml, resolve_interpolations
+from gspo_megatron.algorithms.terms import KL_ESTIMATORS
+from gspo_megatron.config.peers.migration import Migration, flatten, peer_names, read_yaml, resolve_interpolations
 
-KL_KINDS = {"kl": "k1", "abs": "abs", "mse": "k2", "k3": "low_var_kl"}  # ROLL's k3 is clamped at 10
+KL_KINDS = peer_names(KL_ESTIMATORS, "roll")  # ROLL's kl_penalty kinds -> ours (its k3 is clamped at 10)
 DEFAULT_PG_CLIP = 0.2
 NO_COUNTERPART = {
     "hydra": "Hydra's own settings", "defaults": "Hydra's defaults list",
@@ -112,13 +113,13 @@ def _estimator(m: Migration, token_kl: bool, gamma: float) -> None:
         else:
             m.carry("adv_estimator", "loss.advantage_estimator", "grpo", "(R - mean_g) / (std_g + 1e-6): ROLL's "
                     "group norm then the return, equal with gamma 1 and no token KL")
-            m.also("adv_estimator", "loss.group_std", "unbiased", "torch.std")
+            m.also("adv_estimator", "loss.estimator_args.group_std", "unbiased", "torch.std")
         for key in ("norm_mean_type", "norm_std_type", "reward_norm", "reward_shift", "reward_scale"):
             m.skip(key, "ROLL's grpo forces the group norm (norm_mean_type = norm_std_type = group)")
     else:
         m.skip("adv_estimator", f"ROLL's {est!r} is not offered here (estimators: docs/algorithm.md)")
     if gamma != 1.0 or m.has("gamma"):
-        m.carry("gamma", "loss.gamma", gamma, "the return-to-go's discount per token")
+        m.estimator_setting("gamma", "gamma", gamma, "the return-to-go's discount per token")
 
 
 def _loss(m: Migration, per_token: bool) -> str:
@@ -144,9 +145,9 @@ def _loss(m: Migration, per_token: bool) -> str:
         else:
             m.carry("loss_agg_mode", "loss.loss_agg_mode", mode, "ROLL's agg_loss mode")
             if mode == "seq-mean-token-sum-norm":
-                m.also("loss_agg_mode", "loss.token_sum_norm", float(m.keys.get("response_length", 0)) or None,
-                       "C = response_length")
-                m.note("seq-mean-token-sum-norm: ROLL divides by the padded width; here loss.token_sum_norm = "
+                m.also("loss_agg_mode", "loss.aggregation_args.token_sum_norm",
+                       float(m.keys.get("response_length", 0)) or None, "C = response_length")
+                m.note("seq-mean-token-sum-norm: ROLL divides by the padded width; here token_sum_norm = "
                        "response_length, and the token sums are averaged over sequences (Dr. GRPO)")
     else:
         m.note("loss_agg_mode is not set: ROLL's default is seq-mean-token-mean, as here")
@@ -228,7 +229,7 @@ def _kl(m: Migration, token_kl: bool, loss: str) -> None:
         if kind in KL_KINDS:
             m.carry("kl_penalty", "loss.kl_in_reward_estimator", KL_KINDS[kind], "ROLL's compute_approx_kl kind")
         else:
-            m.skip("kl_penalty", f"ROLL's {kind!r} KL is not offered (k1, k2, k3, low_var_kl, abs)")
+            m.skip("kl_penalty", f"ROLL's {kind!r} KL is not offered ({KL_ESTIMATORS.names_text()})")
         if m.take("target_kl") is not None:
             m.skip("target_kl", "an adaptive KL coefficient is not offered (a fixed beta)")
     else:

@@ -13,15 +13,16 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+from gspo_megatron.algorithms.terms import KL_ESTIMATORS
 from gspo_megatron.config.parsing import ConfigError
-from gspo_megatron.config.peers.migration import Migration
+from gspo_megatron.config.peers.migration import Migration, peer_names
 
 SWITCHES = {"use-kl-loss", "normalize-advantages", "calculate-per-token-loss", "disable-grpo-std-normalization",
             "disable-rewards-normalization", "apply-chat-template", "rollout-shuffle", "use-dynamic-batch-size",
             "colocate", "use-tis", "balance-data", "use-rollout-logprobs", "use-unbiased-kl", "offload",
             "use-distributed-optimizer", "sequence-parallel", "no-load-optim", "no-load-rng", "use-rollout-entropy",
             "keep-old-actor", "offload-train", "offload-rollout", "use-routing-replay", "use-rollout-routing-replay"}
-KL_KINDS = {"k1": "k1", "k2": "k2", "k3": "k3", "low_var_kl": "low_var_kl"}  # slime's k3 is unclamped, as ours
+KL_KINDS = peer_names(KL_ESTIMATORS, "slime")  # slime's kl-loss-type -> ours (its k3 is unclamped, as ours)
 NO_COUNTERPART = {
     "actor-num-nodes": "the launch's node shape (launch/)", "actor-num-gpus-per-node": "the launch's node shape",
     "rollout-num-gpus": "SGLang servers: rollout.num_servers / server_urls here",
@@ -144,7 +145,7 @@ def _estimator(m: Migration, est: str) -> str:
                "reinforce": "the raw reward (--disable-rewards-normalization)"}[ours]
         m.carry("advantage-estimator", "loss.advantage_estimator", ours, how)
         if ours == "grpo":
-            m.also("advantage-estimator", "loss.group_std", "unbiased", "torch.std")
+            m.also("advantage-estimator", "loss.estimator_args.group_std", "unbiased", "torch.std")
         m.also("advantage-estimator", "loss.name", group, "GSPO's sequence ratio" if group == "gspo"
                else "token ratios")
     else:
@@ -156,7 +157,7 @@ def _estimator(m: Migration, est: str) -> str:
     if m.take("normalize-advantages", False):
         m.carry("normalize-advantages", "loss.whiten_advantages", True, "over the batch's trained tokens, every DP rank")
     if m.has("gamma"):
-        m.carry("gamma", "loss.gamma", float(m.take("gamma")), "the return-to-go's discount")
+        m.estimator_setting("gamma", "gamma", float(m.take("gamma")), "the return-to-go's discount")
     return group
 
 

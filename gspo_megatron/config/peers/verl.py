@@ -16,16 +16,16 @@ from pathlib import Path
 import yaml
 
 from gspo_megatron.config.parsing import ConfigError
-from gspo_megatron.config.peers.migration import Migration, flatten, read_yaml, resolve_interpolations
+from gspo_megatron.algorithms.advantage.table import ESTIMATORS as ESTIMATOR_ROWS
+from gspo_megatron.algorithms.registry import LOSSES as LOSS_ROWS
+from gspo_megatron.algorithms.terms import KL_ESTIMATORS
+from gspo_megatron.config.peers.migration import Migration, flatten, peer_names, read_yaml, resolve_interpolations
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
-ESTIMATORS = {"grpo": "grpo", "rloo": "rloo", "reinforce_plus_plus": "reinforce_plus_plus",
-              "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline", "grpo_vectorized": "grpo",
-              "rloo_vectorized": "rloo"}
-KL_KINDS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "k3": "low_var_kl",
-            "low_var_kl": "low_var_kl"}  # verl's k3 is clamped to [-10, 10]: our low_var_kl
-LOSSES = {"vanilla": "grpo", "gspo": "gspo"}
+ESTIMATORS = peer_names(ESTIMATOR_ROWS, "verl")  # verl's adv_estimator names -> ours
+KL_KINDS = peer_names(KL_ESTIMATORS, "verl")  # verl's k3 is clamped to [-10, 10]: our low_var_kl
+LOSSES = peer_names(LOSS_ROWS, "verl")  # verl's policy_loss.loss_mode -> ours
 NO_COUNTERPART = {
     "trainer": "verl's trainer settings (logging, nodes, naming): here the run's folder, TensorBoard and "
                "the launch scripts", "ray_kwargs": "no Ray here", "ray_init": "no Ray here",
@@ -187,8 +187,8 @@ def _loss(m: Migration) -> str:
         m.carry(f"{A}.loss_agg_mode", "loss.loss_agg_mode", agg, "verl's agg_loss mode")
         if agg == "seq-mean-token-sum-norm":
             norm = m.take(f"{A}.loss_scale_factor") or m.keys.get("data.max_response_length")
-            m.also(f"{A}.loss_agg_mode", "loss.token_sum_norm", float(norm), "C")
-            m.note(f"seq-mean-token-sum-norm: loss.token_sum_norm = {norm} (loss_scale_factor, else the response "
+            m.also(f"{A}.loss_agg_mode", "loss.aggregation_args.token_sum_norm", float(norm), "C")
+            m.note(f"seq-mean-token-sum-norm: loss.aggregation_args.token_sum_norm = {norm} (loss_scale_factor, else the response "
                    "budget); verl's per-micro-batch sum is this times the micro-batch's rows (a constant under Adam)")
     else:
         m.note("loss_agg_mode is not set: verl's default is token-mean; here seq-mean-token-mean")
@@ -206,12 +206,12 @@ def _estimator(m: Migration, loss: str) -> None:
         m.carry("algorithm.adv_estimator", "loss.advantage_estimator", ours, "verl's core_algos estimator"
                 + (" without the std (norm_adv_by_std_in_grpo: false)" if ours == "dr_grpo" else ""))
         if ours == "grpo":
-            m.also("algorithm.adv_estimator", "loss.group_std", "unbiased", "torch.std")
+            m.also("algorithm.adv_estimator", "loss.estimator_args.group_std", "unbiased", "torch.std")
         m.said("algorithm.norm_adv_by_std_in_grpo", "the estimator above")
     else:
         m.skip("algorithm.adv_estimator", f"verl's {est!r} is not offered here (estimators: docs/algorithm.md)")
     if m.has("algorithm.gamma"):
-        m.carry("algorithm.gamma", "loss.gamma", float(m.take("algorithm.gamma")), "the return-to-go's discount")
+        m.estimator_setting("algorithm.gamma", "gamma", float(m.take("algorithm.gamma")), "the return-to-go's discount")
     if m.take("algorithm.use_kl_in_reward", False):
         coef = float(m.take("algorithm.kl_ctrl.kl_coef", 0.001))
         m.carry("algorithm.use_kl_in_reward", "loss.kl_in_reward_coef", coef, "beta = kl_ctrl.kl_coef: "
@@ -221,7 +221,7 @@ def _estimator(m: Migration, loss: str) -> None:
         if kind in KL_KINDS:
             m.carry("algorithm.kl_penalty", "loss.kl_in_reward_estimator", KL_KINDS[kind], "verl's kl_penalty kind")
         else:
-            m.skip("algorithm.kl_penalty", f"{kind!r} is not offered (k1, k2, k3, low_var_kl, abs)")
+            m.skip("algorithm.kl_penalty", f"{kind!r} is not offered ({KL_ESTIMATORS.names_text()})")
         if m.take("algorithm.kl_ctrl.type", "fixed") != "fixed":
             m.skip("algorithm.kl_ctrl.type", "an adaptive KL coefficient is not offered")
     else:

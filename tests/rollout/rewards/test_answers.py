@@ -119,7 +119,7 @@ def test_math_reward_in_process_and_a_gold_it_cannot_parse():
     assert get_reward("math")({"answer": r"\dfrac{3}{4}"}, r"\boxed{0.75}") == 1.0
     with pytest.raises(ValueError, match="could not parse the reference answer"):
         math_reward({"answer": ""}, r"\boxed{1}")
-    with pytest.raises(RewardSpecError, match="unknown reward 'nope'"):
+    with pytest.raises(RewardSpecError, match="rollout.reward='nope': expected one of math, exact_match"):
         get_reward("nope")
     with pytest.raises(RewardSpecError, match="no_such_module"):
         get_reward("no_such_module:fn")

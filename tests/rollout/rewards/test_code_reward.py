@@ -160,8 +160,7 @@ def _tagged(p, tag: str) -> bool:
 
 @pytest.mark.slow
 def test_code_reward_in_the_workers():
-    options = {"code_sandbox": {"time_limit_s": 2.0}}
-    with RewardWorkerPool("code", workers=2, timeout_s=30, options=options) as pool:
+    with RewardWorkerPool("code", workers=2, timeout_s=30, args={"time_limit_s": 2.0}) as pool:
         record = {"answer": json.dumps(ADD)}
         scores = pool.submit([record] * 3, [RIGHT, WRONG, PARTLY]).result(timeout=60)
         assert [round(s.reward, 4) for s in scores] == [1.0, 0.0, 0.6667]
@@ -222,11 +221,14 @@ def test_a_slow_program_on_many_tests_scores_in_bounded_time_without_a_reward_er
 def test_a_test_limit_that_cannot_fit_is_refused_at_start():
     from gspo_megatron.config import ConfigError, config_from_dict
     base = {"model": {"hf_path": "/m"}, "rollout": {"prompts": "p.jsonl", "reward": "code"}}
-    with pytest.raises(ConfigError, match=r"^rollout.code_sandbox.time_limit_s=10: .*rollout.reward_timeout_s=8"):
-        config_from_dict(base, ["rollout.reward_timeout_s=8", "rollout.code_sandbox.time_limit_s=10"])
-    with pytest.raises(ConfigError, match=r"^rollout.code_sandbox.tests_budget_s=59: expected <= 54"):
-        config_from_dict(base, ["rollout.code_sandbox.tests_budget_s=59"])
-    assert config_from_dict(base).rollout.code_sandbox.budget_within(60.0) == 54.0
+    with pytest.raises(ConfigError, match=r"^rollout.reward_args.time_limit_s=10: .*rollout.reward_timeout_s=8"):
+        config_from_dict(base, ["rollout.reward_timeout_s=8", "rollout.reward_args.time_limit_s=10"])
+    with pytest.raises(ConfigError, match=r"^rollout.reward_args.tests_budget_s=59: expected <= 54"):
+        config_from_dict(base, ["rollout.reward_args.tests_budget_s=59"])
+    with pytest.raises(ConfigError, match=r"^eval.reward_args.time_limit_s=10: .*rollout.reward_timeout_s=8"):
+        config_from_dict(base, ["rollout.reward_timeout_s=8", "rollout.reward=math", "eval.reward=code",
+                                "eval.reward_args.time_limit_s=10"])
+    assert config_from_dict(base).rollout.reward_settings.budget_within(60.0) == 54.0
     assert CodeSandboxSettings(tests_budget_s=20).misfit(60.0) is None
 
 
@@ -280,7 +282,7 @@ def test_process_mode_keeps_the_worker_unreadable_and_alive(user):
         from rollout.rewards import RewardWorkerPool
         row = {{"answer": {{"inputs": [""], "outputs": ["sealed"]}}}}
         with RewardWorkerPool("code", workers=1, timeout_s=20,
-                              options={{"code_sandbox": {{"isolation": "process"}}}}) as pool:
+                              args={{"isolation": "process"}}) as pool:
             [s] = pool.submit([row], ["```python\\n" + {PEEK_AND_KILL!r} + "\\n```"]).result(timeout=60)
         print(json.dumps([s.reward, s.status, s.error]))
     """)

@@ -53,9 +53,8 @@ def judge():
 
 
 def _pool(url: str) -> RewardWorkerPool:
-    options = {"reward_service": {"timeout_s": 5, "retries": 3, "backoff_s": 0.05,
-                                  "headers": {"Authorization": "Bearer t0ken"}}}
-    return RewardWorkerPool(url, workers=2, timeout_s=30, options=options)
+    args = {"timeout_s": 5, "retries": 3, "backoff_s": 0.05, "headers": {"Authorization": "Bearer t0ken"}}
+    return RewardWorkerPool(url, workers=2, timeout_s=30, args=args)
 
 
 @pytest.mark.slow
