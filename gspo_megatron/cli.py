@@ -69,10 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     from gspo_megatron.run.expected_warnings import quiet_expected_warnings
     try:
         if args.command == "config":
-            from gspo_megatron.config.parsing import read_yaml_mapping
+            from gspo_megatron.config.parsing import build, read_yaml_mapping
+            from gspo_megatron.config.schema import RunConfig
             from gspo_tables import import_plugins
-            plugins = list(read_yaml_mapping(args.config).get("plugins") or []) if args.config else []
-            import_plugins(plugins + args.plugins, "--plugin" if not plugins else "plugins")
+            import_plugins(args.plugins, "--plugin")
+            if args.config:  # its plug-ins, and the rows its fields name as package.module:Name
+                data = read_yaml_mapping(args.config)
+                import_plugins(data.get("plugins") or [], "plugins")
+                build(RunConfig, data)
             print(describe_fields())
             return 0
         if args.command == "migrate":

@@ -17,6 +17,7 @@ Torch-free and import-free: tables are read while the config is checked, before 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -114,6 +115,15 @@ class Table(Mapping[str, R], Generic[R]):
             raise TableError(f"{self.what} {name!r} is registered twice (the second: {checked!r})")
         self._rows[name] = checked
         return row
+
+    @contextlib.contextmanager
+    def registered(self, row: R) -> Iterator[R]:
+        """`row` registered for the duration of a `with` block, then removed (tests add rows this way)."""
+        self.register(row)
+        try:
+            yield row
+        finally:
+            self._rows.pop(self._name_of(row), None)
 
     # --- lookups --------------------------------------------------------------------------------
     def row(self, name: str, field: str | None = None, choose: Callable[[R], bool] | None = None) -> R:

@@ -15,6 +15,11 @@ sys.path.insert(0, str(TESTS))
 sys.path += [str(d) for d in sorted(TESTS.rglob("*")) if d.is_dir() and d.name not in ("__pycache__", "data")
              and not d.name.startswith(".")]
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+# Plug-in modules (docs/extending.md) imported before the tests are collected: the tests that run
+# over every row of a table (LOSSES, ESTIMATORS, KL_ESTIMATORS, ...) then run over theirs too.
+from gspo_tables import import_plugins  # noqa: E402
+
+import_plugins([m for m in os.environ.get("GSPO_PLUGINS", "").split(",") if m], "GSPO_PLUGINS")
 
 # Session-scoped real SGLang servers shared by every rollout test module (one instance each).
 from fixtures_servers import moe_server, qwen3_server  # noqa: E402,F401

@@ -2,13 +2,14 @@
 
     python tools/check_imports.py            # prints the package graph; exit 1 on any violation
 
-Every `import` / `from ... import` in gspo_errors/, gspo_megatron/, model_specs/, rollout/ and tools/ counts,
+Every `import` / `from ... import` in gspo_errors/, gspo_tables/, gspo_megatron/, model_specs/, rollout/ and tools/ counts,
 the ones inside functions included (a lazy import is still a dependency). An import resolves to
 the most specific project module (`from a.b import c` is a.b.c when that is a module, else a.b);
 a package whose __init__ re-exports lazily (an `_EXPORTS` table of name -> submodule) depends on
 those submodules. The rules (docs/architecture.md, "Import rules"):
 - gspo_errors, the error base, is the bottom: it imports nothing of the project, and every
-  package imports it downward;
+  package imports it downward; gspo_tables (the Table every extension point is, and settings built
+  from plain data) sits on it and imports nothing else of the project, nor torch;
 - nothing imports gspo_megatron's root (its __init__) but tests and users: the error base is
   gspo_errors, the entry points are cli and trainer;
 - gspo_megatron's top holds only the entry points (cli and trainer); everything else lives in a
@@ -41,7 +42,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gspo_errors", "gspo_megatron", "model_specs", "rollout", "tools")
+PACKAGES = ("gspo_errors", "gspo_tables", "gspo_megatron", "model_specs", "rollout", "tools")
 MAX_MODULES_PER_PACKAGE = 12
 
 
@@ -202,6 +203,8 @@ def violations() -> list[str]:
     sub = tuple(f"gspo_megatron.{p}" for p in ("actor", "algorithms", "checkpoint", "parallel", "sync",
                                                 "config", "driver", "run", "planner", "trainer", "cli"))
     forbid("gspo_errors", PACKAGES, (), "the error base is the bottom: it imports nothing of the project")
+    forbid("gspo_tables", tuple(p for p in PACKAGES if p not in ("gspo_errors", "gspo_tables")), ("torch", "megatron"),
+           "the tables' shape sits at the bottom beside the error base: every package's tables are made of it")
     forbid("model_specs", ("gspo_megatron", "rollout"), (),
            "model_specs knows HF and megatron-core, nothing of the RL library; errors from gspo_errors")
     forbid("rollout", ("gspo_megatron", "model_specs"), ("megatron",),

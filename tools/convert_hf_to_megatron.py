@@ -5,8 +5,8 @@
 The result loads under any TP/PP/EP/VPP layout the model allows
 (gspo_megatron.checkpoint.load_model); it holds the HF config and tokenizer in OUT/hf/ so that
 tools/convert_megatron_to_hf.py can export it back. Runs in one process on CPU, tensor by tensor
-(peak memory about one parameter), with a progress bar. Families: those of model_specs.FAMILIES
-(qwen3_moe, qwen2_moe, glm4_moe, qwen3, qwen2, llama).
+(peak memory about one parameter), with a progress bar. Families: the rows of model_specs.FAMILIES
+(`gspo-megatron config` lists them); a family of your own with --plugin MODULE.
 """
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tools.plugins import add_plugin_argument, import_plugin_args
+    argv = import_plugin_args(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_plugin_argument(p)
     p.add_argument("--hf", required=True, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--out", required=True, help="output directory: new, empty, or an earlier output "
                    "of this tool (replaced whole); written beside it and renamed into place")

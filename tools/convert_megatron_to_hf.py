@@ -22,7 +22,10 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tools.plugins import add_plugin_argument, import_plugin_args
+    argv = import_plugin_args(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_plugin_argument(p)
     p.add_argument("--megatron", required=True, help="megatron checkpoint directory")
     p.add_argument("--out", required=True, help="output HF model directory: new, empty, or an earlier "
                    "export (replaced whole, never mixed); written beside it and renamed into place")

@@ -32,12 +32,14 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.make_tiny_model import ARCHS  # noqa: E402 - after the path
+from tools.make_tiny_model import archs  # noqa: E402 - after the path
+from tools.plugins import add_plugin_argument, import_plugin_args  # noqa: E402 - after the path
 
 FP32_TOL = 1e-4
 # Transformer Engine runs every pure-fp32 GEMM in TF32, with no switch to turn it off
@@ -168,15 +170,17 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float().cpu() - b[k].float().cpu()).abs().max()) for k in a)
 
 
-def _export(ckpt: Path, dst: Path) -> Path:
-    """The converter runs in a process of its own (it needs no process group, this one has one)."""
+def _export(ckpt: Path, dst: Path, plugins: Sequence[str] = ()) -> Path:
+    """The converter runs in a process of its own (it needs no process group, this one has one),
+    with the plug-ins this one imported (a family of their own)."""
     subprocess.run([sys.executable, str(ROOT / "tools" / "convert_megatron_to_hf.py"), "--megatron",
-                    str(ckpt), "--out", str(dst)], check=True, capture_output=True)
+                    str(ckpt), "--out", str(dst), *(f"--plugin={m}" for m in plugins)], check=True, capture_output=True)
     return dst
 
 
 def check(out: Path, specs: list[str], dtypes: list[str], device: str,
-          arch: str = "qwen3_moe", targets: list[str] | None = None, offload: bool = True) -> list[dict]:
+          arch: str = "qwen3_moe", targets: list[str] | None = None, offload: bool = True,
+          plugins: Sequence[str] = ()) -> list[dict]:
     """The rows of `specs` (each trained, its checkpoint loaded into every spec of `targets`,
     default `specs`), then the conversion, memory, CP and optimizer-offload rows (CUDA; offload
     only if `offload`)."""
@@ -238,7 +242,7 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
                     row[f"load_{target}"] = _max_diff(trained, other.full_state_dict())
                 row["ok"] &= row[f"load_{target}"] == 0.0
             actor.close()
-            exported = load_file(str(_export(path / "model", out / f"hf_{spec}_{name}") / "model.safetensors"))
+            exported = load_file(str(_export(path / "model", out / f"hf_{spec}_{name}", plugins) / "model.safetensors"))
             expected = dict(wmap.hf_tensors([(m, trained[m.megatron]) for m in wmap.mappings()]))
             row["export"] = _max_diff(expected, exported)
             row["ok"] &= row["export"] == 0.0
@@ -307,11 +311,13 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> int:
+    import_plugin_args(None)  # a plug-in's family, before --arch's choices are read
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_plugin_argument(p)
     p.add_argument("--cpu-smoke", action="store_true", help="local spec, fp32, on the CPU")
     p.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     p.add_argument("--no-bench", action="store_true", help="skip the fused log-prob benchmark")
-    p.add_argument("--arch", default="qwen3_moe", choices=ARCHS, help="the tiny model's family")
+    p.add_argument("--arch", default="qwen3_moe", choices=archs(), help="the tiny model's family")
     p.add_argument("--rows", nargs="+", choices=["local", "te", "offload"],
                    help="only these rows (default: every one the machine has); a spec's checkpoint still "
                         "loads into every spec the machine has")
@@ -338,7 +344,8 @@ def main() -> int:
     specs = [s for s in have if s in wanted]
     dtypes = ["fp32"] if args.cpu_smoke else ["fp32", "bf16"]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gspo-gpu-check-"))
-    rows = check(out, specs, dtypes, device, args.arch, targets=have, offload="offload" in wanted)
+    rows = check(out, specs, dtypes, device, args.arch, targets=have, offload="offload" in wanted,
+                 plugins=args.plugin)
     print(f"\n{_versions(device)}; {args.arch}; specs checked: {', '.join(specs)}")
     print(table(rows))
     for r in rows:

@@ -52,7 +52,16 @@ from model_specs.families import FAMILIES  # noqa: E402 - torch-free
 # transformers config class is the one of its model_type, filled from that config.
 SHAPED = ("qwen3", "qwen3_moe", "qwen2", "llama", "qwen2_moe", "glm4_moe", "deepseek_v3", "gpt_oss",
           "qwen3_next")
-ARCHS = SHAPED + tuple(n for n, f in FAMILIES.items() if n not in SHAPED and f.tiny)
+
+
+def archs() -> tuple[str, ...]:
+    """The families a tiny model can be made of: the shaped ones, then every family with a tiny
+    config (a plug-in's included, once its module is imported: --plugin)."""
+    return SHAPED + tuple(n for n, f in FAMILIES.items() if n not in SHAPED and f.tiny)
+
+
+ARCHS = archs()
+"""The shipped families' (tests parametrize over them)."""
 VOCAB_SIZE = 512
 # ChatML, as Qwen models use. <|im_end|> ends a turn and is the EOS token.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -169,14 +178,14 @@ def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
             linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
-    elif arch in ARCHS:
+    elif arch in archs():
         tiny = FAMILIES[arch].tiny_hf_config()
         tokens = {k: common[k] for k in ("eos_token_id", "pad_token_id", "bos_token_id",
                                          "tie_word_embeddings")}
         fields = {**tiny, **tokens, **overrides}
         return transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
     else:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+        raise ValueError(f"unknown arch {arch!r}; expected one of {archs()}")
     return cls(**{**common, **extra, **overrides})
 
 
@@ -220,8 +229,11 @@ def make_tiny_model(arch: str, out_dir: str | Path, seed: int = 0, tie_word_embe
 
 
 def main(argv: list[str] | None = None) -> None:
+    from tools.plugins import add_plugin_argument, import_plugin_args
+    argv = import_plugin_args(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", required=True, choices=ARCHS)
+    add_plugin_argument(p)
+    p.add_argument("--arch", required=True, choices=archs())
     p.add_argument("--out", required=True, help="output directory (created)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tie-embeddings", action="store_true", help="tie input and output embeddings")

@@ -279,14 +279,14 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     pass already reported it.
     """
     spec = loss.spec
-    if spec.function_path is not None and is_last_stage_rank():
+    if spec.function is not None and is_last_stage_rank():
         if batch.old_log_probs is None:
             raise ValueError("train_step needs batch.old_log_probs on the last pipeline stage: "
                              "compute them first (Actor.compute_old_log_probs)")
         if loss.kl_coef > 0 and batch.ref_log_probs is None:
             raise ValueError(f"kl_coef={loss.kl_coef} needs batch.ref_log_probs on the last pipeline "
                              "stage (Actor.compute_ref_log_probs)")
-    correct = spec.function_path is not None and loss.corrects_mismatch
+    correct = spec.function is not None and loss.corrects_mismatch
     if correct and batch.rollout_log_probs is None:
         raise ValueError(f"{loss.describe()}: the mismatch corrections need batch.rollout_log_probs")
     mbs = plan(batch, batching, forward_only=False)
@@ -301,7 +301,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     global_count = _global_count(local)
     # See the module docstring: cancels the schedule's 1/num_microbatches and DDP's 1/dp_size.
     scale = num_mb * ps.get_data_parallel_world_size() / max(global_count, 1)
-    loss_fn, loss_kwargs = spec.function(), loss.function_kwargs()
+    loss_fn, loss_kwargs = spec.loss_function(), loss.function_kwargs()
     cp_group = _cp_group()
     row_share = 1.0 if counts_rows(cp_group) else 0.0  # row totals: CP rank 0 reports them
 

@@ -35,7 +35,8 @@ METRIC_REDUCTIONS: dict[str, str] = {
     "seq_ratio_min": "min",
     "seq_ratio_max": "max",
 }
-_RATIO_KEYS = ("num_sequences", "num_tokens", "clipped_tokens", "seq_ratio_sum", "seq_ratio_min",
+# The metric keys of a loss with an importance ratio (a row's metric_keys; gspo adds clipped_sequences).
+RATIO_KEYS = ("num_sequences", "num_tokens", "clipped_tokens", "seq_ratio_sum", "seq_ratio_min",
                "seq_ratio_max")
 
 
@@ -98,12 +99,12 @@ class LossSpec:
 
 LOSSES: Table[LossSpec] = Table("loss", LossSpec, (
     LossSpec("gspo", "gspo_megatron.algorithms.gspo:gspo_loss", GSPO_CLIP, "sequence",
-             _RATIO_KEYS + ("clipped_sequences",),
+             RATIO_KEYS + ("clipped_sequences",),
              "sequence-level ratio s_i = exp(mean log-ratio), clipped per sequence (Eqs. 5-7)",
              peers={"verl": ("gspo",), "roll": ("seq",), "slime": ("gspo",)}),
-    LossSpec("gspo_token", "gspo_megatron.algorithms.gspo:gspo_token_loss", GSPO_CLIP, "token", _RATIO_KEYS,
+    LossSpec("gspo_token", "gspo_megatron.algorithms.gspo:gspo_token_loss", GSPO_CLIP, "token", RATIO_KEYS,
              "GSPO-token: s_i per token with per-token advantages (Eqs. 13-14)"),
-    LossSpec("grpo", "gspo_megatron.algorithms.grpo:grpo_loss", GRPO_CLIP, "sequence", _RATIO_KEYS,
+    LossSpec("grpo", "gspo_megatron.algorithms.grpo:grpo_loss", GRPO_CLIP, "sequence", RATIO_KEYS,
              "GRPO baseline: token-level ratios (Eqs. 2-3)", also_token_advantages=True,
              aggregations=None, peers={"verl": ("vanilla",), "roll": ("token",), "slime": ("grpo",)}),
     LossSpec("ce", None, None, "sequence", ("num_sequences", "num_tokens"),

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Sequence, TypeVar
 import torch
 
 from gspo_megatron.sync.transports import TRANSPORTS, TransportRow
-from gspo_tables import load_object
+from gspo_tables import load_object, row_settings
 
 if TYPE_CHECKING:
     from rollout.servers.client import SGLangClient
@@ -129,8 +129,11 @@ def transport_class(name: str) -> type[Transport]:
 def make_transport(name: str, pool: ServerPool, *, hf_path: str, sync_dir: Callable[[], Path],
                    master_address: str, settings: object = None) -> Transport:
     """The transport `name` of TRANSPORTS, built for a training run (Transport.for_run) with its
-    row's settings."""
+    row's settings (None: the row's defaults, for a row that has settings)."""
+    row = TRANSPORTS.row(name, "sync.transport")
+    if settings is None:
+        settings = row_settings(row, {}, "sync.transport_args")
     transport = transport_class(name).for_run(pool, hf_path=hf_path, sync_dir=sync_dir,
                                               master_address=master_address, settings=settings)
-    transport.row = TRANSPORTS.row(name, "sync.transport")
+    transport.row = row
     return transport

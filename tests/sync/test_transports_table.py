@@ -1,34 +1,45 @@
-"""TRANSPORTS is the only table of weight-sync transports: every row names a Transport whose name
-is the row's and whose Sender is a Sender; the run config's `sync.transport` accepts exactly the
-table's names (its Literal is built from the table) and names them when it refuses one."""
+"""TRANSPORTS is the only table of weight-sync transports: every row names a Transport whose Sender is
+a Sender; the run config's `sync.transport` accepts exactly the table's rows (or a reference to one)
+and names them when it refuses one. A row a plug-in adds (GSPO_PLUGINS, docs/extending.md) runs the
+every-owner check: a real server, 2 ranks under EP2, with and without deltas."""
 from __future__ import annotations
 
-import typing
-
 import pytest
+
+from gspo_megatron.sync.transports import TRANSPORTS
+
+SHIPPED = ("disk", "tensor", "distributed")
 
 
 def test_every_row_names_its_transport_and_sender():
     from gspo_megatron.sync.transport_base import Sender, Transport, transport_class
-    from gspo_megatron.sync.transports import TRANSPORTS
-    assert set(TRANSPORTS) == {"disk", "tensor", "distributed"}
+    assert set(SHIPPED) <= set(TRANSPORTS)
     for name, row in TRANSPORTS.items():
         cls = transport_class(name)
-        assert issubclass(cls, Transport) and cls.name == name == row.name, (name, cls)
-        assert issubclass(cls.sender_type, Sender) and cls.sender_type is not Sender, (name, cls.sender_type)
-    assert [n for n, r in TRANSPORTS.items() if r.deltas] == ["tensor", "distributed"]
-    assert [n for n, r in TRANSPORTS.items() if r.folder_versions] == ["disk"]
-    with pytest.raises(ValueError, match=r"sync.transport='nccl': expected one of \['disk', 'distributed', 'tensor'\]"):
+        assert issubclass(cls, Transport) and row.name == name, (name, cls)
+        assert issubclass(cls.sender_type, Sender) and (cls.sender_type is not Sender or name not in SHIPPED), name
+    assert [n for n in SHIPPED if TRANSPORTS[n].deltas] == ["tensor", "distributed"]
+    assert [n for n in SHIPPED if TRANSPORTS[n].folder_versions] == ["disk"]
+    with pytest.raises(ValueError, match=r"sync.transport='nccl': expected one of disk, tensor, distributed"):
         transport_class("nccl")
 
 
-def test_the_config_takes_the_tables_names():
+def test_the_config_takes_the_tables_names_and_references():
     from gspo_megatron.config import ConfigError, SyncConfig
     from gspo_megatron.config.parsing import build
-    from gspo_megatron.sync.transports import TRANSPORTS
-    assert typing.get_args(typing.get_type_hints(SyncConfig)["transport"]) == tuple(TRANSPORTS)
     for name in TRANSPORTS:
         assert build(SyncConfig, {"transport": name}, "sync.").transport == name
+    ref = "gspo_megatron.sync.transports:TRANSPORTS"  # an object, but not a row
+    with pytest.raises(ConfigError, match=f"sync.transport='{ref}': .* is not a weight-sync transport"):
+        build(SyncConfig, {"transport": ref}, "sync.")
     with pytest.raises(ConfigError) as refused:
         build(SyncConfig, {"transport": "nccl"}, "sync.")
-    assert str(refused.value) == "sync.transport='nccl': expected " + " | ".join(repr(n) for n in TRANSPORTS)
+    assert str(refused.value) == ("sync.transport='nccl': expected one of " + ", ".join(TRANSPORTS)
+                                  + ", or package.module:Name naming a TransportRow")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in TRANSPORTS if n not in SHIPPED])
+def test_a_plug_in_transport_passes_the_every_owner_check(name, tmp_path):
+    from transport_check import check_every_owner
+    print(check_every_owner(name, tmp_path))

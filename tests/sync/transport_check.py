@@ -24,7 +24,12 @@ def _class_path(obj: object) -> str:
 
 
 def _watched(rank, world, name, ckpt, url, scratch):
+    import os
+
     import torch
+
+    from gspo_tables import import_plugins
+    import_plugins([m for m in os.environ.get("GSPO_PLUGINS", "").split(",") if m])  # a plug-in's row, here too
 
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
