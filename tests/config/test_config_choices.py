@@ -1,24 +1,38 @@
-"""`gspo-megatron config` lists a field's choices from its table (config/parsing.py CHOICES): every
-loss, estimator, shipped reward, environment, transport and model family with its description, and
-a row added to a table shows up without another edit."""
+"""Every table (gspo_tables.TABLES) is found everywhere from its rows alone: `gspo-megatron config` lists
+a field's choices from its table, every row with its description and its own settings; the config
+checks a name against the live table; the docs' generated tables and the peers' vocabularies are read
+off the rows. A row added at test time (each table's own kind of row, below) shows up in each of those
+places without another edit, and a table added without a row here fails the test that counts them."""
 from __future__ import annotations
 
 import dataclasses
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 from gspo_megatron.algorithms.advantage.table import ESTIMATORS, EstimatorSpec
-from gspo_megatron.algorithms.registry import LOSSES, LossSpec
-from gspo_megatron.config import RunConfig, describe_fields, field_docs
-from gspo_megatron.config.parsing import CHOICES, section_types
+from gspo_megatron.algorithms.registry import LOSSES, RATIO_KEYS, LossSpec
+from gspo_megatron.algorithms.terms import AGGREGATIONS, KL_ESTIMATORS, AggregationSpec, KLEstimatorSpec
+from gspo_megatron.config import RunConfig, config_from_dict, describe_fields, field_docs
+from gspo_megatron.config.parsing import TABLE, section_types
+from gspo_megatron.config.peers.migration import peer_names
 from gspo_megatron.sync.transports import TRANSPORTS, TransportRow
+from gspo_tables import TABLES, ConfigError, settings_fields
 from model_specs.families import FAMILIES, Family
 from model_specs.features.attention import QKNorm
 from rollout.envs import ENVIRONMENTS
-from rollout.rewards.registry import SHIPPED, Reward, RewardSpecError, ShippedReward, get_reward
+from rollout.prompts.formats import PROMPT_FORMATS, PromptFormat
+from rollout.rewards.registry import REWARDS, Reward, RewardSpec, RewardSpecError, get_reward
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import docs_tables  # noqa: E402
+
+BASE = {"model": {"hf_path": "/m"}, "rollout": {"prompts": "p.jsonl"}}
 
 
 def _line(text: str, section: str, field: str) -> str:
@@ -27,30 +41,38 @@ def _line(text: str, section: str, field: str) -> str:
     return next(x for x in lines[start + 1:] if x.startswith(f"  {field}:"))
 
 
-def _first_line(cls: type) -> str:
-    return cls.__doc__.strip().split("\n")[0].rstrip(".")
+def table_fields() -> list[tuple[str, str, dataclasses.Field]]:
+    """(section, field, the field) of every config field whose value names a row of a table."""
+    out = []
+    for section, cls in section_types(RunConfig).items():
+        if dataclasses.is_dataclass(cls):
+            out += [(section, f.name, f) for f in dataclasses.fields(cls) if TABLE in f.metadata]
+    return out
 
 
-def _family(f: Family) -> str:
-    return f"model_type {' or '.join(f.model_types)} ({', '.join(type(x).__name__ for x in f.features)})"
+@pytest.mark.parametrize("section,field,f", table_fields(), ids=[f"{s}.{n}" for s, n, _ in table_fields()])
+def test_every_row_is_listed_with_its_description_and_settings(section, field, f):
+    from gspo_megatron.config.parsing import CHOICES_LABEL, CHOOSE
+    table, choose = f.metadata[TABLE](), f.metadata.get(CHOOSE, lambda row: True)
+    line = _line(describe_fields(), section, field)
+    label = f.metadata.get(CHOICES_LABEL, "Choices")
+    rows = [f"{n}: {d}" + (f" (settings: {', '.join(settings_fields(table[n]))})" if settings_fields(table[n]) else "")
+            for n, d in table.choices().items() if choose(table[n])]
+    assert all(table.choices().values()), table.choices()
+    assert line.split(f" {label}: ", 1)[1] == "; ".join(rows) + "."
 
 
-LISTED = [  # section, field, label, the table's rows as the config lists them
-    ("model", "hf_path", "Families", lambda: {n: _family(f) for n, f in FAMILIES.items()}),
-    ("loss", "name", "Choices", lambda: {n: s.description for n, s in LOSSES.items() if s.rl}),
-    ("loss", "advantage_estimator", "Choices", lambda: {n: s.description for n, s in ESTIMATORS.items()}),
-    ("rollout", "reward", "Choices", lambda: {n: r.description for n, r in SHIPPED.items()}),
-    ("rollout", "environment", "Choices", lambda: {n: _first_line(c) for n, c in ENVIRONMENTS.items()}),
-    ("sync", "transport", "Choices", lambda: {n: r.description for n, r in TRANSPORTS.items()}),
-    ("eval", "reward", "Choices", lambda: {n: r.description for n, r in SHIPPED.items()}),
-]
+def test_the_config_command_prints_every_table():
+    out = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "config"], capture_output=True,
+                         text=True, check=True).stdout
+    for section, field, _ in table_fields():
+        assert _line(out, section, field) == _line(describe_fields(), section, field), (section, field)
 
 
-@pytest.mark.parametrize("section,field,label,rows", LISTED, ids=[f"{s}.{f}" for s, f, _, _ in LISTED])
-def test_every_row_is_listed_with_its_description(section, field, label, rows):
-    line, rows = _line(describe_fields(), section, field), rows()
-    assert all(description for description in rows.values()), rows
-    assert line.split(f" {label}: ", 1)[1] == "; ".join(f"{n}: {d}" for n, d in rows.items()) + "."
+@dataclass
+class ToySettings:
+    knob: int = 1
+    """A toy setting."""
 
 
 class ToyEnv:
@@ -58,67 +80,97 @@ class ToyEnv:
 
     Its later lines are not listed."""
 
+    name = "toy_env"
 
-ADDED = [  # the table, a row added at test time, the field that lists it, how it reads there
-    (LOSSES, LossSpec("toy_loss", "toy:toy_loss", None, "sequence", ("num_sequences",), "a toy loss"),
-     "loss", "name", "toy_loss: a toy loss"),
-    (ESTIMATORS, EstimatorSpec("toy_estimator", "group", "toy:toy", False, "a toy baseline", "nobody's"),
-     "loss", "advantage_estimator", "toy_estimator: a toy baseline"),
-    (SHIPPED, ShippedReward("choice", lambda sandbox: Reward("choice", len), "a letter A-J"),
-     "rollout", "reward", "choice: a letter A-J"),
-    (ENVIRONMENTS, ToyEnv, "rollout", "environment", "toy_env: A toy environment: one turn, reward 1"),
-    (TRANSPORTS, TransportRow("toy", "toy:ToyTransport", deltas=True, description="a toy transport"),
-     "sync", "transport", "toy: a toy transport"),
-    (FAMILIES, Family("toy_family", ("toy_a", "toy_b"), (QKNorm(),)),
-     "model", "hf_path", "toy_family: model_type toy_a or toy_b (QKNorm)"),
-]
+    def reset(self, record):
+        return "go"
+
+    def step(self, turn):
+        return None
 
 
-@pytest.mark.parametrize("table,row,section,field,listed", ADDED, ids=[a[-1].split(":")[0] for a in ADDED])
-def test_a_row_added_to_a_table_is_listed(monkeypatch, table, row, section, field, listed):
-    name = listed.split(":")[0]
+TOYS = {  # the table's what -> a row of it added at test time, the config field naming it, what it reads
+    "loss": (LossSpec("toy_loss", "toy:toy_loss", None, "sequence", RATIO_KEYS, "a toy loss", settings=ToySettings),
+             "loss", "name"),
+    "loss aggregation": (AggregationSpec("toy-mean", "toy:toy", "sequences", "a toy aggregation"),
+                         "loss", "loss_agg_mode"),
+    "KL estimator": (KLEstimatorSpec("toy_kl", "toy:toy", "a toy KL", peers={"verl": ("toy_kl_verl",)}),
+                     "loss", "kl_estimator"),
+    "advantage estimator": (EstimatorSpec("toy_estimator", "group", "toy:toy", False, "a toy baseline",
+                                          {"roll": ("toy_roll",)}, settings=ToySettings),
+                            "loss", "advantage_estimator"),
+    "weight-sync transport": (TransportRow("toy", "toy:ToyTransport", deltas=True, description="a toy transport",
+                                           settings=ToySettings), "sync", "transport"),
+    "reward": (RewardSpec("choice", lambda s: Reward("choice", len), "a letter A-J", settings=ToySettings),
+               "rollout", "reward"),
+    "environment": (ToyEnv, "rollout", "environment"),
+    "prompt format": (PromptFormat("toy_format", lambda p: False, lambda p, c: None, "a toy format"),
+                      "rollout", "prompt_format"),
+    "model family": (Family("toy_family", ("toy_a", "toy_b"), (QKNorm(),)), "model", "hf_path"),
+}
+
+
+def test_every_table_has_a_toy_row_here():
+    docs_tables.all_tables()  # every table module imported
+    assert set(TABLES) == set(TOYS), set(TABLES) ^ set(TOYS)
+
+
+@pytest.mark.parametrize("what", list(TOYS))
+def test_a_row_added_to_a_table_is_found_everywhere(what):
+    table = docs_tables.all_tables()[what]
+    row, section, field = TOYS[what]
+    name = table._name_of(row)
     assert name not in _line(describe_fields(), section, field)
-    monkeypatch.setitem(table, name, row)
-    assert _line(describe_fields(), section, field).endswith(f"; {listed}.")
+    with table.registered(row):
+        line = _line(describe_fields(), section, field)
+        own = " (settings: knob)" if getattr(row, "settings", None) else ""
+        assert f"; {name}: {table.choices()[name]}{own}" in line, line  # listed, with its settings
+        assert f"`{name}`" in docs_tables.render(table)  # the docs' generated table
+        for peer, theirs in (getattr(row, "peers", None) or {}).items():
+            assert peer_names(table, peer)[theirs[0]] == name  # the peers' vocabulary
+        if field != "hf_path":  # a family is named by the model's config.json, not by a field
+            value = {"loss_agg_mode": None, "kl_estimator": None}.get(field, name)
+            if value is not None:  # the config takes its name, and its settings under the section
+                data = {**BASE, section: {**BASE.get(section, {}), field: name}}
+                args = {"name": "loss_args", "advantage_estimator": "estimator_args", "transport": "transport_args",
+                        "reward": "reward_args"}.get(field)
+                if args:
+                    data[section][args] = {"knob": 3}
+                    assert config_from_dict(data)
+                    data[section][args] = {"knob": "many"}
+                    with pytest.raises(ConfigError, match=rf"^{section}.{args}.knob='many': expected int"):
+                        config_from_dict(data)
+                else:
+                    assert config_from_dict(data)
+    assert name not in table and name not in _line(describe_fields(), section, field)
 
 
-def test_a_row_without_a_description_is_listed_by_its_name(monkeypatch):
-    monkeypatch.setitem(TRANSPORTS, "toy", TransportRow("toy", "toy:ToyTransport", deltas=True))
-    assert _line(describe_fields(), "sync", "transport").endswith("; toy.")
+def test_an_unknown_name_is_refused_naming_the_live_rows():
+    with LOSSES.registered(LossSpec("toy_loss", "toy:toy_loss", None, "sequence", RATIO_KEYS, "a toy loss")):
+        with pytest.raises(ConfigError, match=r"loss.name='ppo': expected one of gspo, gspo_token, grpo, toy_loss, or "):
+            config_from_dict(BASE, ["loss.name=ppo"])
+    with REWARDS.registered(RewardSpec("choice", lambda s: Reward("choice", len), "a letter A-J")):
+        with pytest.raises(RewardSpecError, match="'nope': expected one of math, exact_match, format, code, choice,"):
+            get_reward("nope")
 
 
-def test_a_new_shipped_reward_is_named_wherever_the_shipped_names_are(monkeypatch):
-    """The names are listed from SHIPPED alone: rollout.reward's and eval.reward's choices in
-    `gspo-megatron config` and get_reward's error for an unknown name (registry.py's and
-    rollout/rewards' docstrings, and the peers' notes, point to the table instead)."""
-    monkeypatch.setitem(SHIPPED, "choice", ShippedReward("choice", lambda sandbox: Reward("choice", len),
-                                                         "a letter A-J against the row's answer"))
-    text = describe_fields()
-    for section in ("rollout", "eval"):
-        assert _line(text, section, "reward").endswith("; choice: a letter A-J against the row's answer.")
-    with pytest.raises(RewardSpecError, match="'code', 'choice'"):
-        get_reward("no_such_reward")
-
-
-def test_the_config_command_prints_every_table():
-    out = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "config"], capture_output=True,
-                         text=True, check=True).stdout
-    for section, field, label, rows in LISTED:
-        assert _line(out, section, field).endswith(
-            f" {label}: " + "; ".join(f"{n}: {d}" for n, d in rows().items()) + "."), (section, field)
+def test_a_row_named_by_reference_is_used_and_then_listed():
+    ref = "rollout.envs.guessing:GuessingGameEnv"
+    cfg = config_from_dict(BASE, [f"rollout.environment={ref}"])
+    assert cfg.rollout.environment == ref and ref in ENVIRONMENTS
+    assert f"; {ref}: Find a secret integer" in _line(describe_fields(), "rollout", "environment")
 
 
 def test_no_field_lists_its_table_by_hand():
     """A docstring that names two of its field's rows is a list written by hand: it goes stale."""
-    checked = 0
-    for section, cls in section_types(RunConfig).items():
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            if CHOICES in f.metadata:
-                named = [n for n in f.metadata[CHOICES]() if re.search(rf"\b{re.escape(n)}\b", docs[f.name])]
-                assert len(named) < 2, f"{section}.{f.name}'s docstring names {named}"
-                checked += 1
-    assert checked == len(LISTED)
+    for section, field, f in table_fields():
+        docs = field_docs(section_types(RunConfig)[section])
+        named = [n for n in f.metadata[TABLE]() if re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", docs[field])]
+        assert len(named) < 2, f"{section}.{field}'s docstring names {named}"
+
+
+def test_the_docs_generated_tables_are_current():
+    assert docs_tables.main(["--check"]) == 0, "run python tools/docs_tables.py"
 
 
 def test_a_field_without_a_table_has_no_choices():
