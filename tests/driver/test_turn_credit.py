@@ -104,7 +104,7 @@ class NotAnEnv:
 
 
 @pytest.mark.parametrize("spec,needle", [
-    ("calculatr", "expected one of ['calculator', 'guessing'] or 'package.module:ClassName'"),
+    ("calculatr", "expected one of calculator, guessing, or package.module:Name naming a class with reset() and step()"),
     ("no_such_module_xyz:Env", "cannot import 'no_such_module_xyz' (ModuleNotFoundError"),
     ("rollout.envs.calculator:Nope", "module 'rollout.envs.calculator' has no 'Nope'"),
     ("test_turn_credit:NotAnEnv", "'NotAnEnv' is not an environment class (needs reset() and step()"),

@@ -143,7 +143,7 @@ def _bad_inputs(tmp_path: Path) -> list[tuple[list[str], str]]:
          f"rollout.prompts={str(long)!r}: every one of the 1 prompts is longer than 16 tokens"),
         ([f"eval.prompts={verl}", "eval.interval=5", "eval.answer_key=nope"],
          f"eval.prompts: {verl} row 0: no key 'nope'"),
-        (["rollout.reward=no_such_module:fn"], "rollout.reward='no_such_module:fn': ModuleNotFoundError"),
+        (["rollout.reward=no_such_module:fn"], "rollout.reward='no_such_module:fn': cannot import 'no_such_module' (ModuleNotFoundError"),
     ]
 
 
