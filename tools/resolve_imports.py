@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--own", action="append", default=[], help="one more top-level package to count as own")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    from gspo_megatron.run.expected_warnings import quiet_expected_warnings
+    quiet_expected_warnings()  # megatron-core's lines at import on a CPU
     resolver = Resolver(own=(*OWN, *args.own))
     paths = args.paths or walked_files()
     problems = resolver.check(paths, follow=args.follow)
