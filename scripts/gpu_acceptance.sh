@@ -13,9 +13,10 @@
 #                                                         # families checked, --out writable
 #   bash scripts/gpu_acceptance.sh --dry-run --no-imports # the same without the imports: a second instead of five
 #   bash scripts/gpu_acceptance.sh --key gpu_check LOG    # the key figure the table shows for a row's log
-# --python PY: the interpreter (default $PYTHON, else .venv/bin/python, else python3: the GPU machine's,
-# where device_setup.sh installs megatron-core and TE). --gpu-kind a100|h100|h200 (default: nvidia-smi's
-# name). --root DIR: the checkout to run (default: this script's). Exit 1 if a row that ran failed.
+# --python PY: the interpreter (default $PYTHON, else .venv/bin/python, else python3: the GPU
+# machine's, where scripts/gpu/device_setup.sh installs megatron-core and TE). --gpu-kind
+# a100|h100|h200 (default: nvidia-smi's name). --root DIR: the checkout to run (default: this
+# script's). Exit 1 if a row that ran failed.
 # Rows 1.x run at once (correctness on tiny models: 8 processes share the GPU and 16 cores); rows
 # 2-4 measure time and memory, so each runs alone. The budgets add up to BUDGET_CAP seconds: with
 # the ~3 min set-up that is ~10 min of a 15-min visit, leaving time to rerun the failed rows once.
