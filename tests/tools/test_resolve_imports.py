@@ -75,5 +75,5 @@ def on_the_gpu():
     entry = tmp_path / "entry.py"
     entry.write_text("def main():\n    from probe_pkg import tool\n")
     followed = resolve(str(entry), "--own", "probe_pkg", "--follow", path=str(tmp_path))
-    assert followed.returncode == 1 and "tool.py:11: from gspo_megatron.actor import packing" in followed.stdout
+    assert followed.returncode == 1 and f"{tool}:11: from gspo_megatron.actor import packing" in followed.stdout
     assert resolve(str(entry), "--own", "probe_pkg", path=str(tmp_path)).returncode == 0
