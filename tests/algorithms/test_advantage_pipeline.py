@@ -1,7 +1,8 @@
 """The advantage pipeline's own properties (the peers' formulas: test_peer_*.py): grpo is GSPO
-Eq. 6 with exact zeros for equal rewards, group advantages sum to zero per group, a row's advantage is its tokens' (whitening weighs rows by their
-trained tokens), per-turn credit for both kinds of estimator, the KL in the reward left to the last
-stage by the driver, and the decision of one advantage per row or per token."""
+Eq. 6 with exact zeros for equal rewards, group advantages sum to zero per group, a row's advantage
+is its tokens' (whitening weighs rows by their trained tokens), per-turn credit for both kinds of
+estimator, the KL in the reward left to the last stage by the driver, and the decision of one
+advantage per row or per token."""
 from __future__ import annotations
 
 import pytest

@@ -109,11 +109,13 @@ def test_a_bad_scale_is_one_line_naming_it_and_the_range(scale):
 def test_key_refuses_a_missing_log_or_an_unknown_kind(tmp_path):
     log = tmp_path / "1.1.log"
     out = acceptance(SCRIPT, "--key", "gpu_check", str(log))
-    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"gpu_acceptance: --key gpu_check {log}: no such log file\n")
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == f"gpu_acceptance: --key gpu_check {log}: no such log file\n"
     log.write_text("a line\n")
     out = acceptance(SCRIPT, "--key", "gpu_chek", str(log))
     assert (out.returncode, out.stdout) == (2, "")
-    assert out.stderr == "gpu_acceptance: --key gpu_chek: not a kind of row (kinds: env gpu_check offload mfu logprobs plan)\n"
+    assert out.stderr == ("gpu_acceptance: --key gpu_chek: not a kind of row "
+                          "(kinds: env gpu_check offload mfu logprobs plan)\n")
     assert acceptance(SCRIPT, "--key", "gpu_check", str(log)).stdout == "a line\n"  # no table: the last line
 
 
