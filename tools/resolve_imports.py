@@ -133,8 +133,11 @@ class Resolver:
         if isinstance(e, ImportError):
             return (e.name or "").split(".")[0] in self.own
         frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<")]
-        return bool(frames) and Path(frames[-1].filename).resolve().is_relative_to(ROOT) and \
-            Path(frames[-1].filename).resolve().relative_to(ROOT).parts[0] in WALKED
+        if not frames:
+            return False
+        raised_in = Path(frames[-1].filename).resolve()
+        ours = [ROOT / d for d in WALKED] + [f.parent for p in self.own if (f := source_of(p)) is not None]
+        return any(raised_in.is_relative_to(d.resolve()) for d in ours)
 
     def is_module(self, module: str) -> bool:
         got = self.load(module)
@@ -148,14 +151,13 @@ class Resolver:
     def problems(self, imp: Import) -> list[str]:
         where = f"{imp.path.relative_to(ROOT) if imp.path.is_relative_to(ROOT) else imp.path}:{imp.line}"
         got = self.load(imp.module)
-        if isinstance(got, BaseException) and (self.ours(got) or source_of(imp.module) is None):
+        failed = isinstance(got, BaseException)
+        if failed and not self.is_module(imp.module):  # else it is resolved from its source
             return [f"{where}: {imp.text()}: {type(got).__name__}: {str(got).splitlines()[0]}"]
-        if isinstance(got, BaseException):
-            self.is_module(imp.module)  # recorded as resolved from source
         src = source_of(imp.module)
-        static = defined_names(src) if src and (isinstance(got, BaseException) or imp.type_checking) else set()
+        static = defined_names(src) if src and (failed or imp.type_checking) else set()
         return [f"{where}: {imp.text()}: {imp.module} has no {name!r}" for name in imp.names
-                if not ((not isinstance(got, BaseException) and hasattr(got, name)) or name in static
+                if not ((not failed and hasattr(got, name)) or name in static
                         or (source_of(f"{imp.module}.{name}") and self.is_module(f"{imp.module}.{name}")))]
 
     def check(self, paths: list[Path], follow: bool = False) -> list[str]:

@@ -39,6 +39,7 @@ def test_planted_bad_imports_are_named(tmp_path):
         "from typing import TYPE_CHECKING\nimport no_such_cuda_extension_xyz\n\n\ndef kernel():\n    pass\n\n\n"
         "if TYPE_CHECKING:\n    Alias = int\n")
     (pkg / "broken.py").write_text("from gspo_errors import NoSuchError\n")
+    (pkg / "raises.py").write_text("LIMIT = undefined_name + 1\n")  # our own bug, not a missing package
     tool = pkg / "tool.py"
     tool.write_text("""from typing import TYPE_CHECKING
 
@@ -56,20 +57,22 @@ def on_the_gpu():
     import rollout.no_such_module
     from .broken import x
     from gspo_megatron.planner.memory import Model as at_run_time
+    from .raises import LIMIT
 """)
     out = resolve(str(tool), "--own", "probe_pkg", path=str(tmp_path))
     assert out.returncode == 1, out.stdout + out.stderr
     problems = [line for line in out.stdout.splitlines() if line.startswith(str(tool))]
-    assert [p.split(": ", 2)[0].rsplit(":", 1)[1] for p in problems] == ["11", "13", "14", "15", "16"], problems
+    assert [p.split(": ", 2)[0].rsplit(":", 1)[1] for p in problems] == ["11", "13", "14", "15", "16", "17"], problems
     assert problems[0].endswith("from gspo_megatron.actor import packing: gspo_megatron.actor has no 'packing'")
     assert problems[1].endswith("from probe_pkg.gpu_only import nothing_here: probe_pkg.gpu_only has no "
                                 "'nothing_here'")
     assert "import rollout.no_such_module: ModuleNotFoundError" in problems[2]
     assert "from probe_pkg.broken import x: ImportError: cannot import name 'NoSuchError'" in problems[3]
     assert problems[4].endswith("gspo_megatron.planner.memory has no 'Model'")  # defined for the checker only
+    assert problems[5].endswith("from probe_pkg.raises import LIMIT: NameError: name 'undefined_name' is not defined")
     assert ("resolved from its source, not importable here (ModuleNotFoundError: No module named "
             "'no_such_cuda_extension_xyz'): probe_pkg.gpu_only") in out.stdout
-    assert "5 unresolved imports of own packages in 1 files" in out.stdout
+    assert "6 unresolved imports of own packages in 1 files" in out.stdout
 
     # --follow reaches the modules a file imports, and their function-level imports
     entry = tmp_path / "entry.py"
