@@ -22,7 +22,7 @@ from gspo_megatron.config import RunConfig
 from gspo_megatron.driver.evaluation import eval_due
 from gspo_megatron.driver.warm_start import sft_batch
 from gspo_megatron.parallel.rank_zero import on_driver
-from gspo_megatron.run.loop_metrics import PhaseTimer, step_metrics
+from gspo_megatron.run.loop_metrics import PhaseTimer, step_scalars
 from gspo_megatron.run.metrics import format_progress
 from gspo_megatron.run.recovery import receive_rows, sync_weights
 from gspo_megatron.run.model_files import export_hf, final_model_checkpoint
@@ -83,7 +83,7 @@ def run_loop(run: Run) -> None:
                 sync = sync_weights(run, saved)
             loop.step = step + 1
         producer = run.driver.producer if staleness and run.rank == 0 else None
-        metrics = step_metrics(batch_facts["metrics"], updates, old, sync, t, batch_facts["tokens"], shard,
+        metrics = step_scalars(batch_facts["metrics"], updates, old, sync, t, batch_facts["tokens"], shard,
                                transfer, producer)
         metrics.update(ckpt_time, **held_out)
         run.writer.log(step, metrics)  # before the checkpoint: a resume never loses a step's metrics

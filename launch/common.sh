@@ -2,7 +2,7 @@
 # Shared by launch/local.sh, launch/slurm/submit.sh and the sbatch scripts (sourced, never run).
 # Every parameter is a GSPO_* environment variable with the default below; the scripts' --options
 # set the same variables. `sbatch` exports the submitting environment, so a variable set at submit
-# time reaches every node. README_clusters.md is the user's guide; this file is the reference.
+# time reaches every node. docs/launch.md is the user's guide; this file is the reference.
 #
 #   GSPO_MODE              disaggregated | colocated (SLURM)    local.sh sets 'local' (one machine)
 #   GSPO_NODES             nodes in the allocation               2 (sbatch direct: the allocation's)

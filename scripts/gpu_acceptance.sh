@@ -8,18 +8,23 @@
 #   bash scripts/gpu_acceptance.sh --only failed          # rerun the rows that failed in the last run here
 #   bash scripts/gpu_acceptance.sh --only 1.7 --scale 2   # a row that ran out of time, with twice its budget
 #   bash scripts/gpu_acceptance.sh --dry-run              # on CPU: every command resolved, its flags parsed by
-#                                                         # the tool's own parser, its files and families checked
+#                                                         # the tool's own parser, every module of ours it reaches
+#                                                         # imported (function-level imports too), its files and
+#                                                         # families checked, --out writable
+#   bash scripts/gpu_acceptance.sh --dry-run --no-imports # the same without the imports: a second instead of five
 #   bash scripts/gpu_acceptance.sh --key gpu_check LOG    # the key figure the table shows for a row's log
-# --python PY: the interpreter (default $PYTHON, else .venv/bin/python, else python3: the GPU machine's,
-# where device_setup.sh installs megatron-core and TE). --gpu-kind a100|h100|h200 (default: nvidia-smi's
-# name). --root DIR: the checkout to run (default: this script's). Exit 1 if a row that ran failed.
+# --python PY: the interpreter (default $PYTHON, else .venv/bin/python, else python3: the GPU
+# machine's, where scripts/gpu/device_setup.sh installs megatron-core and TE). --gpu-kind
+# a100|h100|h200 (default: nvidia-smi's name). --root DIR: the checkout to run (default: this
+# script's). Exit 1 if a row that ran failed.
 # Rows 1.x run at once (correctness on tiny models: 8 processes share the GPU and 16 cores); rows
 # 2-4 measure time and memory, so each runs alone. The budgets add up to BUDGET_CAP seconds: with
 # the ~3 min set-up that is ~10 min of a 15-min visit, leaving time to rerun the failed rows once.
 set -uo pipefail
 BUDGET_CAP=450
+SCALE_MAX=10  # x10 takes the smallest budget (40 s) to the device tool's 600 s limit of one call
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUTDIR="${OUT:-}" PY="${PYTHON:-}" ONLY="" DRY=0 SCALE=1 GPU_KIND="" KEY=()
+OUTDIR="${OUT:-}" PY="${PYTHON:-}" ONLY="" DRY=0 IMPORTS=1 SCALE=1 GPU_KIND="" KEY=()
 die() { echo "gpu_acceptance: $*" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -30,6 +35,7 @@ while [[ $# -gt 0 ]]; do
     --gpu-kind) GPU_KIND="${2:?--gpu-kind needs a100, h100 or h200}"; shift 2 ;;
     --root) ROOT="$(cd "${2:?--root needs a folder}" && pwd)" || exit 2; shift 2 ;;
     --dry-run) DRY=1; shift ;;
+    --no-imports) IMPORTS=0; shift ;;
     --key) KEY=("${2:?--key needs a kind}" "${3:?--key needs a log}"); shift 3 ;;
     -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (--help lists them)" ;;
@@ -39,7 +45,8 @@ cd "$ROOT" || exit 2
 [[ -n "$PY" ]] || { PY="$ROOT/.venv/bin/python"; [[ -x "$PY" ]] || PY=python3; }
 command -v "$PY" >/dev/null || die "no python at $PY (--python PY)"
 export PYTHON="$PY"  # scripts/gpu_check.sh runs the same interpreter
-awk -v s="$SCALE" 'BEGIN { exit !(s > 0) }' 2>/dev/null || die "--scale $SCALE: expected a positive number"
+[[ "$SCALE" =~ ^([0-9]+[.]?[0-9]*|[.][0-9]+)$ ]] && awk -v s="$SCALE" -v m="$SCALE_MAX" 'BEGIN { exit !(s > 0 && s <= m) }' ||
+  die "--scale $SCALE: expected a number greater than 0 and at most $SCALE_MAX (a budget's factor)"
 if [[ -z "$GPU_KIND" ]]; then
   case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
     *H200*) GPU_KIND=h200 ;; *A100*) GPU_KIND=a100 ;; *) GPU_KIND=h100 ;;
@@ -153,7 +160,12 @@ key_of() {
   [[ -n "$key" ]] || key="$(grep -v '^[[:space:]]*$' "$log" | tail -1 | cut -c1-200)"
   echo "${key//|//}"
 }
-[[ ${#KEY[@]} -eq 0 ]] || { key_of "${KEY[@]}"; exit 0; }
+if [[ ${#KEY[@]} -gt 0 ]]; then
+  kinds=" "; for id in "${IDS[@]}"; do [[ ${KIND[$id]} == owed || "$kinds" == *" ${KIND[$id]} "* ]] || kinds+="${KIND[$id]} "; done
+  [[ "$kinds" == *" ${KEY[0]} "* ]] || die "--key ${KEY[0]}: not a kind of row (kinds:${kinds% })"
+  [[ -f "${KEY[1]}" && -r "${KEY[1]}" ]] || die "--key ${KEY[0]} ${KEY[1]}: no such log file"
+  key_of "${KEY[@]}"; exit 0
+fi
 
 # One row's result: rows/ID.tsv (id, rc, seconds, budget, key figure, command) here and in $STATE
 # (the latest result of each row on this machine), then the tables again (a killed run keeps them).
@@ -201,13 +213,19 @@ if [[ $DRY == 1 ]]; then
   echo "gpu_acceptance --dry-run: python $PY ($("$PY" -c 'import platform; print(platform.python_version())')), root $ROOT, GPU kind $GPU_KIND"
   write_plan_model || { echo "PROBLEM: row 4: the planner's model (benchmarks/mfu.py QWEN3_30B_LAYERS) was not written"; problems=1; }
   "$PY" -c 'import sys; compile(sys.argv[1], "env", "exec")' "$ENV_PY" || { echo "PROBLEM: row 0: its Python does not compile"; problems=1; }
+  if [[ -n "$OUTDIR" ]]; then  # the run writes there: the folder, or the nearest folder above that exists
+    at="$OUTDIR"; while [[ ! -e "$at" && "$at" != "$(dirname "$at")" ]]; do at="$(dirname "$at")"; done
+    probe="$(mktemp -d "$at/.gpu_acceptance_probe.XXXXXX" 2>/dev/null)" && rmdir "$probe" ||
+      { echo "PROBLEM: --out $OUTDIR: not writable ($at is $([[ -d "$at" ]] && echo "a folder that refuses a new entry" || echo "not a folder"))"; problems=1; }
+  fi
   tasks="$WORK/tasks.tsv"
   for id in "${SELECTED[@]}"; do
     [[ ${KIND[$id]} == env || ${KIND[$id]} == owed ]] || printf '%s\t%s\t%s\n' "$id" "${KIND[$id]}" "${ARGV[$id]}" >> "$tasks"
   done
   # Each command's arguments through the tool's own argparse parser, stopped once parsed (nothing
-  # runs), then what the row reads: the families, mfu.py's packed configurations, the planner's files.
-  [[ -f "$tasks" ]] && { "$PY" - "$tasks" <<'PY' || problems=1
+  # runs), every module of ours the tool reaches imported, then what the row reads: the families,
+  # mfu.py's packed configurations, the planner's files.
+  [[ -f "$tasks" ]] && { "$PY" - "$tasks" "$IMPORTS" <<'PY' || problems=1
 import argparse, contextlib, io, os, re, runpy, sys
 from pathlib import Path
 
@@ -238,6 +256,10 @@ def parse(rid, target, argv, module=False):
         return problems.append(f"row {rid}: {target}: {type(e).__name__}: {e}")
     problems.append(f"row {rid}: {target} ran without parsing its arguments")
 
+from gspo_megatron.run.expected_warnings import quiet_expected_warnings
+from tools.resolve_imports import Resolver, source_of
+quiet_expected_warnings()
+resolver, reached, imports = Resolver(), {}, sys.argv[2] == "1"
 lines = Path(sys.argv[1]).read_text().splitlines()
 for line in lines:
     rid, kind, *argv = [a for a in line.split("\t") if a]
@@ -254,6 +276,12 @@ for line in lines:
     else:
         target, module, argv = argv[1], False, argv[2:]
     ns = parse(rid, target, argv, module)
+    # every module the row runs, the imports inside its functions included (a GPU runs them first)
+    source = source_of(target) if module else Path(target)
+    if imports and source is not None and source.is_file():
+        if target not in reached:
+            reached[target] = resolver.check([source], follow=True)
+        problems += [f"row {rid}: {p}" for p in reached[target]]
     if ns is None:
         continue
     if hasattr(ns, "arch"):
@@ -279,7 +307,11 @@ for line in lines:
             problems.append(f"row {rid}: {e}")
         if not ns.check:
             problems.append(f"row {rid}: gspo-megatron plan without --check measures nothing")
-print(f"parsed the arguments of {len(lines)} commands with their tools' own parsers")
+print(f"parsed the arguments of {len(lines)} commands with their tools' own parsers; " + (
+      f"imported {sum(not isinstance(m, BaseException) for m in resolver.loaded.values())} modules of ours "
+      "they reach" if imports else "imported nothing (--no-imports)"))
+for module, why in sorted(resolver.from_source.items()):
+    print(f"resolved from its source, not importable here ({why}): {module}")
 for p in problems:
     print(f"PROBLEM: {p}")
 sys.exit(1 if problems else 0)

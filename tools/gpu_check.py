@@ -121,7 +121,8 @@ def _packed_vs_padded(hf_dir: Path, mcore: Path, batch, dtype, name: str, tol: f
     pack as one segment (rows attend to each other) must differ by more than tol in fp32."""
     from unittest import mock
 
-    from gspo_megatron.actor import packing, steps
+    from gspo_megatron.actor import steps
+    from gspo_megatron.actor.batching import packing
     from tools.gpu_check_cp import compare, on_policy_step
     seq_params = packing.PackedInputs.seq_params
     runs, leak = {}, None

@@ -1,6 +1,6 @@
 """Per-token log-probs (and entropies) of given targets from a vocab-parallel output layer.
 
-Two paths with the same results (tests/test_logprobs*.py hold them to 1e-5 of a dense log_softmax):
+Two paths with the same results (tests/actor/test_logprobs*.py hold them to 1e-5 of a dense log_softmax):
 
 - `vocab_parallel_token_logprobs(logits, targets)`: the straightforward one, from logits that exist
   as a tensor `[t, v/tp]`; plain autograd.

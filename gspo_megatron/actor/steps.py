@@ -35,7 +35,7 @@ returns this same full-row value: the loss sums each row over the CP group befor
 (The same in megatron-core 0.16 and 0.19.)
 The factors num_microbatches, dp_size and cp_size cancel exactly whatever the split: uneven row
 counts per rank and micro-batches of unequal size included (filler rows count 0 everywhere). With
-calculate_per_token_loss=True the schedule and DDP would skip the divisions; build.py/forward.py
+calculate_per_token_loss=True the schedule and DDP would skip the divisions; build.py and forward.py
 refuse it. tests/actor/test_actor_layouts.py checks the resulting parameters against one process with
 an optimizer that is linear in the gradient (Adam's usual first step, ~lr*sign(g), would hide a
 wrong scale), and that a deliberately wrong scale fails that check; tests/parallel/test_context.py

@@ -13,7 +13,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "group_advantages": "advantages", "turn_advantages": "advantages", "gspo_loss": "gspo", "gspo_token_loss": "gspo", "grpo_loss": "grpo",
+    "gspo_loss": "gspo", "gspo_token_loss": "gspo", "grpo_loss": "grpo",
     "kl_penalty": "kl", "token_kl": "kl", "combine_metrics": "loss_metrics",
     "finalize_metrics": "loss_metrics", "LOG_RATIO_CLAMP": "rows", "KL_ESTIMATORS": "terms", "AGGREGATIONS": "terms",
     "METRIC_REDUCTIONS": "registry", "LOSSES": "registry", "LossSettings": "registry",

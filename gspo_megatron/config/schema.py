@@ -161,7 +161,7 @@ class RolloutConfig(ManagerConfig, ServerHealthSettings):
     turn_credit: Literal["episode", "return_to_go"] = "episode"
     """How a multi-turn episode's rewards become advantages: episode = the episode return, one
     advantage per sequence (GSPO); return_to_go = each turn gets the rewards from that turn on,
-    normalised over the group (algorithms/advantages.turn_advantages), one advantage per token:
+    against its group's baseline and scale (driver/turn_credit.py), one advantage per token:
     needs loss.name=gspo_token."""
     turn_discount: float = 1.0
     """Discount of later turns' rewards in return_to_go."""

@@ -66,9 +66,9 @@ def turn_batch_advantages(settings: AdvantageSettings, samples: list[Sample], ro
 def turn_credit_advantages(samples: list[Sample], group_size: int, width: int | None, discount: float,
                            settings: AdvantageSettings | None = None) -> torch.Tensor:
     """Per-token advantages from per-turn rewards under `settings`' estimator (default: grpo,
-    algorithms/advantages.turn_advantages' rule), 0 off the trained tokens. Aligned like
-    TrainBatch: [b, width] padded, column t is token t of prompt + response; width=None: packed,
-    [sum of the rows' lengths]."""
+    (G_{i,k} - mean_j G_{j,1}) / (std_j G_{j,1} + 1e-6) over the episodes j of i's group), 0 off
+    the trained tokens. Aligned like TrainBatch: [b, width] padded, column t is token t of prompt +
+    response; width=None: packed, [sum of the rows' lengths]."""
     lengths = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in samples], dtype=torch.long)
     mask = torch.cat([torch.tensor([0] * len(s.prompt_ids) + list(s.loss_mask), dtype=torch.bool)
                       for s in samples]) if samples else torch.zeros(0, dtype=torch.bool)

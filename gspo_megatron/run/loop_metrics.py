@@ -3,7 +3,7 @@ with their meaning, in metrics.py).
 
     t = PhaseTimer()
     with t("train"): ...                         # time/train, and when it ran
-    metrics = step_metrics(rollout, updates, old, sync, t, shard, transfer, producer)
+    metrics = step_scalars(rollout, updates, old, sync, t, shard, transfer, producer)
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class PhaseTimer(dict):
         self.spans.setdefault(phase, []).append((m0, time.monotonic()))
 
 
-def step_metrics(rollout: dict[str, float], updates: list[dict[str, float]], old: dict[str, float],
+def step_scalars(rollout: dict[str, float], updates: list[dict[str, float]], old: dict[str, float],
                  sync: dict[str, float], t: PhaseTimer, tokens: float, shard: Any,
                  transfer: dict[str, float], producer: Any = None) -> dict[str, float]:
     """Every scalar of one step: the rollout's (rank 0's batch metrics), the updates' and the old

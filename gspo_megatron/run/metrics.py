@@ -211,14 +211,6 @@ LAYER_TAGS = {
 }
 
 
-def measures_time(tag: str) -> bool:
-    """A tag that measures how fast the machine was (seconds, throughput, busy fractions), not what
-    the run computed: two runs of the same seeds agree on every other tag (tests/trainer/test_trainer_resume.py)."""
-    return tag.startswith(("time/", "perf/")) or tag in {
-        "reward/p99_ms", "distill/teacher_time", "distill/teacher_tokens_per_s", "async/rollout_busy",
-        "async/train_busy", "async/overlap"}
-
-
 def documented(tag: str) -> bool:
     """The tag is in TAGS, is `<LAYER_TAGS key>_layer_<i>`, or an eval tag per data source
     (`eval/accuracy/<source>`, `eval/pass@k/<source>`)."""

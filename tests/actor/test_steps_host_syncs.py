@@ -124,12 +124,12 @@ def test_project_syncs_per_step_do_not_grow_with_micro_batches_or_layers():
 
 def test_counter_sees_a_sync_in_project_code():
     """The counter itself: a conversion in project code is seen per call; one here is not."""
-    from gspo_megatron.algorithms.advantages import turn_advantages
+    from gspo_megatron.actor.batching.balance import row_work
     with SyncCounter() as counter:
         counter.on = True
         torch.ones(1).item()  # the test's own: not counted
         assert sum(counter.project.values()) == 0
-        turn_advantages([[1.0], [0.0], [1.0], [1.0]], 2)  # bool() and float() of tensors, per group
+        row_work(torch.tensor([5, 7, 6, 9]), "tokens")  # float() of each row's length
         one = sum(counter.project.values())
-        turn_advantages([[1.0], [0.0], [1.0], [1.0], [0.0], [1.0]], 2)
+        row_work(torch.tensor([5, 7, 6, 9, 4, 8]), "tokens")
         assert one >= 2 and sum(counter.project.values()) == one + one * 3 // 2

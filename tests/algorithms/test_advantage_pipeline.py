@@ -1,7 +1,8 @@
-"""The advantage pipeline's own properties (the peers' formulas: test_peer_*.py): group
-advantages sum to zero per group, a row's advantage is its tokens' (whitening weighs rows by their
-trained tokens), per-turn credit for both kinds of estimator, the KL in the reward left to the last
-stage by the driver, and the decision of one advantage per row or per token."""
+"""The advantage pipeline's own properties (the peers' formulas: test_peer_*.py): grpo is GSPO
+Eq. 6 with exact zeros for equal rewards, group advantages sum to zero per group, a row's advantage
+is its tokens' (whitening weighs rows by their trained tokens), per-turn credit for both kinds of
+estimator, the KL in the reward left to the last stage by the driver, and the decision of one
+advantage per row or per token."""
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,24 @@ def test_group_advantages_sum_to_zero_per_group(name):
     rewards = torch.randn(8, generator=torch.Generator().manual_seed(0), dtype=F64)
     adv, _ = batch_advantages(AdvantageSettings(advantage_estimator=name), rewards, r)
     torch.testing.assert_close(adv.view(2, 4).sum(1), torch.zeros(2, dtype=F64), rtol=0, atol=1e-12)
+
+
+def test_grpo_is_eq6_and_a_group_of_equal_rewards_gets_exactly_zero():
+    """docs/algorithm.md property 9: A_i = (r_i - mean) / (std + 1e-6), the std of the set (no
+    Bessel correction, so a group of one is defined), and exactly 0 for a group of equal rewards:
+    by equality, not by a tiny std (0.1's mean over 7 need not give back 0.1 bit for bit)."""
+    rewards = torch.rand(24, generator=torch.Generator().manual_seed(0))
+    adv, _ = batch_advantages(AdvantageSettings(), rewards, rows([4] * 24, [2] * 24, 8))
+    groups = rewards.double().view(3, 8)
+    expected = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, correction=0, keepdim=True) + 1e-6)
+    torch.testing.assert_close(adv, expected.view(24), rtol=0, atol=1e-12)
+    equal = torch.tensor([0.1] * 7 + [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0], dtype=F64)
+    adv, _ = batch_advantages(AdvantageSettings(), equal, rows([4] * 14, [2] * 14, 7))
+    assert torch.equal(adv[:7], torch.zeros(7, dtype=F64)) and torch.isfinite(adv).all() and adv[7:].abs().sum() > 0
+    alone, _ = batch_advantages(AdvantageSettings(), torch.tensor([3.0, -1.0]), rows([4, 4], [2, 2], 1))
+    assert torch.equal(alone, torch.zeros(2, dtype=F64))
+    integers, _ = batch_advantages(AdvantageSettings(), torch.tensor([0, 1, 1, 0]), rows([4] * 4, [2] * 4, 4))
+    torch.testing.assert_close(integers, torch.tensor([-1.0, 1.0, 1.0, -1.0], dtype=F64), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))

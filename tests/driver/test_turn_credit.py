@@ -1,5 +1,5 @@
-"""Multi-turn pieces of the trainer that need no server: per-turn credit (the documented rule on a
-hand-computed episode), the chat template's environment tokens, the environment registry and its
+"""Multi-turn pieces of the trainer that need no server: per-turn credit (driver/turn_credit.py's
+rule on a hand-computed episode), the chat template's environment tokens, the environment registry and its
 errors, scripted warm-start episodes."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from fixtures_models import tiny_model_dir
-from gspo_megatron.algorithms.advantages import group_advantages, turn_advantages
+from gspo_megatron.algorithms.advantage.pipeline import BatchRows, batch_advantages
+from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.driver.turn_credit import turn_credit_advantages
 from gspo_megatron.driver.warm_start import demonstration
 from rollout.generation.chat import ChatTemplate
@@ -18,43 +19,55 @@ from rollout.envs import CalculatorEnv, EnvironmentSpecError, environment_class
 from rollout.generation.sample import Sample
 
 
-def test_turn_advantages_hand_computed():
+def _episode(index: int, turns: list[int], rewards: list[float], prompt: int = 3) -> Sample:
+    """An episode of model turns of these lengths, an environment turn of 2 tokens after each."""
+    s = Sample(0, index, {}, [7] * prompt, 20)
+    spans, at = [], 0
+    for k, n in enumerate(turns):
+        spans.append(["model", at, at + n])
+        at += n
+        if k < len(turns) - 1:
+            spans.append(["env", at, at + 2])
+            at += 2
+    s.response_ids = list(range(at))
+    s.loss_mask = [int(kind == "model") for kind, a, b in spans for _ in range(a, b)]
+    s.metadata = {"spans": spans, "turn_rewards": rewards}
+    return s
+
+
+def test_token_advantages_hand_computed_follow_the_model_spans():
     # a group of two episodes; rewards after each model turn; discount 0.5
     # ep 0: r = [0, 1, 2] -> G = [0 + 0.5*1 + 0.25*2, 1 + 0.5*2, 2] = [1.0, 2.0, 2.0]
     # ep 1: r = [3]       -> G = [3.0]
-    # group over G_{.,1} = [1, 3]: mean 2, std 1 -> A = (G - 2) / (1 + eps)
-    adv = turn_advantages([[0.0, 1.0, 2.0], [3.0]], group_size=2, discount=0.5, eps=0.0)
-    assert adv == [[-1.0, 0.0, 0.0], [1.0]]
-    # equal episode returns: zero everywhere (no NaN), like group_advantages
-    assert turn_advantages([[1.0, 0.0], [0.0, 1.0]], 2) == [[0.0, 0.0], [0.0, 0.0]]
+    # grpo over G_{.,1} = [1, 3]: mean 2, std 1 -> A = (G - 2) / (1 + 1e-6)
+    s, other = _episode(0, [2, 3, 1], [0.0, 1.0, 2.0]), _episode(1, [2], [3.0], prompt=1)
+    adv = turn_credit_advantages([s, other], group_size=2, width=16, discount=0.5)
+    scale = 1 + 1e-6
+    p = 3
+    assert adv[0, :p].tolist() == [0.0] * p
+    assert torch.allclose(adv[0, p:p + 2], torch.tensor(-1.0 / scale))
+    assert adv[0, p + 2:p + 4].tolist() == [0.0, 0.0]          # environment tokens
+    assert torch.allclose(adv[0, p + 4:p + 7], torch.tensor(0.0))
+    assert adv[0, p + 7:p + 9].tolist() == [0.0, 0.0]
+    assert torch.allclose(adv[0, p + 9:p + 10], torch.tensor(0.0))
+    assert torch.allclose(adv[1, 1:3], torch.tensor(1.0 / scale)) and adv[1, 3:].abs().sum() == 0
+    # equal episode returns: zero everywhere (no NaN)
+    equal = turn_credit_advantages([_episode(0, [1, 1], [1.0, 0.0]), _episode(1, [1, 1], [0.0, 1.0])], 2, None, 1.0)
+    assert equal.tolist() == [0.0] * equal.numel()
 
 
 def test_final_reward_only_equals_gspo_advantages():
+    """One reward at the end of each episode and discount 1: G_{i,k} = R_i for every turn, so
+    every token of an episode gets the episode's GSPO advantage."""
     rewards = [[0.0, 0.0, 1.0], [0.0, 0.0], [0.0, 0.0, 0.0, 0.5], [1.0]]
-    adv = turn_advantages(rewards, group_size=4)
-    seq = group_advantages(torch.tensor([sum(r) for r in rewards]), 4).tolist()
-    for turns, a in zip(adv, seq):
-        assert all(math.isclose(t, a, rel_tol=1e-6, abs_tol=1e-9) for t in turns)
-
-
-def test_token_advantages_follow_the_model_spans():
-    s = Sample(0, 0, {}, [7, 7, 7], 20)
-    s.response_ids = list(range(9))
-    s.loss_mask = [1, 1, 0, 0, 1, 1, 1, 0, 1]
-    s.metadata = {"spans": [["model", 0, 2], ["env", 2, 4], ["model", 4, 7], ["env", 7, 8], ["model", 8, 9]],
-                  "turn_rewards": [0.0, 1.0, 2.0]}
-    other = Sample(0, 1, {}, [7], 20)
-    other.response_ids, other.loss_mask = [1, 2], [1, 1]
-    other.metadata = {"spans": [["model", 0, 2]], "turn_rewards": [3.0]}
-    adv = turn_credit_advantages([s, other], group_size=2, width=12, discount=0.5)
-    want = turn_advantages([[0.0, 1.0, 2.0], [3.0]], 2, 0.5)
-    p = 3
-    assert adv[0, :p].tolist() == [0.0] * p
-    assert torch.allclose(adv[0, p:p + 2], torch.tensor(want[0][0]))
-    assert adv[0, p + 2:p + 4].tolist() == [0.0, 0.0]          # environment tokens
-    assert torch.allclose(adv[0, p + 4:p + 7], torch.tensor(want[0][1]))
-    assert torch.allclose(adv[0, p + 8:p + 9], torch.tensor(want[0][2]))
-    assert torch.allclose(adv[1, 1:3], torch.tensor(want[1][0])) and adv[1, 3:].abs().sum() == 0
+    episodes = [_episode(i, [2] * len(r), r) for i, r in enumerate(rewards)]
+    adv = turn_credit_advantages(episodes, group_size=4, width=None, discount=1.0)
+    rows = BatchRows(torch.tensor([1] * 4), torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.long), 1)
+    seq, _ = batch_advantages(AdvantageSettings(), torch.tensor([sum(r) for r in rewards]), rows)
+    mask = torch.cat([torch.tensor([0] * 3 + e.loss_mask, dtype=torch.bool) for e in episodes])
+    per_token = torch.repeat_interleave(seq.float(), torch.tensor([3 + len(e.response_ids) for e in episodes]))
+    assert torch.allclose(adv[mask], per_token[mask]) and adv[~mask].abs().sum() == 0
+    assert seq.abs().sum() > 0
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
-"""scripts/gpu_acceptance.sh on CPU: its dry run resolves every row of a GPU visit and puts each
-command's arguments through the tool's own parser, so the script cannot rot between visits (a GPU
-comes by chance; a flag renamed in between would cost a row of the visit), and the dry run names
-what rotted. The key figures of the summary table are read from the tools' own tables."""
+"""scripts/gpu_acceptance.sh on CPU: its dry run resolves every row of a GPU visit, puts each
+command's arguments through the tool's own parser and imports every module of ours the tool reaches
+(function-level imports too), so the script cannot rot between visits (a GPU comes by chance; a flag
+renamed in between would cost a row of the visit), and the dry run names what rotted. The key
+figures of the summary table are read from the tools' own tables. Bad options are one line."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +44,8 @@ def test_dry_run_resolves_every_row_within_the_budget():
     assert "benchmarks/logprobs_memory.py --device cuda --dtype bf16" in rows["3"][4]
     assert "gspo_megatron.cli plan " in rows["4"][4] and rows["4"][4].endswith("--check`")
     assert rows["5"][1] == "not run"  # owed: no NCCL mode in benchmarks/sync.py (docs/gpu.md)
-    assert "parsed the arguments of 11 commands with their tools' own parsers" in out.stdout
+    assert re.search(r"parsed the arguments of 11 commands with their tools' own parsers; imported \d+ modules "
+                     "of ours they reach", out.stdout), out.stdout
     # the rows 1.x share the machine: they cost their largest budget once
     budgets = {rid: int(cells[2]) for rid, cells in rows.items()}
     one_x = max(b for rid, b in budgets.items() if rid.startswith("1."))
@@ -65,18 +68,76 @@ def test_dry_run_names_what_rotted(tmp_path, good, rotted, named):
     assert good in text
     copy = tmp_path / "gpu_acceptance.sh"
     copy.write_text(text.replace(good, rotted))
-    out = acceptance(copy, "--dry-run")
+    out = acceptance(copy, "--dry-run", "--no-imports")  # the imports are the checkout's: the next test
     assert out.returncode == 1, out.stdout + out.stderr
     problems = [line for line in out.stdout.splitlines() if line.startswith("PROBLEM: ")]
     assert problems and all(named in p for p in problems), out.stdout
     assert out.stdout.rstrip().endswith("dry run: problems above")
 
 
+def test_dry_run_imports_what_a_row_runs(tmp_path):
+    """A function-level import that a move broke, in a tool a row runs only on a GPU: the dry run
+    imports every module of ours the tool reaches and names the file, the line and the name."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name not in ("tools", ".git"):
+            (checkout / entry.name).symlink_to(entry)
+    shutil.copytree(ROOT / "tools", checkout / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    tool = checkout / "tools" / "gpu_check.py"
+    moved = "    from gspo_megatron.actor.batching import packing\n"
+    assert moved in tool.read_text()
+    tool.write_text(tool.read_text().replace(moved, "    from gspo_megatron.actor import packing\n"))
+    out = subprocess.run(["bash", str(SCRIPT), "--root", str(checkout), "--python", sys.executable, "--dry-run",
+                          "--only", "1.5,2"], cwd=checkout, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    problems = [line for line in out.stdout.splitlines() if line.startswith("PROBLEM: ")]
+    line = next(n for n, text in enumerate(tool.read_text().splitlines(), 1)
+                if text == "    from gspo_megatron.actor import packing")
+    assert problems == [f"PROBLEM: row 1.5: tools/gpu_check.py:{line}: from gspo_megatron.actor import packing: "
+                        "gspo_megatron.actor has no 'packing'"], out.stdout
+
+
+@pytest.mark.parametrize("scale", ["abc", "1e9", "0", "-1", "11", "2x"])
+def test_a_bad_scale_is_one_line_naming_it_and_the_range(scale):
+    out = acceptance(SCRIPT, "--dry-run", "--no-imports", "--scale", scale)
+    assert out.returncode == 2 and out.stdout == "", out.stdout
+    assert out.stderr == (f"gpu_acceptance: --scale {scale}: expected a number greater than 0 and at most 10 "
+                          "(a budget's factor)\n")
+
+
+def test_key_refuses_a_missing_log_or_an_unknown_kind(tmp_path):
+    log = tmp_path / "1.1.log"
+    out = acceptance(SCRIPT, "--key", "gpu_check", str(log))
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == f"gpu_acceptance: --key gpu_check {log}: no such log file\n"
+    log.write_text("a line\n")
+    out = acceptance(SCRIPT, "--key", "gpu_chek", str(log))
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == ("gpu_acceptance: --key gpu_chek: not a kind of row "
+                          "(kinds: env gpu_check offload mfu logprobs plan)\n")
+    assert acceptance(SCRIPT, "--key", "gpu_check", str(log)).stdout == "a line\n"  # no table: the last line
+
+
+def test_dry_run_checks_that_out_is_writable(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    for out_dir, why in [(tmp_path / "a_file" / "out", f"{tmp_path / 'a_file'} is not a folder"),
+                         (Path("/proc/gspo_out/run1"), "/proc is a folder that refuses a new entry")]:
+        out = acceptance(SCRIPT, "--dry-run", "--no-imports", "--out", str(out_dir))
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert [line for line in out.stdout.splitlines() if line.startswith("PROBLEM")] == \
+            [f"PROBLEM: --out {out_dir}: not writable ({why})"]
+    fresh = tmp_path / "new" / "out"
+    out = acceptance(SCRIPT, "--dry-run", "--no-imports", "--out", str(fresh))
+    assert out.returncode == 0 and "PROBLEM" not in out.stdout, out.stdout
+    assert list(tmp_path.iterdir()) == [tmp_path / "a_file"]  # the dry run made nothing
+
+
 def test_only_takes_known_rows_in_row_order():
-    out = acceptance(SCRIPT, "--dry-run", "--only", "4,1.7 0")
+    out = acceptance(SCRIPT, "--dry-run", "--no-imports", "--only", "4,1.7 0")
     assert out.returncode == 0, out.stdout + out.stderr
     assert list(table_rows(out.stdout)) == ["0", "1.7", "4"]
-    out = acceptance(SCRIPT, "--dry-run", "--only", "1.9")
+    out = acceptance(SCRIPT, "--dry-run", "--no-imports", "--only", "1.9")
     assert out.returncode == 2 and "--only: no row 1.9" in out.stderr
 
 
@@ -126,5 +187,5 @@ def test_a_run_records_every_row_and_reruns_the_failed(tmp_path):
         assert (tmp_path / "out" / "logs" / f"{rid}.log").is_file()
     assert rows["5"][3] == "owed" and rows["5"][6].startswith("owed: benchmarks/sync.py has no NCCL mode")
     assert out.stdout.index("| 1.1 |") < out.stdout.index("--- 1.1 (")  # the table, then the failures' ends
-    again = run("--dry-run", "--only", "failed")
+    again = run("--dry-run", "--no-imports", "--only", "failed")
     assert again.returncode == 0 and list(table_rows(again.stdout)) == ["1.1", "1.8"], again.stdout

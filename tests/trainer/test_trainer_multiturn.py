@@ -26,6 +26,22 @@ def _args(run_dir: Path, url: str, **extra) -> list[str]:
     return ["examples/tiny_moe_calculator.yaml", *base_overrides(run_dir, url, **sets)]
 
 
+def _return_to_go_credit(turn_rewards: list[list[float]], group_size: int, discount: float) -> list[list[float]]:
+    """The documented rule (docs/algorithm.md, grpo): G_{i,k} = sum_{m >= k} discount^(m - k) r_{i,m},
+    A_{i,k} = (G_{i,k} - mean_j G_{j,1}) / (std_j G_{j,1} + 1e-6) over i's group, 0 where the
+    group's returns are all equal."""
+    returns = [[sum(discount ** (m - k) * r[m] for m in range(k, len(r))) for k in range(len(r))]
+               for r in turn_rewards]
+    out = []
+    for start in range(0, len(returns), group_size):
+        group = returns[start:start + group_size]
+        firsts = [g[0] for g in group]
+        mean = sum(firsts) / len(firsts)
+        std = (sum((x - mean) ** 2 for x in firsts) / len(firsts)) ** 0.5
+        out += [[0.0 if max(firsts) == min(firsts) else (x - mean) / (std + 1e-6) for x in g] for g in group]
+    return out
+
+
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "records.jsonl").read_text().splitlines()]
 
@@ -34,7 +50,6 @@ def test_multiturn_tp2_rows_rebuilt_from_records_and_resume(tmp_path, server_url
     import transformers
 
     from fixtures_models import tiny_model_dir
-    from gspo_megatron.algorithms.advantages import turn_advantages
     from gspo_megatron.run.metrics import read_jsonl, read_scalars
     from rollout.generation.chat import ChatTemplate
 
@@ -71,7 +86,7 @@ def test_multiturn_tp2_rows_rebuilt_from_records_and_resume(tmp_path, server_url
     # per-token advantages: the documented rule, group by group
     for step in (0, 1):
         rows = sorted((r for r in records if r["step"] == step), key=lambda r: r["row"])
-        want = turn_advantages([r["metadata"]["turn_rewards"] for r in rows], 4, 0.9)
+        want = _return_to_go_credit([r["metadata"]["turn_rewards"] for r in rows], 4, 0.9)
         for r, w in zip(rows, want):
             p = len(r["prompt_ids"])
             models = [(a, b) for kind, a, b in r["metadata"]["spans"] if kind == "model"]

@@ -63,8 +63,8 @@ def gdn_fields(hf: Mapping[str, Any], family: str, num_layers: int) -> dict[str,
                             f"{dims['linear_num_key_heads']}")
     return dict(
         experimental_attention_variant="gated_delta_net",
-        # megatron's per-layer pattern: 1 = linear attention (experimental_attention_variant_
-        # module_specs.py, get_linear_attention_pattern), 0 = full attention
+        # megatron's per-layer pattern: 1 = linear attention, 0 = full attention (megatron-core
+        # experimental_attention_variant_module_specs.py get_linear_attention_pattern, 0.16.1 and 0.19.2)
         linear_attention_freq=[int(t == "linear_attention") for t in types],
         **dims,
     )

@@ -26,7 +26,7 @@ Tensor parallelism: the up-projections and q_proj split their heads (column-para
 its input (row-parallel); the down-projections are whole on every rank (TELinear "duplicated" in
 the TE spec, `DuplicatedLinear` in the local one), their weights' gradients summed over TP like
 the sequence-parallel norms'. Checkpoint keys agree between the specs: the local spec's MLA
-layers save under the TE spec's keys (`te_checkpoint_keys`; the rest: norms.te_checkpoint_keys).
+layers save under the TE spec's keys (`mla_te_checkpoint_keys`; the rest: norms.te_checkpoint_keys).
 Sequence parallelism is required with TP > 1 (the MLA feature refuses it off): the shared rope
 key is gathered over the sequence (in get_query_key_value_tensors), whose backward sums every
 rank's heads' gradients; without it each rank would keep its own heads' share.
@@ -155,10 +155,10 @@ def adapt_mla_spec(spec: Any, *, local: bool, plain_q_proj: bool) -> Any:
             sub = dataclasses.replace(sub, q_layernorm=IdentityOp)
         return dataclasses.replace(s, submodules=sub, module=AdaptedMLASelfAttention)
     spec = rewrite_spec(spec, adapt)
-    return te_checkpoint_keys(spec) if local else spec
+    return mla_te_checkpoint_keys(spec) if local else spec
 
 
-def te_checkpoint_keys(spec: Any) -> Any:
+def mla_te_checkpoint_keys(spec: Any) -> Any:
     """A copy of a local block spec whose MLA layers save under the keys of the TE spec's MLA layer
     (megatron-core get_gpt_layer_with_transformer_engine_spec, multi_latent_attention; 0.16.1 and
     0.19.2), which megatron's local MLA spec does not map: the latents' norms are fused into the
