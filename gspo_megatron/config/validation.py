@@ -19,7 +19,7 @@ def validate(cfg: RunConfig) -> None:
     m, r, t, c = cfg.model, cfg.rollout, cfg.train, cfg.checkpoint
     need(bool(m.hf_path), "model.hf_path", m.hf_path, "a Hugging Face model directory")
     need(bool(r.prompts), "rollout.prompts", r.prompts,
-         "a prompt set (jsonl, parquet, a folder of them or saved by datasets, or a list)")
+         "a prompt set: a path or a list of paths, each of a format of rollout.prompt_format's choices")
     need(r.max_prompt_tokens is None or r.max_prompt_tokens >= 1, "rollout.max_prompt_tokens",
          r.max_prompt_tokens, ">= 1 or null")
     for name in ("server_health_interval_s", "server_health_timeout_s", "server_wait_s", "abort_timeout_s"):

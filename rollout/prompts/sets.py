@@ -1,6 +1,5 @@
-"""Prompt sets as users keep them: jsonl, parquet (a file, or a folder of shards as `datasets`
-writes them), a folder saved by `datasets.Dataset.save_to_disk`, or a list of these; each row
-mapped to a record by key paths.
+"""Prompt sets as users keep them: a path, or a list of paths, each read by a row of PROMPT_FORMATS
+(formats.py: jsonl, parquet and datasets' folders ship); each row mapped to a record by key paths.
 
     prompts = open_prompt_set(["data/train.parquet", "data/more.jsonl"], prompt_key="prompt",
                               answer_key="reward_model.ground_truth", cache_dir="runs/a/prompt_cache")
