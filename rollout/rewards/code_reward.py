@@ -63,6 +63,11 @@ PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
 FLOAT_TOLERANCE = 1e-6
 MAX_SCANNED_CHARS = 1 << 20
 """A response's first characters searched for code blocks (a 32k-token response is ~130k)."""
+RESULT_RATIO, RESULT_SLACK = 16, 4096
+"""A call's result is parsed only up to RESULT_SLACK + RESULT_RATIO x the expected value's JSON in
+characters: longer JSON cannot equal it (a float's repr is at most 24 characters, a character
+escaped at most 12), and a result of max_output_bytes in small numbers parsed whole is a list of
+a million objects in the worker."""
 MAX_RESULT_DEPTH = 200
 """Deepest nesting of a call's JSON result that is parsed; deeper fails the test (a result of
 "[" * 100000 would reach json's and the comparison's recursion)."""
@@ -192,17 +197,41 @@ def _close(got: float, expected: float) -> bool:
     return math.isclose(got, expected, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
 
 
+_BLANK = re.compile(r"\s*")
+_TOKEN = re.compile(r"\S+")
+
+
 def stdout_matches(got: str, expected: str) -> bool:
-    """Module docstring: trimmed lines, else tokens, with a tolerance only on expected floats."""
-    def lines(s: str) -> list[str]:
-        out = [line.rstrip() for line in s.replace("\r\n", "\n").split("\n")]
-        while out and not out[-1]:
-            out.pop()
-        return out
-    if lines(got) == lines(expected):
-        return True
-    a, b = got.split(), expected.split()
-    return len(a) == len(b) and all(_tokens_equal(x, y) for x, y in zip(a, b))
+    """Module docstring: trimmed lines, else tokens, with a tolerance only on expected floats. Both
+    compared as streams, a line or a token at a time: an output of max_output_bytes in small
+    tokens, split whole, was 1.4 million strings (84 MiB more in the worker while compared)."""
+    return _same_lines(got, expected) or _same_tokens(got, expected)
+
+
+def _same_lines(got: str, expected: str) -> bool:
+    """Equal after trimming trailing whitespace per line and trailing empty lines, the output's
+    lines compared where they lie (no copy of them)."""
+    g = e = 0
+    while g <= len(got) and e <= len(expected):
+        g_end, e_end = got.find("\n", g), expected.find("\n", e)
+        g_end, e_end = len(got) if g_end < 0 else g_end, len(expected) if e_end < 0 else e_end
+        want = expected[e:e_end].rstrip()  # ends in a character that is not whitespace, or is empty
+        if not (got.startswith(want, g, g_end) and _BLANK.fullmatch(got, g + len(want), g_end)):
+            return False
+        g, e = g_end + 1, e_end + 1
+    return bool(_BLANK.fullmatch(got, min(g, len(got))) and _BLANK.fullmatch(expected, min(e, len(expected))))
+
+
+def _same_tokens(got: str, expected: str) -> bool:
+    for a, b in itertools.zip_longest(_TOKEN.finditer(got), _TOKEN.finditer(expected)):
+        if a is None or b is None:
+            return False
+        want = b.group()
+        if a.end() - a.start() != len(want) and not _REAL.fullmatch(want):
+            return False  # not equal as text, and no tolerance: not read out of the output at all
+        if not _tokens_equal(a.group(), want):
+            return False
+    return True
 
 
 def values_equal(got: Any, expected: Any) -> bool:
@@ -223,14 +252,16 @@ def values_equal(got: Any, expected: Any) -> bool:
     return got == expected
 
 
-def call_result(out: str) -> tuple[bool, Any]:
+def call_result(out: str, max_chars: int | None = None) -> tuple[bool, Any]:
     """(found, value): the JSON after the harness's last marker line in a call's stdout. Bounded
-    before parsing: the stdout is capped (max_output_bytes), nesting past MAX_RESULT_DEPTH is
-    refused, and int() refuses more than 4300 digits."""
+    before parsing: the stdout is capped (max_output_bytes), a result longer than `max_chars` is
+    not parsed (output_passes: what could equal the expected value), nesting past MAX_RESULT_DEPTH
+    is refused, and int() refuses more than 4300 digits."""
     marker = CALL_MARKER.strip() + "\n"
-    if marker not in out:
+    at = out.rfind(marker)
+    if at < 0 or (max_chars is not None and len(out) - at - len(marker) > max_chars):
         return False, None
-    text = out.rsplit(marker, 1)[1]
+    text = out[at + len(marker):]
     if _nesting(text) > MAX_RESULT_DEPTH:
         return False, None
     try:
@@ -258,7 +289,7 @@ def output_passes(got: str, expected: Any, call: bool) -> bool:
     try:
         if not call:
             return stdout_matches(got, str(expected))
-        found, value = call_result(got)
+        found, value = call_result(got, RESULT_SLACK + RESULT_RATIO * len(json.dumps(expected)))
         return found and (values_equal(value, expected) or (isinstance(expected, list) and len(expected) == 1
                                                             and values_equal(value, expected[0])))
     except Exception:  # noqa: BLE001 - the program's output, never the sandbox's failure

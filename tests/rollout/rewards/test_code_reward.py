@@ -327,6 +327,26 @@ def test_a_lone_surrogate_in_the_program_fails_the_test(code):
     assert code.score(record, "```python\nprint(3)  # \udced\n```") == 0.0
 
 
+def test_a_large_output_of_small_tokens_is_compared_in_bounded_memory():
+    # 4 MiB of two-character tokens, split whole, were 1.4 million strings: 84 MiB more in the
+    # worker while compared; a call's result of small numbers parsed whole, a million objects
+    import tracemalloc
+    from rollout.rewards.code_reward import output_passes
+    tokens = "12 " * ((4 << 20) // 3)
+    result = "@@gspo-call-result@@\n[" + "1000, " * ((4 << 20) // 6) + "1]\n"
+    tracemalloc.start()
+    try:
+        assert not output_passes(tokens, "3\n", call=False)
+        assert not output_passes(tokens, " ".join(["12"] * 100) + "\n", call=False)
+        assert not output_passes(result, [1000, 1000], call=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert output_passes("12 " * 1000, ("12 " * 1000).strip(), call=False)
+    assert output_passes("@@gspo-call-result@@\n" + str([1000] * 1000) + "\n", [1000] * 1000, call=True)
+
+
 def test_a_long_run_of_backticks_is_scanned_in_linear_time():
     # the fence regular expression backtracked quadratically: 100k backticks took 12-21 s in a
     # worker, before the tests' budget started
