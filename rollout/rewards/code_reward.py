@@ -32,7 +32,8 @@ expected within the same tolerance; tuples as lists. (LiveCodeBench compares suc
 decimals, verl's APPS checks try a float tolerance first: this is the strict end.) Whatever the
 program prints is an answer: an output that cannot be parsed or compared (an int past int()'s 4300
 digits, JSON nested past MAX_RESULT_DEPTH, 10**400 against a float) fails the test; only the
-sandbox's own failure raises, a reward error.
+sandbox's own failure to start a run raises (SandboxFailure: the machine's, scored as such and never
+a reward error, scoring.py).
 
 Time: each test has its limit, and the whole scoring of one response, from the call's start, has a
 budget below the reward call's bound (code_sandbox.tests_budget_s, by default rollout.reward_timeout_s
@@ -55,7 +56,7 @@ import time
 import zlib
 from typing import Any
 
-from rollout.rewards.sandbox.run import Sandbox
+from rollout.rewards.sandbox.run import Sandbox, SandboxFailure
 from rollout.rewards.settings import DEFAULT_REWARD_TIMEOUT_S, CodeSandboxSettings
 
 _TAG = re.compile(r"[A-Za-z0-9_+-]*")
@@ -367,6 +368,6 @@ class CodeReward:
 
     @staticmethod
     def _check(result: Any) -> None:
-        if result.status == "sandbox_error":  # ours, not the program's: a reward error, counted
-            raise RuntimeError(f"the code sandbox failed to start: "
-                               f"{result.stderr_tail.decode(errors='replace').strip()[-300:]}")
+        if result.status == "sandbox_error":  # ours, not the program's: never the response's reward error
+            raise SandboxFailure(f"the code sandbox failed to start a run (not the response's doing): "
+                                 f"{result.stderr_tail.decode(errors='replace').strip()[-300:]}")

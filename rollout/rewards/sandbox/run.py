@@ -86,9 +86,22 @@ PREFERRED_PYTHON = "/usr/bin/python3"
 """The system's interpreter, preferred: it needs only the system's libraries."""
 
 
+SET_UP_TRIES, SET_UP_BACKOFF_S = 3, 0.05
+"""Starts of one run whose set-up failed (the program never ran, so trying again is safe), the
+first retry after SET_UP_BACKOFF_S, each next one 4 times later: a host budget spent for a moment
+by someone else (the BPF JIT's, which every run's filter takes from) is not a failed response."""
+
+
 class SandboxUnavailable(GspoError, RuntimeError):
     """The sandbox cannot run here as configured (no namespaces where they are required, no
     interpreter the sandbox user can run); the message says why and what to set."""
+
+
+class SandboxFailure(GspoError, RuntimeError):
+    """The sandbox failed to start a run, SET_UP_TRIES times: the machine's failure, not the
+    response's. Scored with status "sandbox" (scoring.py): counted and said, never a reward error."""
+
+    score_status = "sandbox"
 
 
 @dataclasses.dataclass
@@ -133,6 +146,8 @@ class Sandbox:
         """Processes of earlier runs still exiting when their run ended: reaped by a later run."""
         self.landlock = 0
         """process mode: the Landlock ABI that confines the runs' files, 0: none."""
+        self.set_up_failures = 0
+        """Runs whose set-up failed and were started again (SET_UP_TRIES)."""
 
     # --- what this machine allows --------------------------------------------------------------
     def _prefix(self, mode: str) -> list[str]:
@@ -222,7 +237,15 @@ class Sandbox:
         """The program on one input, within the limits (module docstring), and over by `deadline`
         (time.monotonic()) whatever the limit, set-up included: then its status is "timeout"."""
         self.probe()
-        return self._run_once(program, stdin, time_limit_s or self.settings.time_limit_s, deadline)
+        limit = time_limit_s or self.settings.time_limit_s
+        for attempt in range(SET_UP_TRIES):
+            result = self._run_once(program, stdin, limit, deadline)
+            left = (deadline or math.inf) - time.monotonic()
+            if result.status != "sandbox_error" or attempt == SET_UP_TRIES - 1 or left <= 0:
+                return result
+            self.set_up_failures += 1
+            time.sleep(min(SET_UP_BACKOFF_S * 4 ** attempt, left))
+        return result
 
     def _processes(self) -> int:
         s = self.settings
