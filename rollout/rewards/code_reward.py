@@ -341,15 +341,16 @@ class CodeReward:
             return 0.0
         limit = suite.time_limit_s or self.settings.time_limit_s
         passed = 0
-        for case in suite.cases:
-            if time.monotonic() >= deadline:
-                break  # the budget is spent: the tests not run count as failed
-            status, ok = self._run_case(program, suite.fn_name, case, limit, deadline)
-            passed += ok
-            if status == "timeout":
-                break  # a program that timed out once would spend the rest of the budget the same way
-            if not ok and self.settings.scoring == "all_pass":
-                return 0.0
+        with self.sandbox.session():  # gVisor: one sandbox for this response's tests, none shared with another's
+            for case in suite.cases:
+                if time.monotonic() >= deadline:
+                    break  # the budget is spent: the tests not run count as failed
+                status, ok = self._run_case(program, suite.fn_name, case, limit, deadline)
+                passed += ok
+                if status == "timeout":
+                    break  # a program that timed out once would spend the rest of the budget the same way
+                if not ok and self.settings.scoring == "all_pass":
+                    return 0.0
         return passed / len(suite.cases) if self.settings.scoring == "fraction" else float(passed == len(suite.cases))
 
     def _run_case(self, program: str, fn_name: str | None, case: Case, limit: float,

@@ -87,7 +87,9 @@ def test_integers_and_strings_compare_exactly():
 
 @pytest.fixture(scope="module")
 def code() -> CodeReward:
-    return CodeReward(CodeSandboxSettings(time_limit_s=2.0, max_output_bytes=1 << 20))
+    reward = CodeReward(CodeSandboxSettings(time_limit_s=2.0, max_output_bytes=1 << 20))
+    reward.sandbox.probe()  # as a reward worker does before its first call (warm)
+    return reward
 
 
 @pytest.mark.slow
@@ -147,6 +149,7 @@ def test_hostile_programs_score_zero_within_the_limit_and_leave_nothing(code, tm
     with pytest.raises(socket.timeout):
         listener.accept()
     assert not outside.exists()
+    code.sandbox.close()  # gVisor's spare sandbox, started ahead for a next response, holds no program
     left = [p for p in psutil.process_iter() if _tagged(p, code.sandbox.tag)]
     assert left == []
 

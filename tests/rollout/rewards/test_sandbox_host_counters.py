@@ -1,9 +1,10 @@
 """Numbers the whole host shares, that a run could read or move and that outlive it
-(rollout/rewards/sandbox/seccomp.py, cgroup.py): a copycat with no task logic scored 1.0 right
-after a solver sibling that published the row's answer in one of them, and 0 alone. Each channel
-the red team found is a solver and a copycat here, scored by the code reward in both isolation
-modes of the shared kernel; and what the host keeps of a run (negative dentries, a lock on a
-bound file, the BPF JIT budget of socket and seccomp filters, sysinfo's view of the host)."""
+(rollout/rewards/sandbox/seccomp.py, cgroup.py, gvisor.py): a copycat with no task logic scored 1.0
+right after a solver sibling that published the row's answer in one of them, and 0 alone. Each
+channel the red team found is a solver and a copycat here, scored by the code reward in every
+backend (gVisor, where a response's tests have a kernel of their own, and both modes of the shared
+kernel, where the filter refuses the calls); and what the host keeps of a run (negative dentries, a
+lock on a bound file, the BPF JIT budget of socket and seccomp filters, sysinfo's view of the host)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ from rollout.rewards.code_reward import CodeReward
 from rollout.rewards.settings import CodeSandboxSettings
 
 pytestmark = pytest.mark.slow
-MODES = ["namespaces", "process"]
+MODES = ["gvisor", "namespaces", "process"]
+SHARED_KERNEL = ("namespaces", "process")
 ANSWER = 40
 """The row's answer: a multiple of 8 below 64, so the copycat's reading survives up to 7 other
 moves of the counter between the two runs (the worker's own memfd of the program among them)."""
@@ -116,6 +118,8 @@ print(out)
 def test_no_pidfd_by_any_route(code):
     # a pidfd's inode number comes from one counter for the host (pidfs): pidfd_open was refused
     # in process mode only, and clone(CLONE_PIDFD) and a unix socket's SO_PEERPIDFD passed
+    if code.settings.isolation not in SHARED_KERNEL:
+        pytest.skip("gVisor's pidfds are its own (a fresh Sentry per response: the copycat test)")
     r = code.sandbox.run(PIDFDS, b"", 5.0)
     assert r.status == "ok", r.stderr_tail
     got = eval(r.stdout)  # noqa: S307 - the program's print of a dict of errnos
@@ -123,9 +127,9 @@ def test_no_pidfd_by_any_route(code):
 
 
 FILTERS = """
-import ctypes, socket, struct
+import ctypes, socket, struct, time
 libc = ctypes.CDLL(None, use_errno=True)
-code = struct.pack("HBBI", 0x06, 0, 0, 0xFFFF) * 4096          # BPF_RET 0xffff, 4096 times: the largest
+code = struct.pack("HBBI", 0x06, 0, 0, 0x7FFF0000) * 4096      # return "allow", 4096 times: the largest
 program = ctypes.create_string_buffer(code)
 fprog = struct.pack("HL", 4096, ctypes.addressof(program))
 held, attached = [], 0
@@ -143,20 +147,42 @@ own = Fprog(4096, ctypes.addressof(program))
 libc.prctl(38, 1, 0, 0, 0)
 by_prctl = libc.prctl(22, 2, ctypes.byref(own), 0, 0)               # PR_SET_SECCOMP, a filter of its own
 by_call = libc.syscall(317 if __import__("os").uname().machine == "x86_64" else 277, 1, 0, ctypes.byref(own))
-print(attached, by_prctl, by_call)
+print(attached, by_prctl, by_call, flush=True)
+time.sleep(1.0)                                                     # held while the host looks
 """
 
 
-def test_no_socket_or_seccomp_filter_of_its_own(code):
+def _bpf_vmalloc_bytes() -> int:
+    """The host's memory of BPF programs (their images and JIT packs), from /proc/vmallocinfo."""
+    total = 0
+    with open("/proc/vmallocinfo") as f:
+        for line in f:
+            if "bpf_prog" in line or "bpf_jit" in line:
+                total += int(line.split()[1])
+    return total
+
+
+def test_no_socket_or_seccomp_filter_takes_the_hosts_bpf_budget(code):
     # classic BPF socket filters and seccomp filters are JIT-compiled into host memory no cgroup
     # counts, under one budget for the host (bpf_jit_limit, 504 MiB here): one run took 58-212 MiB
     # of it, and with it spent every sandbox's own filter failed to install ("seccomp [Errno 524]"),
     # a reward error that stopped the run. 64 filters of 4096 instructions here (a few MiB, given
-    # back when the run ends): none may attach
-    r = code.sandbox.run(FILTERS, b"", 5.0)
+    # back when the run ends): the host's BPF memory does not grow while the run holds them
+    if not os.access("/proc/vmallocinfo", os.R_OK):
+        pytest.skip("the host's BPF memory is read from /proc/vmallocinfo (root)")
+    base = _bpf_vmalloc_bytes()
+    result, peak = [], base
+    thread = threading.Thread(target=lambda: result.append(code.sandbox.run(FILTERS, b"", 5.0)))
+    thread.start()
+    while thread.is_alive():
+        peak = max(peak, _bpf_vmalloc_bytes())
+        time.sleep(0.05)
+    thread.join()
+    r = result[0]
     assert r.status == "ok", r.stderr_tail
-    attached, by_prctl, by_call = r.stdout.split()
-    assert (attached, by_prctl, by_call) == (b"0", b"-1", b"-1"), r.stdout
+    assert peak - base < 1 << 20, (base, peak, r.stdout)  # 64 filters: ~2.5 MiB, held for a second
+    if code.settings.isolation in SHARED_KERNEL:
+        assert r.stdout.split() == [b"0", b"-1", b"-1"], r.stdout
 
 
 SYSINFO = """
@@ -171,7 +197,11 @@ def test_sysinfo_tells_nothing_of_the_host(code):
     # sysinfo(2) answered the host's load, free memory and process count in every mode
     r = code.sandbox.run(SYSINFO, b"", 5.0)
     assert r.status == "ok", r.stderr_tail
-    assert r.stdout.split()[0] == b"-1", r.stdout
+    rc, load, free, procs = r.stdout.split()
+    if code.settings.isolation in SHARED_KERNEL:
+        assert rc == b"-1", r.stdout
+    else:  # gVisor's answer: its own processes (the runner and the program)
+        assert rc == b"0" and int(procs) < 8, r.stdout
 
 
 def _negative_dentries() -> int:
@@ -197,10 +227,10 @@ def test_a_run_leaves_no_negative_dentries(code):
     if code.sandbox.cgroups is None:
         pytest.skip("without a cgroup nothing empties what a run leaves (docs/rewards.md)")
     before = _negative_dentries()
-    r = code.sandbox.run(LOOK_UP_MISSING, b"100000\n", 10.0)
+    r = code.sandbox.run(LOOK_UP_MISSING, b"30000\n", 20.0)  # gVisor: ~0.1 ms a lookup, through its Gofer
     assert r.stdout == b"done\n", r.stderr_tail
     time.sleep(0.2)
-    assert _negative_dentries() - before < 20_000, (before, _negative_dentries())  # others' come and go
+    assert _negative_dentries() - before < 10_000, (before, _negative_dentries())  # others' come and go
 
 
 HOLD_LOCK = """
@@ -244,8 +274,12 @@ def test_no_lock_on_a_host_file_between_runs_alive_at_once(code):
         r = code.sandbox.run(TEST_LOCK, b"", 5.0)
     finally:
         thread.join()
-    assert holder[0].stdout.startswith(b"refused 37"), holder[0].stdout  # ENOLCK
-    assert r.stdout == b"refused 37 getlk refused 37\n", r.stdout
+    if code.settings.isolation in SHARED_KERNEL:
+        assert holder[0].stdout.startswith(b"refused 37"), holder[0].stdout  # ENOLCK
+        assert r.stdout == b"refused 37 getlk refused 37\n", r.stdout
+    else:  # gVisor's locks are its Sentry's: another response's sandbox holds none of them
+        assert holder[0].stdout.startswith(b"locked"), holder[0].stdout
+        assert r.stdout.startswith(b"free"), r.stdout
 
 
 def test_the_honest_path_is_exact_in_both_shared_kernel_modes(code):
