@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from rollout.rewards.sandbox.cgroup import RunCgroup
-from rollout.rewards.sandbox.reaping import reap
+from rollout.rewards.sandbox.reaping import adopting_for_good, reap
 
 RUNNER_SOURCE = (Path(__file__).parent / "gvisor_runner.py").read_text()
 RUNSC_PACKAGE = "runsc"
@@ -86,8 +86,9 @@ def ensure_runsc(log: Callable[[str], None]) -> str:
         log(f"code sandbox: installing Debian's {RUNSC_PACKAGE} (gVisor) for rollout.code_sandbox.isolation "
             "(first use on this machine: apt-get install, about 10-30 s)")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        for argv in (["apt-get", "update", "-qq"],
-                     ["apt-get", "install", "-y", "-qq", "--no-install-recommends", RUNSC_PACKAGE]):
+        wait = ["-o", f"DPkg::Lock::Timeout={int(INSTALL_LIMIT_S / 2)}"]  # another apt-get at work (a test's Slurm)
+        for argv in (["apt-get", *wait, "update", "-qq"],
+                     ["apt-get", *wait, "install", "-y", "-qq", "--no-install-recommends", RUNSC_PACKAGE]):
             try:
                 done = subprocess.run(argv, capture_output=True, text=True, timeout=INSTALL_LIMIT_S, env=env)
             except (OSError, subprocess.TimeoutExpired) as e:
@@ -295,6 +296,7 @@ class GvisorBackend:
     def __init__(self, runsc: str, bundle: Bundle, state: Path, make_cgroup: Callable[[], RunCgroup | None],
                  preexec: Callable[[RunCgroup | None], Callable[[], None]], env: dict[str, str]) -> None:
         self.runsc, self.bundle, self.state, self.env = runsc, bundle, state, env
+        adopting_for_good()  # a Sentry outlives its runsc, killed first: it comes here, not to PID 1
         self.make_cgroup, self.preexec = make_cgroup, preexec
         self.current: Session | None = None
         self.spare: Session | None = None
