@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from rollout.rewards.sandbox.cgroup import RunCgroup
-from rollout.rewards.sandbox.reaping import adopting_for_good, reap
+from rollout.rewards.sandbox.reaping import adopting, children_of, reap, start_ticks
 
 RUNNER_SOURCE = (Path(__file__).parent / "gvisor_runner.py").read_text()
 RUNSC_PACKAGE = "runsc"
@@ -154,6 +154,7 @@ class Session:
 
     def __init__(self, proc: subprocess.Popen, name: str, state: Path, cgroup: RunCgroup | None) -> None:
         self.proc, self.name, self.state, self.cgroup = proc, name, state, cgroup
+        self.started = start_ticks(proc.pid)
         self.up = False
         self.failed = ""
 
@@ -212,17 +213,19 @@ class Session:
 
     def close(self) -> None:
         """Kill the sandbox (its runsc, Sentry, Gofer and stubs: the session's cgroup), wait for it,
-        empty and remove its cgroup, remove its state."""
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                stream.close()
-            except OSError:
-                pass
-        self.kill()
-        seen = self.cgroup.remove() if self.cgroup is not None else set()  # the Sentry is a session of its own
-        self.proc.wait()
-        # what runsc's death left to this process (a subreaper while a shared-kernel run lives)
-        reap(seen - {self.proc.pid}, self.proc.pid, time.monotonic() + REAP_WAIT_S)
+        reap what runsc's death left to this process, empty and remove its cgroup, remove its state."""
+        with adopting():  # the Sentry and the Gofer outlive runsc, killed first: they come here, not to PID 1
+            tree = _descendants(self.proc.pid)  # before anything ends: a zombie leaves its cgroup's list
+            self.kill()
+            for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+            seen = self.cgroup.remove() if self.cgroup is not None else set()  # the Sentry is a session of its own
+            self.proc.wait()
+            reap((seen | tree) - {self.proc.pid}, self.proc.pid, time.monotonic() + REAP_WAIT_S)
+            _reap_strays(self.started)
         shutil.rmtree(self.state / self.name, ignore_errors=True)
 
     def _stderr(self) -> str:
@@ -249,6 +252,33 @@ def worker_folder() -> Path:
         except (ValueError, OSError):
             pass
     return Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
+
+
+def _reap_strays(since: int) -> None:
+    """Reap the zombies of gVisor's processes (runsc re-executes itself: `exe`) that came to this
+    process after `since` (clock ticks) while another session's end made it a subreaper: a Sentry
+    that died under its program left its Gofer and stubs before its own session ended."""
+    for pid in children_of(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                head, _, rest = f.read().rpartition(b")")
+        except OSError:
+            continue
+        fields = rest.split()
+        if head.endswith(b"(exe") and fields[0] == b"Z" and int(fields[19]) >= since:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        found = children_of(todo.pop())
+        out.update(found)
+        todo += found
+    return out
 
 
 def _read_line(fd: int, until: float) -> bytes:
@@ -296,7 +326,6 @@ class GvisorBackend:
     def __init__(self, runsc: str, bundle: Bundle, state: Path, make_cgroup: Callable[[], RunCgroup | None],
                  preexec: Callable[[RunCgroup | None], Callable[[], None]], env: dict[str, str]) -> None:
         self.runsc, self.bundle, self.state, self.env = runsc, bundle, state, env
-        adopting_for_good()  # a Sentry outlives its runsc, killed first: it comes here, not to PID 1
         self.make_cgroup, self.preexec = make_cgroup, preexec
         self.current: Session | None = None
         self.spare: Session | None = None
@@ -352,9 +381,7 @@ class GvisorBackend:
         self._retire(session)
 
     def _retire(self, session: Session) -> None:
-        """Kill it now (nothing of a program runs past its response or its deadline), and close it
-        in the background."""
-        session.kill()
+        """Close it in the background (killed there at once: nothing of a program runs on)."""
         self.closing = [t for t in self.closing if t.is_alive()]
         self.closing.append(threading.Thread(target=session.close, name="gvisor-close", daemon=True))
         self.closing[-1].start()

@@ -48,16 +48,6 @@ def adopting() -> Iterator[None]:
                 _subreaper(False)
 
 
-def adopting_for_good() -> None:
-    """This process a subreaper from now on (the gVisor backend: its sandboxes' processes outlive
-    runsc, killed first, for a moment; each session's end reaps them by pid)."""
-    global _runs
-    with _lock:
-        if _runs == 0:
-            _subreaper(True)
-        _runs += 1
-
-
 def _stat(pid: int | str) -> list[bytes]:
     """/proc/<pid>/stat's fields after the command: [state, ppid, pgrp, session, ...]; [] if gone."""
     try:

@@ -282,7 +282,7 @@ def test_no_lock_on_a_host_file_between_runs_alive_at_once(code):
         assert r.stdout.startswith(b"free"), r.stdout
 
 
-def test_the_honest_path_is_exact_in_both_shared_kernel_modes(code):
+def test_the_honest_path_is_exact_in_every_backend(code):
     # what closes the channels leaves an honest program whole: stdin and fn_name rows
     right = "```python\nn = int(input())\nprint(8 * n)\n```"
     wrong = "```python\nn = int(input())\nprint(8 * n + 1)\n```"
