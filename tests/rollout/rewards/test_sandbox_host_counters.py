@@ -7,7 +7,6 @@ kernel, where the filter refuses the calls); and what the host keeps of a run (n
 lock on a bound file, the BPF JIT budget of socket and seccomp filters, sysinfo's view of the host)."""
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
