@@ -55,6 +55,8 @@ def reward_metrics(samples: list[Sample], m: dict[str, float]) -> dict[str, floa
     p99 = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))] if seconds else 0.0
     return {"reward/timeouts": m.get("reward_timeouts", 0.0),
             "reward/worker_restarts": m.get("reward_worker_restarts", 0.0),
+            "reward/sandbox_failures": m.get("reward_sandbox_failures", 0.0),
+            "reward/groups_dropped_sandbox": m.get("groups_dropped_sandbox", 0.0),
             "reward/p99_ms": 1000.0 * p99,
             "time/reward_wait": m.get("reward_wait_seconds", 0.0),
             "time/reward": m.get("reward_seconds", 0.0)}

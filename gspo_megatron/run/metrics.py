@@ -46,6 +46,10 @@ TAGS = {
     "reward/timeouts": "reward calls killed at rollout.reward_timeout_s (their worker replaced)",
     "reward/worker_restarts": "reward workers replaced this step (a timeout, or a worker that died: "
                               "os._exit, a segfault, the OOM killer)",
+    "reward/sandbox_failures": "responses the code sandbox failed to start a run for, after its retries (not "
+                               "the response's doing: no reward error; the run stops after 32 in a row)",
+    "reward/groups_dropped_sandbox": "groups left out of the step because the code sandbox failed on one of "
+                                     "their responses (never judged, so never a reward of 0)",
     "reward/p99_ms": "99th percentile of the scoring time per response",
     "time/reward_wait": "seconds the rollout loop waited on scoring with nothing left generating (what "
                      "scoring adds to the rollout phase)",

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from rollout.generation.drain import drain
 from rollout.generation.sample import ABORTED, DONE, Sample
 from rollout.generation.step_metrics import step_metrics
-from rollout.rewards.scoring import DIED, TIMEOUT, Score
+from rollout.rewards.scoring import DIED, SANDBOX, TIMEOUT, Score
 from rollout.servers.errors import NoServerLeft
 
 if TYPE_CHECKING:  # manager.py builds a step for each generate_step
@@ -271,11 +271,15 @@ class StepGeneration:
         for s, score in zip(unscored, scores):
             s.reward, s.reward_error = score.reward, score.error
             s.metadata["reward_seconds"] = score.seconds
-            m["reward_errors"] += not score.ok
+            if score.status == SANDBOX:  # not judged, and not the response's doing: its group is left out
+                s.metadata["sandbox_failure"] = score.error
+                m["reward_sandbox_failures"] += 1
+            else:
+                m["reward_errors"] += not score.ok
             m["reward_timeouts"] += score.status == TIMEOUT
             m["reward_worker_restarts"] += score.status in (TIMEOUT, DIED)
             m["reward_seconds"] += score.seconds
-            self.manager.reward_budget.record(score.ok, score.error)
+            self.manager.reward_budget.record(score.ok, score.error, score.status)
         self.answered(group)
 
     def close_group(self, group: list[Sample]) -> None:
@@ -291,7 +295,9 @@ class StepGeneration:
                 versions = [v for v in s.weight_versions if v]
                 newest = self.current_weight_version or (versions[-1] if versions else "")
                 m["stale_tokens_masked"] += s.mask_stale_tokens(newest)
-        if cfg.dynamic_sampling and len({s.reward for s in group}) == 1:
+        if any("sandbox_failure" in s.metadata for s in group):
+            m["groups_dropped_sandbox"] += 1
+        elif cfg.dynamic_sampling and len({s.reward for s in group}) == 1:
             m["groups_dropped_equal_reward"] += 1
         elif len(self.kept) < self.num_groups:
             self.kept.append(group)

@@ -322,8 +322,8 @@ class RewardWorkerPool:
         if kind == "prepared":
             w.preparing, w.call_start, w.deadline = False, now, now + self.timeout_s
         elif kind == "score":
-            _, _, i, reward, error, seconds = message
-            task.scores[w.offset + i] = Score(reward, error, OK if error is None else ERROR, seconds)
+            _, _, i, reward, error, seconds, status = message
+            task.scores[w.offset + i] = Score(reward, error, status, seconds)
             task.next = w.offset + i + 1
             task.timeouts_in_a_row = 0
             w.preparing = self._has_prepare and task.next < len(task.texts) and \

@@ -187,3 +187,25 @@ def test_generation_modules_use_each_others_public_names_only():
                     and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
                 reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reached, reached
+
+
+@pytest.mark.slow
+def test_a_sandbox_failure_leaves_its_group_out_and_is_no_reward_error(qwen3_server):
+    # the code sandbox failing to start a run is not the response's doing: under the default
+    # max_reward_error_fraction 0 it ended the run as a reward error; now its group is left out of
+    # the step (never judged, so never a reward of 0 in training) and counted
+    from rollout.rewards.sandbox.run import SandboxFailure
+
+    def reward(rec, text):
+        if rec["id"] == 1:
+            raise SandboxFailure("the code sandbox failed to start a run (not the response's doing): seccomp")
+        return float(len(text) % 2)
+
+    mgr = _manager(qwen3_server, ManagerConfig(group_size=2, max_new_tokens=4, max_reward_error_fraction=0.0), reward)
+    prompts = iter([{"prompt": f"q{i}", "answer": "0", "id": i} for i in range(6)])
+    result = mgr.generate_step(prompts, num_groups=2)
+    kept = [g[0].prompt["id"] for g in result.groups]
+    assert len(kept) == 2 and 1 not in kept, kept
+    assert result.metrics["groups_dropped_sandbox"] == 1 and result.metrics["reward_sandbox_failures"] == 2
+    assert result.metrics.get("reward_errors", 0) == 0
+    assert mgr.reward_budget.errors == 0 and mgr.reward_budget.sandbox_failures == 2

@@ -26,8 +26,8 @@ stays charged to its cgroup after the run, and a removed cgroup lives on, pinned
 pages are evicted (87 -> 118 cgroups after 30 runs that each read a cold file; at the kernel's
 65,535 no cgroup can be made), while the pages tell a later run what this one read (a channel
 between runs: interpreter_files.py). v1: memory.force_empty; v2: memory.reclaim (5.19+), else
-memory.max 0; only where its memory.stat counts file pages (~1 ms; the honest run's files are the
-worker's, cached before). Standard library only.
+memory.max 0; always, since what reclaim frees besides pages (negative dentries) is a channel
+too (~1 ms; the honest run's files are the worker's, cached before). Standard library only.
 """
 from __future__ import annotations
 
@@ -173,20 +173,24 @@ def _memory_stat(d: Path) -> dict[str, int]:
 
 
 def _empty_memory(d: Path, version: int) -> None:
-    """Evict the page cache charged to a cgroup whose processes are gone (module docstring); a
-    directory of another controller has no memory.stat and is left as it is. Not while pages are
-    dirty (a file the run wrote outside a tmpfs and nobody removed): reclaim does not write them
-    back but waits on them, 100 ms at a time; the cgroup is then left pinned until they are."""
+    """Evict what is charged to a cgroup whose processes are gone (module docstring): its page
+    cache and the kernel objects reclaim frees with it (dentries: a lookup of a missing name in a
+    bound host directory leaves a negative one, 100,000 from one run, which would outlive it in
+    the parent cgroup and answer a later run's lookup faster). Always, whatever memory.stat says
+    of file pages (a run that reads nothing still leaves dentries). A directory of another
+    controller has no memory.stat and is left as it is. Not while pages are dirty (a file the run
+    wrote outside a tmpfs and nobody removed): reclaim does not write them back but waits on them,
+    100 ms at a time; the cgroup is then left pinned until they are."""
+    if not (d / "memory.stat").exists():
+        return
     stat = _memory_stat(d)
-    cached, dirty = (stat.get("cache", 0), stat.get("dirty", 0)) if version == 1 else (
-        stat.get("file", 0), stat.get("file_dirty", 0))
-    if not cached or dirty:
+    if stat.get("dirty" if version == 1 else "file_dirty", 0):
         return
     try:
         if version == 1:
             _write(d / "memory.force_empty", "0")
         elif (d / "memory.reclaim").exists():
-            _write(d / "memory.reclaim", str(cached))
+            _write(d / "memory.reclaim", (d / "memory.current").read_text().strip())
         else:
             _write(d / "memory.max", "0")
     except OSError:
