@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sandbox_backends.py                 # gvisor, namespaces, process
     .venv/bin/python benchmarks/sandbox_backends.py --runs 30 --groups 3 --backends gvisor namespaces
 
-Columns, per backend (rollout.code_sandbox.isolation):
+Columns, per backend (rollout.reward_args.isolation):
 - run alone ms: one `sandbox.run` of a trivial stdin program outside any response (gVisor: a sandbox
   started for it and closed after), median of --runs;
 - run in a response ms: the same inside one response's session (gVisor: its sandbox up already; the

@@ -83,7 +83,7 @@ def ensure_runsc(log: Callable[[str], None]) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if shutil.which("runsc"):
             return shutil.which("runsc")
-        log(f"code sandbox: installing Debian's {RUNSC_PACKAGE} (gVisor) for rollout.code_sandbox.isolation "
+        log(f"code sandbox: installing Debian's {RUNSC_PACKAGE} (gVisor) for rollout.reward_args.isolation "
             "(first use on this machine: apt-get install, about 10-30 s)")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         wait = ["-o", f"DPkg::Lock::Timeout={int(INSTALL_LIMIT_S / 2)}"]  # another apt-get at work (a test's Slurm)

@@ -188,8 +188,8 @@ class Sandbox:
             if why is None:
                 return self.note
             if wanted == "gvisor":
-                raise SandboxUnavailable(f"rollout.code_sandbox.isolation='gvisor': {why}; set "
-                                         "rollout.code_sandbox.isolation: namespaces for the shared kernel's sandbox")
+                raise SandboxUnavailable(f"rollout.reward_args.isolation='gvisor': {why}; set "
+                                         "rollout.reward_args.isolation: namespaces for the shared kernel's sandbox")
             self.fallback = why
         mode = "process" if wanted == "process" else "namespaces"
         self.cgroups = CgroupLayout.find()
@@ -216,11 +216,11 @@ class Sandbox:
             reasons.append(f"{python}: {r.status} {_one_line(r.stderr_tail.decode(errors='replace'))}")
         self.mode = self.python = None
         if mode == "process":
-            raise SandboxUnavailable(f"rollout.code_sandbox.isolation='process': no interpreter runs here: "
+            raise SandboxUnavailable(f"rollout.reward_args.isolation='process': no interpreter runs here: "
                                      + "; ".join(reasons))
         raise SandboxUnavailable(
-            f"rollout.code_sandbox.isolation={wanted!r}: the sandbox's namespaces cannot be made here "
-            f"({'; '.join(reasons)}){userns_hint()}; set rollout.code_sandbox.isolation: process to run "
+            f"rollout.reward_args.isolation={wanted!r}: the sandbox's namespaces cannot be made here "
+            f"({'; '.join(reasons)}){userns_hint()}; set rollout.reward_args.isolation: process to run "
             "programs with process isolation only (weaker: no file-system, network or IPC isolation)")
 
     def _probe_gvisor(self) -> str | None:

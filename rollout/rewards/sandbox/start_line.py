@@ -44,7 +44,7 @@ def start_line(sandbox: "Sandbox", fallback_processes: int) -> str:
     else:
         files = ("NO file-system isolation (no Landlock in this kernel: the user's files, and the /proc "
                  "files of its processes, the trainer's oom_score_adj among them, open to the runs)")
-    return (f"code sandbox: process isolation only (rollout.code_sandbox.isolation: process): the host's "
+    return (f"code sandbox: process isolation only (rollout.reward_args.isolation: process): the host's "
             f"processes visible, sockets refused, {user}, {files}, {bounds}, {sandbox.python}")
 
 

@@ -201,7 +201,7 @@ def test_auto_without_gvisor_is_the_namespaces_mode_and_says_what_that_leaves_op
     note = sandbox.probe()
     assert sandbox.mode == "namespaces" and "\n" not in note
     assert "gVisor does not run here (no runsc here" in note and "the kernel is the host's" in note
-    with pytest.raises(SandboxUnavailable, match=r"^rollout.code_sandbox.isolation='gvisor': no runsc here"):
+    with pytest.raises(SandboxUnavailable, match=r"^rollout.reward_args.isolation='gvisor': no runsc here"):
         Sandbox(CodeSandboxSettings(isolation="gvisor")).probe()
 
 
@@ -213,7 +213,7 @@ def test_auto_never_falls_back_to_process_mode(monkeypatch):
     sandbox = Sandbox(CodeSandboxSettings(isolation="auto"))
     with pytest.raises(SandboxUnavailable) as e:
         sandbox.probe()
-    assert "rollout.code_sandbox.isolation: process" in str(e.value) and "weaker" in str(e.value)
+    assert "rollout.reward_args.isolation: process" in str(e.value) and "weaker" in str(e.value)
     assert "\n" not in str(e.value) and sandbox.mode is None
 
 
