@@ -127,15 +127,6 @@ class RewardWorkerPool:
         self._thread = threading.Thread(target=self._run, name="reward-workers", daemon=True)
         self._thread.start()  # workers are started by this thread: their parent-death signal is its lifetime
 
-    @classmethod
-    def from_config(cls, rollout: Any, name: str | None = None) -> "RewardWorkerPool":
-        """rollout.reward_workers processes scoring `name` (default rollout.reward), with the run
-        config's rollout section's timeout and reward settings."""
-        options = {"code_sandbox": dataclasses.asdict(rollout.code_sandbox),
-                   "reward_service": dataclasses.asdict(rollout.reward_service)}
-        return cls(name or rollout.reward, workers=rollout.reward_workers, timeout_s=rollout.reward_timeout_s,
-                   options=options)
-
     # --- the caller's side -------------------------------------------------------------------------
     def submit(self, records: list[dict], texts: list[str]) -> "Future[list[Score]]":
         """Score one group (any number of responses) in the workers."""
