@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -83,7 +84,8 @@ def _hf_log_probs(hf_dir: Path, batch, dtype, device: str):
     """Target-aligned log-probs [b, s] of the transformers model (column t: log p(token t))."""
     import torch
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types its wrapped `to` as unbound
     with torch.no_grad():
         logits = model(batch.tokens.to(device)).logits.float()  # [b, s, v]
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.tokens[:, 1:, None].to(device))[..., 0]
@@ -119,7 +121,8 @@ def _packed_vs_padded(hf_dir: Path, mcore: Path, batch, dtype, name: str, tol: f
     pack as one segment (rows attend to each other) must differ by more than tol in fp32."""
     from unittest import mock
 
-    from gspo_megatron.actor import packing, steps
+    from gspo_megatron.actor import steps
+    from gspo_megatron.actor.batching import packing
     from tools.gpu_check_cp import compare, on_policy_step
     seq_params = packing.PackedInputs.seq_params
     runs, leak = {}, None
@@ -208,7 +211,7 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
             dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[name])
             actor = _actor(hf_dir, spec, dtype)
             tol = (TF32_TOL if spec == "te" else FP32_TOL) if name == "fp32" else BF16_TOL
-            row = dict(spec=spec, dtype=name, tol=tol,
+            row: dict[str, Any] = dict(spec=spec, dtype=name, tol=tol,
                        wgrad=wgrad_fusion(actor))
             actor.load_weights(mcore)
             lp, _ = actor.compute_old_log_probs(actor.shard(batch))

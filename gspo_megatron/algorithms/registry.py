@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 # The paper's clip ranges (arXiv 2507.18071 §5.1): GSPO 3e-4 / 4e-4; the GRPO baseline 0.2 / 0.27.
 GSPO_CLIP = (3e-4, 4e-4)
@@ -235,7 +235,7 @@ class LossSettings:
         """Any train/inference mismatch correction is on (it needs the engine's log-probs)."""
         return any(c is not None for c in (self.tis_cap, self.seq_is_cap, self.mis_cap))
 
-    def mismatch_kwargs(self) -> dict[str, float | str | None]:
+    def mismatch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of mismatch.mismatch_correction."""
         return dict(tis_cap=self.tis_cap, seq_is_cap=self.seq_is_cap, mis_cap=self.mis_cap,
                     mis_level=self.mis_level)

@@ -92,7 +92,11 @@ class Rows:
         if mode == SEQUENCE_MEAN:
             return self.mean(per_token)
         total = self.sum(per_token)
-        return total / token_sum_norm if mode == "seq-mean-token-sum-norm" else total
+        if mode == "seq-mean-token-sum-norm":
+            if token_sum_norm is None:
+                raise ValueError(f"loss_agg_mode={mode!r} needs token_sum_norm")
+            return total / token_sum_norm
+        return total
 
     def weighted(self, per_row: torch.Tensor, *weights: torch.Tensor | None) -> torch.Tensor:
         """per_row times each given `[b]` weight (constants; None = 1)."""
@@ -177,7 +181,12 @@ def finish_loss(rows: Rows, *, per_row: torch.Tensor | None = None, per_token: t
         raise ValueError("finish_loss takes per_row or per_token terms, exactly one")
     if per_row is not None and loss_agg_mode != SEQUENCE_MEAN:
         raise ValueError(f"loss_agg_mode={loss_agg_mode!r}: per-sequence terms take {SEQUENCE_MEAN} only")
-    terms = per_row if per_row is not None else rows.aggregate(per_token, loss_agg_mode, token_sum_norm)
+    if per_token is not None:
+        terms = rows.aggregate(per_token, loss_agg_mode, token_sum_norm)
+    elif per_row is not None:
+        terms = per_row
+    else:
+        raise ValueError("finish_loss takes per_row or per_token terms, exactly one")
     terms = rows.weighted(terms, row_weights)
     kl_mean = None
     if kl is not None:

@@ -146,7 +146,7 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
         if key not in names:
             raise _unknown(str(key), names, prefix)
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             kwargs[key] = build(tp, value, f"{prefix}{key}.")
         else:
             kwargs[key] = _coerce(value, tp, f"{prefix}{key}")
@@ -195,7 +195,10 @@ def field_docs(cls: type) -> dict[str, str]:
     inherited fields included (a subclass's redeclaration wins)."""
     docs: dict[str, str] = {}
     for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):
-        body = ast.parse(inspect.getsource(klass)).body[0].body
+        node = ast.parse(inspect.getsource(klass)).body[0]
+        if not isinstance(node, ast.ClassDef):
+            raise TypeError(f"{klass.__name__}'s source does not start with its class statement")
+        body = node.body
         for a, b in zip(body, body[1:]):
             if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
                     and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant)

@@ -55,7 +55,19 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class GroupSender(Sender):
+class Wire:
+    """A request as one broadcast: its entries' names, dtypes and shapes (sent over HTTP) and their
+    bytes concatenated, one tensor on the groups' device that every server's post reads."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    flat: torch.Tensor
+    delta: bool
+
+
+@dataclass
+class GroupSender(Sender[Wire]):
     """Posts each request over this rank's group with the server."""
 
     server_tp: dict[str, int] = field(default_factory=dict)  # each server's TP size (its group ranks)
@@ -109,11 +121,11 @@ def join_group(address: str, port: int, world_size: int, name: str, backend: str
     """Rank 0 of a process group built as SGLang's init_custom_process_group builds it (a
     PrefixStore named `name` over a TCP store this rank hosts), outside the trainer's default
     group; returns (group, store). Uses torch's private _new_process_group_helper, as SGLang does."""
-    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import Backend, GroupName, _new_process_group_helper, _world
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
     pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), dist.PrefixStore(name, store),
-                                      group_name=name, backend_options=None, timeout=timeout)
+                                      group_name=GroupName(name), backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg, store
 
@@ -125,8 +137,9 @@ def _wait(work, reply: Future, deadline: float, what: str) -> None:
     pause = 0.0005
     while not work.is_completed():
         if reply.done():
-            if reply.exception() is not None:
-                raise reply.exception()
+            error = reply.exception()
+            if error is not None:
+                raise error
             answered_at = answered_at or time.monotonic()
             if time.monotonic() - answered_at > 5.0:
                 raise RuntimeError(f"the server answered without taking part in the {what}")
@@ -137,18 +150,6 @@ def _wait(work, reply: Future, deadline: float, what: str) -> None:
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
     work.wait()
-
-
-@dataclass
-class Wire:
-    """A request as one broadcast: its entries' names, dtypes and shapes (sent over HTTP) and their
-    bytes concatenated, one tensor on the groups' device that every server's post reads."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    flat: torch.Tensor
-    delta: bool
 
 
 class WeightUpdateGroups:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Any
 
 from gspo_errors import InputError
 from rollout.envs.calculator import CalculatorEnv
@@ -32,6 +33,7 @@ class EnvironmentSpecError(InputError, ValueError):
 
 def environment_class(spec: str) -> type:
     """The class `spec` names: a shipped environment, or `package.module:ClassName`."""
+    cls: Any  # a user's module attribute: checked to be an environment class below
     if spec in ENVIRONMENTS:
         cls = ENVIRONMENTS[spec]
     elif ":" in spec:

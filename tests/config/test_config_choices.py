@@ -28,7 +28,7 @@ def _line(text: str, section: str, field: str) -> str:
 
 
 def _first_line(cls: type) -> str:
-    return cls.__doc__.strip().split("\n")[0].rstrip(".")
+    return (cls.__doc__ or "").strip().split("\n")[0].rstrip(".")
 
 
 def _family(f: Family) -> str:
