@@ -28,13 +28,13 @@ those submodules. The rules (docs/architecture.md, "Import rules"):
   s or es are dropped: micro_batch / microbatches, routing / routing);
 - no module imports itself through a chain of others (no cycles; an import under `if
   TYPE_CHECKING:` never runs, and is how a type names a module further up the chain: it counts
-  for every other rule), and no package does either;
-- no two modules import each other, not even one of them under `if TYPE_CHECKING:` (a module
-  that needs the type of the one that imports it is handed that one's parts, or a Protocol of
-  them, instead);
+  for every other rule), and no package does either:
   the top-level packages, and the packages inside each, form no cycle once a package stands for
   the modules it holds (rollout.servers -> rollout.generation -> rollout.servers is refused even
   when the modules themselves form none);
+- no two modules import each other, not even one of them under `if TYPE_CHECKING:` (a module
+  that needs the type of the one that imports it is handed that one's parts, or a Protocol of
+  them, instead);
 - no package holds more than 12 modules at its own level (a flat room is zoned into packages).
 """
 from __future__ import annotations
