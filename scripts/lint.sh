@@ -9,5 +9,5 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 t0=$SECONDS
 "$ROOT/.venv/bin/ruff" check --quiet .
-"$ROOT/.venv/bin/python" -m mypy  # with its cache (.mypy_cache) warm 1-4 s, fresh about 35 s
+"$ROOT/.venv/bin/python" -m mypy  # with its cache (.mypy_cache) warm 2-4 s, fresh 35-130 s
 echo "[lint] ruff and mypy: no findings ($((SECONDS - t0)) s)" >&2
