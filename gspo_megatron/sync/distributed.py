@@ -40,7 +40,7 @@ import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 from urllib.parse import urlsplit
 
 import torch
@@ -51,6 +51,7 @@ from gspo_megatron.sync.transport_base import Parts, Sender, SenderState
 from rollout.in_server.weight_loader import REPLY
 
 if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
     from rollout.servers.pool import ServerPool
 
 
@@ -121,11 +122,12 @@ def join_group(address: str, port: int, world_size: int, name: str, backend: str
     """Rank 0 of a process group built as SGLang's init_custom_process_group builds it (a
     PrefixStore named `name` over a TCP store this rank hosts), outside the trainer's default
     group; returns (group, store). Uses torch's private _new_process_group_helper, as SGLang does."""
-    from torch.distributed.distributed_c10d import Backend, GroupName, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    # the name is torch 2.14's GroupName, a NewType of str that older versions lack: a cast, no import
     pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), dist.PrefixStore(name, store),
-                                      group_name=GroupName(name), backend_options=None, timeout=timeout)
+                                      group_name=cast("GroupName", name), backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg, store
 
