@@ -196,7 +196,7 @@ def parse_layout(text: str) -> dict[str, int]:
                                              f"{', '.join(names)} (e.g. tensor=2,expert=4)")
         out[key] = int(value)
     try:
-        ParallelLayout(**out).validate_sizes()
+        ParallelLayout(**out).validate_sizes()  # type: ignore[arg-type]  # the size fields, ints
     except LayoutError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return out
@@ -207,7 +207,7 @@ def check_layout(p: Parser, layout: dict[str, int], nproc: int) -> None:
     world-size checks), before any task, model or server is made."""
     from gspo_megatron.parallel.layout import ParallelLayout
     spec = ",".join(f"{k}={v}" for k, v in layout.items())
-    lay = ParallelLayout(**layout)
+    lay = ParallelLayout(**layout)  # type: ignore[arg-type]  # the size fields, ints
     if nproc == 1 and (lay.tensor * lay.pipeline * lay.context * lay.expert * lay.etp) > 1:
         p.error(f"--layout {spec} needs --nproc N trainer ranks (torchrun), got --nproc 1")
     for name, size in (("tensor x pipeline x context", lay.tensor * lay.pipeline * lay.context),
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[bench] regime {regime.name}, seeds {args.seed_list}: mean response length of the task "
           f"{length:.1f} tokens; grpo_seqclip: {' '.join(seqclip_sets(length))}", flush=True)
     server = None if args.url else start_server(args, model0)
-    url = args.url or server.server_urls[0]
+    url = args.url or (server.server_urls[0] if server is not None else "")
     results: dict[str, dict[int, dict[int, dict]]] = {arm: {} for arm in args.runs}
     try:
         for s in args.seed_list:

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,7 +42,8 @@ def honest(reward: CodeReward) -> bool:
             reward.score(CALLS, "```python\ndef add(a, b):\n    return a * b\n```")) == (1.0, 0.0, 1.0, 0.0)
 
 
-def measure(backend: str, runs: int, groups: int, size: int) -> dict[str, float]:
+def measure(backend: Literal["gvisor", "namespaces", "process"], runs: int, groups: int,
+            size: int) -> dict[str, Any]:
     reward = CodeReward(CodeSandboxSettings(isolation=backend, time_limit_s=4.0))
     note = reward.sandbox.probe()
     alone, inside, per_group = [], [], []

@@ -39,13 +39,13 @@ def run_loop(run: Run) -> None:
         print(f"[gspo] RL: steps {loop.step}..{cfg.train.steps - 1} ({cfg.loss.name}, "
               f"{'synchronous' if not staleness else f'asynchronous, max_staleness {staleness}'})", flush=True)
     if staleness and run.rank == 0:  # the rollout thread generates from here on (docs/async.md)
-        run.driver.start_async(version=lambda: str(loop.weight_version))
+        run.rank0_driver.start_async(version=lambda: str(loop.weight_version))
     for step in range(loop.step, cfg.train.steps):
         if stop.agreed():  # SIGTERM / SIGUSR1 (run/signals.py): save below, then exit
             break
         t = PhaseTimer()
         live = loop.weight_version  # the weights the servers serve, and the trainer holds
-        held_out = on_driver(run.rank, lambda: run.driver.evaluate(step)) if eval_due(cfg, step) else {}
+        held_out = on_driver(run.rank, lambda: run.rank0_driver.evaluate(step)) if eval_due(cfg, step) else {}
         with t("step"):
             with t("rollout"):  # synchronous: rank 0 generates and scores; asynchronous: it takes
                 # what the rollout thread finished; each rank receives only its rows (actor/batching/transfer.py),
@@ -78,11 +78,11 @@ def run_loop(run: Run) -> None:
             if actor.routing_settings.drift:
                 with t("routing_drift"):  # forward-only: how many top-k sets moved since pi_old
                     old.update(actor.measure_routing_drift(shard))
-            with t("sync"), run.driver.paused() if run.rank == 0 else nullcontext():
+            with t("sync"), run.rank0_driver.paused() if run.rank == 0 else nullcontext():
                 loop.weight_version += 1  # new weights into SGLang (the rollout thread waits)
                 sync = sync_weights(run, saved)
             loop.step = step + 1
-        producer = run.driver.producer if staleness and run.rank == 0 else None
+        producer = run.rank0_driver.producer if staleness and run.rank == 0 else None
         metrics = step_scalars(batch_facts["metrics"], updates, old, sync, t, batch_facts["tokens"], shard,
                                transfer, producer)
         metrics.update(ckpt_time, **held_out)
@@ -97,7 +97,7 @@ def run_loop(run: Run) -> None:
             ckpt_time = {"time/checkpoint": time.perf_counter() - t0}  # logged with the next step
     signum = stop.agreed()
     if not signum and eval_due(cfg, 0) and loop.step == cfg.train.steps:  # the final eval
-        run.writer.log(loop.step, on_driver(run.rank, lambda: run.driver.evaluate(loop.step)))
+        run.writer.log(loop.step, on_driver(run.rank, lambda: run.rank0_driver.evaluate(loop.step)))
     if signum:
         if run.ckpt and saved != loop.step:
             run.save_checkpoint()
@@ -115,9 +115,10 @@ def warm_start(run: Run) -> None:
         print(f"[gspo] warm start: {cfg.train.warm_start_steps} supervised steps on the prompt set's "
               f"answers ({n} examples each), then RL", flush=True)
     for k in range(cfg.train.warm_start_steps):
-        if run.stop.agreed():  # nothing of RL to save yet: a rerun warm-starts again, the same way
-            raise SignalExit(run.stop.signum)
-        examples = on_driver(run.rank, lambda: run.driver.warm_start_examples(n, offset=k * n))
+        signum = run.stop.agreed()
+        if signum:  # nothing of RL to save yet: a rerun warm-starts again, the same way
+            raise SignalExit(signum)
+        examples = on_driver(run.rank, lambda: run.rank0_driver.warm_start_examples(n, offset=k * n))
         m = actor.sft_step(actor.shard(sft_batch(examples)), lr=cfg.train.warm_start_lr)
         if run.rank == 0 and cfg.logging.progress and (k % 10 == 0 or k == cfg.train.warm_start_steps - 1):
             print(f"warm start {k + 1}/{cfg.train.warm_start_steps} | ce {m['loss']:.3f}", flush=True)
@@ -153,6 +154,6 @@ def _train(cfg: RunConfig) -> int:
     finally:
         teardown(run)
         stop.restore()
-    if run is not None and run.rank == 0 and cfg.checkpoint.export_hf:
+    if run is not None and run.rank == 0 and cfg.checkpoint.export_hf and run.export_src is not None:
         export_hf(run.export_src, cfg)  # one process, no process group
     return 0

@@ -34,6 +34,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -85,7 +86,8 @@ def _hf_log_probs(hf_dir: Path, batch, dtype, device: str):
     """Target-aligned log-probs [b, s] of the transformers model (column t: log p(token t))."""
     import torch
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers types its wrapped `to` as unbound
     with torch.no_grad():
         logits = model(batch.tokens.to(device)).logits.float()  # [b, s, v]
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.tokens[:, 1:, None].to(device))[..., 0]
@@ -213,7 +215,7 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
             dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[name])
             actor = _actor(hf_dir, spec, dtype)
             tol = (TF32_TOL if spec == "te" else FP32_TOL) if name == "fp32" else BF16_TOL
-            row = dict(spec=spec, dtype=name, tol=tol,
+            row: dict[str, Any] = dict(spec=spec, dtype=name, tol=tol,
                        wgrad=wgrad_fusion(actor))
             actor.load_weights(mcore)
             lp, _ = actor.compute_old_log_probs(actor.shard(batch))

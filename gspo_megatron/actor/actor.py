@@ -19,11 +19,13 @@ import dataclasses
 import gc
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer import MegatronOptimizer
 
 from gspo_megatron.actor.batching.batch import TrainBatch
 from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
@@ -43,8 +45,14 @@ from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.process_groups import init_process_groups
 from model_specs import ModelSpec
 
-
+_Held = TypeVar("_Held")
 _CLOSED = "this Actor was closed (Actor.close()); build a new one"
+
+
+def _live(value: _Held | None) -> _Held:
+    if value is None:
+        raise RuntimeError(_CLOSED)
+    return value
 
 
 def _world_size() -> int:
@@ -53,7 +61,7 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _cut_hidden_references(chunks: list[torch.nn.Module]) -> None:
+def _cut_hidden_references(chunks: list[DistributedDataParallel]) -> None:
     """What keeps a dropped Actor's model alive beyond Python's reach (Actor.close). A function of
     its own: its loop variables must be gone before close() collects."""
     for chunk in chunks:
@@ -122,7 +130,7 @@ class Actor:
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)
-        self.chunks = build_model_chunks(
+        self._chunks: list[DistributedDataParallel] | None = build_model_chunks(
             self.spec, layout, use_distributed_optimizer=self.optimizer_settings.use_distributed_optimizer,
             grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32,
             apex_wgrad=available.apex_wgrad)
@@ -131,10 +139,10 @@ class Actor:
         self.routing_settings = (routing or RoutingSettings()).resolve(
             is_moe=bool(config.num_moe_experts), recompute=old_log_probs == "recompute",
             context_parallel=layout.context)
-        self.routing = Routing(self.chunks, config.num_layers, config.moe_router_topk or 0)
+        self._routing: Routing | None = Routing(self.chunks, config.num_layers, config.moe_router_topk or 0)
         if self.routing_settings.replay or self.routing_settings.drift:
             self.routing.check_supported(config, replay=self.routing_settings.replay)
-        self.optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
+        self._optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
         self._reference: list[torch.Tensor] | None = None  # KL reference: this rank's shards, on CPU
         self._versions = VersionedWeights(keep=max_staleness)  # pi_old of stale tokens (recompute)
 
@@ -167,17 +175,18 @@ class Actor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _live(self, value):
-        if value is None:
-            raise RuntimeError(_CLOSED)
-        return value
+    @property
+    def chunks(self) -> list[DistributedDataParallel]:
+        """The DDP-wrapped model chunks, one per virtual pipeline stage."""
+        return _live(self._chunks)
 
-    chunks = property(lambda self: self._live(self._chunks),
-                      lambda self, v: setattr(self, "_chunks", v),
-                      doc="The DDP-wrapped model chunks, one per virtual pipeline stage.")
-    optimizer = property(lambda self: self._live(self._optimizer),
-                         lambda self, v: setattr(self, "_optimizer", v))
-    routing = property(lambda self: self._live(self._routing), lambda self, v: setattr(self, "_routing", v))
+    @property
+    def optimizer(self) -> MegatronOptimizer:
+        return _live(self._optimizer)
+
+    @property
+    def routing(self) -> Routing:
+        return _live(self._routing)
 
     # --- layout facts -------------------------------------------------------------------------
     @property
@@ -240,6 +249,8 @@ class Actor:
                 raise ValueError("old_log_probs='engine' needs batch.rollout_log_probs")
             return (batch.rollout_log_probs if self.is_last_stage else None), {}
         if versions is not None and any(v != live_version for v in versions):
+            if live_version is None:
+                raise ValueError("per-version pi_old needs the live version the weights hold")
             return self._versioned_old_log_probs(batch, list(versions), live_version)
         self._begin_routing(batch, record=bool(self.routing_settings.drift),
                             compare_engine=batch.routed_experts is not None)

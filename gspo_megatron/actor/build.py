@@ -58,7 +58,7 @@ def spec_for_layout(model: str | Path | Mapping[str, Any], layout: ParallelLayou
     layout.validate_model(**dims)
     available = available or Available.detect()
     compute = (compute or ComputeSettings()).resolve(available)
-    layout.check_context_parallel(transformer_engine=compute.transformer_engine, cuda=available.cuda,
+    layout.check_context_parallel(transformer_engine=bool(compute.transformer_engine), cuda=available.cuda,  # resolved
                                   half=params_dtype in (torch.bfloat16, torch.float16))
     fields = layout.transformer_config_fields(is_moe=bool(dims["num_experts"]))
     if not torch.cuda.is_available():

@@ -7,7 +7,7 @@ without a run config (tests, benchmarks).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 OLD_LOG_PROB_SOURCES = ("recompute", "engine")
 
@@ -279,11 +279,11 @@ class ComputeSettings:
                              "recompute is 'selective'")
         return out
 
-    def transformer_config_fields(self) -> dict:
+    def transformer_config_fields(self) -> dict[str, Any]:
         """The TransformerConfig fields of resolved settings (model_specs takes them as overrides)."""
         if self.transformer_engine is None:
             raise ValueError("resolve() the compute settings first")
-        fields = dict(moe_grouped_gemm=self.moe_grouped_gemm, moe_permute_fusion=self.moe_permute_fusion,
+        fields: dict[str, Any] = dict(moe_grouped_gemm=self.moe_grouped_gemm, moe_permute_fusion=self.moe_permute_fusion,
                       apply_rope_fusion=self.apply_rope_fusion,
                       bias_activation_fusion=self.bias_activation_fusion,
                       gradient_accumulation_fusion=self.gradient_accumulation_fusion)

@@ -237,7 +237,7 @@ class LossSettings:
         """Any train/inference mismatch correction is on (it needs the engine's log-probs)."""
         return any(c is not None for c in (self.tis_cap, self.seq_is_cap, self.mis_cap))
 
-    def mismatch_kwargs(self) -> dict[str, float | str | None]:
+    def mismatch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of mismatch.mismatch_correction."""
         return dict(tis_cap=self.tis_cap, seq_is_cap=self.seq_is_cap, mis_cap=self.mis_cap,
                     mis_level=self.mis_level)

@@ -179,12 +179,15 @@ def finish_loss(rows: Rows, *, per_row: torch.Tensor | None = None, per_token: t
     None. Under context parallelism the loss is the full rows' on every rank; the metrics are this
     rank's share (module docstring).
     """
-    if (per_row is None) == (per_token is None):
-        raise ValueError("finish_loss takes per_row or per_token terms, exactly one")
     aggregation = Aggregation.of(loss_agg_mode)
-    if per_row is not None and aggregation.name != SEQUENCE_MEAN:
-        raise ValueError(f"loss_agg_mode={aggregation.name!r}: per-sequence terms take {SEQUENCE_MEAN} only")
-    terms = per_row if per_row is not None else rows.aggregate(per_token, aggregation)
+    if per_row is not None and per_token is None:
+        if aggregation.name != SEQUENCE_MEAN:
+            raise ValueError(f"loss_agg_mode={aggregation.name!r}: per-sequence terms take {SEQUENCE_MEAN} only")
+        terms = per_row
+    elif per_token is not None and per_row is None:
+        terms = rows.aggregate(per_token, aggregation)
+    else:
+        raise ValueError("finish_loss takes per_row or per_token terms, exactly one")
     terms = rows.weighted(terms, row_weights)
     kl_mean = None
     if kl is not None:

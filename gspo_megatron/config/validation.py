@@ -88,7 +88,7 @@ def validate(cfg: RunConfig) -> None:
     need(not r.mask_stale_tokens or r.partial_rollouts, "rollout.mask_stale_tokens",
          r.mask_stale_tokens, "false unless rollout.partial_rollouts is true")
     need(r.max_turns is None or r.max_turns >= 1, "rollout.max_turns", r.max_turns, ">= 1 or null")
-    need(r.turn_credit == "episode" or (r.environment and cfg.loss.name == "gspo_token"),
+    need(r.turn_credit == "episode" or (bool(r.environment) and cfg.loss.name == "gspo_token"),
          "rollout.turn_credit", r.turn_credit,
          "'episode' unless rollout.environment is set and loss.name is gspo_token (per-token "
          "advantages; gspo uses the episode return)")

@@ -13,7 +13,7 @@ from rollout.generation.sample import Sample
 
 def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float]) -> dict[str, float]:
     samples = [s for g in groups for s in g]
-    rewards = [float(s.reward) for s in samples]
+    rewards = [s.score for s in samples]
     lengths = [len(s.response_ids) for s in samples]
     m = manager_metrics
     return {
@@ -42,7 +42,10 @@ def distill_metrics(samples: list[Sample], m: dict[str, float]) -> dict[str, flo
     the teacher's request time and throughput."""
     mask = torch.tensor([k for s in samples for k in s.loss_mask], dtype=torch.bool)
     student = torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64)
-    teacher = torch.tensor([lp for s in samples for lp in s.teacher_logprobs], dtype=torch.float64)
+    unscored = [s.index for s in samples if s.teacher_logprobs is None]
+    if unscored:
+        raise ValueError(f"{len(unscored)} sample(s) have no teacher log-probs: the teacher scores every sample")
+    teacher = torch.tensor([lp for s in samples for lp in s.teacher_logprobs or ()], dtype=torch.float64)
     seconds = m.get("teacher_seconds", 0.0)
     return {"distill/reverse_kl": reverse_kl(student, teacher, mask), "distill/teacher_time": seconds,
             "distill/teacher_tokens_per_s": m.get("teacher_tokens", 0.0) / seconds if seconds else 0.0}

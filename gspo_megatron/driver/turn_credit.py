@@ -22,7 +22,7 @@ from rollout.generation.sample import Sample
 
 
 def _turn_rewards(s: Sample) -> list[float]:
-    return [float(x) for x in (s.metadata.get("turn_rewards") or [float(s.reward)])]
+    return [float(x) for x in (s.metadata.get("turn_rewards") or [s.score])]
 
 
 def turn_credit_inputs(samples: list[Sample], discount: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free_space, check_writable_dir
 from gspo_megatron.config import ConfigError, RunConfig
@@ -36,6 +36,9 @@ from gspo_megatron.sync.transports import TRANSPORTS
 from model_specs.hf.config import load_hf_config, model_dims
 from rollout.prompts.dataset import PromptFileError, PromptSet, load_prompts
 from rollout.prompts.rows import resolved
+
+if TYPE_CHECKING:
+    from rollout.prompts.dataset import KeptRows
 
 _Check = TypeVar("_Check", bound=Callable[..., Any])
 
@@ -117,7 +120,7 @@ class Inputs:
     resume_from: Path | None              # the complete, verified checkpoint to resume from
     prompts: dict[str, Any] = dataclasses.field(default_factory=dict)  # the prompt set's fingerprint
     new_prompt_epoch: bool = False        # resume over a changed prompt set: start a new epoch
-    prompt_rows: Any = None               # rank 0, rollout.max_prompt_tokens: the rows kept
+    prompt_rows: KeptRows | None = None   # rank 0, rollout.max_prompt_tokens: the rows kept
 
 
 @refusal
@@ -147,7 +150,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
         raise ConfigError(f"train.{e}") from None
     try:  # the Actor resolves it with the same function: what this says is what it builds
         resolve_sequence_layout(cfg.parallel, cfg.train.pack_sequences,
-                                transformer_engine=compute.transformer_engine, cuda=available.cuda,
+                                transformer_engine=bool(compute.transformer_engine), cuda=available.cuda,  # resolved
                                 half=cfg.model.dtype == "bfloat16", te_version=available.te_version,
                                 linear_attention="linear_num_key_heads" in dims)
     except LayoutError:
@@ -207,7 +210,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
                                   f"than model.hf_path={str(hf)!r} ({change}); resume with that "
                                   f"model, or start over in a new checkpoint.dir")
-        if cfg.loss.reference_reason:
+        if cfg.loss.reference_reason and cfg.checkpoint.dir:  # (a resume comes from checkpoint.dir)
             ref = Path(cfg.checkpoint.dir) / REFERENCE_DIR
             if not (ref / "model.safetensors").is_file():
                 raise ConfigError(f"{cfg.loss.reference_reason}: resuming from {resume_from}, "
@@ -287,12 +290,14 @@ def check_prompt_set(cfg: RunConfig, stored: dict[str, Any] | None, now: dict[st
                       "over this one")
 
 
-def drop_overlong_prompts(cfg: RunConfig, prompts, hf_dir: Path):
+def drop_overlong_prompts(cfg: RunConfig, prompts: PromptSet, hf_dir: Path) -> KeptRows:
     """rollout.max_prompt_tokens: the rows kept (an index array), said in one line."""
     from transformers import AutoTokenizer
 
     from rollout.prompts.dataset import PromptFileError, filter_overlong
     r = cfg.rollout
+    if r.max_prompt_tokens is None:
+        raise ValueError("dropping overlong prompts needs rollout.max_prompt_tokens")
     try:
         kept, dropped = filter_overlong(prompts, AutoTokenizer.from_pretrained(str(hf_dir)), r.max_prompt_tokens)
     except PromptFileError as e:
@@ -300,4 +305,6 @@ def drop_overlong_prompts(cfg: RunConfig, prompts, hf_dir: Path):
     print(f"[gspo] rollout.prompts: {dropped} of {prompts.total_rows} prompts are longer than "
           f"{r.max_prompt_tokens} tokens (rollout.max_prompt_tokens) and were dropped; {len(kept)} remain",
           flush=True)
+    if kept.kept is None:
+        raise RuntimeError("filter_overlong returned every row without a kept-row index")
     return kept.kept

@@ -34,6 +34,7 @@ from rollout.servers.ports import free_port
 if TYPE_CHECKING:  # built inside setup, so that importing this module loads no megatron-core
     from gspo_megatron.actor.actor import Actor
     from gspo_megatron.sync.weight_sync import WeightSync
+    from rollout.prompts.dataset import KeptRows
 
 
 @dataclasses.dataclass
@@ -53,11 +54,20 @@ class Run:
     stop: GracefulStop = dataclasses.field(default_factory=lambda: GracefulStop(enabled=False))
     locks: list = dataclasses.field(default_factory=list)  # rank 0: its folders' RunLocks
 
+    @property
+    def rank0_driver(self) -> Driver:
+        """The driver, which rank 0 alone holds (the loop asks for it on rank 0 only)."""
+        if self.driver is None:
+            raise RuntimeError(f"rank {self.rank} holds no driver: only rank 0 drives the rollouts")
+        return self.driver
+
     def save_checkpoint(self) -> None:
         """Collective: a checkpoint of the last finished step, with rank 0's prompt cursor and
-        rollout buffer (the driver's state)."""
+        rollout buffer (the driver's state). Only a run with checkpoint.dir saves."""
+        if self.ckpt is None:
+            raise RuntimeError("save_checkpoint without checkpoint.dir")
         if self.rank == 0:
-            state = self.driver.state()
+            state = self.rank0_driver.state()
             self.loop.data_cursor, self.loop.rollout_buffer = state["stream"], state["manager"]
         self.ckpt.save(self.loop.step, self.actor, self.loop)
 
@@ -84,7 +94,7 @@ def build_actor(cfg: RunConfig) -> Actor:
                  max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0)
 
 
-def start_driver(cfg: RunConfig, rank: int, prompt_rows=None) -> Driver | None:
+def start_driver(cfg: RunConfig, rank: int, prompt_rows: KeptRows | None = None) -> Driver | None:
     """Rank 0 starts (or attaches) the servers; a failure there stops every rank."""
     holder: list[Driver] = []
 
@@ -160,33 +170,33 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         left_out = left_out_layers_note(actor.spec.hf_config)
         if left_out:
             print(f"[gspo] model: {left_out}", flush=True)
-    run = Run(cfg, rank, world, actor, None, None, ckpt, MetricsWriter(None, enabled=False),
-              LoopState(extra={"source_model": inputs.model_fingerprint, "prompts": inputs.prompts}),
-              resumed_from=resume_from, stop=stop)
+    loop = LoopState(extra={"source_model": inputs.model_fingerprint, "prompts": inputs.prompts})
     if ckpt:
         ckpt.clean_incomplete()
-    run.driver = start_driver(cfg, rank, inputs.prompt_rows)
-    if run.driver is not None:  # after a signal, no server call waits for the health probe
-        for pool in run.driver.pools():
+    driver = start_driver(cfg, rank, inputs.prompt_rows)
+    if driver is not None:  # after a signal, no server call waits for the health probe
+        for pool in driver.pools():
             pool.stop_requested = stop.requested
             pool.abort_timeout_s = cfg.rollout.abort_timeout_s
     if resume_from:
-        run.loop = ckpt.load(resume_from, actor)
-        run.loop.extra["prompts"] = inputs.prompts
-        if inputs.new_prompt_epoch and run.loop.data_cursor:  # rollout.prompts_changed=restart_epoch
-            run.loop.data_cursor = {**run.loop.data_cursor, "position": 0,
-                                    "epoch": run.loop.data_cursor["epoch"] + 1}
-        if rank == 0:
-            run.driver.load_state(run.loop.data_cursor, run.loop.rollout_buffer)
-            print(f"[gspo] resumed from {resume_from} (step {run.loop.step})", flush=True)
-    else:
+        if ckpt is None:
+            raise RuntimeError(f"resuming from {resume_from} without checkpoint.dir")
+        loop = ckpt.load(resume_from, actor)
+        loop.extra["prompts"] = inputs.prompts
+        if inputs.new_prompt_epoch and loop.data_cursor:  # rollout.prompts_changed=restart_epoch
+            loop.data_cursor = {**loop.data_cursor, "position": 0, "epoch": loop.data_cursor["epoch"] + 1}
+        if driver is not None:  # rank 0
+            driver.load_state(loop.data_cursor, loop.rollout_buffer)
+            print(f"[gspo] resumed from {resume_from} (step {loop.step})", flush=True)
+    elif init_ckpt is not None:
         actor.load_weights(init_ckpt)
-    run.sync = build_sync(cfg, actor, run.driver)
+    sync = build_sync(cfg, actor, driver)
+    writer = MetricsWriter(None, enabled=False)
     if rank == 0 and cfg.logging.tensorboard_dir:
-        run.writer = MetricsWriter(cfg.logging.tensorboard_dir, jsonl_path=cfg.logging.metrics_jsonl,
-                                   purge_step=run.loop.step if resume_from else None)
+        writer = MetricsWriter(cfg.logging.tensorboard_dir, jsonl_path=cfg.logging.metrics_jsonl,
+                               purge_step=loop.step if resume_from else None)
         print(f"[gspo] TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}", flush=True)
-    return run
+    return Run(cfg, rank, world, actor, driver, sync, ckpt, writer, loop, resumed_from=resume_from, stop=stop)
 
 
 def begin_rl(run: Run) -> None:

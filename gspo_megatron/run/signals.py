@@ -26,6 +26,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from types import FrameType
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -52,7 +54,7 @@ class GracefulStop:
 
     def __init__(self, enabled: bool = True) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         if enabled and threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)

@@ -49,7 +49,7 @@ class DeltaEncoder:
             out["full"] = []
         if delta:
             out["delta"] = []
-        check = set(check)
+        checked = set(check)
         for name, tensor in bucket:
             # compared where the tensor is (a GPU's cores, not the host's); what goes on the wire
             # and into `base` is on the host
@@ -57,7 +57,7 @@ class DeltaEncoder:
             new = here if here.device.type == "cpu" else here.cpu()
             shape = torch.tensor(list(new.shape), dtype=torch.int64)
             extra = []
-            if delta and name in check:  # exact on any device (weight_delta.checksum)
+            if delta and name in checked:  # exact on any device (weight_delta.checksum)
                 extra = [(name + PART + "shape", shape), (name + PART + "sum", torch.tensor([checksum(here)]))]
                 self.stats["checked"] += 1
             nbytes = new.numel() * new.element_size()

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from gspo_megatron.sync.transport_base import Parts, Sender, SenderState, Transport
 from rollout.in_server.weight_loader import LOADER, PART, flatten, path_tensor
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class TensorSender(Sender):
+class TensorSender(Sender[Parts]):
     """Posts each request from this rank by shared memory; the loader's reports come back as files
     in a folder of the pass's own."""
 
@@ -38,6 +38,9 @@ class TensorSender(Sender):
         self._reports = Path(tempfile.mkdtemp(prefix="gspo-sync-report-"))
         self._posted = itertools.count()
         return {}
+
+    def pack(self, state: SenderState, mode: str, parts: Parts) -> Parts:
+        return parts  # the loader's format already: each server reads the same shared memory
 
     def post(self, state: SenderState, url: str, packed: Parts) -> list[str]:
         return post_through_loader(state.client(url), packed, self._reports / f"{next(self._posted)}.json")
@@ -50,7 +53,7 @@ class TensorTransport(Transport):
     """By shared memory: the servers run on the trainer ranks' machines."""
 
     name = "tensor"
-    sender_type = TensorSender
+    sender_type: ClassVar[type[Sender[Any]]] = TensorSender
 
     def begin(self, version: str) -> None:
         self.pool.for_each(begin_session)
@@ -63,7 +66,7 @@ class TensorTransport(Transport):
 def post_through_loader(client: SGLangClient, parts: Parts, report: Path) -> list[str]:
     """One request through the project's loader; the names whose checksum differed. A loader
     error (it cannot raise: rollout/in_server/weight_loader.py) is raised here."""
-    payload = flatten(list(parts) + [(PART + "report", path_tensor(report))])
+    payload = flatten(list(parts) + [(PART + "report", path_tensor(str(report)))])
     client.update_weights_from_tensor(payload, load_format=LOADER, flush_cache=False)
     try:
         got = json.loads(report.read_text())

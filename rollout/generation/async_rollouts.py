@@ -79,7 +79,7 @@ class AsyncRollouts:
                 if self._closed:
                     return
                 while self.retry:  # stale groups sent back: generated again, first
-                    self.manager.buffer.appendleft(self.retry.pop())
+                    self.manager.groups.buffer.appendleft(self.retry.pop())
                 self._generating = True
                 self._busy_since = t0 = time.monotonic()
             result = None

@@ -15,9 +15,14 @@ by it ends with finish_reason "budget" (counted as truncated).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from rollout.generation.manager_config import ManagerConfig
 from rollout.generation.sample import ABORTED, DONE, Sample
+
+if TYPE_CHECKING:
+    from rollout.servers.pool import ServerPool
 
 
 @dataclasses.dataclass
@@ -65,6 +70,19 @@ class ChatFormat:
         return f"{close}\n{self.user_prefix}{message}{self.turn_end}\n{self.assistant_prefix}"
 
 
+class EpisodeChat(Protocol):
+    """How an episode's turns become tokens: rollout.generation.chat.ChatTemplate (the tokenizer's
+    own template) or FormatChat (fixed turn markers)."""
+
+    has_tool_role: bool
+
+    def first_prompt_ids(self, message: str) -> list[int]: ...
+
+    def role_for(self, tool_response: bool) -> str: ...
+
+    def observation_ids(self, message: str, *, role: str = "user", model_turn_closed: bool) -> list[int]: ...
+
+
 class FormatChat:
     """A ChatFormat (fixed turn markers) + a tokenizer's encode, behind the interface run_episode
     uses (rollout.generation.chat.ChatTemplate is the other implementation: the tokenizer's own template)."""
@@ -102,10 +120,10 @@ def _checked_step(result: Any) -> EnvStep:
     return result
 
 
-def run_episode(sample: Sample, env: Environment, pool: Any, config: Any,
+def run_episode(sample: Sample, env: Environment, pool: ServerPool, config: ManagerConfig,
                 decode: Callable[[list[int]], str], encode_text: Callable[[str], list[int]] | None,
-                new_rid: Callable[[Sample], str], chat: Any = None, max_turns: int | None = None,
-                abandon: Any = None) -> Sample:
+                new_rid: Callable[[Sample], str], chat: EpisodeChat | None = None, max_turns: int | None = None,
+                abandon: threading.Event | None = None) -> Sample:
     """Play one episode into `sample` (status DONE, or ABORTED if the server aborted a turn).
 
     chat: rollout.generation.chat.ChatTemplate (the tokenizer's template), or None for ChatFormat's markers
@@ -118,7 +136,10 @@ def run_episode(sample: Sample, env: Environment, pool: Any, config: Any,
     that raises or returns a malformed step ends the episode: metadata["env_error"] says why and
     the reward is 0 (the rollout manager counts it like a failed reward call).
     """
-    chat = chat or FormatChat(ChatFormat(), encode_text)
+    if chat is None:
+        if encode_text is None:
+            raise ValueError("an episode needs a chat template or encode_text")
+        chat = FormatChat(ChatFormat(), encode_text)
     bound = max_turns or env.max_turns
     spans: list[list[Any]] = []
     turn_rewards: list[float] = []

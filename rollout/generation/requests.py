@@ -15,7 +15,7 @@ import itertools
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Callable
 
 from rollout.generation.chat import ChatTemplate
 from rollout.generation.manager_config import ManagerConfig

@@ -86,6 +86,14 @@ class Sample:
     in the last generate call, -1 where there is none (module docstring); None: not requested."""
 
     @property
+    def score(self) -> float:
+        """The reward of a scored sample (what the driver trains on and evaluates; every sample it
+        receives has been scored)."""
+        if self.reward is None:
+            raise ValueError(f"sample {self.index} of group {self.group_id} has no reward yet")
+        return self.reward
+
+    @property
     def remaining_tokens(self) -> int:
         return self.max_new_tokens - len(self.response_ids)
 

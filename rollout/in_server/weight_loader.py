@@ -37,7 +37,7 @@ import math
 import os
 import traceback
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -186,14 +186,16 @@ def route_load_weights(model: torch.nn.Module) -> None:
     idempotent. The model's own load_weights stays at `model.gspo_own_load_weights`."""
     if getattr(model, "gspo_own_load_weights", None) is not None:
         return
-    own = model.load_weights
+    # SGLang's model classes define load_weights (SGLang ships no types; torch's Module types an
+    # attribute as a tensor or a module): read and replace it as the attribute it is on the instance
+    own: Callable[[Any], Any] = getattr(model, "load_weights")
 
-    def load_weights(weights):
+    def load_weights(weights: Any) -> Any:
         if isinstance(weights, list) and any(PART in n for n, _ in weights):
             return load(model, weights)
         return own(weights)  # HF names, or the disk loader's iterator (not consumed here)
-    model.gspo_own_load_weights = own
-    model.load_weights = load_weights
+    setattr(model, "gspo_own_load_weights", own)
+    setattr(model, "load_weights", load_weights)
 
 
 def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -248,7 +250,8 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
     dense = [(n, entries[n]["dense"]) for n in order if "dense" in entries[n]]
     if dense:
         own_load_weights(model)(dense)
-    shapes = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items() if "shape" in e}
+    shapes: dict[str, Sequence[int]] = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items()
+                                        if "shape" in e}
     places = probe(model, shapes) if shapes else {}
     params = dict(model.named_parameters())
     for n in order:

@@ -10,9 +10,15 @@ from __future__ import annotations
 import array
 import random
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeAlias
 
 from rollout.prompts.sets import PromptFileError, PromptSet, open_prompt_set  # noqa: F401  (PromptFileError: the API)
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+KeptRows: TypeAlias = "NDArray[np.int64]"  # the rows of a prompt set that filter_overlong keeps, in order
 
 
 def load_prompts(spec: str | Path | list, prompt_key: str = "prompt", answer_key: str = "answer",

@@ -85,7 +85,8 @@ def extract_program(text: str) -> str | None:
         end = text.find("```", newline + 1) if newline >= 0 else -1
         if end < 0:  # no later fence can close either
             return program
-        if _TAG.match(text, start + 3, newline).group(0).lower() in PYTHON_TAGS:
+        tag = _TAG.match(text, start + 3, newline)  # matches, if only the empty string
+        if tag is not None and tag.group(0).lower() in PYTHON_TAGS:
             program = text[newline + 1:end]
         pos = end + 3
 

@@ -61,7 +61,7 @@ def score_task(reward: Any, task_id: int, records: list[dict], texts: list[str],
             values = list(reward.score(records, texts))
             if len(values) != len(texts):
                 raise ValueError(f"returned {len(values)} values for {len(texts)} responses")
-            results = []
+            results: list[tuple[float, str | None]] = []
             for v in values:
                 try:
                     results.append((as_reward(v), None))
@@ -74,6 +74,7 @@ def score_task(reward: Any, task_id: int, records: list[dict], texts: list[str],
     prepared: dict[int, tuple[Any, str | None]] = {}  # id(record) -> (prepared, error): once per prompt
     for i, (record, text) in enumerate(zip(records, texts)):
         t0 = time.perf_counter()
+        result: tuple[float, str | None]
         if reward.prepare is not None and id(record) not in prepared:
             try:
                 prepared[id(record)] = (reward.prepare(record), None)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import requests
 
@@ -153,7 +153,7 @@ def router_process(worker_urls: Sequence[str], log_dir: Path, host: str = "127.0
 def _router_serves(url: str) -> bool:
     """The router answers /health before its workers are registered (then /generate is 503):
     ready means a 1-token generation goes through."""
-    probe = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
+    probe: dict[str, Any] = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
     return requests.post(url + "/generate", json=probe, timeout=30).status_code == 200
 
 
@@ -203,8 +203,8 @@ class ServerGroup:
         server i gets base_gpu_id = i * tp_size unless set), wait until all are healthy (a start
         that failed for a transient cause is tried once more, said on `log`), then the router if
         asked. Any other failure stops everything already started and re-raises."""
-        temp_log_dir = None if config.log_dir else Path(tempfile.mkdtemp(prefix="gspo-sglang-logs-"))
-        log_dir = Path(config.log_dir) if config.log_dir else temp_log_dir
+        log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="gspo-sglang-logs-"))
+        temp_log_dir = None if config.log_dir else log_dir
         procs: list[ManagedProcess] = []
         router_proc = None
         try:

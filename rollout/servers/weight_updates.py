@@ -12,6 +12,10 @@ from typing import Any, Sequence
 class WeightUpdates:
     """SGLangClient's weight-update endpoints (it supplies `_checked`)."""
 
+    def _checked(self, path: str, payload: Any, **kw: Any) -> dict:
+        """POST `payload` to `path` and check SGLang's success flag (SGLangClient's)."""
+        raise NotImplementedError
+
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
                                  flush_cache: bool = True, abort_all_requests: bool = False,
                                  load_format: str | None = None, timeout_s: float = 600.0) -> dict:

@@ -41,7 +41,9 @@ SAID = {
 
 def recipe_blocks(text: str) -> list[tuple[str, str]]:
     """(its section's heading, its text) of every ```bash recipe block, in the guide's order."""
-    blocks, heading, fence, body = [], "(before any section)", None, []
+    blocks: list[tuple[str, str]] = []
+    body: list[str] = []
+    heading, fence = "(before any section)", None
     for line in text.splitlines():
         if fence is None:
             if line.startswith("```"):

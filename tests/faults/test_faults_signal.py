@@ -82,8 +82,8 @@ def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: i
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)] == list(range(STEPS))
     per_step = 2  # rollout.prompts_per_step
-    expected = _expected_prompts(STEPS * per_step)
-    expected = [sorted(expected[k * per_step:(k + 1) * per_step]) for k in range(STEPS)]
+    stream = _expected_prompts(STEPS * per_step)
+    expected = [sorted(stream[k * per_step:(k + 1) * per_step]) for k in range(STEPS)]
     assert _prompts_trained(run_dir) == expected, \
         "the trained prompts differ from an uninterrupted run's (a prompt lost or trained twice)"
     return out

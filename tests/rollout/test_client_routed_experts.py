@@ -123,11 +123,11 @@ def test_sample_and_buffer_json_round_trip():
     # the manager's rollout buffer (driver.json) keeps it
     mgr = RolloutManager(None, ManagerConfig(), encode_prompt=lambda r: [1], decode=str,
                          reward_fn=lambda r, t: 0.0)
-    mgr.buffer.append([s, Sample(3, 0, {"prompt": "p"}, [7, 8, 9], 20)])
+    mgr.groups.buffer.append([s, Sample(3, 0, {"prompt": "p"}, [7, 8, 9], 20)])
     mgr2 = RolloutManager(None, ManagerConfig(), encode_prompt=lambda r: [1], decode=str,
                           reward_fn=lambda r, t: 0.0)
     mgr2.load_state(json.loads(json.dumps(mgr.to_state())))
-    assert list(mgr2.buffer) == list(mgr.buffer)
+    assert list(mgr2.groups.buffer) == list(mgr.groups.buffer)
     for m in (mgr, mgr2):
         m.close()
 

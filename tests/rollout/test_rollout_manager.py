@@ -95,7 +95,7 @@ def test_partial_rollout_resume_has_exact_budget_and_versions(qwen3_server):
         step1 = mgr.generate_step(prompts, num_groups=1)
         assert [len(s.response_ids) for s in step1.groups[0]] == [8, 8]
         assert step1.metrics["groups_partial_buffered"] == 2
-        partial = [s for g in mgr.buffer for s in g]
+        partial = [s for g in mgr.groups.buffer for s in g]
         assert all(s.status == PENDING and s.finish_reason == "abort" for s in partial)
         assert all(0 < len(s.response_ids) < budget for s in partial), [len(s.response_ids) for s in partial]
         before = {(s.group_id, s.index): len(s.response_ids) for s in partial}

@@ -147,7 +147,7 @@ def _loss(m: Migration) -> str:
     mode_key = next((k for k in (f"{A}.policy_loss.loss_mode", f"{A}.loss_mode") if m.has(k)), None)
     mode = m.take(mode_key) if mode_key else "vanilla"
     if mode not in LOSSES:
-        m.skip(mode_key, f"verl's {mode!r} loss is not offered (gspo, vanilla = grpo here)")
+        m.skip(mode_key or f"{A}.loss_mode", f"verl's {mode!r} loss is not offered (gspo, vanilla = grpo here)")
         mode = "vanilla"
     loss = LOSSES[mode]
     per_token = m.keys.get("algorithm.use_kl_in_reward") and m.keys.get("algorithm.adv_estimator") == "reinforce_plus_plus"
@@ -187,7 +187,7 @@ def _loss(m: Migration) -> str:
         m.carry(f"{A}.loss_agg_mode", "loss.loss_agg_mode", agg, "verl's agg_loss mode")
         if agg == "seq-mean-token-sum-norm":
             norm = m.take(f"{A}.loss_scale_factor") or m.keys.get("data.max_response_length")
-            m.also(f"{A}.loss_agg_mode", "loss.aggregation_args.token_sum_norm", float(norm), "C")
+            m.also(f"{A}.loss_agg_mode", "loss.aggregation_args.token_sum_norm", None if norm is None else float(norm), "C")
             m.note(f"seq-mean-token-sum-norm: loss.aggregation_args.token_sum_norm = {norm} (loss_scale_factor, else the response "
                    "budget); verl's per-micro-batch sum is this times the micro-batch's rows (a constant under Adam)")
     else:

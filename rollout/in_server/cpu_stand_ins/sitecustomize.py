@@ -37,6 +37,8 @@ import importlib.machinery
 import multiprocessing
 import os
 import sys
+import types
+from typing import Any, Callable
 
 
 
@@ -116,7 +118,8 @@ def _cpu_device_module(module):
     cls.__init__ = __init__
 
 
-PATCHES = {
+# module -> the attributes to set on it once imported, or a function that patches it
+PATCHES: dict[str, dict[str, Any] | Callable[[types.ModuleType], None]] = {
     "sglang.kernels.ops.elementwise.elementwise": {
         "fused_gate_sigmoid_mul": fused_gate_sigmoid_mul,
         "fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},

@@ -81,8 +81,9 @@ def ensure_runsc(log: Callable[[str], None]) -> str:
         raise GvisorUnavailable("no runsc here (Debian's `runsc` package: apt-get install runsc, as root)")
     with open("/tmp/gspo-runsc-install.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if shutil.which("runsc"):
-            return shutil.which("runsc")
+        found = shutil.which("runsc")
+        if found:
+            return found
         log(f"code sandbox: installing Debian's {RUNSC_PACKAGE} (gVisor) for rollout.reward_args.isolation "
             "(first use on this machine: apt-get install, about 10-30 s)")
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -152,8 +153,11 @@ def runsc_argv(runsc: str, state: Path) -> list[str]:
 class Session:
     """One gVisor sandbox with its runner (module docstring); its processes in `cgroup`."""
 
-    def __init__(self, proc: subprocess.Popen, name: str, state: Path, cgroup: RunCgroup | None) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], name: str, state: Path, cgroup: RunCgroup | None) -> None:
+        if proc.stdin is None or proc.stdout is None or proc.stderr is None:
+            raise ValueError("a gVisor session needs runsc's stdin, stdout and stderr as pipes")
         self.proc, self.name, self.state, self.cgroup = proc, name, state, cgroup
+        self.stdin, self.stdout, self.stderr = proc.stdin, proc.stdout, proc.stderr
         self.started = start_ticks(proc.pid)
         self.up = False
         self.failed = ""
@@ -167,14 +171,15 @@ class Session:
         proc = subprocess.Popen(runsc_argv(runsc, state) + ["run", f"--bundle={bundle.path}", name],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 preexec_fn=preexec, start_new_session=True, cwd="/", env=env)
-        os.set_blocking(proc.stdin.fileno(), False)
-        return cls(proc, name, state, cgroup)
+        session = cls(proc, name, state, cgroup)
+        os.set_blocking(session.stdin.fileno(), False)
+        return session
 
     def wait_up(self, until: float) -> bool:
         """Whether its runner said ready by `until` (time.monotonic()); else `failed` says why."""
         if self.up:
             return True
-        line = _read_line(self.proc.stdout.fileno(), min(until, time.monotonic() + START_LIMIT_S))
+        line = _read_line(self.stdout.fileno(), min(until, time.monotonic() + START_LIMIT_S))
         if line == b"ready\n":
             self.up = True
             return True
@@ -187,12 +192,12 @@ class Session:
         the sandbox did not answer by `until` (then it is closed: the caller says timeout)."""
         request = {"program": len(program), "stdin": len(stdin), "limit_s": limit_s, "cap": cap, "limits": limits}
         try:
-            _write_all(self.proc.stdin.fileno(), json.dumps(request).encode() + b"\n" + program + stdin, until)
-            line = _read_line(self.proc.stdout.fileno(), until)
+            _write_all(self.stdin.fileno(), json.dumps(request).encode() + b"\n" + program + stdin, until)
+            line = _read_line(self.stdout.fileno(), until)
             header = json.loads(line) if line.endswith(b"\n") else None
             if header is None:
                 return None
-            body = _read_exactly(self.proc.stdout.fileno(), header["stdout"] + header["stderr"], until)
+            body = _read_exactly(self.stdout.fileno(), header["stdout"] + header["stderr"], until)
         except (OSError, ValueError):
             return None
         if body is None:
@@ -217,7 +222,7 @@ class Session:
         with adopting():  # the Sentry and the Gofer outlive runsc, killed first: they come here, not to PID 1
             tree = _descendants(self.proc.pid)  # before anything ends: a zombie leaves its cgroup's list
             self.kill()
-            for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            for stream in (self.stdin, self.stdout, self.stderr):
                 try:
                     stream.close()
                 except OSError:
@@ -230,8 +235,8 @@ class Session:
 
     def _stderr(self) -> str:
         try:
-            os.set_blocking(self.proc.stderr.fileno(), False)
-            text = (self.proc.stderr.read() or b"").decode(errors="replace")
+            os.set_blocking(self.stderr.fileno(), False)
+            text = (self.stderr.read() or b"").decode(errors="replace")
         except (OSError, ValueError):
             text = ""
         return " ".join(text.split())[-300:] or f"exit code {self.proc.poll()}"

@@ -82,7 +82,8 @@ def run(request, program, stdin, n, python):
     for fd in (r0, w1, w2):
         os.close(fd)
     out, err, pending = bytearray(), bytearray(), memoryview(stdin)
-    readers, writer = {r1: out, r2: err}, w0
+    readers: dict[int, bytearray] = {r1: out, r2: err}
+    writer: int | None = w0
     for fd in (r1, r2, w0):
         os.set_blocking(fd, False)
     if not pending:
@@ -95,7 +96,7 @@ def run(request, program, stdin, n, python):
             status = "timeout"
             break
         r, w, _ = select.select(list(readers), [writer] if writer is not None else [], [], left)
-        if w:
+        if w and writer is not None:
             try:
                 pending = pending[os.write(writer, pending[:65536]):]
             except OSError:

@@ -216,7 +216,7 @@ class Sandbox:
             reasons.append(f"{python}: {r.status} {_one_line(r.stderr_tail.decode(errors='replace'))}")
         self.mode = self.python = None
         if mode == "process":
-            raise SandboxUnavailable(f"rollout.reward_args.isolation='process': no interpreter runs here: "
+            raise SandboxUnavailable("rollout.reward_args.isolation='process': no interpreter runs here: "
                                      + "; ".join(reasons))
         raise SandboxUnavailable(
             f"rollout.reward_args.isolation={wanted!r}: the sandbox's namespaces cannot be made here "
@@ -321,6 +321,8 @@ class Sandbox:
                   "limits": self._limits(time_limit_s), "root": self.root, "tmp_mb": TMP_MB, "shm_mb": SHM_MB,
                   "seccomp": self.syscall_filter.hex() if self.syscall_filter else None, "self_pid": SELF_PID,
                   "uid": self.uid, "landlock": self.landlock}
+        if self.mode is None or self.python is None:
+            raise RuntimeError("the sandbox is closed (or was never set up): no mode, no interpreter")
         argv = self._prefix(self.mode) + [self.python, "-I", "-S", "-c", INIT_SOURCE, json.dumps(config)]
         with adopting():  # what the run's kill orphans comes to this process, which reaps it
             try:

@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from rollout.rewards.sandbox.run import Sandbox
+from rollout.rewards.sandbox.cgroup import CgroupLayout
+from rollout.rewards.settings import CodeSandboxSettings
 
 
-def start_line(sandbox: "Sandbox", fallback_processes: int) -> str:
+class SandboxFacts(Protocol):
+    """What the line reads of a probed sandbox (run.py's Sandbox)."""
+
+    mode: str | None
+    python: str | None
+    settings: CodeSandboxSettings
+    cgroups: CgroupLayout | None
+    syscall_filter: bytes | None
+    uid: int | None
+    whole_system: bool
+    fallback: str
+    landlock: int
+
+
+def start_line(sandbox: SandboxFacts, fallback_processes: int) -> str:
     """The sandbox's start-up line (its mode, what it isolates, what it leaves open, its bounds)."""
     if sandbox.mode == "gvisor":
         bounds = (sandbox.cgroups.describe().replace(" per test ", " per response (its whole gVisor sandbox) ")

@@ -8,8 +8,6 @@ import ctypes
 import json
 import os
 import random
-import sys
-import textwrap
 
 import pytest
 
