@@ -36,6 +36,7 @@ from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_p
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
+from gspo_megatron.actor.versioned_routes import version_mismatch
 from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
 from gspo_megatron.algorithms.registry import LossSettings
 from gspo_megatron.checkpoint.model_io import load_model, load_model_and_optimizer, save_model_and_optimizer
@@ -259,9 +260,18 @@ class Actor:
                           before_forward=self.routing.before_forward)
         return self.routing.end()
 
+    def measure_version_mismatch(self, batch: TrainBatch, versions: list[int] | None = None,
+                                 live_version: int | None = None, rows: int = 4) -> dict[str, float]:
+        """routing_version_mismatch: the engine's routes against each held version's own choice, on
+        this rank's first `rows` rows (versioned_routes.py; forward-only passes, collective)."""
+        held = [v for v in (versions or [live_version]) if v == live_version or v in self.kept_versions()]
+        return {} if batch.routed_experts is None else version_mismatch(
+            lambda part: self._forward_only(part, compare_engine=True, replay=False), batch, held,
+            lambda v: self._versions.of(v, self._local_params()), live_version, rows)
+
     def _begin_routing(self, batch: TrainBatch, *, record: bool = False, compare_old: bool = False,
-                       compare_engine: bool = False) -> None:
-        replay = self.routing_settings.replay
+                       compare_engine: bool = False, replay: bool | None = None) -> None:
+        replay = self.routing_settings.replay if replay is None else replay
         if batch.routed_experts is not None and self.layout.context > 1:
             raise ValueError("batch.routed_experts: the MoE routing tools are not supported with "
                              f"parallel.context={self.layout.context}")
