@@ -65,8 +65,10 @@ class ServerConfig:
     memory (rollout/servers/memory.py); on GPU SGLang's default."""
     return_routed_experts: bool = False
     """--enable-return-routed-experts: the server can return every token's routed experts (MoE
-    routing replay; ManagerConfig.return_routed_experts asks for them). MoE models only; on CPU the
-    stand-in's sitecustomize lets its host buffer skip CUDA pinning."""
+    routing replay; ManagerConfig.return_routed_experts asks for them). MoE models only. The
+    server then starts with the patch that keeps a retracted request's routes
+    (rollout/in_server/startup), on CPU also the stand-in's, which lets its host buffer skip CUDA
+    pinning."""
     extra_args: Sequence[str] = ()
     """More launch_server flags, passed through verbatim."""
     env: dict[str, str] = dataclasses.field(default_factory=dict)
