@@ -377,5 +377,6 @@ def test_replay_recomputes_pi_old_as_the_engine_per_version(server, versions, pi
     m = pi_old["metrics"]
     assert pi_old["retract"] < 1e-5, pi_old
     assert m["routing_replay_mismatch_sets"] > 0 and m["routing_replay_mismatch"] == 0.0
+    assert m["routing_engine_mismatch"] < 0.01, m  # megatron's own choice, each version's pass
     # the recorded routes are what each version's weights choose (no replay): paired
     assert m["routing_version_mismatch_sets"] > 0 and m["routing_version_mismatch"] < 0.01, m
