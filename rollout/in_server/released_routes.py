@@ -25,7 +25,9 @@ positions. So in every pause mode a token's route is the one of the pass that sa
 
 A request aborted while it waits in the queue after a release comes back without any routes
 (Scheduler.abort_request answers it with an AbortReq, which carries none): the rollout side drops
-those tokens and generates them again (rollout/generation/requests.py).
+those tokens and generates them again (rollout/generation/requests.py). Not covered: the retract
+of prefill-decode disaggregation (disaggregation/prefill.py calls Req.reset_for_retract itself),
+which the project does not run.
 
 Cost: the kept rows live on the server's host until the request returns; at most one more copy
 of the host routes buffer (`num_tokens x layers x k`, int16 against its int32), reached when a
