@@ -34,8 +34,8 @@ def misalignment(sample: Sample) -> str | None:
     """None when `sample`'s records are paired (module docstring), else a line naming the first
     misaligned response position (its input position in prompt + response too) and what is wrong."""
     n, prompt = len(sample.response_ids), len(sample.prompt_ids)
-    fields = {"log-probs": sample.logprobs, "loss-mask entries": sample.loss_mask,
-              "weight versions": sample.weight_versions}
+    fields: dict[str, list] = {"log-probs": sample.logprobs, "loss-mask entries": sample.loss_mask,
+                               "weight versions": sample.weight_versions}
     short = {name: len(v) for name, v in fields.items() if len(v) != n}
     if short:
         name, got = min(short.items(), key=lambda kv: kv[1])
@@ -67,7 +67,7 @@ def misalignment(sample: Sample) -> str | None:
         earlier = max(int(v) for v in versions[:t] if v.isdigit())
         problems.append((t, f"weight version {versions[t]} after a token of version {earlier}"))
     if routes is not None and n:
-        routed = (np.asarray(routes) >= 0).all(axis=(1, 2))  # [prompt + n]
+        routed = np.all(np.asarray(routes) >= 0, axis=(1, 2)).reshape(-1)  # [prompt + n]
         # input position prompt + t - 1 is where the model read the token before response token t
         pos = prompt - 1 + np.arange(n)
         has = np.zeros(n, dtype=bool)

@@ -96,7 +96,7 @@ def _release_req(original: Callable, capturer_of: Callable) -> Callable:
     def release_req(*args: Any, **kwargs: Any) -> Any:
         keep_routes(kwargs["req"], kwargs["req_to_token_pool"], capturer_of())
         return original(*args, **kwargs)
-    release_req.gspo_keeps_routes = True
+    setattr(release_req, "gspo_keeps_routes", True)  # installed once, however often imported
     return release_req
 
 
@@ -105,7 +105,7 @@ def _collect(original: Callable) -> Callable:
     def _maybe_collect_routed_experts(self: Any, req: Any) -> None:
         original(self, req)
         overlay_kept_routes(req)
-    _maybe_collect_routed_experts.gspo_keeps_routes = True
+    setattr(_maybe_collect_routed_experts, "gspo_keeps_routes", True)
     return _maybe_collect_routed_experts
 
 
