@@ -61,6 +61,8 @@ def run_loop(run: Run) -> None:
                 # asynchronous: each token's from the weights of the version that generated it
                 shard.old_log_probs, old = actor.compute_old_log_probs(
                     shard, versions=batch_facts["versions"] if staleness else None, live_version=live)
+                if shard.routed_experts is not None:  # the engine's routes against their versions' weights
+                    old.update(actor.measure_version_mismatch(shard, batch_facts["versions"], live))
                 if staleness and cfg.train.old_log_probs == "recompute":
                     actor.keep_version(live)  # for the stale tokens of the next steps
             if cfg.distill.teacher and shard.old_log_probs is not None:  # the last pipeline stage

@@ -34,7 +34,8 @@ from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.batching.packing import resolve_sequence_layout
 from gspo_megatron.actor.router_control import Routing, check_routed_experts
 from gspo_megatron.actor.batching.balance import model_work
-from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
+from gspo_megatron.actor.held_policies import HeldPolicies
+from gspo_megatron.actor.snapshots import VersionedWeights
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
@@ -85,7 +86,7 @@ def _cut_hidden_references(chunks: list[DistributedDataParallel]) -> None:
                     attr.cache_clear()
 
 
-class Actor:
+class Actor(HeldPolicies):
     """Model chunks (one per virtual pipeline stage), optimizer and LR scheduler of one rank."""
 
     def __init__(self, model: ModelSpec | Mapping[str, Any] | str | Path, layout: ParallelLayout, *,
@@ -271,8 +272,8 @@ class Actor:
         return self.routing.end()
 
     def _begin_routing(self, batch: TrainBatch, *, record: bool = False, compare_old: bool = False,
-                       compare_engine: bool = False) -> None:
-        replay = self.routing_settings.replay
+                       compare_engine: bool = False, replay: bool | None = None) -> None:
+        replay = self.routing_settings.replay if replay is None else replay
         if batch.routed_experts is not None and self.layout.context > 1:
             raise ValueError("batch.routed_experts: the MoE routing tools are not supported with "
                              f"parallel.context={self.layout.context}")
@@ -314,34 +315,8 @@ class Actor:
             sub.optimizer.state.clear()
         self.scheduler.step(increment=0)
 
-    # --- KL reference policy -------------------------------------------------------------------
     def _local_params(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in unwrap(chunk).parameters()]
-
-    @torch.no_grad()
-    def set_reference(self, full: dict[str, torch.Tensor] | None = None) -> None:
-        """Keep this rank's parameter shards as the KL reference policy: the current weights, or
-        those of `full` (one-process megatron tensors, e.g. a saved reference; every rank passes
-        it, and the current weights are left as they were). The copy lives in host memory
-        (snapshots.py)."""
-        params = self._local_params()
-        if full is None:
-            self._reference = host_copy(params)
-            return
-        current = [p.detach().clone() for p in params]
-        load_full_state_dict(self.chunks, full)
-        self._reference = host_copy(params)
-        for p, c in zip(params, current):
-            p.copy_(c)
-
-    def compute_ref_log_probs(self, batch: TrainBatch) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """Log-probs under the reference policy (set_reference), for the KL penalty: `(ref_log_probs
-        [b, s] on the last stage else None, metrics)`; the caller sets `batch.ref_log_probs`.
-        A forward-only pass with the reference weights swapped in, then swapped back."""
-        if self._reference is None:
-            raise RuntimeError("compute_ref_log_probs needs a reference policy: call set_reference() first")
-        with swapped_in(self._local_params(), self._reference):
-            return self._forward_only(batch)
 
     def _forward_only(self, batch: TrainBatch, **routing) -> tuple[torch.Tensor | None, dict[str, float]]:
         self._begin_routing(batch, **routing)
@@ -352,23 +327,6 @@ class Actor:
         finally:
             routing_metrics = self.routing.end()
         return log_probs, {**metrics, **routing_metrics}
-
-    # --- pi_old of asynchronous rollouts (train.max_staleness > 0; docs/async.md) ----------------
-    def keep_version(self, version: int) -> None:
-        """Before the updates of `version`: keep its weights on the host, so that tokens it
-        generates can get their pi_old recomputed later (the newest max_staleness versions)."""
-        self._versions.keep(version, self._local_params())
-
-    def kept_versions(self) -> list[int]:
-        """The versions whose weights keep_version holds."""
-        return self._versions.versions()
-
-    def _versioned_old_log_probs(self, batch: TrainBatch, versions: list[int], live: int,
-                                 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """pi_old per token from the weights of the version that generated it (snapshots.py)."""
-        return old_log_probs_per_version(
-            lambda part: self._forward_only(part, compare_engine=batch.routed_experts is not None),
-            batch, versions, live, lambda v: self._versions.of(v, self._local_params()))
 
     # --- weights and checkpoints ----------------------------------------------------------------
     def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:

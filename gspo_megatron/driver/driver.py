@@ -23,14 +23,14 @@ from gspo_megatron.algorithms.advantage.shaping import RunningMoments
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver.environment import env_factory, reward_workers
 from gspo_megatron.driver.records import RolloutRecords
-from gspo_megatron.driver.rollout_metrics import rollout_metrics
+from gspo_megatron.driver.rollout_metrics import alignment_metrics, rollout_metrics
 from gspo_megatron.driver.samples_to_batch import policy_lag, samples_to_batch
 from gspo_megatron.driver.servers import start_policy_servers, start_teachers, wants_engine_routing
 from gspo_megatron.driver.staleness import take_fresh_groups
 from gspo_megatron.driver.warm_start import warm_start_examples
 from model_specs.hf.config import load_hf_config
 from rollout.generation.async_rollouts import AsyncRollouts
-from rollout.generation.chat import ChatTemplate
+from rollout.generation.multiturn.chat import ChatTemplate
 from rollout.servers.errors import NoServerLeft
 from rollout.prompts.dataset import KeptRows, PromptStream, chat_prompt_ids, load_prompts
 from rollout.prompts.sets import PromptSet
@@ -159,6 +159,10 @@ class Driver:
         batch = samples_to_batch(groups, r.group_size, turn_discount=r.turn_discount if per_token else None,
                                  advantage=self.cfg.loss, running=self.reward_moments, metrics=shaping)
         metrics = rollout_metrics(groups, manager_metrics)
+        aligned, problem = alignment_metrics([s for g in groups for s in g])
+        metrics.update(aligned)
+        if problem is not None:
+            _say(f"step {step}: a rollout sample's records are not paired: {problem}")
         metrics.update({f"rollout/{k}": v for k, v in shaping.items()})
         metrics["rollout/policy_lag_max"] = policy_lag(batch, int(weight_version))
         for pool in self.pools():  # servers live, failures, restarts, resubmitted (and the teacher's)

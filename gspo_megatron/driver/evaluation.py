@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver.environment import reward_workers
-from rollout.generation.chat import ChatTemplate
+from rollout.generation.multiturn.chat import ChatTemplate
 from rollout.generation.multiturn import Environment
 from rollout.prompts.dataset import chat_prompt_ids, load_prompts
 from rollout.generation.manager import RolloutManager

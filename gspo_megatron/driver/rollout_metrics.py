@@ -8,7 +8,12 @@ import statistics
 import torch
 
 from gspo_megatron.algorithms.distill import reverse_kl
+from rollout.generation.alignment import misalignment
 from rollout.generation.sample import Sample
+
+ALIGNMENT_CHECKS = 8
+"""Samples a step checks fully for alignment (rollout/generation/alignment.py), those built from
+several generate calls first: a few numpy passes over each one's tokens and routes."""
 
 
 def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float]) -> dict[str, float]:
@@ -25,7 +30,7 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
         "rollout/truncated_fraction": m.get("truncated_fraction", 0.0),
         "rollout/groups_dropped": m.get("groups_dropped_equal_reward", 0.0),
         "rollout/partial_resumed": m.get("samples_resumed", 0.0),
-        "rollout/partial_restarted": m.get("samples_restarted_routing", 0.0),
+        "rollout/unrouted_dropped": float(sum(s.metadata.get("unrouted_dropped", 0) for s in samples)),
         "rollout/partial_buffered": m.get("groups_partial_buffered", 0.0),
         "rollout/reward_errors": m.get("reward_errors", 0.0),
         **reward_metrics(samples, m),
@@ -34,6 +39,17 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
         **{f"rollout/{k}": m[k] for k in EPISODE_METRICS if k in m},
         **{f"async/{k}": m[k] for k in ASYNC_METRICS if k in m},
     }
+
+
+def alignment_metrics(samples: list[Sample], checks: int = ALIGNMENT_CHECKS,
+                      ) -> tuple[dict[str, float], str | None]:
+    """rollout/alignment_checked and rollout/misaligned over `checks` of the samples (those of
+    several segments first, then in order), and the first problem found, named (or None)."""
+    chosen = sorted(range(len(samples)), key=lambda i: (samples[i].num_segments <= 1, i))[:checks]
+    found = [(samples[i], misalignment(samples[i])) for i in chosen]
+    bad = [(s, p) for s, p in found if p is not None]
+    first = f"sample {bad[0][0].group_id}/{bad[0][0].index}: {bad[0][1]}" if bad else None
+    return {"rollout/alignment_checked": float(len(found)), "rollout/misaligned": float(len(bad))}, first
 
 
 def distill_metrics(samples: list[Sample], m: dict[str, float]) -> dict[str, float]:

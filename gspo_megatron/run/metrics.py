@@ -38,8 +38,12 @@ TAGS = {
     "rollout/truncated_fraction": "fraction of responses cut by max_new_tokens",
     "rollout/groups_dropped": "groups dropped by dynamic sampling (all rewards equal)",
     "rollout/partial_resumed": "samples resumed from a partial rollout this step",
-    "rollout/partial_restarted": "partial responses restarted from the prompt: with routing replay, "
-                                 "one generated under other weights is not resumed",
+    "rollout/unrouted_dropped": "tokens dropped to be generated again: SGLang answered the abort "
+                                "of a request it had retracted without their routes (moe.replay "
+                                "or engine_routing; rollout/generation/requests.py)",
+    "rollout/alignment_checked": "samples whose tokens, log-probs, weight versions and routes were "
+                                 "checked for pairing this step (rollout/generation/alignment.py)",
+    "rollout/misaligned": "of those, samples not paired (the log names the first position)",
     "rollout/partial_buffered": "groups left unfinished in the partial-rollout buffer",
     "rollout/reward_errors": "reward calls that failed: raised, returned a non-finite or non-number "
                              "value, ran past rollout.reward_timeout_s, or lost their worker (reward 0)",
@@ -122,6 +126,10 @@ TAGS = {
                                "tokens, in the old-log-prob pass (moe.engine_routing)",
     "routing/replay_mismatch": "with moe.replay: replayed sets that differ from SGLang's (a "
                                "self-check: always 0)",
+    "routing/version_mismatch": "on 4 rows per rank, SGLang's recorded sets that differ from what "
+                                "the weights of their token's version choose (the versions the "
+                                "trainer still holds; 0 but near-ties when routes and tokens are "
+                                "paired: actor/versioned_routes.py)",
     "time/routing_drift": "seconds of the forward-only routing drift pass (moe.drift)",
     "sync/gb": "GB of HF-named tensors sent per sync, by every sender to every server",
     "sync/bytes": "the same in bytes",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
-from rollout.generation.chat import ChatTemplate
+from rollout.generation.multiturn.chat import ChatTemplate
 from rollout.generation.groups import GroupBuffer
 from rollout.generation.manager_config import ManagerConfig
 from rollout.generation.multiturn import Environment
@@ -58,7 +58,7 @@ class RolloutManager:
         teacher: on-policy distillation (rollout.generation.teacher.TeacherScorer): a group also waits for its
         teacher log-probs, requested beside its rewards.
         env_factory: record -> Environment, for multi-turn episodes (rollout.generation.multiturn), whose turns
-        go through `chat` (rollout.generation.chat.ChatTemplate: the tokenizer's template) or, without it,
+        go through `chat` (rollout.generation.multiturn.chat.ChatTemplate: the tokenizer's template) or, without it,
         fixed ChatML markers tokenised with `encode_text` (its reset() message is the prompt, so
         encode_prompt is then unused). max_turns: bound on an episode's model turns (None: the
         environment's own)."""

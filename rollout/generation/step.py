@@ -247,14 +247,6 @@ class StepGeneration:
         for s in group:
             if s.status == ABORTED:  # an episode cut by a stop: it restarts
                 s.restart()
-            elif (s.status != DONE and self.config.return_routed_experts
-                  and s.has_tokens_of_other_weights(self.current_weight_version)):
-                # Routing replay: a response resumed under new weights would have its prefix
-                # routed by them (SGLang recomputes it), while its earlier tokens' pi_old needs
-                # the old routes of the same positions; one routing per token cannot hold
-                # both, so the partial restarts from its prompt (tests/trainer/test_trainer_async.py).
-                s.restart()
-                m["samples_restarted_routing"] += 1
             if s.status != DONE:
                 m["samples_resumed"] += bool(s.response_ids)
                 self.submit(s)

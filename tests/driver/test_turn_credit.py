@@ -13,7 +13,7 @@ from gspo_megatron.algorithms.advantage.pipeline import BatchRows, batch_advanta
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.driver.turn_credit import turn_credit_advantages
 from gspo_megatron.driver.warm_start import demonstration
-from rollout.generation.chat import ChatTemplate
+from rollout.generation.multiturn.chat import ChatTemplate
 from rollout.envs import CalculatorEnv, EnvironmentSpecError, environment_class
 from rollout.generation.sample import Sample
 

@@ -163,14 +163,11 @@ def test_sampling_seed_is_stable_per_sample_and_position():
     assert "sampling_seed" not in ManagerConfig().sampling_params(8, a)
 
 
-def test_restart_returns_a_sample_to_its_prompt_and_versions_decide_a_restart():
+def test_restart_returns_a_sample_to_its_prompt():
     s = Sample(3, 1, {"prompt": "p"}, [1, 2], 10)
-    assert not s.has_tokens_of_other_weights("v2")  # nothing generated yet
     s.append_model_tokens([5, 6], [-0.1, -0.2], ["v1", "v1"])
     s.append_env_tokens([7])
     s.reward, s.teacher_logprobs, s.status, s.num_segments = 1.0, [-1.0, -1.0, -1.0], DONE, 1
-    assert s.has_tokens_of_other_weights("v2") and not s.has_tokens_of_other_weights("v1")
-    assert not s.has_tokens_of_other_weights(None)  # the policy's version unknown: keep it
     s.restart()
     assert s == Sample(3, 1, {"prompt": "p"}, [1, 2], 10)
     assert s.status == PENDING and s.remaining_tokens == 10
