@@ -10,7 +10,7 @@ The adversary is the policy being trained: anything a program can reach that tel
 output, or that stops the run, it will learn to use.
 
 gvisor (auto where it runs: root, Debian's runsc): a response's tests in a gVisor sandbox of their
-own, gVisor's kernel and not the host's (gvisor.py); `with sandbox.session():` around them.
+own, gVisor's kernel and not the host's (gvisor/); `with sandbox.session():` around them.
 
 namespaces (and auto where gVisor does not run, said at start: the kernel is then the host's)
 - fresh user, mount, PID, network, IPC, UTS and cgroup namespaces per run (util-linux `unshare`);
@@ -53,7 +53,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -63,12 +62,13 @@ from typing import Iterator
 
 from gspo_errors import GspoError
 from rollout.rewards.sandbox.cgroup import CgroupLayout, RunCgroup
-from rollout.rewards.sandbox.gvisor import (SENTRY_MB, SENTRY_TASKS, Bundle, GvisorBackend, GvisorUnavailable,
-                                            ensure_runsc, worker_folder)
+from rollout.rewards.sandbox.gvisor.sessions import SENTRY_MB, SENTRY_TASKS, GvisorBackend
+from rollout.rewards.sandbox.gvisor.setup import Bundle, GvisorUnavailable, ensure_runsc, worker_folder
 from rollout.rewards.sandbox.interpreter_files import root_plan, warm
 from rollout.rewards.sandbox.process_mode import (FOLDER_PREFIX, landlock_abi, remove_folder, remove_left_behind,
                                                   remove_stale_folders)
-from rollout.rewards.sandbox.reaping import adopted_since, adopting, children_of, reap, start_ticks
+from rollout.rewards.sandbox.reaping import (adopted_since, adopting, children_of, in_child,
+                                              kill_group, reap, start_ticks)
 from rollout.rewards.sandbox.seccomp import SELF_PID, build_filter
 from rollout.rewards.sandbox.start_line import start_line, userns_hint
 from rollout.rewards.sandbox.streams import SET_UP_LIMIT_S, STDERR_TAIL, communicate
@@ -122,13 +122,6 @@ class RunResult:
     stderr_tail: bytes
     returncode: int | None
     seconds: float
-
-
-def _set_parent_death_signal() -> None:
-    """In the child before exec: SIGKILL when the reward worker dies (then `unshare --kill-child`
-    takes the whole PID namespace with it)."""
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -224,7 +217,7 @@ class Sandbox:
             "programs with process isolation only (weaker: no file-system, network or IPC isolation)")
 
     def _probe_gvisor(self) -> str | None:
-        """Settle the gVisor backend (gvisor.py) and run the probe's program in it; None when it
+        """Settle the gVisor backend (gvisor/) and run the probe's program in it; None when it
         runs, else why not (one line)."""
         if os.geteuid() != 0:
             return "gVisor's runsc needs a root worker here"
@@ -241,7 +234,7 @@ class Sandbox:
         self.gvisor = GvisorBackend(
             runsc, Bundle.make(folder / "bundle", self.python, self.root, TMP_MB, SHM_MB), folder / "state",
             lambda: (self.cgroups.create((s.memory_mb + SENTRY_MB) << 20, 4 * s.max_processes + SENTRY_TASKS)
-                     if self.cgroups is not None else None), _in_child,
+                     if self.cgroups is not None else None), in_child,
             {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", SANDBOX_ENV: self.tag})
         weakref.finalize(self, self.gvisor.close)  # the spare sandbox, started ahead, with this one
         self.mode = "gvisor"
@@ -328,7 +321,7 @@ class Sandbox:
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         pass_fds=(program_fd, status_w), start_new_session=True,
-                                        preexec_fn=_in_child(cgroup),
+                                        preexec_fn=in_child(cgroup),
                                         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", SANDBOX_ENV: self.tag})
             except BaseException:
                 os.close(status_r)
@@ -364,7 +357,7 @@ class Sandbox:
         seen = set(self._unreaped)
         if cgroup is None and proc.poll() is None:
             seen.update(children_of(proc.pid))  # namespaces: its first process, which no cgroup lists
-        _kill_group(proc)
+        kill_group(proc)
         if cgroup is not None:
             seen |= cgroup.kill()  # and with it whatever escaped the process group (process mode)
             if cgroup.lingering():  # zombies it lists no more: left to this process outside its group
@@ -383,28 +376,3 @@ class Sandbox:
             remove_folder(folder, until)
         if self.uid is not None and not self.landlock:
             remove_left_behind(self.uid, until, keep=folder)
-
-
-def _in_child(cgroup: RunCgroup | None):
-    """What the run's first process does between fork and exec: die with the worker, join the
-    run's cgroup (before anything of the program runs, so nothing it starts is outside it)."""
-    def child() -> None:
-        _set_parent_death_signal()
-        if cgroup is not None:
-            cgroup.join()
-    return child
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the run's process group (with namespaces, unshare's death takes its PID namespace)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        try:
-            if stream is not None:
-                stream.close()
-        except OSError:
-            pass
-    proc.wait()

@@ -188,7 +188,7 @@ def test_process_mode_says_what_it_does_not_isolate(proc):
 def _no_gvisor(monkeypatch) -> None:
     """gVisor out of reach, as on a machine without root or apt-get (where ensure_runsc says so)."""
     from rollout.rewards.sandbox import run as sandbox_run
-    from rollout.rewards.sandbox.gvisor import GvisorUnavailable
+    from rollout.rewards.sandbox.gvisor.setup import GvisorUnavailable
 
     def unavailable(log):
         raise GvisorUnavailable("no runsc here (Debian's `runsc` package: apt-get install runsc, as root)")

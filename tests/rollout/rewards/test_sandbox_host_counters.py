@@ -1,5 +1,5 @@
 """Numbers the whole host shares, that a run could read or move and that outlive it
-(rollout/rewards/sandbox/seccomp.py, cgroup.py, gvisor.py): a copycat with no task logic scored 1.0
+(rollout/rewards/sandbox/seccomp.py, cgroup.py, gvisor/): a copycat with no task logic scored 1.0
 right after a solver sibling that published the row's answer in one of them, and 0 alone. Each
 channel the red team found is a solver and a copycat here, scored by the code reward in every
 backend (gVisor, where a response's tests have a kernel of their own, and both modes of the shared

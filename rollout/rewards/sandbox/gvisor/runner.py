@@ -1,8 +1,8 @@
-"""The first process inside a gVisor sandbox (gvisor.py): runs one program per request, each in a
+"""The first process inside a gVisor sandbox (sessions.py): runs one program per request, each in a
 fresh folder as an unprivileged user of the sandbox, and answers on its stdout.
 
 Run as `python -I -S -c <this file's text>` as the sandbox's root, with the capabilities
-gvisor.CAPABILITIES only. Trusted code; nothing here trusts the program, which runs as PROGRAM_UID
+setup.CAPABILITIES only. Trusted code; nothing here trusts the program, which runs as PROGRAM_UID
 (it cannot signal, trace or read this process) in a process group of its own, with the request's
 limits. The expected outputs never enter the sandbox: the worker compares.
     worker -> runner   {"program": n, "stdin": n, "limit_s": s, "cap": n, "limits": {...}} \\n, then the bytes
