@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import weakref
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, ClassVar, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,10 +33,11 @@ from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, chec
                                        spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.batching.packing import resolve_sequence_layout
+from gspo_megatron.actor.release import cut_hidden_references, release_process_caches
 from gspo_megatron.actor.router_control import Routing, check_routed_experts
 from gspo_megatron.actor.batching.balance import model_work
-from gspo_megatron.actor.held_policies import HeldPolicies
-from gspo_megatron.actor.snapshots import VersionedWeights
+from gspo_megatron.actor.held.policies import HeldPolicies
+from gspo_megatron.actor.held.snapshots import VersionedWeights
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
@@ -62,32 +64,12 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _cut_hidden_references(chunks: list[DistributedDataParallel]) -> None:
-    """What keeps a dropped Actor's model alive beyond Python's reach (Actor.close). A function of
-    its own: its loop variables must be gone before close() collects."""
-    for chunk in chunks:
-        # A cycle the collector cannot see: megatron's MoE token dispatcher keeps the last
-        # forward's routing probs (token_dispatcher.py, `self.probs`), whose autograd graph
-        # reaches the router weight's AccumulateGrad node, whose DDP backward hook holds the
-        # DDP chunk (C++ edges, not traversed by gc). Without this a trained MoE Actor
-        # stayed in memory for good.
-        for module in unwrap(chunk).modules():
-            dispatcher = getattr(module, "token_dispatcher", None)
-            for name, value in list(vars(dispatcher).items()) if dispatcher is not None else ():
-                if torch.is_tensor(value):
-                    setattr(dispatcher, name, None)
-        chunk.grad_accs.clear()
-        # megatron caches methods with functools.lru_cache on the class, `self` in the key
-        # (RotaryEmbedding.forward in rotary_pos_embedding.py), which holds the module and,
-        # through the cached values' graph, the rest. The caches only save recomputation.
-        for cls in {c for m in unwrap(chunk).modules() for c in type(m).__mro__}:
-            for attr in vars(cls).values():
-                if callable(getattr(attr, "cache_clear", None)):
-                    attr.cache_clear()
-
-
 class Actor(HeldPolicies):
     """Model chunks (one per virtual pipeline stage), optimizer and LR scheduler of one rank."""
+
+    # The Actors of this process not yet closed: megatron's RNG states are shared by all of them,
+    # so only the last close frees them (weak: an Actor dropped unclosed leaves when collected).
+    _open: ClassVar[weakref.WeakSet[Actor]] = weakref.WeakSet()
 
     def __init__(self, model: ModelSpec | Mapping[str, Any] | str | Path, layout: ParallelLayout, *,
                  optimizer: OptimizerSettings | None = None, loss: LossSettings | None = None,
@@ -123,11 +105,13 @@ class Actor(HeldPolicies):
         # Context parallelism and packing need TE's attention on CUDA (before any collective).
         # Packing: null means "whenever that is what runs"; not with CP (THD chunks per segment
         # are not implemented: parallel/context.py splits padded rows).
+        linear_attention = self.spec.config.experimental_attention_variant == "gated_delta_net"
+        if linear_attention:  # before anything is built: kernels that would refuse its backward
+            available.check_gated_delta_net()
         half = self.spec.config.params_dtype in (torch.bfloat16, torch.float16)
         self.batching = dataclasses.replace(self.batching, pack_sequences=resolve_sequence_layout(
             layout, self.batching.pack_sequences, transformer_engine=self.spec.transformer_engine,
-            cuda=available.cuda, half=half, te_version=available.te_version,
-            linear_attention=self.spec.config.experimental_attention_variant == "gated_delta_net"))
+            cuda=available.cuda, half=half, te_version=available.te_version, linear_attention=linear_attention))
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)
@@ -146,6 +130,9 @@ class Actor(HeldPolicies):
         self._optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
         self._reference: list[torch.Tensor] | None = None  # KL reference: this rank's shards, on CPU
         self._versions = VersionedWeights(keep=max_staleness)  # pi_old of stale tokens (recompute)
+        self._available = available
+        self.released: dict[str, int] = {}  # close(): bytes each process-wide holder gave up
+        Actor._open.add(self)
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -161,12 +148,15 @@ class Actor(HeldPolicies):
             return
         config = self.spec.config
         config.no_sync_func = config.grad_scale_func = config.finalize_model_grads_func = None
-        _cut_hidden_references(self._chunks)
+        cut_hidden_references(self._chunks)
         self._chunks = self._optimizer = self._routing = self.scheduler = self._reference = None
         self._versions = VersionedWeights(keep=0)
-        if ps.model_parallel_is_initialized() and getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
-            ps.get_global_memory_buffer().buffer.clear()  # megatron's SP all-gather scratch (a cache)
+        Actor._open.discard(self)
         gc.collect()
+        # What the process keeps for the next model (workspaces, scratch, RNG states): release.py
+        self.released = release_process_caches(cuda=self._available.cuda,
+                                               transformer_engine=self._available.transformer_engine,
+                                               last=not Actor._open)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -129,7 +129,7 @@ TAGS = {
     "routing/version_mismatch": "on 4 rows per rank, SGLang's recorded sets that differ from what "
                                 "the weights of their token's version choose (the versions the "
                                 "trainer still holds; 0 but near-ties when routes and tokens are "
-                                "paired: actor/versioned_routes.py)",
+                                "paired: actor/held/versioned_routes.py)",
     "time/routing_drift": "seconds of the forward-only routing drift pass (moe.drift)",
     "sync/gb": "GB of HF-named tensors sent per sync, by every sender to every server",
     "sync/bytes": "the same in bytes",

@@ -148,6 +148,8 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
         cfg.train.check_machine(available)  # optimizer offload without CUDA
     except ValueError as e:
         raise ConfigError(f"train.{e}") from None
+    if "linear_num_key_heads" in dims:  # Gated DeltaNet: kernels that would refuse its backward
+        available.check_gated_delta_net()
     try:  # the Actor resolves it with the same function: what this says is what it builds
         resolve_sequence_layout(cfg.parallel, cfg.train.pack_sequences,
                                 transformer_engine=bool(compute.transformer_engine), cuda=available.cuda,  # resolved

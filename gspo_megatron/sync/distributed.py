@@ -98,7 +98,12 @@ class DistributedTransport(TensorTransport):
         self.timeout_s = timeout_s
         self.tp_size_of = {c.url: n for c, n in zip(pool.clients, server_tp_sizes or [1] * len(pool.clients))}
 
-    def sender(self, version: str, targets: dict[str, str]) -> GroupSender:
+    @classmethod
+    def for_run(cls, pool: ServerPool, **_: object) -> DistributedTransport:
+        """Not the tensor transport's: an update group per server takes no CUDA IPC setting."""
+        return cls(pool)
+
+    def sender(self, version: str, targets: dict[str, str]) -> Sender[Any]:
         from rollout.servers.health import LIVE
         return GroupSender(dict(self.tp_size_of), [u for u in targets if self.pool.status(u) != LIVE],
                            self.timeout_s)

@@ -66,6 +66,11 @@ class Sender(Generic[_Packed]):
         Returns the servers it could not get ready, with why (ServerUnavailable: lost)."""
         return {}
 
+    def keeps_device(self) -> bool:
+        """Its parts may stay on the GPU (it hands device memory to the servers); else the encoder
+        puts them on the host."""
+        return False
+
     def pack(self, state: SenderState, mode: str, parts: Parts) -> _Packed:
         """The pending parts of one mode as each server of that mode receives them (once per request)."""
         raise NotImplementedError

@@ -147,18 +147,21 @@ FLAT = PART + "flat="
 
 def flatten(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """A payload as one (name, uint8 tensor) pair: each entry's name, dtype, shape and byte offset
-    in the name (JSON), the bytes concatenated, each entry at a multiple of 8 (for its view)."""
+    in the name (JSON), the bytes concatenated, each entry at a multiple of 8 (for its view). The
+    buffer is on the GPU where any entry is (the small host entries, paths and shapes, join it
+    there: one CUDA IPC handle per request), else on the host."""
+    device = next((t.device for _, t in named if t.device.type != "cpu"), torch.device("cpu"))
     meta, chunks, offset = [], [], 0
     for name, t in named:
         pad = (-offset) % 8
         if pad:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8))
+            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
             offset += pad
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
         meta.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
         chunks.append(data)
         offset += data.numel()
-    buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
     return [(FLAT + json.dumps(meta), buf)]
 
 
@@ -264,8 +267,7 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
         # The probe went through load_weights, which may derive tensors from what it loaded
         # (DeepSeek's w_kc / w_vc from kv_b_proj); the sparse writes bypass it: derive them again
         # from the parameters as they are now.
-        from sglang.srt.model_loader.loader import post_load_weights
-        post_load_weights(model)
+        _post_load_weights(model)
     for n in order:
         e = entries[n]
         if "sum" not in e:
@@ -283,6 +285,20 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
             report["mismatched"].append(n)
     if export is not None and _tp_rank_and_size()[0] == 0:
         _export(export, shapes, places, params)
+
+
+def _post_load_weights(model: torch.nn.Module) -> None:
+    """SGLang's post_load_weights (sglang 0.5.23 model_loader/loader.py): the model's own, where it
+    has one. Outside an SGLang server (a process standing in for one: tools/gpu_check_sync.py on a
+    GPU machine without SGLang) the same, done here."""
+    try:
+        from sglang.srt.model_loader.loader import post_load_weights
+    except ImportError:
+        post_load = getattr(model, "post_load_weights", None)
+        if callable(post_load):
+            post_load()
+        return
+    post_load_weights(model)
 
 
 def _export(path: str, shapes: dict[str, Sequence[int]], places: dict[str, Placement],

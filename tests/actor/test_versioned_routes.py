@@ -1,4 +1,4 @@
-"""Which version computed each recorded route (actor/versioned_routes.py): the first model token
+"""Which version computed each recorded route (actor/held/versioned_routes.py): the first model token
 after the position, row by row, in both batch forms; a version's pass keeps only its own rows. The
 passes that use them, against a live server's retracted and resumed samples:
 tests/rollout/test_routes_paired.py."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from gspo_megatron.actor.batching.batch import ROUTE_NONE_U8, TrainBatch
-from gspo_megatron.actor.versioned_routes import route_versions, routes_of_version
+from gspo_megatron.actor.held.versioned_routes import route_versions, routes_of_version
 
 
 def _batch(routes_dtype=torch.uint8) -> TrainBatch:

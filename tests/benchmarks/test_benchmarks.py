@@ -82,6 +82,8 @@ SMOKE = {
                         lambda out: "GSPO: mean reward of the last 1 steps" in out),
     "layouts.py": (lambda url: ["--layouts", "tp2", "--rows", "4", "--seq", "16", "--reps", "1"],
                    lambda out: _line(out, r"tp2\s+2\s+[0-9.]+")),
+    "fp64_reference.py": (lambda url: ["--archs", "qwen3_moe"],
+                          lambda out: len(_rows(out, "qwen3_moe |")) == 1),
     "logprobs_memory.py": (lambda url: ["--tokens", "128", "--vocab", "1024", "--hidden", "32"],
                            lambda out: _line(out, r"\s*1024\s+128 \|")),
     "mfu.py": (lambda url: ["--rows", "4", "--reps", "1", "--only", "0"], lambda out: "|" in out),

@@ -1,7 +1,7 @@
 """Routes, tokens, engine log-probs and weight versions stay paired through SGLang's pauses,
 retracts and aborts and the project's resumes, and routing replay recomputes pi_old per version as
 the engine computed it (rollout/in_server/released_routes.py, rollout/generation/alignment.py,
-gspo_megatron/actor/versioned_routes.py).
+gspo_megatron/actor/held/versioned_routes.py).
 
 One real SGLang server on CPU for the module (the tiny Qwen3-MoE, routes returned, a KV cache of
 256 tokens). A weight sync here is `update_weights_from_disk` to "v2": the same model with every

@@ -216,7 +216,7 @@ def test_async_multiturn_episodes(tmp_path, server_url):  # noqa: F811
 def test_async_routing_replay_staleness_2(tmp_path):
     """moe.replay with max_staleness 2, the run's own server (it must return routed experts): a
     response cut by a weight sync resumes under the new weights, each token keeping the routes of
-    the pass that sampled it (rollout/in_server/released_routes.py, actor/versioned_routes.py); so
+    the pass that sampled it (rollout/in_server/released_routes.py, actor/held/versioned_routes.py); so
     pi_old recomputed per version, replaying that version's routes, still equals SGLang's
     log-probs, the recorded routes are what their version's weights choose, and the checked
     samples are paired. (Replaying every recorded route in every version's pass would route the

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from gspo_megatron.actor.batching.batch import TrainBatch
-from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
-from gspo_megatron.actor.versioned_routes import version_mismatch
+from gspo_megatron.actor.held.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
+from gspo_megatron.actor.held.versioned_routes import version_mismatch
 from gspo_megatron.actor.weights import load_full_state_dict
 
 if TYPE_CHECKING:

@@ -78,7 +78,7 @@ def old_log_probs_per_version(forward_only, batch, versions: list[int], live: in
     routing comparisons by their compared sets; per layer, the last pass's)."""
     import dataclasses
 
-    from gspo_megatron.actor.versioned_routes import routes_of_version
+    from gspo_megatron.actor.held.versioned_routes import routes_of_version
     out, parts = None, []
     for v in versions:
         mine = batch.loss_mask & (batch.weight_versions == v)
