@@ -35,7 +35,7 @@ NOT_OURS = {
     "tests/parallel/test_comm.py": {"gspo_megatron/fake_module.py"},
     "tests/tools/test_check_imports.py": {"rollout/servers/m13.py", "gspo_megatron/helpers.py",
                                           "gspo_megatron/actor/microbatches.py", "m13.py"},
-    "tests/tools/test_resolve_imports.py": {"gpu_only.py", "broken.py", "entry.py"},
+    "tests/tools/test_resolve_imports.py": {"gpu_only.py", "broken.py", "entry.py", "typed.py"},
     "tests/docs/stale_paths.py": {"some/path.py"},  # its docstring's example
 }
 
