@@ -44,6 +44,8 @@ _NAMES = itertools.count()
 CPU_PERIOD_US = 100_000
 REMOVE_WAIT_S = 2.0
 """How long remove() waits for the run's processes to be gone (a PID namespace dies asynchronously)."""
+EMPTY_WAIT_S = 0.5
+"""How long release() tries again to evict the pages a run's cgroup still holds (_empty_memory)."""
 
 
 def _write(path: Path, value: str) -> None:
@@ -172,6 +174,13 @@ def _memory_stat(d: Path) -> dict[str, int]:
     return {name: int(value) for name, _, value in (line.partition(" ") for line in lines) if value.isdigit()}
 
 
+def _cached_file_pages(d: Path, version: int) -> int:
+    """Bytes of files' page cache charged to the cgroup: tmpfs and shared memory left out, which
+    reclaim cannot evict (a run's tmpfs is gone with its mount or its folder)."""
+    stat = _memory_stat(d)
+    return stat.get("cache" if version == 1 else "file", 0) - stat.get("shmem", 0)
+
+
 def _empty_memory(d: Path, version: int) -> None:
     """Evict what is charged to a cgroup whose processes are gone (module docstring): its page
     cache and the kernel objects reclaim frees with it (dentries: a lookup of a missing name in a
@@ -186,15 +195,24 @@ def _empty_memory(d: Path, version: int) -> None:
     stat = _memory_stat(d)
     if stat.get("dirty" if version == 1 else "file_dirty", 0):
         return
-    try:
-        if version == 1:
-            _write(d / "memory.force_empty", "0")
-        elif (d / "memory.reclaim").exists():
-            _write(d / "memory.reclaim", (d / "memory.current").read_text().strip())
-        else:
-            _write(d / "memory.max", "0")
-    except OSError:
-        pass  # EAGAIN: not all of it (a page another process has mapped); the rest pins it a while
+    # One pass can leave pages it could not take yet: a page still locked by the read-ahead that the
+    # run's last read started (v1's mem_cgroup_force_empty gives up after a few passes without
+    # progress and still answers 0; v2's memory.reclaim answers EAGAIN). On a loaded host those
+    # pages, left in the parent, told a later run what this one read: tried again, a bounded while.
+    deadline = time.monotonic() + EMPTY_WAIT_S
+    while True:
+        try:
+            if version == 1:
+                _write(d / "memory.force_empty", "0")
+            elif (d / "memory.reclaim").exists():
+                _write(d / "memory.reclaim", (d / "memory.current").read_text().strip())
+            else:
+                _write(d / "memory.max", "0")
+        except OSError:
+            pass  # EAGAIN: not all of it yet
+        if not _cached_file_pages(d, version) or time.monotonic() > deadline:
+            return  # past the deadline: a page another process has mapped pins it a while
+        time.sleep(0.005)
 
 
 @dataclasses.dataclass
