@@ -55,7 +55,8 @@ def test_typed_parse_of_overrides():
     ("train.old_log_probs=cached", "train.old_log_probs='cached'"),
     ("train.mini_batches=3", "train.mini_batches=3: expected a divisor of the rollout batch"),
     ("rollout.temperature=0", "rollout.temperature=0.0: expected > 0"),
-    ("rollout.group_size=0", "rollout.group_size=0: expected >= 2: loss.name=gspo uses group-relative"),
+    ("rollout.group_size=0", "rollout.group_size=0: expected >= 2: loss.advantage_estimator=grpo is relative to "
+                             "the prompt's group"),
     ("parallel.tensor=0", "parallel.tensor=0: expected >= 1"),
     ("rollout.server_urls=[h:30000]", "rollout.server_urls='h:30000': expected URLs"),
     ("train.use_distributed_optimizer=maybe", "train.use_distributed_optimizer='maybe': expected bool"),
@@ -153,6 +154,29 @@ def test_moe_and_mismatch_cross_checks(overrides, needle):
       "rollout.turn_credit=return_to_go"], "loss.kl_in_reward_coef=0.1: expected 0 with rollout.turn_credit"),
     (["loss.name=gspo_token", "loss.reward_clip=1", "rollout.environment=calculator",
       "rollout.turn_credit=return_to_go"], "loss.reward_clip=1.0: expected null with rollout.turn_credit"),
+    # a group of one is refused naming the field that makes the advantages group-relative
+    (["loss.advantage_estimator=reinforce", "loss.reward_norm_mean=group", "rollout.group_size=1"],
+     "rollout.group_size=1: expected >= 2: loss.reward_norm_mean=group subtracts the mean of the prompt's group"),
+    (["loss.advantage_estimator=reinforce", "loss.reward_norm_std=group", "rollout.group_size=1"],
+     "rollout.group_size=1: expected >= 2: loss.reward_norm_std=group divides each reward by the std of its "
+     "prompt's group, which a group of one does not have (NaN advantages)"),
+    # a batch statistic over one response: NaN (std) or exactly 0 (mean, whitening)
+    *[(["loss.advantage_estimator=reinforce", "rollout.group_size=1", "rollout.prompts_per_step=1",
+        "train.mini_batches=1", *sets], needle) for sets, needle in (
+        (["loss.reward_norm_std=batch"], "loss.reward_norm_std='batch': expected null or running with one response "
+                                         "per rollout batch (rollout.prompts_per_step=1 x rollout.group_size=1): the "
+                                         "std of a single reward is undefined (NaN advantages)"),
+        (["loss.reward_norm_mean=batch"], "loss.reward_norm_mean='batch': expected null or running with one response"),
+        (["loss.whiten_advantages=true"], "loss.whiten_advantages=True: expected false with one response per "
+                                          "rollout batch"),
+        (["loss.advantage_estimator=reinforce_plus_plus"], "loss.advantage_estimator='reinforce_plus_plus': "
+                                                           "expected an estimator that does not whiten"))],
+    # a knob the rest of the config makes inert is named, not ignored
+    (["loss.kl_estimator=k2"], "loss.kl_estimator='k2': acts only with loss.kl_coef > 0, which is 0.0"),
+    (["loss.kl_in_reward_estimator=k2"], "loss.kl_in_reward_estimator='k2': acts only with loss.kl_in_reward_coef > 0"),
+    (["loss.advantage_estimator=reinforce_plus_plus_baseline", "loss.whiten_advantages=false"],
+     "loss.whiten_advantages=false: loss.advantage_estimator=reinforce_plus_plus_baseline whitens its advantages "
+     "over the batch whatever this says"),
 ])
 def test_advantage_and_aggregation_rules(overrides, needle):
     with pytest.raises(ConfigError) as e:
