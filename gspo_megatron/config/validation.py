@@ -181,7 +181,8 @@ def _advantage_rules(cfg: RunConfig, need: Callable[[bool, str, Any, str], None]
 
 def _knobs_that_do_nothing(cfg: RunConfig, given: Mapping[str, Any]) -> None:
     """A field the user wrote that the rest of the config makes inert is named, not ignored."""
-    written = given.get("loss") if isinstance(given.get("loss"), Mapping) else {}
+    section = given.get("loss")
+    written: Mapping[str, Any] = section if isinstance(section, Mapping) else {}
     loss = cfg.loss
     for field, coef, on in (("kl_estimator", "kl_coef", loss.kl_coef > 0),
                             ("kl_in_reward_estimator", "kl_in_reward_coef", loss.kl_in_reward)):

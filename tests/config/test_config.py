@@ -120,8 +120,6 @@ def test_moe_and_mismatch_cross_checks(overrides, needle):
 
 @pytest.mark.parametrize("overrides,needle", [
     (["loss.advantage_estimator=ppo"], "loss.advantage_estimator='ppo': expected one of grpo, dr_grpo, rloo"),
-    (["loss.loss_agg_mode=token-mean"], "loss.loss_agg_mode='token-mean': expected seq-mean-token-mean with the "
-                                        "gspo loss (GSPO's sequence ratio fixes its own"),
     (["loss.name=grpo", "loss.loss_agg_mode=seq-mean-token-sum-norm"],
      "loss.aggregation_args.token_sum_norm=0.0: expected > 0"),
     (["loss.aggregation_args.token_sum_norm=4"], "loss.aggregation_args={'token_sum_norm': 4}: "
@@ -145,10 +143,6 @@ def test_moe_and_mismatch_cross_checks(overrides, needle):
                                                             "(0.0003, 0.0004) is not a loss (expected a LossSpec)"),
     (["loss.advantage_clip=0"], "loss.advantage_clip=0.0: expected > 0"),
     (["loss.reward_norm_mean=domain"], "loss.reward_norm_mean='domain'"),
-    (["loss.advantage_estimator=reinforce", "loss.estimator_args.gamma=0.9"],
-     "loss.name='gspo': expected a loss that takes one advantage per token (gspo_token, grpo)"),
-    (["loss.advantage_estimator=reinforce_plus_plus", "loss.kl_in_reward_coef=0.1"],
-     "loss.name='gspo': expected a loss that takes one advantage per token"),
     (["loss.advantage_estimator=rloo", "rollout.group_size=1"], "rollout.group_size=1: expected >= 2"),
     (["loss.name=gspo_token", "loss.kl_in_reward_coef=0.1", "rollout.environment=calculator",
       "rollout.turn_credit=return_to_go"], "loss.kl_in_reward_coef=0.1: expected 0 with rollout.turn_credit"),
@@ -182,6 +176,17 @@ def test_advantage_and_aggregation_rules(overrides, needle):
     with pytest.raises(ConfigError) as e:
         config_from_dict(BASE, overrides)
     assert needle in str(e.value)
+
+
+def test_gspo_takes_roll_seq_aggregations_and_per_token_advantages():
+    """ROLL's importance_sampling: seq with its loss_agg_mode, and with per-token advantages (a
+    discounted return, the KL in the reward): gspo takes them; the paper's aggregation by default."""
+    assert config_from_dict(BASE).loss.function_kwargs() == dict(eps_low=3e-4, eps_high=4e-4)
+    cfg = config_from_dict(BASE, ["loss.loss_agg_mode=seq-mean-token-sum", "loss.advantage_estimator=reinforce",
+                                  "loss.estimator_args.gamma=0.9"])
+    assert cfg.describe_loss().startswith("loss=gspo seq-mean-token-sum eps_low=0.0003 eps_high=0.0004 KL off | "
+                                          "advantage=reinforce gamma=0.9")
+    assert cfg.loss.per_token() and cfg.loss.spec.takes_token_advantages
 
 
 def test_advantage_settings_accepted_and_described():
