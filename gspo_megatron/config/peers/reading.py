@@ -123,9 +123,9 @@ def substitute(value: str, variables: dict[str, str]) -> str:
 def last_wins(found: Found, who: str) -> tuple[dict[str, Any], list[str]]:
     """{key: its last value} in order of first appearance, and one `not carried` line for each
     earlier value of a repeated key (`who` keeps the last one, e.g. "Hydra", "slime's argparse")."""
-    last: dict[str, tuple[Any, int]] = {}
-    for key, value, line in found:
-        last[key] = (value, line)
+    last: dict[str, tuple[Any, int, int]] = {}
+    for i, (key, value, line) in enumerate(found):
+        last[key] = (value, line, i)
     lines = [f"not carried  {key} = {value!r} (line {line}): given again on line {last[key][1]}; {who} keeps the "
-             f"last value, {last[key][0]!r}" for key, value, line in found if last[key][1] != line]
-    return {key: value for key, (value, _) in last.items()}, lines
+             f"last value, {last[key][0]!r}" for i, (key, value, line) in enumerate(found) if last[key][2] != i]
+    return {key: value for key, (value, _, _) in last.items()}, lines
