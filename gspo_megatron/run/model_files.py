@@ -116,6 +116,5 @@ def export_hf(src: Path, cfg: RunConfig) -> None:
     """The final policy as HF safetensors (rank 0, after the process groups are gone), published
     whole into checkpoint.export_hf: it replaces only an earlier export (output_dirs)."""
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
-    out = convert_megatron_to_hf(src, cfg.checkpoint.export_hf, field="checkpoint.export_hf",
-                                 **export_rules(cfg))
-    print(f"[gspo] exported the final policy to {out} (HF format)", flush=True)
+    convert_megatron_to_hf(src, cfg.checkpoint.export_hf, field="checkpoint.export_hf", **export_rules(cfg))
+    print(f"[gspo] exported the final policy to {cfg.checkpoint.export_hf} (HF format)", flush=True)
