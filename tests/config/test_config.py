@@ -165,6 +165,8 @@ def test_moe_and_mismatch_cross_checks(overrides, needle):
                                           "rollout batch"),
         (["loss.advantage_estimator=reinforce_plus_plus"], "loss.advantage_estimator='reinforce_plus_plus': "
                                                            "expected an estimator that does not whiten"))],
+    # a reward name mistyped for the eval is named as the eval's
+    (["eval.reward=exact_matc"], "eval.reward='exact_matc': expected one of math, exact_match"),
     # a knob the rest of the config makes inert is named, not ignored
     (["loss.kl_estimator=k2"], "loss.kl_estimator='k2': acts only with loss.kl_coef > 0, which is 0.0"),
     (["loss.kl_in_reward_estimator=k2"], "loss.kl_in_reward_estimator='k2': acts only with loss.kl_in_reward_coef > 0"),
