@@ -266,8 +266,8 @@ def check_inputs(p: Parser, args: argparse.Namespace, regime: Regime) -> None:
         p.error(f"--config {args.config}: no such file (relative paths are to the repository, {ROOT})")
     for arm in args.runs:
         try:
-            load_config(config, [*args.regime_sets, *arm_sets(arm, mean_length=80.0, max_new_tokens=args.max_new_tokens),
-                                 *args.set])
+            arm_overrides = arm_sets(arm, mean_length=80.0, max_new_tokens=args.max_new_tokens)
+            load_config(config, [*args.regime_sets, *arm_overrides, *args.set])
         except ConfigError as e:
             p.error(f"--config {args.config} with the {arm} arm and --set {' '.join(args.set) or '(none)'}: {e}")
     if args.model and not (Path(args.model) / "config.json").is_file():

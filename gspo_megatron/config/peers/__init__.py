@@ -45,7 +45,9 @@ def _reads_as(path: Path, but_not: str) -> str:
             continue
         if carried > most:
             best, most = other, carried
-    return f"; it reads as a {Migration(best, '', {}).peer_name} file ({most} keys carried): --from {best}" if best else ""
+    if not best:
+        return ""
+    return f"; it reads as a {Migration(best, '', {}).peer_name} file ({most} keys carried): --from {best}"
 
 
 def migrate(peer: str, path: str | Path, overrides: list[str] | None = None) -> Migration:

@@ -173,7 +173,8 @@ def _estimator(m: Migration, est: str) -> str:
             " (--disable-rewards-normalization: no group mean, the raw reward on every token)" if ours != est else ""))
         m.also("advantage-estimator", "loss.name", "grpo", "slime's token-ratio loss")
         if not m.keys.get("normalize-advantages"):
-            m.note(f"slime refuses {est} without --normalize-advantages (arguments.py); the advantages are whitened here")
+            m.note(f"slime refuses {est} without --normalize-advantages (arguments.py); the advantages are "
+                   "whitened here")
     m.said("disable-grpo-std-normalization", "the estimator above")
     m.said("disable-rewards-normalization", "the estimator above")
     if m.take("normalize-advantages", False):

@@ -243,9 +243,9 @@ def _token_sum_norm(m: Migration) -> None:
         if m.overridden("loss.aggregation_args.token_sum_norm"):
             m.note("seq-mean-token-sum-norm: C is the --set loss.aggregation_args.token_sum_norm")
             return
-        raise ConfigError(f"migrate --from verl: {A}.loss_agg_mode=seq-mean-token-sum-norm divides by loss_scale_factor, "
-                          "else by data.max_response_length, and this file gives neither as a number: add one, or "
-                          "--set loss.aggregation_args.token_sum_norm=C")
+        raise ConfigError(f"migrate --from verl: {A}.loss_agg_mode=seq-mean-token-sum-norm divides by "
+                          "loss_scale_factor, else by data.max_response_length, and this file gives neither as a "
+                          "number: add one, or --set loss.aggregation_args.token_sum_norm=C")
     if key == f"{A}.loss_scale_factor":
         m.carry(key, "loss.aggregation_args.token_sum_norm", float(m.take(key)), "C")
     else:
