@@ -2,7 +2,7 @@
 (arXiv 2507.18071 §5.3) measured, in two regimes (docs/moe_stability.md).
 
     .venv/bin/python benchmarks/moe_stability.py                  # the first experiment (collapse): 5 seeds x 5 arms x 20 steps
-    .venv/bin/python benchmarks/moe_stability.py --regime learn   # the second: 5 seeds x 7 arms x 50 steps, the policy learns
+    .venv/bin/python benchmarks/moe_stability.py --regime learn   # the second: 5 seeds x 9 arms x 50 steps, the policy learns
     .venv/bin/python benchmarks/moe_stability.py --regime learn --pilot   # its pilot seed only (the regime search)
     .venv/bin/python benchmarks/moe_stability.py --regime learn --plot    # + docs/img/moe_stability_learn_*.png
     .venv/bin/python benchmarks/moe_stability.py --seeds 1 --steps 3 --runs gspo grpo   # a smoke run
