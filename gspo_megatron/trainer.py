@@ -119,7 +119,8 @@ def warm_start(run: Run) -> None:
     for k in range(cfg.train.warm_start_steps):
         signum = run.stop.agreed()
         if signum:  # nothing of RL to save yet: a rerun warm-starts again, the same way
-            raise SignalExit(signum)
+            raise SignalExit(signum, unsaved="stopped in the warm start, nothing of RL to save "
+                             "(the same command warm-starts again)")
         examples = on_driver(run.rank, lambda: run.rank0_driver.warm_start_examples(n, offset=k * n))
         m = actor.sft_step(actor.shard(sft_batch(examples)), lr=cfg.train.warm_start_lr)
         if run.rank == 0 and cfg.logging.progress and (k % 10 == 0 or k == cfg.train.warm_start_steps - 1):
@@ -129,13 +130,21 @@ def warm_start(run: Run) -> None:
 
 def train(cfg: RunConfig) -> int:
     """Run the whole job on this rank; returns the process exit code: 0, or 128 + the signal that
-    stopped it (after saving), or 130 on Ctrl-C. A GspoError propagates (cli.main says it)."""
+    stopped it (after saving; Ctrl-C, SIGINT, is 130). A GspoError propagates (cli.main says it)."""
     try:
         return _train(cfg)
     except SignalExit as e:
-        saved = f"saved a checkpoint of {e.saved} in {cfg.checkpoint.dir}; " if e.saved else ""
-        print(f"gspo-megatron: {e.args[0].split(':')[0]} (rank {os.environ.get('RANK', '0')}): {saved}"
-              f"exiting with {e.exit_code} (the same command resumes)", file=sys.stderr, flush=True)
+        if e.saved:
+            what = (f"saved a checkpoint of {e.saved} in {cfg.checkpoint.dir}; exiting with {e.exit_code} "
+                    "(the same command resumes)")
+        elif e.unsaved:
+            what = f"{e.unsaved}; exiting with {e.exit_code}"
+        else:
+            what = f"exiting with {e.exit_code}, " + (
+                "nothing saved: checkpoint.dir is null (the same command starts again from step 0)"
+                if not cfg.checkpoint.dir else "nothing new to save (the same command resumes)")
+        print(f"gspo-megatron: {e.args[0].split(':')[0]} (rank {os.environ.get('RANK', '0')}): {what}",
+              file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"gspo-megatron: interrupted (rank {os.environ.get('RANK', '0')})", file=sys.stderr)

@@ -55,6 +55,7 @@ from megatron.core.distributed import DistributedDataParallel
 from gspo_megatron.actor.batching import token_budget
 from gspo_megatron.actor.batching.batch import TrainBatch, positions_in_rows
 from gspo_megatron.actor.batching.micro_batch import MicroBatch, from_input_positions
+from gspo_megatron.actor.finite_step import refuse_non_finite
 from gspo_megatron.actor.forward import BeforeForward, is_last_stage_rank, run_schedule, seq_multiple
 from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings
 from gspo_megatron.algorithms.loss_metrics import finalize_metrics
@@ -335,6 +336,7 @@ def train_step(chunks: list[DistributedDataParallel], optimizer, scheduler, batc
     optimizer.zero_grad()
     reports = run_schedule(chunks, mbs, logprob, loss_func, forward_only=False,
                            with_entropy=with_entropy, before_forward=before_forward)
+    refuse_non_finite(chunks, reports)  # a NaN is never applied, hence never synced (finite_step.py)
     update_ok, grad_norm, _ = optimizer.step()
     if grad_norm is None:  # megatron computes it only when clipping; report it anyway
         grad_norm = optimizer.get_grad_norm()

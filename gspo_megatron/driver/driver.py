@@ -87,7 +87,8 @@ class Driver:
                 self.pool, r,  # the rollout config section is the manager's config (and more)
                 encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec), decode=decode,
                 scorer=self.rewards, teacher=self.teacher)
-        self.records = RolloutRecords(cfg.logging.rollout_records) if cfg.logging.rollout_records else None
+        self.records = RolloutRecords(cfg.logging.rollout_records, advantages_on_last_stage=cfg.loss.kl_in_reward) \
+            if cfg.logging.rollout_records else None
         self.producer: AsyncRollouts | None = None  # train.max_staleness > 0: start_async()
         self._async_state: dict[str, Any] | None = None  # a resume's queue, until start_async()
         self.evaluator: Evaluator | None = None  # eval: made at its first use

@@ -137,6 +137,6 @@ def export_hf(src: Path, cfg: RunConfig) -> None:
     if cfg.checkpoint.export_hf is None:
         raise ValueError("export_hf without checkpoint.export_hf")
     rules = export_rules(cfg)
-    out = convert_megatron_to_hf(src, cfg.checkpoint.export_hf, field="checkpoint.export_hf",
-                                 protected=rules["protected"], may_hold=rules["may_hold"])
-    print(f"[gspo] exported the final policy to {out} (HF format)", flush=True)
+    convert_megatron_to_hf(src, cfg.checkpoint.export_hf, field="checkpoint.export_hf",
+                           protected=rules["protected"], may_hold=rules["may_hold"])
+    print(f"[gspo] exported the final policy to {cfg.checkpoint.export_hf} (HF format)", flush=True)

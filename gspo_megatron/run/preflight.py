@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free_space, check_writable_dir
+from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free_space_together, check_writable_dir
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.parallel.layout import LayoutError
 from gspo_errors import EXIT_INPUT, EXIT_RUNTIME, GspoError, MissingInputError
@@ -242,11 +242,13 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
                   resuming: bool = False) -> None:
     """OutputDirError (one line) for an output the run could not write, or lack room for: one
     checkpoint (the last one's size, else estimated), plus the initial HF -> megatron conversion
-    when a fresh run makes one (into checkpoint.dir: about the weight files' size)."""
+    when a fresh run makes one (into checkpoint.dir: about the weight files' size), plus the weight
+    sync's copies (a folder transport) where they share the checkpoint's filesystem."""
     for field, path in output_fields(cfg).items():
         check_writable_dir(field, path)
     if cfg.checkpoint.export_hf:
         check_export_target("checkpoint.export_hf", cfg.checkpoint.export_hf, **export_rules(cfg))
+    needs: list[tuple[str, str | Path, int, str]] = []  # (field, path, bytes, what): one filesystem's fit together
     if cfg.checkpoint.dir:
         need = previous_checkpoint_bytes or checkpoint_bytes(cfg, hf_dir)
         what = ("one checkpoint (the last one's size)" if previous_checkpoint_bytes
@@ -255,13 +257,14 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
             from gspo_megatron.checkpoint.hf_files import weight_files
             need += sum(f.stat().st_size for f in weight_files(hf_dir))
             what = "the initial conversion and " + what
-        check_free_space("checkpoint.dir", cfg.checkpoint.dir, need, what)
+        needs.append(("checkpoint.dir", cfg.checkpoint.dir, need, what))
     row = TRANSPORTS[cfg.sync.transport]
     if row.folder_versions:  # the versions the transport keeps in sync.dir at once
         from gspo_megatron.checkpoint.hf_files import weight_files
         need = row.folder_versions * sum(f.stat().st_size for f in weight_files(hf_dir))
-        check_free_space("sync.dir", cfg.sync.dir or Path(run_root(cfg)) / "sync", need,
-                         f"the {row.name} transport ({row.folder_versions} copies of the model's weights)")
+        needs.append(("sync.dir", cfg.sync.dir or Path(run_root(cfg)) / "sync", need,
+                      f"the {row.name} transport ({row.folder_versions} copies of the model's weights)"))
+    check_free_space_together(needs)
 
 
 def prompt_set_changed(stored: dict[str, Any] | None, now: dict[str, Any]) -> str:

@@ -24,7 +24,8 @@ from gspo_megatron.checkpoint.manager import CheckpointManager
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver.driver import Driver
 from gspo_megatron.parallel.rank_zero import on_driver
-from gspo_megatron.run.folders import lock_run_folders, release, scratch_dir
+from gspo_megatron.run.folders import (drop_records_from, lock_run_folders, release, scratch_dir,
+                                       set_aside_earlier_files)
 from gspo_megatron.run.metrics import MetricsWriter
 from gspo_megatron.run.model_files import initial_megatron_checkpoint, set_up_reference
 from gspo_megatron.run.preflight import Inputs, check_inputs
@@ -191,6 +192,12 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
     elif init_ckpt is not None:
         actor.load_weights(init_ckpt)
     sync = build_sync(cfg, actor, driver)
+    if rank == 0:  # each step's metrics and records once: an earlier attempt's are set aside
+        if resume_from:
+            drop_records_from(cfg, loop.step)
+        elif (moved := set_aside_earlier_files(cfg)) is not None:
+            print(f"[gspo] an earlier attempt's metrics and records (no checkpoint to resume from) moved to "
+                  f"{moved}", flush=True)
     writer = MetricsWriter(None, enabled=False)
     if rank == 0 and cfg.logging.tensorboard_dir:
         writer = MetricsWriter(cfg.logging.tensorboard_dir, jsonl_path=cfg.logging.metrics_jsonl,

@@ -90,6 +90,12 @@ CASES: dict[str, tuple[str, str, dict[str, Any], str | None]] = {  # name: (loss
     "gspo_mismatch_seq": ("gspo", "row", dict(eps_low=0.05, eps_high=0.05), "seq"),
     "gspo_token_mismatch_tok": ("gspo_token", "token", dict(eps_low=0.05, eps_high=0.05), "tok"),
     "grpo_mismatch_seq": ("grpo", "row", dict(kl_coef=0.1), "seq"),
+    # ROLL's importance_sampling: seq: the sequence ratio on each token, the tokens' terms aggregated
+    "gspo_token_sums_mismatch_tok": ("gspo", "row", dict(eps_low=0.05, eps_high=0.05, kl_coef=0.1,
+                                                         loss_agg_mode="seq-mean-token-sum"), "tok"),
+    "gspo_token_adv_token_mean": ("gspo", "token", dict(eps_low=0.05, eps_high=0.05, loss_agg_mode="token-mean"), None),
+    "gspo_token_token_sum": ("gspo_token", "token", dict(eps_low=0.05, eps_high=0.05,
+                                                         loss_agg_mode="seq-mean-token-sum"), None),
 }
 
 
