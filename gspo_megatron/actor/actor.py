@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from gspo_megatron.actor.adapter_weights import full_adapter_state_dict, load_full_adapter_state_dict
 from gspo_megatron.actor.batching.batch import TrainBatch
 from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
                                        spec_for_layout, unwrap)
@@ -36,8 +37,11 @@ from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_p
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
+from gspo_megatron.actor.teardown import cut_hidden_references
 from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
 from gspo_megatron.algorithms.registry import LossSettings
+from gspo_megatron.lora.attach import adapters_off
+from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.checkpoint.model_io import load_model, load_model_and_optimizer, save_model_and_optimizer
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.process_groups import init_process_groups
@@ -53,30 +57,6 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _cut_hidden_references(chunks: list[torch.nn.Module]) -> None:
-    """What keeps a dropped Actor's model alive beyond Python's reach (Actor.close). A function of
-    its own: its loop variables must be gone before close() collects."""
-    for chunk in chunks:
-        # A cycle the collector cannot see: megatron's MoE token dispatcher keeps the last
-        # forward's routing probs (token_dispatcher.py, `self.probs`), whose autograd graph
-        # reaches the router weight's AccumulateGrad node, whose DDP backward hook holds the
-        # DDP chunk (C++ edges, not traversed by gc). Without this a trained MoE Actor
-        # stayed in memory for good.
-        for module in unwrap(chunk).modules():
-            dispatcher = getattr(module, "token_dispatcher", None)
-            for name, value in list(vars(dispatcher).items()) if dispatcher is not None else ():
-                if torch.is_tensor(value):
-                    setattr(dispatcher, name, None)
-        chunk.grad_accs.clear()
-        # megatron caches methods with functools.lru_cache on the class, `self` in the key
-        # (RotaryEmbedding.forward in rotary_pos_embedding.py), which holds the module and,
-        # through the cached values' graph, the rest. The caches only save recomputation.
-        for cls in {c for m in unwrap(chunk).modules() for c in type(m).__mro__}:
-            for attr in vars(cls).values():
-                if callable(getattr(attr, "cache_clear", None)):
-                    attr.cache_clear()
-
-
 class Actor:
     """Model chunks (one per virtual pipeline stage), optimizer and LR scheduler of one rank."""
 
@@ -87,7 +67,8 @@ class Actor:
                  old_log_probs: str = "recompute", seed: int = 1234,
                  params_dtype: torch.dtype = torch.float32,
                  compute: ComputeSettings | None = None, routing: RoutingSettings | None = None,
-                 available: Available | None = None, max_staleness: int = 0) -> None:
+                 available: Available | None = None, max_staleness: int = 0,
+                 lora: LoraSettings | None = None) -> None:
         """old_log_probs: where pi_old comes from, "recompute" (a forward-only pass before the
         updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4). compute: TE
         spec, fused kernels, recomputation (None: what this machine supports). batching: how rows
@@ -95,9 +76,14 @@ class Actor:
         MicroBatchSettings(micro_batch_size=...). routing: MoE routing replay and drift metrics.
         available: what the machine has (None: detected; tests pass machine profiles).
         max_staleness: asynchronous rollouts, so many versions back (keep_version).
+        lora: adapters on a frozen base (rank > 0; gspo_megatron/lora/): only they train, at
+        lora.lr when it is set, and the KL reference is the base (the adapters off).
         Free the model and optimizer with close() (or `with Actor(...) as actor:`)."""
         self.layout = layout
+        self.lora = lora or LoraSettings()
         self.optimizer_settings = optimizer or OptimizerSettings()
+        if self.lora.enabled and self.lora.lr is not None:
+            self.optimizer_settings = dataclasses.replace(self.optimizer_settings, lr=self.lora.lr)
         self.loss = loss or LossSettings()
         self.logprob = logprob or LogProbSettings()
         if micro_batch_size is not None and micro_batch_size < 1:
@@ -125,7 +111,7 @@ class Actor:
         self.chunks = build_model_chunks(
             self.spec, layout, use_distributed_optimizer=self.optimizer_settings.use_distributed_optimizer,
             grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32,
-            apex_wgrad=available.apex_wgrad)
+            apex_wgrad=available.apex_wgrad, lora=self.lora, lora_seed=seed)
         set_fused(self.chunks, self.logprob.fused)
         config = self.spec.config
         self.routing_settings = (routing or RoutingSettings()).resolve(
@@ -152,7 +138,7 @@ class Actor:
             return
         config = self.spec.config
         config.no_sync_func = config.grad_scale_func = config.finalize_model_grads_func = None
-        _cut_hidden_references(self._chunks)
+        cut_hidden_references(self._chunks)
         self._chunks = self._optimizer = self._routing = self.scheduler = self._reference = None
         self._versions = VersionedWeights(keep=0)
         if ps.model_parallel_is_initialized() and getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
@@ -307,12 +293,23 @@ class Actor:
     def _local_params(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in unwrap(chunk).parameters()]
 
+    def _trained_params(self) -> list[torch.nn.Parameter]:
+        """The parameters an optimizer step changes (with LoRA: the adapters alone)."""
+        return [p for p in self._local_params() if p.requires_grad]
+
     @torch.no_grad()
     def set_reference(self, full: dict[str, torch.Tensor] | None = None) -> None:
         """Keep this rank's parameter shards as the KL reference policy: the current weights, or
         those of `full` (one-process megatron tensors, e.g. a saved reference; every rank passes
         it, and the current weights are left as they were). The copy lives in host memory
-        (snapshots.py)."""
+        (snapshots.py). With LoRA the reference is the base, the same model with its adapters
+        off: nothing is copied, and `full` is refused."""
+        if self.lora.enabled:
+            if full is not None:
+                raise ValueError("set_reference(full) with LoRA: the reference policy is the base "
+                                 "(the adapters off), not a weight set of its own")
+            self._reference = []
+            return
         params = self._local_params()
         if full is None:
             self._reference = host_copy(params)
@@ -329,6 +326,9 @@ class Actor:
         A forward-only pass with the reference weights swapped in, then swapped back."""
         if self._reference is None:
             raise RuntimeError("compute_ref_log_probs needs a reference policy: call set_reference() first")
+        if self.lora.enabled:
+            with adapters_off(self.models):
+                return self._forward_only(batch)
         with swapped_in(self._local_params(), self._reference):
             return self._forward_only(batch)
 
@@ -346,7 +346,7 @@ class Actor:
     def keep_version(self, version: int) -> None:
         """Before the updates of `version`: keep its weights on the host, so that tokens it
         generates can get their pi_old recomputed later (the newest max_staleness versions)."""
-        self._versions.keep(version, self._local_params())
+        self._versions.keep(version, self._trained_params())
 
     def kept_versions(self) -> list[int]:
         """The versions whose weights keep_version holds."""
@@ -357,12 +357,22 @@ class Actor:
         """pi_old per token from the weights of the version that generated it (snapshots.py)."""
         return old_log_probs_per_version(
             lambda part: self._forward_only(part, compare_engine=batch.routed_experts is not None),
-            batch, versions, live, lambda v: self._versions.of(v, self._local_params()))
+            batch, versions, live, lambda v: self._versions.of(v, self._trained_params()))
 
     # --- weights and checkpoints ----------------------------------------------------------------
     def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
         """All parameters as one-process (TP1/PP1/EP1) megatron tensors; see weights.py."""
         return full_state_dict(self.chunks, to_all_ranks=to_all_ranks)
+
+    def full_adapter_state_dict(self, *, grads: bool = False,
+                                to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
+        """The LoRA adapters as one-process tensors (their gradients with `grads`); adapter_weights.py."""
+        return full_adapter_state_dict(self.chunks, grads=grads, to_all_ranks=to_all_ranks)
+
+    def load_full_adapter_state_dict(self, full: dict[str, torch.Tensor]) -> None:
+        """Load one-process adapter tensors into this layout (every rank passes the dict)."""
+        load_full_adapter_state_dict(self.chunks, full)
+        self.optimizer.reload_model_params()
 
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
         """Load one-process megatron tensors into this layout (every rank passes the dict)."""

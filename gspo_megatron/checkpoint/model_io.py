@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
 from gspo_megatron.checkpoint.hf_files import DamagedFileError, copy_metadata_files
+from gspo_megatron.lora.adapters import is_adapter_key
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.parallel.model_chunks import unwrap  # DDP / Float16Module prefix names with 'module.'
 from gspo_errors import InputError, MissingInputError
@@ -78,11 +79,12 @@ class CheckpointMismatchError(InputError, ValueError):
 
 
 def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict[str, Any]:
-    """{"model0": ..., "model1": ...} (one per virtual-pipeline chunk), without `_extra_state`."""
+    """{"model0": ..., "model1": ...} (one per virtual-pipeline chunk), without `_extra_state`
+    and without LoRA adapters (the base model's checkpoint; checkpoint/adapters.py has theirs)."""
     out = {}
     for i, m in enumerate(models):
         sd = unwrap(m).sharded_state_dict()
-        out[f"model{i}"] = without_extra_state(sd)
+        out[f"model{i}"] = {k: v for k, v in without_extra_state(sd).items() if not is_adapter_key(k)}
     return out
 
 
@@ -128,7 +130,7 @@ def _load_model_chunks(chunks: Sequence[torch.nn.Module], state: dict, path: str
     """Each chunk's `model{i}` entry of a loaded checkpoint, strictly (TE's _extra_state aside)."""
     for i, c in enumerate(chunks):
         missing, unexpected = unwrap(c).load_state_dict(state[f"model{i}"], strict=False)
-        missing = [k for k in missing if not is_extra_state(k)]
+        missing = [k for k in missing if not is_extra_state(k) and not is_adapter_key(k)]
         if missing or unexpected:
             raise CheckpointMismatchError(f"loading {path} into model chunk {i}: missing {missing}, "
                                           f"unexpected {unexpected}")
