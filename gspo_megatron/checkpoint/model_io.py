@@ -80,7 +80,7 @@ class CheckpointMismatchError(InputError, ValueError):
 
 def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict[str, Any]:
     """{"model0": ..., "model1": ...} (one per virtual-pipeline chunk), without `_extra_state`
-    and without LoRA adapters (the base model's checkpoint; checkpoint/adapters.py has theirs)."""
+    and without LoRA adapters (the base model's checkpoint; adapters are checkpointed apart)."""
     out = {}
     for i, m in enumerate(models):
         sd = unwrap(m).sharded_state_dict()

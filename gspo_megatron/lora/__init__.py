@@ -1,4 +1,4 @@
-"""LoRA on megatron-core: adapters beside a frozen base, on every layout (docs/lora.md).
+"""LoRA on megatron-core: adapters beside a frozen base, on every layout.
 
 - `lora_settings.py`: LoraSettings, the run config's `lora:` section (torch-free).
 - `adapters.py`: the adapter modules (a linear layer's, a layer's routed experts').

@@ -119,10 +119,16 @@ def _drop_none(**fields: Any) -> dict[str, Any]:
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, Any]]) -> str:
     """Pickle (name, tensor) pairs the way SGLang's MultiprocessingSerializer does (ForkingPickler,
     so tensors travel by shared memory), base64-encoded for JSON."""
+    return serialize([(str(n), t.detach().cpu().contiguous()) for n, t in named_tensors])
+
+
+def serialize(value: Any) -> str:
+    """`value` (tensors inside: by shared memory) as SGLang's MultiprocessingSerializer pickles it,
+    base64-encoded for JSON."""
     import torch.multiprocessing as torch_mp
     from multiprocessing.reduction import ForkingPickler
 
     torch_mp.set_sharing_strategy("file_system")
     buf = io.BytesIO()
-    ForkingPickler(buf).dump([(str(n), t.detach().cpu().contiguous()) for n, t in named_tensors])
+    ForkingPickler(buf).dump(value)
     return base64.b64encode(buf.getvalue()).decode("ascii")
