@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.adapter_weights import full_adapter_state_dict, load_full_adapter_state_dict
 from gspo_megatron.actor.batching.batch import TrainBatch
 from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
-                                       spec_for_layout, unwrap)
+                                       cut_hidden_references, spec_for_layout, unwrap)
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.batching.packing import resolve_sequence_layout
 from gspo_megatron.actor.router_control import Routing, check_routed_experts
@@ -37,12 +36,11 @@ from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_p
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
-from gspo_megatron.actor.teardown import cut_hidden_references
-from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
+from gspo_megatron.actor.weight_io import WeightIO
+from gspo_megatron.actor.weights import load_full_state_dict
 from gspo_megatron.algorithms.registry import LossSettings
 from gspo_megatron.lora.attach import adapters_off
 from gspo_megatron.lora.lora_settings import LoraSettings
-from gspo_megatron.checkpoint.model_io import load_model, load_model_and_optimizer, save_model_and_optimizer
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.process_groups import init_process_groups
 from model_specs import ModelSpec
@@ -57,7 +55,7 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class Actor:
+class Actor(WeightIO):
     """Model chunks (one per virtual pipeline stage), optimizer and LR scheduler of one rank."""
 
     def __init__(self, model: ModelSpec | Mapping[str, Any] | str | Path, layout: ParallelLayout, *,
@@ -358,42 +356,3 @@ class Actor:
         return old_log_probs_per_version(
             lambda part: self._forward_only(part, compare_engine=batch.routed_experts is not None),
             batch, versions, live, lambda v: self._versions.of(v, self._trained_params()))
-
-    # --- weights and checkpoints ----------------------------------------------------------------
-    def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
-        """All parameters as one-process (TP1/PP1/EP1) megatron tensors; see weights.py."""
-        return full_state_dict(self.chunks, to_all_ranks=to_all_ranks)
-
-    def full_adapter_state_dict(self, *, grads: bool = False,
-                                to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
-        """The LoRA adapters as one-process tensors (their gradients with `grads`); adapter_weights.py."""
-        return full_adapter_state_dict(self.chunks, grads=grads, to_all_ranks=to_all_ranks)
-
-    def load_full_adapter_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        """Load one-process adapter tensors into this layout (every rank passes the dict)."""
-        load_full_adapter_state_dict(self.chunks, full)
-        self.optimizer.reload_model_params()
-
-    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        """Load one-process megatron tensors into this layout (every rank passes the dict)."""
-        load_full_state_dict(self.chunks, full)
-        self.optimizer.reload_model_params()  # refresh fp32 main copies of bf16/fp16 params
-
-    def save(self, path: str | Path) -> dict[str, Any]:
-        """Collective: write this rank's model and optimizer shards into `path` (megatron
-        dist_checkpointing; loads under any layout). Returns the LR scheduler's state (small,
-        the same on every rank) for the caller to keep with its loop state."""
-        save_model_and_optimizer(Path(path), self.chunks, self.optimizer)
-        return self.scheduler.state_dict()
-
-    def load(self, path: str | Path, scheduler_state: dict[str, Any] | None = None) -> None:
-        """Collective: load model and optimizer shards written by `save` under any layout, and the
-        scheduler state `save` returned."""
-        load_model_and_optimizer(Path(path), self.chunks, self.optimizer)
-        if scheduler_state:
-            self.scheduler.load_state_dict(scheduler_state)
-
-    def load_weights(self, path: str | Path) -> None:
-        """Collective: load the model weights of a model-only checkpoint (converter output)."""
-        load_model(self.models, path)
-        self.optimizer.reload_model_params()

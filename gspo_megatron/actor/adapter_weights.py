@@ -16,15 +16,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.weights import global_name, is_tp_sharded, join_tp_shards, shard_of, tp_group_of
-from gspo_megatron.lora.adapters import is_adapter_key
+from gspo_megatron.actor.weights import is_tp_sharded, join_tp_shards, shard_of, tp_group_of
+from gspo_megatron.lora.attach import named_adapters
 from gspo_megatron.parallel.model_chunks import unwrap
 
 
 def named_adapters_global(chunks: list[torch.nn.Module]) -> list[tuple[str, torch.nn.Parameter]]:
     """(global name, local parameter) of this rank's adapters, in model order."""
-    return [(global_name(unwrap(c), n), p) for c in chunks for n, p in unwrap(c).named_parameters()
-            if is_adapter_key(n)]
+    return [(name, p) for c in chunks for _, name, p in named_adapters(unwrap(c))]
 
 
 def _stacked(param: torch.nn.Parameter) -> bool:

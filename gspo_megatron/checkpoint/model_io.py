@@ -311,7 +311,7 @@ def save_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
                             sharded_strategy=TorchDcpSaveStrategy())
 
 
-def _ensure_optimizer_state(optimizer) -> None:
+def ensure_optimizer_state(optimizer) -> None:
     """A distributed optimizer that has not stepped yet has no state to load into (megatron asserts
     on the missing Adam 'step' without TE/apex): give it dummy state, as megatron does for its
     fsdp path; the load below overwrites all of it, and the model weights too."""
@@ -325,7 +325,7 @@ def load_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
     """Collective: load model (+ optimizer) shards for this rank's layout from `path`."""
     check_is_checkpoint(path)
     if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
+        ensure_optimizer_state(optimizer)
     check_matches(model_sharded_state_dict(chunks), path)
     state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
     _load_model_chunks(chunks, state, path)
@@ -333,10 +333,10 @@ def load_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
         # The fp32 distributed optimizer copies into leaf params in load_state_dict (ENVIRONMENT #11).
         with torch.no_grad():
             optimizer.load_state_dict(state["optimizer"])
-        _unshare_adam_steps(optimizer)
+        unshare_adam_steps(optimizer)
 
 
-def _unshare_adam_steps(optimizer) -> None:
+def unshare_adam_steps(optimizer) -> None:
     """megatron-core 0.16.1 bug (distrib_optimizer.py load_state_dict, non-TE/apex path): one
     `step` tensor object is put into every parameter's Adam state; torch's Adam increments it in
     place once per parameter, so after a resume the bias correction is wrong (the continued run

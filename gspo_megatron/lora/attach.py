@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -31,8 +32,11 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from gspo_errors import InputError
-from gspo_megatron.lora.adapters import ADAPTER, ExpertLora, LinearLora, init_a
+from gspo_megatron.lora.adapters import ADAPTER, ExpertLora, LinearLora, init_a, is_adapter_key
 from gspo_megatron.lora.lora_settings import LoraSettings
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 class LoraError(InputError, ValueError):
@@ -213,6 +217,18 @@ def attach_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int) ->
                         "layers are named otherwise, e.g. a multi-latent attention's or a Gated "
                         "DeltaNet's)")
     return attached
+
+
+def named_adapters(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, global name, parameter) of one unwrapped chunk's adapters; the global name
+    has the layer's index in the whole model (a pipeline stage's layer 0 may be the model's 24)."""
+    for local, param in model.named_parameters():
+        if not is_adapter_key(local):
+            continue
+        m = _LAYER.match(local)
+        name = local if m is None else \
+            f"decoder.layers.{model.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
+        yield local, name, param
 
 
 def adapter_modules(models: Iterable[torch.nn.Module]) -> Iterator[LinearLora | ExpertLora]:

@@ -11,8 +11,9 @@ dense model holding the adapted policy holds: what the HF export writes and the 
 """
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Mapping
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -54,3 +55,46 @@ def merge_adapters(base: Mapping[str, torch.Tensor], adapters: Mapping[str, torc
         w = merged[name]
         merged[name] = (w.float() + delta).to(w.dtype)
     return merged
+
+
+def _adapted_weights(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(local base weight, its local delta scale * B A) of every adapter of one unwrapped chunk: a
+    column-parallel shard [out/tp, in] gets B's rows times the whole A, a row-parallel one
+    [out, in/tp] the whole B times A's columns; expert i of a layer its own B and A."""
+    from gspo_megatron.lora.adapters import ExpertLora, LinearLora
+    out = []
+    for module in model.modules():
+        lora = module._modules.get(ADAPTER)
+        if isinstance(lora, LinearLora):
+            out.append((module.weight, lora.scale * (lora.b.float() @ lora.a.float())))
+        elif isinstance(lora, ExpertLora):
+            for which in ("fc1", "fc2"):
+                if not lora.has(which):
+                    continue
+                a, b = getattr(lora, f"{which}_a"), getattr(lora, f"{which}_b")
+                for i in range(lora.num_local_experts):
+                    local = getattr(module, "local_experts", None)
+                    w = (getattr(local[i], f"linear_{which}").weight if local is not None
+                         else getattr(getattr(module, f"linear_{which}"), f"weight{i}"))
+                    delta = b[i if b.shape[0] > 1 else 0].float() @ a[i if a.shape[0] > 1 else 0].float()
+                    out.append((w, lora.scale * delta))
+    return out
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def merged_in_place(models: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Inside: every adapted base weight holds W + scale * B A and the adapters are off, so the
+    model is the dense policy (what a model-only checkpoint or an HF export of a LoRA run holds);
+    after: the base weights are restored bit for bit from copies."""
+    from gspo_megatron.lora.attach import adapters_off
+    pairs = [p for m in models for p in _adapted_weights(m)]
+    saved = [w.detach().clone() for w, _ in pairs]
+    try:
+        for w, delta in pairs:
+            w.copy_((w.float() + delta).to(w.dtype))
+        with adapters_off(models):
+            yield
+    finally:
+        for (w, _), old in zip(pairs, saved):
+            w.copy_(old)
