@@ -52,6 +52,7 @@ def validate(cfg: RunConfig) -> None:
          f"{cfg.loss.advantage_estimator}: reward minus the mean of the prompt's group, GSPO Eq. 6), so "
          f"a group of one has advantage 0 everywhere and the run would learn nothing")
     _advantage_rules(cfg, need)
+    _lora_rules(cfg, need)
     if d.teacher:
         need(cfg.loss.name == "gspo_token", "loss.name", cfg.loss.name,
              "gspo_token with distill.teacher (each token gets its own advantage; GSPO's sequence "
@@ -149,3 +150,20 @@ def _advantage_rules(cfg: RunConfig, need: Callable[[bool, str, Any, str], None]
              "0 with rollout.turn_credit=return_to_go (the KL in the reward takes one reward per response)")
         need(not cfg.distill.teacher, "loss.kl_in_reward_coef", loss.kl_in_reward_coef,
              "0 with distill.teacher (distillation's per-token term is the advantage's KL already)")
+
+
+def _lora_rules(cfg: RunConfig, need: Callable[[bool, str, Any, str], None]) -> None:
+    """The lora section against the layout and the weight sync."""
+    lora = cfg.lora
+    if not lora.enabled:
+        for name in ("init_peft", "export_peft"):
+            need(getattr(lora, name) is None, f"lora.{name}", getattr(lora, name), "null with lora.rank=0")
+        return
+    etp = cfg.parallel.etp
+    need(not lora.expert_targets() or etp == 1, "parallel.expert_tensor", cfg.parallel.expert_tensor,
+         f"1 with lora.experts={lora.experts} (null means parallel.tensor={cfg.parallel.tensor}): routed-expert "
+         "adapters need whole experts on a rank; set parallel.expert_tensor: 1, or lora.experts: none")
+    need(cfg.sync.delta is not True, "sync.delta", cfg.sync.delta,
+         f"null or false with lora.rank={lora.rank}: a LoRA run sends its adapters whole (every element "
+         "of an adapter moves every step) and never the base")
+

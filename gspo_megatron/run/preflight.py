@@ -207,7 +207,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
                                   f"than model.hf_path={str(hf)!r} ({change}); resume with that "
                                   f"model, or start over in a new checkpoint.dir")
-        if cfg.loss.reference_reason:
+        if cfg.loss.reference_reason and not cfg.lora.enabled:  # a LoRA run's is its base
             ref = Path(cfg.checkpoint.dir) / REFERENCE_DIR
             if not (ref / "model.safetensors").is_file():
                 raise ConfigError(f"{cfg.loss.reference_reason}: resuming from {resume_from}, "
@@ -242,6 +242,11 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
         check_writable_dir(field, path)
     if cfg.checkpoint.export_hf:
         check_export_target("checkpoint.export_hf", cfg.checkpoint.export_hf, **export_rules(cfg))
+    if cfg.lora.export_peft:
+        check_export_target("lora.export_peft", cfg.lora.export_peft, **export_rules(cfg))
+    if cfg.lora.init_peft:
+        from gspo_megatron.lora.peft import load_peft
+        load_peft(cfg.lora.init_peft)  # the folder and its files (their shapes: when loaded)
     if cfg.checkpoint.dir:
         need = previous_checkpoint_bytes or checkpoint_bytes(cfg, hf_dir)
         what = ("one checkpoint (the last one's size)" if previous_checkpoint_bytes

@@ -26,13 +26,14 @@ from gspo_megatron.driver.driver import Driver
 from gspo_megatron.parallel.rank_zero import on_driver
 from gspo_megatron.run.folders import lock_run_folders, release, scratch_dir
 from gspo_megatron.run.metrics import MetricsWriter
-from gspo_megatron.run.model_files import initial_megatron_checkpoint, set_up_reference
+from gspo_megatron.run.model_files import initial_megatron_checkpoint, load_peft_adapters, set_up_reference
 from gspo_megatron.run.preflight import Inputs, check_inputs
 from gspo_megatron.run.signals import GracefulStop
 from rollout.servers.ports import free_port
 
 if TYPE_CHECKING:  # built inside setup, so that importing this module loads no megatron-core
     from gspo_megatron.actor.actor import Actor
+    from gspo_megatron.sync.adapter_sync import AdapterSync
     from gspo_megatron.sync.weight_sync import WeightSync
 
 
@@ -44,7 +45,7 @@ class Run:
     world: int
     actor: Actor
     driver: Driver | None            # rank 0 only
-    sync: WeightSync
+    sync: WeightSync | AdapterSync
     ckpt: CheckpointManager | None
     writer: MetricsWriter
     loop: LoopState
@@ -81,7 +82,7 @@ def build_actor(cfg: RunConfig) -> Actor:
                  logprob=LogProbSettings(temperature=cfg.rollout.temperature),
                  batching=t, old_log_probs=t.old_log_probs, seed=t.seed,
                  params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute, routing=routing,
-                 max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0)
+                 max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0, lora=cfg.lora)
 
 
 def start_driver(cfg: RunConfig, rank: int, prompt_rows=None) -> Driver | None:
@@ -96,11 +97,17 @@ def start_driver(cfg: RunConfig, rank: int, prompt_rows=None) -> Driver | None:
     return holder[0] if holder else None
 
 
-def build_sync(cfg: RunConfig, actor: Actor, driver: Driver | None) -> WeightSync:
-    """The weight sync; rank 0 (the driver) holds the transport (sync.transport, sync/transports.py)."""
+def build_sync(cfg: RunConfig, actor: Actor, driver: Driver | None) -> WeightSync | AdapterSync:
+    """The weight sync; rank 0 (the driver) holds the transport (sync.transport, sync/transports.py).
+    A LoRA run syncs its adapters only (sync/adapter_sync.py)."""
     from gspo_megatron.sync.transport_base import make_transport
     from gspo_megatron.sync.weight_sync import WeightSync
     from model_specs import load_hf_config
+    if cfg.lora.enabled:
+        from gspo_megatron.lora.serving import ADAPTER_NAME
+        from gspo_megatron.sync.adapter_sync import AdapterSync
+        return AdapterSync(actor.chunks, load_hf_config(cfg.model.hf_path), driver.pool if driver else None,
+                           cfg.lora, name=ADAPTER_NAME)
     transport = None
     if driver is not None:
         transport = make_transport(cfg.sync.transport, driver.pool, hf_path=cfg.model.hf_path,
@@ -148,7 +155,8 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
     ckpt = CheckpointManager(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, hf_dir=cfg.model.hf_path,
                              checksums=cfg.checkpoint.verify_checksums) if cfg.checkpoint.dir else None
     resume_from = inputs.resume_from
-    init_ckpt = None if resume_from else initial_megatron_checkpoint(cfg, rank, inputs.model_fingerprint)
+    lora = cfg.lora.enabled  # the base is loaded first, resumed or not: a checkpoint names it
+    init_ckpt = None if resume_from and not lora else initial_megatron_checkpoint(cfg, rank, inputs.model_fingerprint)
     if rank == 0:
         print(f"[gspo] {cfg.describe_loss()}", flush=True)
     actor = build_actor(cfg)
@@ -170,6 +178,10 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         for pool in run.driver.pools():
             pool.stop_requested = stop.requested
             pool.abort_timeout_s = cfg.rollout.abort_timeout_s
+    if lora:
+        actor.load_weights(init_ckpt)
+        if not resume_from and cfg.lora.init_peft:
+            load_peft_adapters(actor, cfg)
     if resume_from:
         run.loop = ckpt.load(resume_from, actor)
         run.loop.extra["prompts"] = inputs.prompts
@@ -179,7 +191,7 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         if rank == 0:
             run.driver.load_state(run.loop.data_cursor, run.loop.rollout_buffer)
             print(f"[gspo] resumed from {resume_from} (step {run.loop.step})", flush=True)
-    else:
+    elif not lora:
         actor.load_weights(init_ckpt)
     run.sync = build_sync(cfg, actor, run.driver)
     if rank == 0 and cfg.logging.tensorboard_dir:

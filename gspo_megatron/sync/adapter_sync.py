@@ -85,7 +85,9 @@ class AdapterSync:
                                   "are left paused and may hold another version of the adapter; sync "
                                   "again before generating.", no_server=no_server)
         self.stale, self.version = False, version
-        return {**report, "seconds": time.perf_counter() - start}
+        seconds = time.perf_counter() - start
+        return {**report, "seconds": seconds,
+                "gb_per_s": report["bytes"] / seconds / 1e9 if seconds > 0 else 0.0}
 
     def _served_dtype(self) -> torch.dtype:
         if self._dtype is None:
@@ -134,6 +136,8 @@ class AdapterSync:
         self.pool.synced(version)
         self.pool.continue_generation()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        # WeightSync's keys (run/loop_metrics.py sync_metrics), meaning the same: a request per server
         return {"bytes": float(nbytes * len(done)), "rank0_bytes": float(nbytes * len(done)),
-                "senders": 1.0, "changed_fraction": 1.0, "full_syncs": float(len(created)),
-                "checksum_mismatches": 0.0, "adapter_tensors": float(len(tensors)), "attempts": 1.0}
+                "buckets": float(len(done)), "senders": 1.0, "changed_fraction": 1.0,
+                "full_syncs": float(len(created)), "checksum_mismatches": 0.0, "attempts": 1.0,
+                "adapter_tensors": float(len(tensors))}

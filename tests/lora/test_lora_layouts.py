@@ -7,8 +7,9 @@ fails the comparison.
 One spawn of one rank makes the reference (both expert layouts), one spawn of two ranks runs every
 layout in turn (megatron's groups are rebuilt per layout), so the module costs two spawns. Every
 run starts from the reference's base and from adapters whose B is random (at zero, A would get no
-gradient), trains one GSPO step on the layout tests' batch, and returns the adapters' gradients
-after the step's reductions (DDP's main_grad) and their values after the update. Adam with eps 10
+gradient), trains two GSPO steps (two mini-batches) on the layout tests' batch, and returns the
+adapters' gradients after the last step's reductions (DDP's main_grad) and their values after it;
+and how many adapter parameters each rank held, against the planner's count. Adam with eps 10
 makes the update ~ lr * g / eps, linear in the gradient (test_actor_layouts.py explains why).
 """
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _step(actor, batch) -> dict:
     the base stayed bit for bit and the optimizer held the adapters alone."""
     from gspo_megatron.parallel.model_chunks import unwrap
 
-    shard = actor.shard(batch, num_mini_batches=1)
+    shard = actor.shard(batch, num_mini_batches=2)
     shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
     frozen = [p for c in actor.models for p in c.parameters() if not p.requires_grad]
     before = [p.detach().clone() for p in frozen]
@@ -130,16 +131,23 @@ def _reference(rank, world):
                      for k, v in fresh["fresh"].items()}
             actor.load_full_adapter_state_dict(start)
             adapted, _ = actor.compute_old_log_probs(batch)
+            actor.set_reference()  # the KL reference of a LoRA run: the base, adapters off
+            reference, _ = actor.compute_ref_log_probs(batch)
+            with adapters_off(actor.models):
+                off, _ = actor.compute_old_log_probs(batch)
             base = {k: torch.from_numpy(v) for k, v in out["base"].items()}
             actor.load_full_state_dict(merge_adapters(base, start, actor.lora.scale, num_experts=4))
             with adapters_off(actor.models):
                 dense, _ = actor.compute_old_log_probs(batch)
             actor.load_full_state_dict(base)
-            out[experts] = dict(start=_np(start), adapted=adapted, dense=dense, **fresh, **_step(actor, batch))
+            out[experts] = dict(start=_np(start), adapted=adapted, dense=dense,
+                                reference_is_base=bool(torch.equal(reference, off)) and not torch.equal(reference, adapted),
+                                **fresh, **_step(actor, batch))
     return out
 
 
 def _layouts(rank, world, cases, reference):
+    from megatron.core import parallel_state as ps
     from test_actor_layouts import make_batch
 
     base = {k: torch.from_numpy(v) for k, v in reference["base"].items()}
@@ -151,7 +159,9 @@ def _layouts(rank, world, cases, reference):
             fresh = _fresh(actor, batch)
             actor.load_full_adapter_state_dict(
                 {k: torch.from_numpy(v) for k, v in reference[experts]["start"].items()})
-            results.append(dict(**fresh, **_step(actor, batch)))
+            held = sum(p.numel() for c in actor.models for n, p in c.named_parameters() if ".lora." in n)
+            results.append(dict(**fresh, **_step(actor, batch), held=held,
+                                stage=ps.get_pipeline_model_parallel_rank()))
     return results
 
 
@@ -179,6 +189,7 @@ def test_merged_weights_equal_the_adapter_forward(reference):
         moved = float((r["adapted"] - r["dense"]).nan_to_num().abs().max())
         torch.testing.assert_close(r["adapted"], r["dense"], rtol=1e-6, atol=1e-6, equal_nan=True)
         assert r["base_unchanged"] and r["optimizer_holds_adapters_only"], experts
+        assert r["reference_is_base"], experts
         assert moved < 1e-5
 
 
@@ -194,6 +205,19 @@ def test_adapter_gradients_equal_one_process(reference, layouts, case):
     assert min(float(abs(v).max()) for v in ref["grads"].values()) > 1e-4, "a tensor got no gradient"
     assert _max_diff(mine["grads"], ref["grads"]) <= TOL
     assert _max_diff(mine["values"], ref["values"]) <= TOL
+
+
+def test_the_planner_counts_each_ranks_adapters(layouts):
+    from gspo_megatron.lora.lora_settings import LoraSettings
+    from gspo_megatron.parallel.layout import ParallelLayout
+    from gspo_megatron.planner.memory import stage_adapter_params
+    from model_specs.hf.tiny import qwen3_moe
+    from model_specs.shape import model_shape_for
+    shape = model_shape_for(qwen3_moe())
+    for (name, layout, experts, _), ranks in zip(CASES, layouts):
+        lora = LoraSettings(rank=4, alpha=8, experts=experts)
+        for r in ranks:
+            assert sum(stage_adapter_params(shape, ParallelLayout(**layout), r["stage"], lora)) == r["held"], name
 
 
 def test_a_wrong_reduction_group_is_caught(reference, layouts):

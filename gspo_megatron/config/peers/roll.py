@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gspo_megatron.algorithms.terms import KL_ESTIMATORS
-from gspo_megatron.config.peers.migration import Migration, flatten, peer_names, read_yaml, resolve_interpolations
+from gspo_megatron.config.peers.migration import (Migration, carry_lora, flatten, peer_names, read_yaml,
+                                                  resolve_interpolations)
 
 KL_KINDS = peer_names(KL_ESTIMATORS, "roll")  # ROLL's kl_penalty kinds -> ours (its k3 is clamped at 10)
 DEFAULT_PG_CLIP = 0.2
@@ -54,6 +55,8 @@ def read(path: Path) -> Migration:
 
 def translate(m: Migration) -> None:
     _sizes(m)
+    carry_lora(m, "actor_train.model_args.lora_rank", "actor_train.model_args.lora_alpha",
+               "actor_train.model_args.lora_target")
     token_kl = bool(m.take("add_token_level_kl", False))
     gamma = float(m.take("gamma", 1.0))
     _estimator(m, token_kl, gamma)
