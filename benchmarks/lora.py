@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     plan_rows = _planned(32)
     if not args.plan_only:
         _measured(args)
-    print(f"\nThe planner (gspo-megatron plan; bf16, the distributed optimizer, rank 32; GiB per GPU of "
+    print("\nThe planner (gspo-megatron plan; bf16, the distributed optimizer, rank 32; GiB per GPU of "
           "the fullest stage, sync GB to each server):\n")
     print(f"| {'model':<16} | {'layout':<22} | {'training':<23} | {'weights':>7} | {'grads':>6} | "
           f"{'optimizer':>9} | {'sync GB':>7} |")

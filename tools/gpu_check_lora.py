@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         d = max(float((te["grads"][k] - g).abs().max() / g.abs().max().clamp_min(1e-12))
                 for k, g in local["grads"].items())
         rows.append(("te", "adapter gradients = local spec's (relative)", d, d <= TF32_TOL))
-    print(f"\n| spec | check | max diff | result |\n|---|---|---|---|")
+    print("\n| spec | check | max diff | result |\n|---|---|---|---|")
     for spec, what, diff, ok in rows:
         print(f"| {spec} | {what} | {diff:.3g} | {'PASS' if ok else 'FAIL'} |")
     return 0 if all(ok for *_, ok in rows) else 1

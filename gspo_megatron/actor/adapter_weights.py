@@ -50,7 +50,7 @@ def _full(param: torch.nn.Parameter, local: torch.Tensor) -> torch.Tensor:
         if size > 1:
             shards = [torch.empty_like(full) for _ in range(size)]
             dist.all_gather(shards, full.contiguous(), group=group)
-            full = join_tp_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1))
+            full = join_tp_shards(shards, getattr(param, "partition_dim"), getattr(param, "partition_stride", 1))
     if _stacked(param) and ps.get_expert_model_parallel_world_size() > 1:
         group = ps.get_expert_model_parallel_group()
         parts = [torch.empty_like(full) for _ in range(dist.get_world_size(group))]
@@ -108,7 +108,7 @@ def load_full_adapter_state_dict(chunks: list[torch.nn.Module], full: dict[str, 
             value = value[start:start + n]
         if is_tp_sharded(param):
             _, size, rank = tp_group_of(param)
-            value = shard_of(value, param.partition_dim, getattr(param, "partition_stride", 1), size, rank)
+            value = shard_of(value, getattr(param, "partition_dim"), getattr(param, "partition_stride", 1), size, rank)
         if value.shape != param.shape:
             problems.append(f"{name}: shard shape {tuple(value.shape)} != parameter shape "
                             f"{tuple(param.shape)} (full {tuple(full[name].shape)})")

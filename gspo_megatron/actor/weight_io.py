@@ -4,7 +4,7 @@ and of its LoRA adapters, training checkpoints, the base a LoRA run starts from.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,14 @@ class WeightIO:
 
     base: Path | None = None
     """The checkpoint load_weights read: a LoRA run's base, which its checkpoints name."""
+
+    if TYPE_CHECKING:  # the Actor's (actor.py)
+        from gspo_megatron.lora.lora_settings import LoraSettings
+        chunks: list[torch.nn.Module]
+        models: list[torch.nn.Module]
+        optimizer: Any
+        scheduler: Any
+        lora: LoraSettings
 
     def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
         """All parameters as one-process (TP1/PP1/EP1) megatron tensors; see weights.py."""

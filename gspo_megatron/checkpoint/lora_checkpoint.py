@@ -48,7 +48,7 @@ class BaseReference:
     crc32: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, ckpt_dir: str | Path) -> "BaseReference":
+    def of(cls, ckpt_dir: str | Path) -> BaseReference:
         """The reference of a checkpoint folder: one read of every file (the CRC runs at about
         4.6 GB/s: 13 s for Qwen3-30B-A3B's 61 GB in bf16)."""
         from gspo_megatron.checkpoint.manager import file_crc32
@@ -57,7 +57,7 @@ class BaseReference:
         return cls(str(root), {str(p.relative_to(root)): p.stat().st_size for p in files},
                    {str(p.relative_to(root)): f"{file_crc32(p):08x}" for p in files})
 
-    def differs(self, other: "BaseReference") -> str:
+    def differs(self, other: BaseReference) -> str:
         """"" when both name the same files with the same bytes, else what differs (one line)."""
         if self.files != other.files:
             changed = sorted(set(self.files) ^ set(other.files)) or sorted(
@@ -78,8 +78,10 @@ def base_reference(ckpt_dir: str | Path | None) -> BaseReference:
                                       "Actor.load_weights(checkpoint) first")
     key = str(Path(ckpt_dir).resolve())
     if key not in _REFERENCES:
-        got = [BaseReference.of(key) if dist.get_rank() == 0 else None]
+        got: list[BaseReference | None] = [BaseReference.of(key) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(got, src=0)
+        if got[0] is None:
+            raise RuntimeError("base_reference: rank 0 sent no reference")
         _REFERENCES[key] = got[0]
     return _REFERENCES[key]
 
@@ -97,7 +99,7 @@ def _sharded(param: torch.nn.Parameter, key: str) -> Any:
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     if not getattr(param, "tensor_model_parallel", False) or tp == 1:
         return ShardedTensor.from_rank_offsets(key, param, replica_id=(0, tp_rank, _dp_rank()))
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim, stride = getattr(param, "partition_dim"), getattr(param, "partition_stride", 1)
     sh = ShardedTensor.from_rank_offsets(key, param, (dim, tp_rank, tp), replica_id=(0, 0, _dp_rank()))
     if stride == 1:
         return sh

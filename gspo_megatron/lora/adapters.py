@@ -112,13 +112,12 @@ class ExpertLora(torch.nn.Module):
         self.num_local_experts = num_local_experts
         outer = 1 if layout == "shared_outer" else num_local_experts
         e = num_local_experts
-        kw = dict(dtype=dtype, device=device)
         if "linear_fc1" in targets:
-            self.fc1_a = torch.nn.Parameter(torch.empty(outer, rank, hidden, **kw))
-            self.fc1_b = torch.nn.Parameter(torch.zeros(e, fc1_out, rank, **kw))
+            self.fc1_a = torch.nn.Parameter(torch.empty(outer, rank, hidden, dtype=dtype, device=device))
+            self.fc1_b = torch.nn.Parameter(torch.zeros(e, fc1_out, rank, dtype=dtype, device=device))
         if "linear_fc2" in targets:
-            self.fc2_a = torch.nn.Parameter(torch.empty(e, rank, ffn, **kw))
-            self.fc2_b = torch.nn.Parameter(torch.zeros(outer, hidden, rank, **kw))
+            self.fc2_a = torch.nn.Parameter(torch.empty(e, rank, ffn, dtype=dtype, device=device))
+            self.fc2_b = torch.nn.Parameter(torch.zeros(outer, hidden, rank, dtype=dtype, device=device))
 
     def shared(self, name: str) -> bool:
         """Whether tensor `name` (fc1_a, ...) has one slot for every expert of the layer."""

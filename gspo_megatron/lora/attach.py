@@ -59,16 +59,17 @@ def _normed_input(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The input a fused norm-linear layer (TE's LayerNormLinear, the TE spec's linear_qkv and
     linear_fc1) multiplies: its own norm of x, recomputed in torch (TE returns it only with
     return_layernorm_output, which megatron's wrapper does not pass through)."""
-    weight = module.layer_norm_weight
+    weight: torch.Tensor = getattr(module, "layer_norm_weight")
+    eps: float = getattr(module, "eps")
     if getattr(module, "zero_centered_gamma", False):
         weight = weight + 1
     xf = x.float()
     if getattr(module, "normalization", "RMSNorm") == "RMSNorm":
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + module.eps)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return (y * weight.float()).to(x.dtype)
-    bias = getattr(module, "layer_norm_bias", None)
+    bias: torch.Tensor | None = getattr(module, "layer_norm_bias", None)
     y = torch.nn.functional.layer_norm(xf, xf.shape[-1:], weight.float(),
-                                       None if bias is None else bias.float(), module.eps)
+                                       None if bias is None else bias.float(), eps)
     return y.to(x.dtype)
 
 

@@ -257,7 +257,8 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
             what = "the initial conversion and " + what
         check_free_space("checkpoint.dir", cfg.checkpoint.dir, need, what)
     row = TRANSPORTS[cfg.sync.transport]
-    if row.folder_versions:  # the versions the transport keeps in sync.dir at once
+    if row.folder_versions and not cfg.lora.enabled:  # the versions the transport keeps in sync.dir
+        # at once (a LoRA run's adapters go through no transport: sync/adapter_sync.py)
         from gspo_megatron.checkpoint.hf_files import weight_files
         need = row.folder_versions * sum(f.stat().st_size for f in weight_files(hf_dir))
         check_free_space("sync.dir", cfg.sync.dir or Path(run_root(cfg)) / "sync", need,

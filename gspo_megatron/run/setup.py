@@ -159,6 +159,8 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
     init_ckpt = None if resume_from and not lora else initial_megatron_checkpoint(cfg, rank, inputs.model_fingerprint)
     if rank == 0:
         print(f"[gspo] {cfg.describe_loss()}", flush=True)
+        if lora:
+            print(f"[gspo] {cfg.lora.describe()}; the base {init_ckpt} stays as it is", flush=True)
     actor = build_actor(cfg)
     if rank == 0:
         available = Available.detect()

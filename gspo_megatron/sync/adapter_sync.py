@@ -73,7 +73,7 @@ class AdapterSync:
         start = time.perf_counter()
         full = full_adapter_state_dict(self.chunks, to_all_ranks=False)
         outcome: tuple[str | None, bool, dict[str, float]] = (None, False, {})
-        if self.rank == 0:
+        if self.rank == 0 and full is not None:
             try:
                 outcome = (None, False, self._push(full, version))
             except Exception as e:  # noqa: BLE001 - reported on every rank
@@ -89,9 +89,14 @@ class AdapterSync:
         return {**report, "seconds": seconds,
                 "gb_per_s": report["bytes"] / seconds / 1e9 if seconds > 0 else 0.0}
 
+    def _rank0_pool(self) -> ServerPool:
+        if self.pool is None:
+            raise RuntimeError("AdapterSync: only rank 0 talks to the servers")
+        return self.pool
+
     def _served_dtype(self) -> torch.dtype:
         if self._dtype is None:
-            got = {c.served_dtype() for c in self.pool.sync_clients()}
+            got = {c.served_dtype() for c in self._rank0_pool().sync_clients()}
             got = {self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
                    if d == "auto" else d for d in got}
             if len(got) != 1:
@@ -101,8 +106,8 @@ class AdapterSync:
 
     def _push(self, full: dict[str, torch.Tensor], version: str) -> dict[str, float]:
         """Rank 0: pause, the adapter into every server, the version, continue."""
-        from rollout.servers.errors import NoServerLeft
-        self.pool.pause_generation(self.pause_mode)
+        pool = self._rank0_pool()
+        pool.pause_generation(self.pause_mode)
         dtype = self._served_dtype()
         tensors = {k: v.to(dtype).contiguous() for k, v in to_peft(full, self.wmap).items()}
         config = peft_config(self.settings, tensors)
@@ -123,18 +128,19 @@ class AdapterSync:
                         return "written"
                 raise WeightSyncError(f"{client.url}: adapter tensors {wrong[:3]} differ from the "
                                       "trainer's after two writes")
-            done = [r for r in self.pool.for_each(push) if r is not None]
+            done = [r for r in pool.for_each(push) if r is not None]
         if not done:
-            raise NoServerLeft(f"no server is left to take adapter version {version!r} ({self.pool.summary()})")
-        set_version(self.pool, version)
-        self.pool.for_each(lambda c: c.end_weight_update())
-        served = self.pool.weight_versions()
+            raise pool.role.lost(", ".join(pool.server_urls),
+                                 f"no server is left to take adapter version {version!r} ({pool.summary()})")
+        set_version(pool, version)
+        pool.for_each(lambda c: c.end_weight_update())
+        served = pool.weight_versions()
         wrong = {url: v for url, v in served.items() if v != version}
         if wrong or not served:
             raise WeightSyncError(f"servers report weight versions {wrong or served} after the update, "
                                   f"expected {version!r}")
-        self.pool.synced(version)
-        self.pool.continue_generation()
+        pool.synced(version)
+        pool.continue_generation()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         # WeightSync's keys (run/loop_metrics.py sync_metrics), meaning the same: a request per server
         return {"bytes": float(nbytes * len(done)), "rank0_bytes": float(nbytes * len(done)),

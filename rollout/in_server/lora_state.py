@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from types import FrameType
 from typing import Any, Mapping
 
 import torch
@@ -37,7 +38,7 @@ def lora_manager() -> Any:
     start, /freeze_gc, and gc.get_objects() then lists none of them.)"""
     if _MANAGER and _MANAGER[0]() is not None:
         return _MANAGER[0]()
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         getter = getattr(frame.f_locals.get("self"), "get_model_runner", None)
         if callable(getter):

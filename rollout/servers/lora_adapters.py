@@ -8,7 +8,7 @@ request still using the adapter (sglang 0.5.23 lora_manager.py unload_lora_adapt
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 
 class LoraAdapters:
@@ -16,6 +16,11 @@ class LoraAdapters:
 
     lora_name: str | None = None
     """The adapter every generation of this client runs with (None: the base model)."""
+
+    if TYPE_CHECKING:  # SGLangClient's (rollout/servers/client.py)
+        def _json(self, method: str, path: str, payload: Any = None, **kw: Any) -> Any: ...
+
+        def _checked(self, path: str, payload: Any, **kw: Any) -> dict: ...
 
     def lora_adapters(self) -> list[str]:
         """The names of the LoRA adapters the server holds (/v1/models: the cards with a parent)."""
