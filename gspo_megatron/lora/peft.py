@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -64,8 +64,25 @@ def _unshared(name: str) -> str:
     return re.sub(r"\.experts\.\d+\.", ".experts.", name)
 
 
-def to_peft(adapters: Mapping[str, torch.Tensor], wmap: WeightMap) -> dict[str, torch.Tensor]:
-    """The PEFT tensors (module docstring) of one-process adapter tensors."""
+_FUSED = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
+"""SGLang's stacked modules: an adapter on one of them has one A for every part and B's rows
+stacked in the parts' order (sglang/srt/lora/lora.py normalize_qkv_proj, normalize_gate_up_proj
+repeat such an A for each part)."""
+
+
+def _parts(hf: Sequence[str], parts: Sequence[torch.Tensor], fused: bool) -> list[tuple[str, torch.Tensor]]:
+    """(HF module, its B rows) of one weight's HF tensors; fused: SGLang's stacked module, one entry."""
+    modules = [_module(h) for h in hf]
+    stacked = _FUSED.get(tuple(m.rpartition(".")[2] for m in modules))
+    if fused and stacked is not None:
+        return [(f"{modules[0].rpartition('.')[0]}.{stacked}", torch.cat(list(parts), dim=-2))]
+    return list(zip(modules, parts))
+
+
+def to_peft(adapters: Mapping[str, torch.Tensor], wmap: WeightMap, *, fused: bool = False) -> dict[str, torch.Tensor]:
+    """The PEFT tensors (module docstring) of one-process adapter tensors. fused: q/k/v and
+    gate/up as SGLang's stacked modules (qkv_proj, gate_up_proj) with their A once, what the
+    weight sync sends (no A repeated per part); PEFT's own names otherwise."""
     by_name = wmap.by_megatron_name()
     out: dict[str, torch.Tensor] = {}
     for name, a in adapters.items():
@@ -77,7 +94,7 @@ def to_peft(adapters: Mapping[str, torch.Tensor], wmap: WeightMap) -> dict[str, 
             for e in range(max(a.shape[0], b.shape[0])):
                 mp = _mapping(by_name, f"{prefix}.local_experts.{e}.linear_{which}.weight")
                 parts = wmap.to_hf(mp, b[e if b.shape[0] > 1 else 0])
-                rows.append([(_module(h), a[e if a.shape[0] > 1 else 0], p) for h, p in zip(mp.hf, parts)])
+                rows.append([(module, a[e if a.shape[0] > 1 else 0], p) for module, p in _parts(mp.hf, parts, fused)])
             if a.shape[0] == b.shape[0]:  # per expert
                 for row in rows:
                     for module, av, bv in row:
@@ -93,9 +110,9 @@ def to_peft(adapters: Mapping[str, torch.Tensor], wmap: WeightMap) -> dict[str, 
         m = _LINEAR.match(name)
         if m:
             mp = _mapping(by_name, f"{m.group(1)}.weight")
-            for hf, part in zip(mp.hf, wmap.to_hf(mp, adapters[f"{m.group(1)}.{ADAPTER}.b"])):
-                out[f"{PREFIX}{_module(hf)}.lora_A.weight"] = a.clone()
-                out[f"{PREFIX}{_module(hf)}.lora_B.weight"] = part.contiguous()
+            for module, part in _parts(mp.hf, wmap.to_hf(mp, adapters[f"{m.group(1)}.{ADAPTER}.b"]), fused):
+                out[f"{PREFIX}{module}.lora_A.weight"] = a.clone()
+                out[f"{PREFIX}{module}.lora_B.weight"] = part.contiguous()
     return dict(sorted(out.items()))
 
 

@@ -7,7 +7,8 @@ The base never changes, so the servers keep the base they started with (model.hf
 each step's adapters: for Qwen3-30B-A3B at rank 32 about 1 GB in bf16 instead of the model's 61 GB
 (`gspo-megatron plan`). One adapter name serves the whole run. Every rank takes part in gathering
 the adapters (actor/adapter_weights.py, small at any model size); rank 0 converts them to PEFT's
-names (lora/peft.py), pauses the servers and, on each server (in parallel, rollout/servers/pool.py
+names (lora/peft.py; q/k/v and gate/up as SGLang's stacked modules, their A sent once), pauses
+the servers and, on each server (in parallel, rollout/servers/pool.py
 for_each: one that cannot be reached is taken out and the rest go on):
 - if it does not hold the adapter yet (the first sync, a restarted server) it loads it with
   SGLang's /load_lora_adapter_from_tensors, carrying this version;
@@ -109,7 +110,7 @@ class AdapterSync:
         pool = self._rank0_pool()
         pool.pause_generation(self.pause_mode)
         dtype = self._served_dtype()
-        tensors = {k: v.to(dtype).contiguous() for k, v in to_peft(full, self.wmap).items()}
+        tensors = {k: v.to(dtype).contiguous() for k, v in to_peft(full, self.wmap, fused=True).items()}
         config = peft_config(self.settings, tensors)
         payload = (list(tensors.items())
                    + [(n + PART + "sum", torch.tensor([checksum(t)], dtype=torch.int64)) for n, t in tensors.items()]

@@ -76,3 +76,22 @@ def test_refusals_name_the_tensor(tmp_path):
         from_peft(to_peft(adapters("shared_outer"), wmap), config, wmap, full, settings)
     with pytest.raises(PeftError, match="no adapter_config.json"):
         load_peft(tmp_path)
+
+
+@pytest.mark.parametrize("experts", ["per_expert", "shared_outer"])
+def test_fused_form_sends_each_a_once(experts):
+    """What the sync sends: q/k/v and gate/up as SGLang's stacked modules, A once, B's rows in the
+    parts' order; as many elements as the trainer's adapters."""
+    wmap = weight_map_for(qwen3_moe())
+    full = adapters(experts)
+    plain, fused = to_peft(full, wmap), to_peft(full, wmap, fused=True)
+    assert sum(t.numel() for t in fused.values()) == sum(t.numel() for t in full.values())
+    assert sum(t.numel() for t in plain.values()) > sum(t.numel() for t in fused.values())
+    q = f"{PREFIX}model.layers.1.self_attn"
+    assert torch.equal(fused[f"{q}.qkv_proj.lora_A.weight"], plain[f"{q}.q_proj.lora_A.weight"])
+    assert torch.equal(fused[f"{q}.qkv_proj.lora_B.weight"],
+                       torch.cat([plain[f"{q}.{p}_proj.lora_B.weight"] for p in "qkv"]))
+    e = f"{PREFIX}model.layers.1.mlp.experts" + (".2" if experts == "per_expert" else "")
+    assert torch.equal(fused[f"{e}.gate_up_proj.lora_B.weight"],
+                       torch.cat([plain[f"{e}.gate_proj.lora_B.weight"], plain[f"{e}.up_proj.lora_B.weight"]], dim=-2))
+    assert f"{e}.down_proj.lora_A.weight" in fused and not any("gate_proj" in k for k in fused)
