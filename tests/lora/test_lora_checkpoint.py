@@ -1,10 +1,11 @@
-"""A LoRA run's checkpoints (gspo_megatron/checkpoint/lora_checkpoint.py): saved under EP2 and loaded under
-one process, saved under TP2 (sequence parallel) and loaded under one process, the adapters come
-back bit for bit, the next step from the loaded optimizer state is the step the saving run took
-(1e-5), and the merged policy's HF tensors are identical in every layout. The base is referenced,
-never written: a checkpoint names its files' CRC32s and refuses another base.
+"""A LoRA run's checkpoints (gspo_megatron/checkpoint/lora_checkpoint.py) across layouts: saved by one
+process and loaded under EP2 (1 -> 2), saved under EP2 and loaded under TP2 with sequence
+parallelism, saved under each and loaded by one process (2 -> 1). Each time the adapters and the
+merged policy's HF tensors come back bit for bit, and the next step from the loaded optimizer state
+is the step the saving process took (1e-5). The base is referenced, never written: a checkpoint
+names its files' CRC32s and refuses another base.
 
-Two spawns: two ranks (EP2, then TP2 with expert-TP 1) and one rank.
+Three spawns: one rank, two ranks (EP2, then TP2 with expert-TP 1), one rank.
 """
 from __future__ import annotations
 
@@ -50,30 +51,45 @@ def _step(actor, seed):
     _gspo_step(actor, seed)
 
 
-def _saving(rank, world, base, out):
-    """EP2: random B, a step, save `ep2`, a step; then TP2: load `ep2`, save `tp2`, a step."""
+def _state(actor, hf, name: str) -> dict:
+    return {f"{name}_adapters": _np(actor.full_adapter_state_dict()), f"{name}_merged": _merged_hf(actor, hf)}
+
+
+def _one_process_saves(rank, world, base, out):
+    """One process: random B, a step, save `one`, a step (what a resumed run must repeat)."""
+    from gspo_megatron.checkpoint import checkpoint_hf_config
+    hf = checkpoint_hf_config(base)
+    with _actor({}, hf) as actor:
+        actor.load_weights(base)
+        g = torch.Generator().manual_seed(3)
+        actor.load_full_adapter_state_dict(
+            {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in actor.full_adapter_state_dict().items()})
+        _step(actor, 1)
+        results = _state(actor, hf, "one")
+        actor.save(f"{out}/one")
+        _step(actor, 2)
+        results["one_next"] = _np(actor.full_adapter_state_dict())
+    return results
+
+
+def _two_ranks(rank, world, base, out):
+    """EP2 loads `one` (1 -> 2), steps, saves `ep2`; TP2 (+SP) loads `ep2`, saves `tp2`, steps."""
     from gspo_megatron.checkpoint import checkpoint_hf_config
     hf = checkpoint_hf_config(base)
     results = {}
-    for name, layout in (("ep2", dict(expert=2)), ("tp2", dict(tensor=2, expert_tensor=1))):
+    for name, layout, source in (("ep2", dict(expert=2), "one"), ("tp2", dict(tensor=2, expert_tensor=1), "ep2")):
         with _actor(layout, hf) as actor:
             actor.load_weights(base)
-            if name == "ep2":
-                g = torch.Generator().manual_seed(3)
-                actor.load_full_adapter_state_dict(
-                    {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in actor.full_adapter_state_dict().items()})
-                _step(actor, 1)
-            else:
-                actor.load(f"{out}/ep2", None)
-            results[f"{name}_saved"] = _np(actor.full_adapter_state_dict())
-            results[f"{name}_merged"] = _merged_hf(actor, hf)
+            actor.load(f"{out}/{source}", None)
+            results.update(_state(actor, hf, f"{name}_loaded"))
             actor.save(f"{out}/{name}")
             _step(actor, 2)
             results[f"{name}_next"] = _np(actor.full_adapter_state_dict())
     return results
 
 
-def _loading(rank, world, base, out, other_base):
+def _one_process_loads(rank, world, base, out, other_base):
+    """One process loads `ep2` and `tp2` (2 -> 1) and steps from each; another base is refused."""
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.checkpoint.model_io import CheckpointMismatchError
     hf = checkpoint_hf_config(base)
@@ -82,10 +98,9 @@ def _loading(rank, world, base, out, other_base):
         actor.load_weights(base)
         for name in ("ep2", "tp2"):
             actor.load(f"{out}/{name}", None)
-            results[f"{name}_loaded"] = _np(actor.full_adapter_state_dict())
-            results[f"{name}_merged"] = _merged_hf(actor, hf)
+            results.update(_state(actor, hf, f"{name}_back"))
             _step(actor, 2)
-            results[f"{name}_next"] = _np(actor.full_adapter_state_dict())
+            results[f"{name}_back_next"] = _np(actor.full_adapter_state_dict())
         actor.load_weights(other_base)
         try:
             actor.load(f"{out}/ep2", None)
@@ -94,27 +109,37 @@ def _loading(rank, world, base, out, other_base):
     return results
 
 
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max(float(abs(a[k] - b[k]).max()) for k in a)
+
+
 @pytest.mark.slow
 def test_saved_in_one_layout_loaded_in_another(tmp_path):
     from gspo_megatron.checkpoint.convert import convert_hf_to_megatron
     base = convert_hf_to_megatron(tiny_model_dir("qwen3_moe", 0), tmp_path / "base")
     other = convert_hf_to_megatron(tiny_model_dir("qwen3_moe", 1), tmp_path / "other")
-    saved = run_distributed(_saving, 2, (str(base), str(tmp_path)), timeout=420)[0]
-    loaded = run_distributed(_loading, 1, (str(base), str(tmp_path), str(other)), timeout=420)[0]
-    for name in ("ep2", "tp2"):
-        for k, v in saved[f"{name}_saved"].items():
-            assert (loaded[f"{name}_loaded"][k] == v).all(), (name, k)
-        for k, v in saved[f"{name}_merged"].items():
-            assert (loaded[f"{name}_merged"][k] == v).all(), (name, k)
-        worst = max(float(abs(loaded[f"{name}_next"][k] - v).max()) for k, v in saved[f"{name}_next"].items())
-        moved = max(float(abs(saved[f"{name}_next"][k] - v).max()) for k, v in saved[f"{name}_saved"].items())
-        assert worst <= TOL < moved, (name, worst, moved)
-    assert saved["ep2_merged"].keys() == saved["tp2_merged"].keys()
-    assert all((saved["tp2_merged"][k] == v).all() for k, v in saved["ep2_merged"].items())
-    assert "is not it: its files differ" in loaded["refused"]
-    files = {p.name for p in (tmp_path / "ep2").iterdir()}
-    assert "base.json" in files and not any(p.stat().st_size > 200_000 for p in (tmp_path / "ep2").iterdir())
-    ref = json.loads((tmp_path / "ep2" / "base.json").read_text())
+    one = run_distributed(_one_process_saves, 1, (str(base), str(tmp_path)), timeout=420)[0]
+    two = run_distributed(_two_ranks, 2, (str(base), str(tmp_path)), timeout=420)[0]
+    back = run_distributed(_one_process_loads, 1, (str(base), str(tmp_path), str(other)), timeout=420)[0]
+    # 1 -> EP2 -> TP2 -> 1: the adapters and the merged policy's HF tensors bit for bit
+    for got in ("ep2_loaded", "tp2_loaded", "ep2_back", "tp2_back"):
+        src = two if got.endswith("loaded") else back
+        assert _same(src[f"{got}_adapters"], one["one_adapters"]), got
+        assert _same(src[f"{got}_merged"], one["one_merged"]), got
+    # the next step from the loaded optimizer state is the saving run's (the Adam moments came along)
+    moved = _diff(one["one_next"], one["one_adapters"])
+    for got, ref in (("ep2_next", "one_next"), ("tp2_next", "one_next")):
+        assert _diff(two[got], one[ref]) <= TOL < moved, (got, _diff(two[got], one[ref]), moved)
+    for got in ("ep2_back_next", "tp2_back_next"):
+        assert _diff(back[got], one["one_next"]) <= TOL, got
+    assert "is not it: its files differ" in back["refused"]
+    assert {p.name for p in (tmp_path / "one").iterdir()} >= {"base.json", "metadata.json"}
+    assert not any(p.stat().st_size > 200_000 for p in (tmp_path / "one").iterdir())
+    ref = json.loads((tmp_path / "one" / "base.json").read_text())
     assert ref["path"] == str(base.resolve()) and ref["crc32"]
 
 

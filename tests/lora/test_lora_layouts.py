@@ -25,13 +25,12 @@ pytestmark = pytest.mark.slow
 
 TOL = 1e-5
 EXPERTS = ("per_expert", "shared_outer")
-# (name, layout, expert layout, planted bug): every layout with per-expert adapters, shared-outer
-# where its reduction differs (EP: the shared A and B collect every EP rank's experts' tokens;
-# TP: each TP rank routed its own tokens), and per-expert adapters reduced over the dense group.
-CASES = [("dp2", {}, "per_expert", None), ("tp2", dict(tensor=2, expert_tensor=1), "per_expert", None),
-         ("tp2", dict(tensor=2, expert_tensor=1), "shared_outer", None), ("ep2", dict(expert=2), "per_expert", None),
-         ("ep2", dict(expert=2), "shared_outer", None), ("pp2", dict(pipeline=2), "per_expert", None),
-         ("ep2", dict(expert=2), "per_expert", "expert_grads_over_dense_group")]
+# (name, layout, expert layout, planted bug): every layout with both expert layouts (shared-outer's
+# reduction differs under EP: the shared A and B collect every EP rank's experts' tokens; and TP:
+# each TP rank routed its own tokens), and per-expert adapters reduced over the dense group.
+CASES = [(name, layout, experts, None) for name, layout in
+         (("dp2", {}), ("tp2", dict(tensor=2, expert_tensor=1)), ("ep2", dict(expert=2)), ("pp2", dict(pipeline=2)))
+         for experts in EXPERTS] + [("ep2", dict(expert=2), "per_expert", "expert_grads_over_dense_group")]
 
 
 def _actor(layout: dict, experts: str, rank: int):
