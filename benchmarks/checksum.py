@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     actor.train_step(shard)  # Adam state exists
 
     CheckpointManager(work / "warm-up", keep=0).save(1, actor, LoopState(step=1))  # first-write costs
-    times = {False: ([], []), True: ([], [])}
+    times: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
     size = 0
     for rep in range(args.repeats):
         for checksums in (False, True):  # interleaved: the disk's mood hits both alike
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             ckpt.verify(path, checksums=checksums)
             times[checksums][1].append(time.perf_counter() - t0)
-            size = ckpt.size_bytes(path)
+            size = ckpt.size_bytes(path) or 0
             if rep:
                 shutil.rmtree(root)
     rows = {k: (statistics.median(s), statistics.median(v)) for k, (s, v) in times.items()}

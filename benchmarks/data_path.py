@@ -40,6 +40,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -139,12 +140,14 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layer
         from gspo_megatron.actor.batching.transfer import scatter_rows
         got = scatter_rows(rank, lambda: (batch, None), dp_rank=dp_rank, dp_size=dp_size,
                            num_mini_batches=MINI, work=work, route_layers=own_layers)
+        if got is None:
+            raise RuntimeError("scatter_rows gave this rank no shard")
         shard, _, stats = got
         sent = int(stats["bytes_per_rank"])
         plan = plan_shards(len(lengths), dp_size, MINI, work(lengths))
     held = time.time()
     imbalance = worst_imbalance(lengths, plan)
-    everyone = [None] * world
+    everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, dict(held=held, grew=rss_bytes() - rss0, own=own_real_bytes(shard),
                                           keeps=shard.nbytes()))
     if rank == 0:
@@ -220,10 +223,10 @@ def main() -> None:
         routing_replay(args)
     both = [rows for rows in sizes if (rows, "before") in done and (rows, "after") in done]
     if both:
-        b, a = done[(both[-1], "before")], done[(both[-1], "after")]
-        print(f"\ndata path: per-rank GiB {b['received'] / GiB:.3f} -> {a['received'] / GiB:.3f}, "
-              f"transfer s {b['seconds']:.2f} -> {a['seconds']:.2f}, "
-              f"DP token imbalance {b['imbalance']:.3f} -> {a['imbalance']:.3f} (at {both[-1]:,} rows)")
+        was, now = done[(both[-1], "before")], done[(both[-1], "after")]
+        print(f"\ndata path: per-rank GiB {was['received'] / GiB:.3f} -> {now['received'] / GiB:.3f}, "
+              f"transfer s {was['seconds']:.2f} -> {now['seconds']:.2f}, "
+              f"DP token imbalance {was['imbalance']:.3f} -> {now['imbalance']:.3f} (at {both[-1]:,} rows)")
 
 
 def routing_replay(args) -> None:

@@ -72,22 +72,29 @@ def _bench(rank, world, layout_kwargs, args, init_state):
                   loss=gspo, logprob=LogProbSettings(fused=not args["logits"]),
                   micro_batch_size=args["micro_batch_size"], seed=1 + rank)
     if init_state is None:
-        init_state = {k: v.numpy() for k, v in actor.full_state_dict().items()}
+        full = actor.full_state_dict()
+        if full is None:
+            raise RuntimeError("full_state_dict(to_all_ranks=True) gave this rank nothing")
+        init_state = {k: v.numpy() for k, v in full.items()}
     else:
         actor.load_full_state_dict({k: torch.from_numpy(v) for k, v in init_state.items()})
     shard = actor.shard(make_batch(args["rows"], args["seq"]))
     shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
-    old = (shard.global_rows.numpy(), shard.old_log_probs.numpy()) if actor.is_last_stage else None
+    old = None
+    if actor.is_last_stage:
+        if shard.global_rows is None or shard.old_log_probs is None:
+            raise RuntimeError("the last stage's shard has no global_rows or old_log_probs")
+        old = (shard.global_rows.numpy(), shard.old_log_probs.numpy())
     actor.train_step(shard)
     state = actor.full_state_dict(to_all_ranks=False)
-    times = {"fwd": [], "gspo": [], "ce": []}
+    times: dict[str, list[float]] = {"fwd": [], "gspo": [], "ce": []}
     for _ in range(args["reps"]):
         times["fwd"].append(_timed(lambda: actor.compute_old_log_probs(shard))[0])
         for name, loss in (("gspo", gspo), ("ce", ce)):
             actor.loss = loss
             times[name].append(_timed(lambda: actor.train_step(shard))[0])
     return dict(old=old, times={k: min(v) for k, v in times.items()},
-                state={k: v.numpy() for k, v in state.items()} if rank == 0 else None,
+                state={k: v.numpy() for k, v in state.items()} if state is not None else None,
                 init=init_state if rank == 0 else None)
 
 

@@ -93,6 +93,8 @@ def child(args) -> None:
         sampler.join()
         ru_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         peak = max(sampler.peak, ru_peak if ru_peak > ru_base else 0) - base
+    if hidden.grad is None or weight.grad is None:
+        raise RuntimeError("the backward pass left no gradient on hidden or weight")
     grads = (hidden.grad.numel() + weight.grad.numel()) * hidden.grad.element_size()
     print(json.dumps(dict(peak=peak, grads=grads, seconds=seconds, cpu_seconds=cpu_seconds)))
 
@@ -100,10 +102,12 @@ def child(args) -> None:
 def measure(path: str, t: int, v: int, args) -> dict | str:
     """One fresh process per run; with --repeats, the fastest of them (peaks are their max)."""
     runs = [measure_once(path, t, v, args) for _ in range(args.repeats)]
-    if not all(isinstance(r, dict) for r in runs):
-        return next(r for r in runs if not isinstance(r, dict))
-    return dict(peak=max(r["peak"] for r in runs), grads=runs[0]["grads"],
-                seconds=min(r["seconds"] for r in runs), cpu_seconds=min(r["cpu_seconds"] for r in runs))
+    failed = [r for r in runs if not isinstance(r, dict)]
+    if failed:
+        return failed[0]
+    ok = [r for r in runs if isinstance(r, dict)]
+    return dict(peak=max(r["peak"] for r in ok), grads=ok[0]["grads"],
+                seconds=min(r["seconds"] for r in ok), cpu_seconds=min(r["cpu_seconds"] for r in ok))
 
 
 def measure_once(path: str, t: int, v: int, args) -> dict | str:
@@ -170,9 +174,8 @@ def main() -> None:
                 else:
                     cells.append(f"{r:>{width + 24}}")
             f, s = res.get("fused"), res.get("straightforward")
-            both = isinstance(f, dict) and isinstance(s, dict)
             ratio = (f"{f['seconds'] / s['seconds']:>10.2f} {f['cpu_seconds'] / s['cpu_seconds']:>5.2f}"
-                     if both else f"{'-':>10} {'-':>5}")
+                     if isinstance(f, dict) and isinstance(s, dict) else f"{'-':>10} {'-':>5}")
             print(f"{v:>7} {t:>6} | {cells[0]} | {cells[1]} | {ratio}", flush=True)
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-QWEN3_30B_LAYERS = dict(  # Qwen3-30B-A3B's layer shapes, 8 layers and 32 experts (1.98B parameters)
+QWEN3_30B_LAYERS: dict[str, Any] = dict(  # Qwen3-30B-A3B's layer shapes, 8 layers and 32 experts (1.98B parameters)
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
     intermediate_size=6144, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
     head_dim=128, hidden_act="silu", max_position_embeddings=32768, rms_norm_eps=1e-6,
@@ -99,7 +100,7 @@ def configurations(device: str):
              {**budget, "max_tokens_per_micro_batch": 65536, "pack_sequences": True}, {})]
 
 
-def timed(fn, device: str) -> float:
+def timed(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
     import torch
     if device == "cuda":
         torch.cuda.synchronize()
@@ -134,7 +135,8 @@ def measure(actor, batch, args, flops: float, real_tokens: int) -> dict:
     from gspo_megatron.actor import LossSettings
     shard = actor.shard(batch)
     shard.old_log_probs, _ = actor.compute_old_log_probs(shard)
-    times, metrics = {"gspo": [], "ce": []}, None
+    times: dict[str, list[float]] = {"gspo": [], "ce": []}
+    metrics: dict[str, Any] = {}
     for rep in range(args.reps + 1):
         for loss in ("gspo", "ce"):
             actor.loss = LossSettings(name=loss)
@@ -200,13 +202,13 @@ def main() -> None:
     print(f"| configuration | GSPO step s | tokens/s |{head} packed | padding | micro-batches | GSPO/CE |{tail}")
     print("|---|---|---|" + ("---|---|" if gpu else "") + "---|---|---|---|" + ("---|" if gpu else ""))
     for r in rows:
-        peak = f" {r['peak_gib']:.1f} |" if gpu else ""
+        peak_cell = f" {r['peak_gib']:.1f} |" if gpu else ""
         if "error" in r:
-            print(f"| {r['name']} | {r['error']} |" + " |" * (7 if gpu else 5) + peak)
+            print(f"| {r['name']} | {r['error']} |" + " |" * (7 if gpu else 5) + peak_cell)
             continue
         mfu = f" {100 * r['mfu']:.1f}% | {100 * r['busy']:.0f}% |" if gpu else ""
         print(f"| {r['name']} | {r['step']:.3f} | {r['tokens_s']:,.0f} |{mfu} {'yes' if r['packed'] else 'no'} | "
-              f"{100 * r['padding']:.1f}% | {r['mbs']:.0f} | {r['ratio']:.2f} |{peak}")
+              f"{100 * r['padding']:.1f}% | {r['mbs']:.0f} | {r['ratio']:.2f} |{peak_cell}")
 
     done = [r for r in rows if r.get("top")]
     if done:  # where the time goes in the last configuration that ran

@@ -2,7 +2,7 @@
 (arXiv 2507.18071 §5.3) measured, in two regimes (docs/moe_stability.md).
 
     .venv/bin/python benchmarks/moe_stability.py                  # the first experiment (collapse): 5 seeds x 5 arms x 20 steps
-    .venv/bin/python benchmarks/moe_stability.py --regime learn   # the second: 5 seeds x 7 arms x 50 steps, the policy learns
+    .venv/bin/python benchmarks/moe_stability.py --regime learn   # the second: 5 seeds x 9 arms x 50 steps, the policy learns
     .venv/bin/python benchmarks/moe_stability.py --regime learn --pilot   # its pilot seed only (the regime search)
     .venv/bin/python benchmarks/moe_stability.py --regime learn --plot    # + docs/img/moe_stability_learn_*.png
     .venv/bin/python benchmarks/moe_stability.py --seeds 1 --steps 3 --runs gspo grpo   # a smoke run
@@ -196,7 +196,7 @@ def parse_layout(text: str) -> dict[str, int]:
                                              f"{', '.join(names)} (e.g. tensor=2,expert=4)")
         out[key] = int(value)
     try:
-        ParallelLayout(**out).validate_sizes()
+        ParallelLayout(**out).validate_sizes()  # type: ignore[arg-type]  # the size fields, ints
     except LayoutError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return out
@@ -207,7 +207,7 @@ def check_layout(p: Parser, layout: dict[str, int], nproc: int) -> None:
     world-size checks), before any task, model or server is made."""
     from gspo_megatron.parallel.layout import ParallelLayout
     spec = ",".join(f"{k}={v}" for k, v in layout.items())
-    lay = ParallelLayout(**layout)
+    lay = ParallelLayout(**layout)  # type: ignore[arg-type]  # the size fields, ints
     if nproc == 1 and (lay.tensor * lay.pipeline * lay.context * lay.expert * lay.etp) > 1:
         p.error(f"--layout {spec} needs --nproc N trainer ranks (torchrun), got --nproc 1")
     for name, size in (("tensor x pipeline x context", lay.tensor * lay.pipeline * lay.context),
@@ -255,6 +255,37 @@ def parser() -> Parser:
     return p
 
 
+def check_inputs(p: Parser, args: argparse.Namespace, regime: Regime) -> None:
+    """What would otherwise fail only after the tasks, models and server are made (15-55 s in):
+    --config and every arm's overrides through the trainer's config checks (torch-free), --model,
+    --out and --url; each refused in one line."""
+    from gspo_megatron.config import load_config
+    from gspo_megatron.config.parsing import ConfigError
+    config = Path(args.config) if Path(args.config).is_absolute() else ROOT / args.config
+    if not config.is_file():
+        p.error(f"--config {args.config}: no such file (relative paths are to the repository, {ROOT})")
+    for arm in args.runs:
+        try:
+            arm_overrides = arm_sets(arm, mean_length=80.0, max_new_tokens=args.max_new_tokens)
+            load_config(config, [*args.regime_sets, *arm_overrides, *args.set])
+        except ConfigError as e:
+            p.error(f"--config {args.config} with the {arm} arm and --set {' '.join(args.set) or '(none)'}: {e}")
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there (expected a Hugging Face model directory)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        p.error(f"--out {args.out}: a file is there (expected a folder for the runs, made if missing)")
+    parent = next(d for d in (out, *out.parents) if d.exists())
+    if not os.access(parent, os.W_OK):
+        p.error(f"--out {args.out}: {parent} is not writable")
+    if args.url:
+        import urllib.request
+        try:
+            urllib.request.urlopen(args.url.rstrip("/") + "/health", timeout=5).close()
+        except Exception as e:  # noqa: BLE001 - what the user sees is the one line below
+            p.error(f"--url {args.url}: no SGLang server answers /health there ({e})")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
@@ -271,6 +302,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if s.startswith("rollout.max_new_tokens="):
             args.max_new_tokens = int(s.partition("=")[2])
     args.seed_list = [regime.pilot_seed] if args.pilot else list(range(args.seeds))
+    check_inputs(p, args, regime)
     return args
 
 
@@ -285,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[bench] regime {regime.name}, seeds {args.seed_list}: mean response length of the task "
           f"{length:.1f} tokens; grpo_seqclip: {' '.join(seqclip_sets(length))}", flush=True)
     server = None if args.url else start_server(args, model0)
-    url = args.url or server.server_urls[0]
+    url = args.url or (server.server_urls[0] if server is not None else "")
     results: dict[str, dict[int, dict[int, dict]]] = {arm: {} for arm in args.runs}
     try:
         for s in args.seed_list:

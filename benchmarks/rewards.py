@@ -30,6 +30,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,7 +51,8 @@ def math_cot(g: int, size: int, chars: int = 16_000) -> tuple[dict, list[str]]:
             r"$\sqrt{%d}$ aside and continue with the next term of the sum. ")
     texts = []
     for i in range(size):
-        parts, k = [], 0
+        parts: list[str] = []
+        k = 0
         while sum(map(len, parts)) < chars:
             parts.append(step % (k + 1, k + 2, k * 3 + 1, (k + 2) ** 2, k + 2))
             k += 1
@@ -74,7 +76,8 @@ WORKLOADS = {"math short": ("math", math_short, 32, 8), "math CoT 16k chars": ("
 def inline(name: str, groups: list[tuple[dict, list[str]]]) -> tuple[float, list[float]]:
     """Score every response in turn in this thread; (total seconds, seconds per group)."""
     reward = get_reward(name)
-    reward.warm()  # as the workers do: imports, the sandbox probe
+    if reward.warm is not None:  # as the workers do: imports, the sandbox probe
+        reward.warm()
     per_group = []
     for record, texts in groups:
         t0 = time.perf_counter()
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.smoke:
         args.workers, args.groups, args.group_size = [2], 1, 2
-    rows = []
+    rows: list[dict[str, Any]] = []
     print("| workload | responses | inline resp/s | inline ms/resp | " + " | ".join(
         f"{w} workers resp/s" for w in args.workers) + " | loop s inline | " + " | ".join(
         f"loop s {w}w" for w in args.workers) + f" | p99 ms ({args.workers[-1]}w) | "

@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,7 +63,7 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.checkpoint import checkpoint_hf_config
     from gspo_megatron.parallel.layout import ParallelLayout
-    from gspo_megatron.sync import DistributedTransport, TensorTransport, WeightSync
+    from gspo_megatron.sync import DistributedTransport, TensorTransport, Transport, WeightSync
     from gspo_megatron.sync.sender_pass import CHECK_FIRST_DELTAS
     from gspo_megatron.sync.stream import hf_state_dict
     from model_specs.weights.maps import weight_map_for
@@ -73,13 +74,13 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
                   optimizer=OptimizerSettings(lr=lr, clip_grad=0.0), loss=LossSettings(name="gspo"))
     actor.load_weights(ckpt)
     pool = ServerPool([url]) if rank == 0 else None
-    transport = None
-    if rank == 0:
+    transport: Transport | None = None
+    if pool is not None:  # rank 0
         transport = TensorTransport(pool) if transport_name == "tensor" else DistributedTransport(pool)
 
     def make(**kw):
         return WeightSync(actor.chunks, hf, transport, pool, bucket_bytes=bucket_bytes, **kw)
-    out = {}
+    out: dict[str, Any] = {}
     if fulls:
         for name, kw in (("rank 0, full", dict(senders="rank0", delta=False)),
                          ("owners, full", dict(senders="owners", delta=False))):
@@ -96,7 +97,7 @@ def _body(rank, world, ckpt, url, layout, lr, repeats, steps, bucket_bytes, full
     if reports[CHECK_FIRST_DELTAS:]:
         out[f"delta, lr {lr:g}"] = reports[CHECK_FIRST_DELTAS:]
     mine = hf_state_dict(actor.chunks, weight_map_for(hf))
-    if rank != 0:
+    if pool is None or mine is None:  # not rank 0
         return None
     served = pool.clients[0].served_tensors({n: t.shape for n, t in mine.items()},
                                             f"{scratch}/served-{lr}.safetensors")

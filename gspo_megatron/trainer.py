@@ -39,13 +39,13 @@ def run_loop(run: Run) -> None:
         print(f"[gspo] RL: steps {loop.step}..{cfg.train.steps - 1} ({cfg.loss.name}, "
               f"{'synchronous' if not staleness else f'asynchronous, max_staleness {staleness}'})", flush=True)
     if staleness and run.rank == 0:  # the rollout thread generates from here on (docs/async.md)
-        run.driver.start_async(version=lambda: str(loop.weight_version))
+        run.rank0_driver.start_async(version=lambda: str(loop.weight_version))
     for step in range(loop.step, cfg.train.steps):
         if stop.agreed():  # SIGTERM / SIGUSR1 (run/signals.py): save below, then exit
             break
         t = PhaseTimer()
         live = loop.weight_version  # the weights the servers serve, and the trainer holds
-        held_out = on_driver(run.rank, lambda: run.driver.evaluate(step)) if eval_due(cfg, step) else {}
+        held_out = on_driver(run.rank, lambda: run.rank0_driver.evaluate(step)) if eval_due(cfg, step) else {}
         with t("step"):
             with t("rollout"):  # synchronous: rank 0 generates and scores; asynchronous: it takes
                 # what the rollout thread finished; each rank receives only its rows (actor/batching/transfer.py),
@@ -61,6 +61,8 @@ def run_loop(run: Run) -> None:
                 # asynchronous: each token's from the weights of the version that generated it
                 shard.old_log_probs, old = actor.compute_old_log_probs(
                     shard, versions=batch_facts["versions"] if staleness else None, live_version=live)
+                if shard.routed_experts is not None:  # the engine's routes against their versions' weights
+                    old.update(actor.measure_version_mismatch(shard, batch_facts["versions"], live))
                 if staleness and cfg.train.old_log_probs == "recompute":
                     actor.keep_version(live)  # for the stale tokens of the next steps
             if cfg.distill.teacher and shard.old_log_probs is not None:  # the last pipeline stage
@@ -78,11 +80,11 @@ def run_loop(run: Run) -> None:
             if actor.routing_settings.drift:
                 with t("routing_drift"):  # forward-only: how many top-k sets moved since pi_old
                     old.update(actor.measure_routing_drift(shard))
-            with t("sync"), run.driver.paused() if run.rank == 0 else nullcontext():
+            with t("sync"), run.rank0_driver.paused() if run.rank == 0 else nullcontext():
                 loop.weight_version += 1  # new weights into SGLang (the rollout thread waits)
                 sync = sync_weights(run, saved)
             loop.step = step + 1
-        producer = run.driver.producer if staleness and run.rank == 0 else None
+        producer = run.rank0_driver.producer if staleness and run.rank == 0 else None
         metrics = step_scalars(batch_facts["metrics"], updates, old, sync, t, batch_facts["tokens"], shard,
                                transfer, producer)
         metrics.update(ckpt_time, **held_out)
@@ -97,7 +99,7 @@ def run_loop(run: Run) -> None:
             ckpt_time = {"time/checkpoint": time.perf_counter() - t0}  # logged with the next step
     signum = stop.agreed()
     if not signum and eval_due(cfg, 0) and loop.step == cfg.train.steps:  # the final eval
-        run.writer.log(loop.step, on_driver(run.rank, lambda: run.driver.evaluate(loop.step)))
+        run.writer.log(loop.step, on_driver(run.rank, lambda: run.rank0_driver.evaluate(loop.step)))
     if signum:
         if run.ckpt and saved != loop.step:
             run.save_checkpoint()
@@ -115,9 +117,11 @@ def warm_start(run: Run) -> None:
         print(f"[gspo] warm start: {cfg.train.warm_start_steps} supervised steps on the prompt set's "
               f"answers ({n} examples each), then RL", flush=True)
     for k in range(cfg.train.warm_start_steps):
-        if run.stop.agreed():  # nothing of RL to save yet: a rerun warm-starts again, the same way
-            raise SignalExit(run.stop.signum)
-        examples = on_driver(run.rank, lambda: run.driver.warm_start_examples(n, offset=k * n))
+        signum = run.stop.agreed()
+        if signum:  # nothing of RL to save yet: a rerun warm-starts again, the same way
+            raise SignalExit(signum, unsaved="stopped in the warm start, nothing of RL to save "
+                             "(the same command warm-starts again)")
+        examples = on_driver(run.rank, lambda: run.rank0_driver.warm_start_examples(n, offset=k * n))
         m = actor.sft_step(actor.shard(sft_batch(examples)), lr=cfg.train.warm_start_lr)
         if run.rank == 0 and cfg.logging.progress and (k % 10 == 0 or k == cfg.train.warm_start_steps - 1):
             print(f"warm start {k + 1}/{cfg.train.warm_start_steps} | ce {m['loss']:.3f}", flush=True)
@@ -126,13 +130,21 @@ def warm_start(run: Run) -> None:
 
 def train(cfg: RunConfig) -> int:
     """Run the whole job on this rank; returns the process exit code: 0, or 128 + the signal that
-    stopped it (after saving), or 130 on Ctrl-C. A GspoError propagates (cli.main says it)."""
+    stopped it (after saving; Ctrl-C, SIGINT, is 130). A GspoError propagates (cli.main says it)."""
     try:
         return _train(cfg)
     except SignalExit as e:
-        saved = f"saved a checkpoint of {e.saved} in {cfg.checkpoint.dir}; " if e.saved else ""
-        print(f"gspo-megatron: {e.args[0].split(':')[0]} (rank {os.environ.get('RANK', '0')}): {saved}"
-              f"exiting with {e.exit_code} (the same command resumes)", file=sys.stderr, flush=True)
+        if e.saved:
+            what = (f"saved a checkpoint of {e.saved} in {cfg.checkpoint.dir}; exiting with {e.exit_code} "
+                    "(the same command resumes)")
+        elif e.unsaved:
+            what = f"{e.unsaved}; exiting with {e.exit_code}"
+        else:
+            what = f"exiting with {e.exit_code}, " + (
+                "nothing saved: checkpoint.dir is null (the same command starts again from step 0)"
+                if not cfg.checkpoint.dir else "nothing new to save (the same command resumes)")
+        print(f"gspo-megatron: {e.args[0].split(':')[0]} (rank {os.environ.get('RANK', '0')}): {what}",
+              file=sys.stderr, flush=True)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"gspo-megatron: interrupted (rank {os.environ.get('RANK', '0')})", file=sys.stderr)
@@ -155,6 +167,6 @@ def _train(cfg: RunConfig) -> int:
     finally:
         teardown(run)
         stop.restore()
-    if run is not None and run.rank == 0 and cfg.checkpoint.export_hf:
+    if run is not None and run.rank == 0 and cfg.checkpoint.export_hf and run.export_src is not None:
         export_hf(run.export_src, cfg)  # one process, no process group
     return 0

@@ -175,9 +175,11 @@ class Table(Mapping[str, R], Generic[R]):
     def __len__(self) -> int:
         return len(self._rows)
 
-    def choices(self) -> dict[str, str]:
-        """{name: one-line description} of every row (what `gspo-megatron config` lists)."""
-        return {name: self._description_of(row) for name, row in self._rows.items()}
+    def choices(self, references: bool = True) -> dict[str, str]:
+        """{name: one-line description} of every row (what `gspo-megatron config` lists); without the
+        rows loaded by reference when `references` is False (what the docs show)."""
+        return {name: self._description_of(row) for name, row in self._rows.items()
+                if references or name not in self._references}
 
     def names_text(self) -> str:
         """The names for a message or a docstring: `a, b or c`."""

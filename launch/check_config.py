@@ -58,7 +58,7 @@ def check(config: Path, world_size: int, overrides: list[str], reserved: dict[st
         except yaml.YAMLError:
             effective[key] = value
 
-    def layout_value(name: str, default: int | None) -> int | None:
+    def layout_value(name: str, default: int) -> int:
         key = f"parallel.{name}"
         value = effective[key] if key in effective else _lookup(tree, key)
         if value is None:
@@ -71,7 +71,7 @@ def check(config: Path, world_size: int, overrides: list[str], reserved: dict[st
     tp = layout_value("tensor", 1)
     pp = layout_value("pipeline", 1)
     ep = layout_value("expert", 1)
-    etp = layout_value("expert_tensor", None) or tp
+    etp = layout_value("expert_tensor", 0) or tp  # unset (or refused): expert-TP = TP
     if world_size % (tp * pp):
         problems.append(f"trainer world size {world_size} (trainer nodes x ranks per node) is not "
                         f"divisible by parallel.tensor x parallel.pipeline = {tp} x {pp} = {tp * pp}")

@@ -21,7 +21,7 @@ before (or without) torch and megatron-core.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from model_specs import lazy_compile
 
@@ -33,10 +33,16 @@ _EXPORTS = {"FAMILIES": "families", "family_for": "families", "model_dims_for": 
             "load_hf_config": "hf.config"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if TYPE_CHECKING:  # the names as the checker sees them; at run time __getattr__ imports them
+    from model_specs.build import ModelSpec, model_spec_for
+    from model_specs.families import FAMILIES, family_for
+    from model_specs.hf.config import HFConfigError, load_hf_config
+    from model_specs.shape import ModelShape, model_dims_for, model_shape_for
+else:
+    def __getattr__(name: str) -> Any:
+        if name in _EXPORTS:
+            return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = sorted(_EXPORTS)

@@ -76,7 +76,7 @@ class _Loader(importlib.abc.Loader):
             with _lock:
                 _depth -= 1
                 if _depth == 0:
-                    torch.compile, _real = _real, None
+                    torch.compile, _real = _real, None  # type: ignore[assignment]  # the real one, put back
 
 
 class _Finder(importlib.abc.MetaPathFinder):

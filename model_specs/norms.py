@@ -53,9 +53,11 @@ class SequenceParallelTorchNorm:
     """torch.nn.RMSNorm / LayerNorm (or ZeroCenteredRMSNorm), usable with sequence parallelism
     (see module docstring)."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+    # a factory, as megatron's ModuleSpec calls it: building one returns the norm, not this class
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,  # type: ignore[misc]
                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
                 normalization: str = "LayerNorm") -> torch.nn.Module:
+        norm: torch.nn.Module
         if config.layernorm_zero_centered_gamma and config.normalization != "RMSNorm":
             raise ValueError("layernorm_zero_centered_gamma: the torch norm has it for RMSNorm only")
         if config.layernorm_zero_centered_gamma:
@@ -68,7 +70,7 @@ class SequenceParallelTorchNorm:
             raise ValueError(f"normalization {config.normalization!r}: expected RMSNorm or LayerNorm")
         if config.sequence_parallel:
             for p in norm.parameters():
-                p.sequence_parallel = True
+                p.sequence_parallel = True  # type: ignore[attr-defined]  # megatron-core reads it; torch's Parameter does not declare it
         return norm
 
 

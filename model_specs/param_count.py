@@ -63,11 +63,13 @@ def _gated_delta_net(c: TransformerConfig | ShapeConfig) -> int:
     gate z, beta and alpha; the depthwise conv over q, k, v (no bias); dt_bias and A_log per value
     head; the output norm (per value-head channel); out_proj; and the layer's two norms."""
     h = c.hidden_size
-    qk = c.linear_key_head_dim * c.linear_num_key_heads
-    v = c.linear_value_head_dim * c.linear_num_value_heads
-    heads = c.linear_num_value_heads
-    return (h * (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) * c.linear_conv_kernel_dim
-            + 2 * heads + c.linear_value_head_dim + v * h + 2 * h)
+    kd, kh, vd, heads, conv = (c.linear_key_head_dim, c.linear_num_key_heads, c.linear_value_head_dim,
+                               c.linear_num_value_heads, c.linear_conv_kernel_dim)
+    if kd is None or kh is None or vd is None or heads is None or conv is None:
+        raise ValueError("a Gated DeltaNet layer needs linear_key/value_head_dim, linear_num_key/value_heads "
+                         "and linear_conv_kernel_dim")
+    qk, v = kd * kh, vd * heads
+    return (h * (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) * conv + 2 * heads + vd + v * h + 2 * h)
 
 
 def _linear_layers(c: TransformerConfig | ShapeConfig) -> int:
@@ -75,6 +77,8 @@ def _linear_layers(c: TransformerConfig | ShapeConfig) -> int:
     if c.experimental_attention_variant != "gated_delta_net":
         return 0
     freq = c.linear_attention_freq
+    if freq is None:
+        raise ValueError("gated_delta_net layers need linear_attention_freq (an int or a 0/1 list)")
     if isinstance(freq, int):  # every freq-th layer full attention (get_linear_attention_pattern)
         return sum(1 for i in range(c.num_layers) if (i + 1) % freq != 0)
     return sum(int(x) for x in freq)

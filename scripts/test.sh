@@ -7,10 +7,13 @@
 #                                        # two pytest workers, a test file each at a time
 #   bash scripts/test.sh -m "not slow"   # the quick loop: .venv only, no multi-process or server tests
 #   bash scripts/test.sh ARGS...         # any pytest arguments: .venv only
+# Every form first runs the linter and the type checker (scripts/lint.sh: ruff, mypy), which must
+# find nothing: a name that a move broke fails here, in seconds, not on a GPU.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
+bash "$ROOT/scripts/lint.sh"
 if [[ $# -gt 0 ]]; then
   exec "$ROOT/.venv/bin/python" -m pytest "$@"
 fi

@@ -12,6 +12,7 @@ import atexit
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from tools.make_tiny_model import make_tiny_model
 
@@ -32,7 +33,7 @@ def tiny_model_dir(arch: str, seed: int = 0, tie: bool = False) -> Path:
     return _CACHE[key]
 
 
-_HF_MODELS: dict[str, object] = {}
+_HF_MODELS: dict[str, Any] = {}  # transformers models by path
 
 
 def hf_response_logprobs(model_dir: Path | str, prompt_ids: list[int], response_ids: list[int]) -> list[float]:

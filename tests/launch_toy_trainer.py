@@ -24,13 +24,14 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import yaml
 
 
-def parse_overrides(items: list[str]) -> dict[str, object]:
+def parse_overrides(items: list[str]) -> dict[str, Any]:
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -92,6 +93,7 @@ def main() -> int:
     box = [state]
     dist.broadcast_object_list(box, src=0)
     state = box[0]
+    assert state is not None  # rank 0's, on every rank
     if rank == 0:
         print(f"resuming after step {state['step']}" if state["step"] else "starting fresh", flush=True)
 

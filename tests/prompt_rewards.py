@@ -6,4 +6,4 @@ REWARD = {"alpha": 1.0, "beta": 0.5, "saved": 0.75}
 
 
 def by_source(record: dict, response_text: str) -> float:
-    return REWARD.get(record.get("data_source"), 0.25)
+    return REWARD.get(str(record.get("data_source")), 0.25)

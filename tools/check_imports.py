@@ -28,11 +28,14 @@ those submodules. The rules (docs/architecture.md, "Import rules"):
 - no two modules of gspo_megatron have near-twin names (the same once underscores and a final
   s or es are dropped: micro_batch / microbatches, routing / routing);
 - no module imports itself through a chain of others (no cycles; an import under `if
-  TYPE_CHECKING:` never runs, and is how a type names a module that imports this one: it counts
+  TYPE_CHECKING:` never runs, and is how a type names a module further up the chain: it counts
   for every other rule), and no package does either:
   the top-level packages, and the packages inside each, form no cycle once a package stands for
   the modules it holds (rollout.servers -> rollout.generation -> rollout.servers is refused even
   when the modules themselves form none);
+- no two modules import each other, not even one of them under `if TYPE_CHECKING:` (a module
+  that needs the type of the one that imports it is handed that one's parts, or a Protocol of
+  them, instead);
 - no package holds more than 12 modules at its own level (a flat room is zoned into packages).
 """
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _lazy_exports(tree: ast.Module, module: str) -> set[str]:
 
 def _eager_nodes(tree: ast.Module):
     """The nodes that run when the module is imported (function bodies left out)."""
-    todo = list(tree.body)
+    todo: list[ast.AST] = list(tree.body)
     while todo:
         node = todo.pop()
         yield node
@@ -124,7 +127,7 @@ def imports_of(module: str, path: Path, modules: set[str], eager_only: bool = Fa
                 base = base[:len(base) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
-                target = node.module
+                target = node.module or ""  # (set whenever the import is not relative)
             for a in node.names:
                 full = f"{target}.{a.name}"
                 add(full if full in modules else target)
@@ -173,6 +176,11 @@ def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def mutual_pairs(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(a, b), a < b, for every two modules that import each other."""
+    return [(a, b) for a in sorted(edges) for b in sorted(edges[a]) if a < b and a in edges.get(b, ())]
 
 
 def closure(edges: dict[str, set[str]], start: str) -> set[str]:
@@ -256,8 +264,13 @@ def violations() -> list[str]:
             if heavy:
                 problems.append(f"{m} imports {', '.join(sorted(heavy))}, and {light} imports {m}: "
                                 "it must load without torch")
-    for comp in find_cycles(graph(runtime_only=True)[0]):
+    runtime = graph(runtime_only=True)[0]
+    for comp in find_cycles(runtime):
         problems.append(f"import cycle: {' <-> '.join(comp)}")
+    for a, b in mutual_pairs(internal):
+        if not (b in runtime.get(a, ()) and a in runtime.get(b, ())):  # else an import cycle, above
+            problems.append(f"modules that import each other: {a} <-> {b} (one of them under TYPE_CHECKING: "
+                            "hand the module its collaborators, or a Protocol of them, instead)")
     for comp in find_cycles(folder_graph(internal, files)):
         problems.append(f"package cycle: {' <-> '.join(comp)} (a package imports another that imports it back)")
     counts: dict[str, int] = {}

@@ -3,7 +3,8 @@
     python tools/docs_tables.py           # rewrite every generated table in docs/
     python tools/docs_tables.py --check   # exit 1 naming the docs whose tables are stale (a test runs it)
 
-A generated table sits between `<!-- table: WHAT -->` and `<!-- end table -->` in a doc, WHAT a
+`<!-- tables -->` ... `<!-- end tables -->` holds one line per table (what, the field that names a
+row, its rows). A generated table sits between `<!-- table: WHAT -->` and `<!-- end table -->`, WHAT a
 table's `what` (gspo_tables.TABLES: "loss", "advantage estimator", "reward", ...). Its columns:
 the row's name, its description, its own settings (the fields of `settings`, where any row has
 some), and the peers' names for it (where any row has some). Nothing in those tables is written by
@@ -29,6 +30,7 @@ TABLE_MODULES = ("gspo_megatron.algorithms.registry", "gspo_megatron.algorithms.
                  "rollout.rewards.registry", "rollout.envs", "rollout.prompts.formats", "model_specs.families")
 """The modules that make the project's tables (importing them fills gspo_tables.TABLES)."""
 BLOCK = re.compile(r"(<!-- table: (?P<what>[^>]+?) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+SUMMARY = re.compile(r"(<!-- tables -->\n)(.*?)(<!-- end tables -->)", re.S)
 PEERS = {"verl": "verl", "roll": "ROLL", "slime": "slime"}
 
 
@@ -44,12 +46,13 @@ def _cell(text: str) -> str:
 
 def render(table: Table) -> str:
     """The markdown table of `table`'s rows (module docstring)."""
-    settings = {name: settings_fields(row) for name, row in table.items()}
-    peers = {name: getattr(row, "peers", None) or {} for name, row in table.items()}
+    rows = {name: table[name] for name in table.choices(references=False)}
+    settings = {name: settings_fields(row) for name, row in rows.items()}
+    peers = {name: getattr(row, "peers", None) or {} for name, row in rows.items()}
     head = ["name", "what"] + (["its own settings"] if any(settings.values()) else []) + \
         (["the peers' names"] if any(peers.values()) else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, description in table.choices().items():
+    for name, description in table.choices(references=False).items():
         cells = [f"`{name}`", _cell(description)]
         if len(head) > 2 and head[2] == "its own settings":
             cells.append(", ".join(f"`{f}`" for f in settings[name]) or "")
@@ -60,12 +63,21 @@ def render(table: Table) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_summary(tables: dict[str, Table]) -> str:
+    """One line per table: what its rows are, the config field that names one, the rows."""
+    lines = ["| table | named by | rows |", "|---|---|---|"]
+    for what, table in sorted(tables.items()):
+        lines.append(f"| {what} | `{table.field}` | {', '.join(f'`{n}`' for n in table.choices(references=False))} |")
+    return "\n".join(lines) + "\n"
+
+
 def rewrite(text: str, tables: dict[str, Table], where: str) -> str:
     def block(match: re.Match) -> str:
         what = match.group("what").strip()
         if what not in tables:
             raise SystemExit(f"{where}: <!-- table: {what} --> names no table (tables: {', '.join(tables)})")
         return match.group(1) + render(tables[what]) + match.group(4)
+    text = SUMMARY.sub(lambda m: m.group(1) + render_summary(tables) + m.group(3), text)
     return BLOCK.sub(block, text)
 
 

@@ -13,7 +13,10 @@ Steps, per spec (TE only where it imports) and dtype:
 3. the actor built on the device in fp32 and bf16 and loaded from it, 4. its log-probs against
 transformers on the same device (fp32: max |diff| <= 1e-4, TE's fp32 <= TF32_TOL: TE computes fp32
 GEMMs in TF32, and a local-spec row with torch's TF32 on shows that envelope; bf16: <= BF16_TOL,
-the figure two bf16 implementations of the same model differ by); TE: packed THD micro-batches against padded rows,
+the figure two bf16 implementations of the same model differ by), and both against transformers in
+float64 on the device, which names the side that is off where they differ (a row passes within
+tol of either; gpu_check_reference.py; where ours is off, ours again without each CUDA-only path);
+TE: packed THD micro-batches against padded rows,
 before and after one SGD step, same tolerance, with a one-segment control (_packed_vs_padded),
 5. one GSPO step, a checkpoint (model + optimizer) saved and loaded into a fresh actor of EACH
 spec (bit-exact), 6. the checkpoint exported to HF and compared bit-exactly with the trained
@@ -21,7 +24,10 @@ weights, and the untrained conversion exported and compared with the original HF
 7. (TE, 2+ GPUs) context parallelism: CP2 against CP1 in bf16, log-probs and one GSPO step
 (tools/gpu_check_cp.py; a SKIP row with one GPU), 8. (GPU) megatron's optimizer offload against
 the optimizer on the GPU, two bf16 GSPO steps (tools/gpu_check_offload.py), 9. the fused log-prob
-benchmark in bf16 (GPU only).
+benchmark in bf16 (GPU only). Then, every Actor closed, the device memory still allocated by what
+holds it and what the closes freed (gpu_check_memory.py). A family the run's start checks would
+refuse on this machine (Qwen3-Next on Hopper with a Triton that breaks its DeltaNet's backward)
+prints one SKIP row with that line instead.
 Prints the tables last; exits 1 if any row fails.
 """
 from __future__ import annotations
@@ -34,10 +40,14 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tools.gpu_check_memory import memory_cell, memory_key, memory_row  # noqa: E402 - after the path
+from tools.gpu_check_reference import (against_fp64, fp64_cell, fp64_log_probs, hf_log_probs,  # noqa: E402
+                                       masked_max_diff, ours_flipped, tf32_envelope)
 from tools.make_tiny_model import archs  # noqa: E402 - after the path
 from tools.plugins import add_plugin_argument, import_plugin_args  # noqa: E402 - after the path
 
@@ -53,6 +63,7 @@ FP32_TOL = 1e-4
 TF32_TOL = 2.0 ** -10
 BF16_TOL = 0.1  # nats: max |log p| difference between two bf16 implementations of the tiny model
 PACK_MULTIPLE = 8  # packs padded as under TP8 + sequence parallelism (TP1 alone never pads a pack)
+BUILT: list = []  # every Actor of the check: the memory row adds up what their closes freed
 
 
 def _versions(device: str) -> str:
@@ -81,27 +92,18 @@ def _batch(vocab: int, rows: int = 4, seq: int = 48, prompt: int = 8):
                       advantages=torch.tensor([1.0, -0.5, 0.5, 0.25])[:rows])
 
 
-def _hf_log_probs(hf_dir: Path, batch, dtype, device: str):
-    """Target-aligned log-probs [b, s] of the transformers model (column t: log p(token t))."""
-    import torch
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
-    with torch.no_grad():
-        logits = model(batch.tokens.to(device)).logits.float()  # [b, s, v]
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, batch.tokens[:, 1:, None].to(device))[..., 0]
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1).cpu()
-
-
 def _actor(hf_dir: Path, spec: str, dtype, pack: bool = False, sgd: bool = False):
     from gspo_megatron.actor import Actor, LossSettings, OptimizerSettings
     from gspo_megatron.actor.settings import ComputeSettings, MicroBatchSettings
     from gspo_megatron.parallel.layout import ParallelLayout
     from tools.gpu_check_cp import LR
     optimizer = OptimizerSettings(optimizer="sgd", lr=LR, clip_grad=0.0) if sgd else OptimizerSettings(lr=1e-3)
-    return Actor(str(hf_dir), ParallelLayout(), optimizer=optimizer,
-                 loss=LossSettings(name="gspo", eps_low=0.5, eps_high=0.5),
-                 batching=MicroBatchSettings(micro_batch_size=2, pack_sequences=pack),
-                 params_dtype=dtype, compute=ComputeSettings(transformer_engine=spec == "te"))
+    actor = Actor(str(hf_dir), ParallelLayout(), optimizer=optimizer,
+                  loss=LossSettings(name="gspo", eps_low=0.5, eps_high=0.5),
+                  batching=MicroBatchSettings(micro_batch_size=2, pack_sequences=pack),
+                  params_dtype=dtype, compute=ComputeSettings(transformer_engine=spec == "te"))
+    BUILT.append(actor)
+    return actor
 
 
 def _one_segment(packed):
@@ -208,19 +210,27 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
     wmap = weight_map_for(hf_config)
     rows = []
     allocated_before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    exact, why = fp64_log_probs(hf_dir, batch, device)  # which side is off, where the two differ
     for spec in specs:
         for name in dtypes:
             dtype = getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[name])
             actor = _actor(hf_dir, spec, dtype)
             tol = (TF32_TOL if spec == "te" else FP32_TOL) if name == "fp32" else BF16_TOL
-            row = dict(spec=spec, dtype=name, tol=tol,
-                       wgrad=wgrad_fusion(actor))
+            row: dict[str, Any] = dict(spec=spec, dtype=name, tol=tol, wgrad=wgrad_fusion(actor))
             actor.load_weights(mcore)
             lp, _ = actor.compute_old_log_probs(actor.shard(batch))
-            ref = _hf_log_probs(hf_dir, batch, dtype, device)
+            ref = hf_log_probs(hf_dir, batch, dtype, device)
             diff = (lp - ref).abs()[mask]
             row.update(lp_max=float(diff.max()), lp_mean=float(diff.mean()))
-            row["ok"] = row["lp_max"] <= row["tol"]
+            row["fp64"] = vs = against_fp64(lp, ref, exact, mask, row["tol"], why)
+            row["ok"] = row["lp_max"] <= row["tol"] or vs["ok"] is True  # transformers the one off
+            if exact is None:  # no float64 here: the row holds ours to transformers alone
+                pass
+            elif vs["outlier"] == "ours" and spec == "local" and device == "cuda":
+                vs["flips"] = ours_flipped(hf_dir, mcore, batch, exact, mask, dtype)
+            elif vs["outlier"] == "transformers":
+                vs["transformers_eager_experts"] = masked_max_diff(
+                    hf_log_probs(hf_dir, batch, dtype, device, experts="eager"), exact, mask)
             if spec == "te":  # packed (THD) micro-batches against padded rows
                 try:
                     row["packed"] = _packed_vs_padded(hf_dir, mcore, batch, dtype, name, row["tol"])
@@ -249,13 +259,11 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
             row["ok"] &= row["export"] == 0.0
             rows.append(row)
     if device == "cuda" and "te" in specs:  # the TF32 envelope of the TE spec's fp32 rows (TF32_TOL)
-        rows.append(tf32_envelope(hf_dir, mcore, batch, mask, device))
+        rows.append(tf32_envelope(hf_dir, mcore, batch, mask, device, _actor, TF32_TOL))
     rows.append(dict(spec="conversion", dtype="fp32", untrained_export=untrained_export,
                      ok=untrained_export == 0.0))
     if device == "cuda":  # every Actor above was closed: its memory is back (Actor.close)
-        after = torch.cuda.memory_allocated()
-        rows.append(dict(spec="memory", before=allocated_before, after=after,
-                         ok=after <= allocated_before + (1 << 20)))
+        rows.append(memory_row(allocated_before, [a.released for a in BUILT]))
     if "te" in specs and device == "cuda":
         from tools.gpu_check_cp import cp_row
         rows.append(cp_row(out, hf_dir, mcore, batch))
@@ -265,22 +273,20 @@ def check(out: Path, specs: list[str], dtypes: list[str], device: str,
     return rows
 
 
-def tf32_envelope(hf_dir: Path, mcore: Path, batch, mask, device: str) -> dict:
-    """The local spec in fp32 with torch's TF32 matmuls on: how far TF32 alone moves the tiny
-    model's log-probs from transformers' (fp32, TF32 off) on this GPU."""
-    import torch
-    ref = _hf_log_probs(hf_dir, batch, torch.float32, device)
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+def refusal(arch: str, available) -> str | None:
+    """The line the run's start checks would refuse `arch` with on this machine (Qwen3-Next's
+    DeltaNet on Hopper with a Triton that breaks its backward: model_specs/features/gated_delta_net/
+    kernels.py), else None. `available`: actor.settings.Available, detected or a test's profile."""
+    from model_specs.families import FAMILIES
+    from model_specs.features.gated_delta_net import GatedDeltaNet
+    from model_specs.features.gated_delta_net.kernels import DeltaRuleKernelError
+    if not any(isinstance(f, GatedDeltaNet) for f in FAMILIES[arch].all_features):
+        return None
     try:
-        with _actor(hf_dir, "local", torch.float32) as actor:
-            actor.load_weights(mcore)
-            lp, _ = actor.compute_old_log_probs(actor.shard(batch))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-    diff = (lp - ref).abs()[mask]
-    return dict(spec="local+tf32", dtype="fp32", lp_max=float(diff.max()), lp_mean=float(diff.mean()),
-                tol=TF32_TOL, ok=float(diff.max()) <= TF32_TOL)
+        available.check_gated_delta_net()
+    except DeltaRuleKernelError as e:
+        return str(e)
+    return None
 
 
 def table(rows: list[dict]) -> str:
@@ -290,6 +296,9 @@ def table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         result = "PASS" if r["ok"] else "FAIL"
+        if "skip" in r:
+            lines.append(f"| {r['spec']} | {r['dtype']} | - | - | - | - | - | - | SKIP: {r['skip']} |")
+            continue
         if r["spec"] in ("te CP2", "offload"):  # their own lines (gpu_check_cp.table, gpu_check_offload)
             continue
         if r["spec"] == "conversion":
@@ -300,13 +309,13 @@ def table(rows: list[dict]) -> str:
                          f"{r['lp_mean']:.2e} ({r['tol']:.1e}) | - | - | - | - | - | {result} |")
             continue
         if r["spec"] == "memory":
-            lines.append(f"| every Actor closed | - | memory_allocated {r['before'] / 2**20:.1f} MiB before the "
-                         f"first, {r['after'] / 2**20:.1f} MiB after the last | - | - | - | - | - | {result} |")
+            lines.append(f"| every Actor closed | - | {memory_cell(r)} | - | - | - | - | - | {result} |")
             continue
         loads = " / ".join(f"{r[k]:.1e}" if k in r else "-" for k in ("load_local", "load_te"))
         packed = _packed_cell(r["packed"]) if "packed" in r else "-"
         lines.append(f"| {r['spec']} | {r['dtype']} | {r['lp_max']:.2e} / {r['lp_mean']:.2e} "
-                     f"({r['tol']:g}) | {packed} | {r['loss']:.4f} | {loads} | {r['export']:.1e} | "
+                     f"({r['tol']:g}){fp64_cell(r.get('fp64'))} | {packed} | {r['loss']:.4f} | {loads} | "
+                     f"{r['export']:.1e} | "
                      f"{r['wgrad']} | {result} |")
     return "\n".join(lines)
 
@@ -344,11 +353,20 @@ def main() -> int:
         return 2
     specs = [s for s in have if s in wanted]
     dtypes = ["fp32"] if args.cpu_smoke else ["fp32", "bf16"]
+    from gspo_megatron.actor.settings import Available
+    line = refusal(args.arch, Available.detect())
+    if line is not None:  # what the run's start would refuse: a SKIP naming why, not a failure
+        print(f"\n{_versions(device)}; {args.arch}; specs checked: none")
+        print(table([dict(spec=s, dtype="fp32, bf16", skip=line, ok=True) for s in specs]))
+        return 0
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gspo-gpu-check-"))
     rows = check(out, specs, dtypes, device, args.arch, targets=have, offload="offload" in wanted,
                  plugins=args.plugin)
     print(f"\n{_versions(device)}; {args.arch}; specs checked: {', '.join(specs)}")
     print(table(rows))
+    for r in rows:
+        if r["spec"] == "memory":
+            print(f"memory after close: {memory_key(r)}")
     for r in rows:
         if r["spec"] == "te CP2":
             from tools.gpu_check_cp import table as cp_table

@@ -19,6 +19,7 @@ import argparse
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -69,7 +70,7 @@ def compare(cp1: dict, cp2: dict, mask, tol: float = BF16_TOL, spec: str = "te C
     d_lp = (cp2["lp"] - cp1["lp"]).abs()[mask]
     d_after = (cp2["after"] - cp1["after"]).abs()[mask]
     step1, step2 = (cp1["after"] - cp1["lp"])[mask], (cp2["after"] - cp2["lp"])[mask]
-    row = dict(spec=spec, dtype=dtype, tol=tol, layouts=f"{cp2['layout']} vs {cp1['layout']}",
+    row: dict[str, Any] = dict(spec=spec, dtype=dtype, tol=tol, layouts=f"{cp2['layout']} vs {cp1['layout']}",
                lp_max=float(d_lp.max()), lp_mean=float(d_lp.mean()), after_max=float(d_after.max()),
                step_cos=float(torch.nn.functional.cosine_similarity(step1, step2, dim=0)),
                loss=(cp1["loss"], cp2["loss"]), grad_norm=(cp1["grad_norm"], cp2["grad_norm"]),

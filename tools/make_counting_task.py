@@ -60,7 +60,8 @@ def make_counting_task(out_dir: str | Path, held_out_share: float = 0.1, seed: i
         raise ValueError(f"held_out_share={held_out_share}: expected a share in (0, 1)")
     if not (set(starts) <= set(STARTS) and set(steps) <= set(STEPS) and starts and steps):
         raise ValueError(f"starts={starts}, steps={steps}: expected non-empty subsets of {STARTS} and {STEPS}")
-    train, evaluation = [], []
+    train: list[dict] = []
+    evaluation: list[dict] = []
     for k in steps:
         for a in starts:
             (evaluation if held_out(a, k, held_out_share) else train).append(row(a, k))

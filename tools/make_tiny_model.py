@@ -125,6 +125,8 @@ def _config(arch: str, tok: Any, tie: bool, overrides: dict[str, Any]) -> Any:
                   eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                   pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
                   bos_token_id=None)
+    cls: type[transformers.PretrainedConfig]
+    extra: dict[str, Any]
     if arch == "qwen3":
         cls, extra = transformers.Qwen3Config, dict(head_dim=16)
     elif arch == "qwen3_moe":

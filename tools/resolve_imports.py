@@ -104,7 +104,7 @@ def defined_names(path: Path) -> set[str]:
             names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
             if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets) and \
                     isinstance(node.value, ast.Dict):
-                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
         elif isinstance(node, (ast.If, ast.Try, ast.With)):
             todo += [n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt)]
             if isinstance(node, ast.Try):

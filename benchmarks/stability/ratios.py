@@ -51,6 +51,8 @@ def probe(ckpt: Path, prompts: list[dict], *, seed: int, samples: int, max_new_t
     old = AutoModelForCausalLM.from_pretrained(str(old_dir), dtype=torch.float32).eval()
     new = AutoModelForCausalLM.from_pretrained(str(new_dir), dtype=torch.float32).eval()
     eos = tok.convert_tokens_to_ids("<|im_end|>")
+    if not isinstance(eos, int):
+        raise ValueError(f"<|im_end|> is not one token of this tokenizer: {eos!r}")
     torch.manual_seed(seed)
     rows = []
     for rec in prompts:
@@ -68,7 +70,8 @@ def probe(ckpt: Path, prompts: list[dict], *, seed: int, samples: int, max_new_t
                 outside = ((w < 1 - GRPO_CLIP[0]) | (w > 1 + GRPO_CLIP[1])).sum().item()
                 rows.append([len(resp), l.sum().item(), (l * l).sum().item(), w.sum().item(),
                              (w * w).sum().item(), outside])
-    shutil.rmtree(old_dir), shutil.rmtree(new_dir)
+    shutil.rmtree(old_dir)
+    shutil.rmtree(new_dir)
     return rows
 
 

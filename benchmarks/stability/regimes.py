@@ -68,13 +68,23 @@ REGIMES = {r.name: r for r in (
            "(2 layers x 4 experts) and learning rate (1e-3), where the policy learns",
            config="examples/tiny_moe_larger_digit.yaml", task=larger_digit_task, layers=2, experts=4, steps=50,
            warm_start_steps=80, eval_interval=50, sets=(),
-           arms=("gspo", "grpo", "grpo_r3", "gspo_token", "dr_grpo", "rloo", "reinforce_pp"),
+           arms=("gspo", "grpo", "grpo_r3", "gspo_token", "dr_grpo", "rloo", "reinforce_pp", "gspo_clip3",
+                 "gspo_clip10"),
            pilot_seed=100, probe=True, max_new_tokens=8),
 )}
+
+def clip_sets(scale: float) -> tuple[str, str]:
+    """GSPO's clip range, the paper's times `scale`."""
+    return f"loss.eps_low={GSPO_CLIP[0] * scale:.3g}", f"loss.eps_high={GSPO_CLIP[1] * scale:.3g}"
+
 
 # arm -> (its overrides, what it is); "{seqclip}" and "{budget}" are filled by arm_sets
 ARMS = {
     "gspo": (("loss.name=gspo",), "sequence ratio (Eq. 7), the paper's clip 3e-4 / 4e-4"),
+    # the paper's clip was set for long answers, where a geometric mean of many token ratios moves
+    # little; at a few tokens the same range clips a quarter of the sequences: the range scaled
+    "gspo_clip3": (("loss.name=gspo", *clip_sets(3)), "GSPO, the paper's clip x3: 9e-4 / 1.2e-3"),
+    "gspo_clip10": (("loss.name=gspo", *clip_sets(10)), "GSPO, the paper's clip x10: 3e-3 / 4e-3"),
     "grpo": (("loss.name=grpo",), "token ratios, the paper's clip 0.2 / 0.27"),
     "grpo_r3": (("loss.name=grpo", "moe.replay=true"), "GRPO, megatron routes every token to SGLang's experts"),
     "gspo_token": (("loss.name=gspo_token",), "GSPO's ratio per token (Eqs. 13-14)"),

@@ -127,8 +127,8 @@ def report(results: Results, commit: str, steps: int, length: float, regime: str
               "clip fraction: of sequences for gspo, of tokens otherwise; routing drift: (token, layer) "
               "top-k sets changed by a step's updates)"]
     for arm in (a for a in results if a != "gspo" and "gspo" in last10):
-        d, lo, hi = paired_difference(last10["gspo"], last10[arm])
-        lines.append(f"GSPO - {arm}, reward of the last 10 steps: {d:+.3f} (95% bootstrap interval over "
+        diff, lo, hi = paired_difference(last10["gspo"], last10[arm])
+        lines.append(f"GSPO - {arm}, reward of the last 10 steps: {diff:+.3f} (95% bootstrap interval over "
                      f"seeds, paired: [{lo:+.3f}, {hi:+.3f}])")
     lines += ["", per_seed_table(results)]
     if drift:
@@ -170,12 +170,16 @@ def write_plots(results: Results, out_dir: Path, prefix: str = "moe_stability") 
         drawn = False
         for arm, runs in results.items():
             steps = sorted(set().union(*runs.values())) if runs else []
-            xs, mean, std = [], [], []
+            xs: list[int] = []
+            mean: list[float] = []
+            std: list[float] = []
             for step in steps:
                 vals = [r[step][key] for r in runs.values() if step in r and key in r[step]]
                 if vals:
                     m, sd = mean_std(vals)
-                    xs.append(step), mean.append(m), std.append(sd)
+                    xs.append(step)
+                    mean.append(m)
+                    std.append(sd)
             if xs:
                 drawn = True
                 ax.plot(xs, mean, label=arm, marker="o" if len(xs) < 15 else None, markersize=3)

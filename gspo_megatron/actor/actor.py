@@ -18,35 +18,43 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import weakref
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer import MegatronOptimizer
 
 from gspo_megatron.actor.batching.batch import TrainBatch
-from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
-                                       cut_hidden_references, spec_for_layout, unwrap)
+from gspo_megatron.actor.build import build_model_chunks, build_optimizer, check_layout, spec_for_layout, unwrap
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.batching.packing import resolve_sequence_layout
+from gspo_megatron.actor.release import cut_hidden_references, release_process_caches
 from gspo_megatron.actor.router_control import Routing, check_routed_experts
 from gspo_megatron.actor.batching.balance import model_work
-from gspo_megatron.actor.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
+from gspo_megatron.actor.held.policies import HeldPolicies
+from gspo_megatron.actor.held.snapshots import VersionedWeights
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
 from gspo_megatron.actor.weight_io import WeightIO
-from gspo_megatron.actor.weights import load_full_state_dict
 from gspo_megatron.algorithms.registry import LossSettings
-from gspo_megatron.lora.attach import adapters_off
 from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.process_groups import init_process_groups
 from model_specs import ModelSpec
 
-
+_Held = TypeVar("_Held")
 _CLOSED = "this Actor was closed (Actor.close()); build a new one"
+
+
+def _live(value: _Held | None) -> _Held:
+    if value is None:
+        raise RuntimeError(_CLOSED)
+    return value
 
 
 def _world_size() -> int:
@@ -55,8 +63,12 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class Actor(WeightIO):
+class Actor(HeldPolicies, WeightIO):
     """Model chunks (one per virtual pipeline stage), optimizer and LR scheduler of one rank."""
+
+    # The Actors of this process not yet closed: megatron's RNG states are shared by all of them,
+    # so only the last close frees them (weak: an Actor dropped unclosed leaves when collected).
+    _open: ClassVar[weakref.WeakSet[Actor]] = weakref.WeakSet()
 
     def __init__(self, model: ModelSpec | Mapping[str, Any] | str | Path, layout: ParallelLayout, *,
                  optimizer: OptimizerSettings | None = None, loss: LossSettings | None = None,
@@ -98,15 +110,17 @@ class Actor(WeightIO):
         # Context parallelism and packing need TE's attention on CUDA (before any collective).
         # Packing: null means "whenever that is what runs"; not with CP (THD chunks per segment
         # are not implemented: parallel/context.py splits padded rows).
+        linear_attention = self.spec.config.experimental_attention_variant == "gated_delta_net"
+        if linear_attention:  # before anything is built: kernels that would refuse its backward
+            available.check_gated_delta_net()
         half = self.spec.config.params_dtype in (torch.bfloat16, torch.float16)
         self.batching = dataclasses.replace(self.batching, pack_sequences=resolve_sequence_layout(
             layout, self.batching.pack_sequences, transformer_engine=self.spec.transformer_engine,
-            cuda=available.cuda, half=half, te_version=available.te_version,
-            linear_attention=self.spec.config.experimental_attention_variant == "gated_delta_net"))
+            cuda=available.cuda, half=half, te_version=available.te_version, linear_attention=linear_attention))
         # Before any collective: an impossible layout would otherwise hang the first all-reduce.
         check_layout(self.spec, layout, _world_size())
         init_process_groups(layout, seed=seed)
-        self.chunks = build_model_chunks(
+        self._chunks: list[DistributedDataParallel] | None = build_model_chunks(
             self.spec, layout, use_distributed_optimizer=self.optimizer_settings.use_distributed_optimizer,
             grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32,
             apex_wgrad=available.apex_wgrad, lora=self.lora, lora_seed=seed)
@@ -115,12 +129,15 @@ class Actor(WeightIO):
         self.routing_settings = (routing or RoutingSettings()).resolve(
             is_moe=bool(config.num_moe_experts), recompute=old_log_probs == "recompute",
             context_parallel=layout.context)
-        self.routing = Routing(self.chunks, config.num_layers, config.moe_router_topk or 0)
+        self._routing: Routing | None = Routing(self.chunks, config.num_layers, config.moe_router_topk or 0)
         if self.routing_settings.replay or self.routing_settings.drift:
             self.routing.check_supported(config, replay=self.routing_settings.replay)
-        self.optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
+        self._optimizer, self.scheduler = build_optimizer(self.chunks, self.optimizer_settings)
         self._reference: list[torch.Tensor] | None = None  # KL reference: this rank's shards, on CPU
         self._versions = VersionedWeights(keep=max_staleness)  # pi_old of stale tokens (recompute)
+        self._available = available
+        self.released: dict[str, int] = {}  # close(): bytes each process-wide holder gave up
+        Actor._open.add(self)
 
     # --- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -139,9 +156,12 @@ class Actor(WeightIO):
         cut_hidden_references(self._chunks)
         self._chunks = self._optimizer = self._routing = self.scheduler = self._reference = None
         self._versions = VersionedWeights(keep=0)
-        if ps.model_parallel_is_initialized() and getattr(ps, "_GLOBAL_MEMORY_BUFFER", None) is not None:
-            ps.get_global_memory_buffer().buffer.clear()  # megatron's SP all-gather scratch (a cache)
+        Actor._open.discard(self)
         gc.collect()
+        # What the process keeps for the next model (workspaces, scratch, RNG states): release.py
+        self.released = release_process_caches(cuda=self._available.cuda,
+                                               transformer_engine=self._available.transformer_engine,
+                                               last=not Actor._open)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -151,17 +171,18 @@ class Actor(WeightIO):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _live(self, value):
-        if value is None:
-            raise RuntimeError(_CLOSED)
-        return value
+    @property
+    def chunks(self) -> list[DistributedDataParallel]:
+        """The DDP-wrapped model chunks, one per virtual pipeline stage."""
+        return _live(self._chunks)
 
-    chunks = property(lambda self: self._live(self._chunks),
-                      lambda self, v: setattr(self, "_chunks", v),
-                      doc="The DDP-wrapped model chunks, one per virtual pipeline stage.")
-    optimizer = property(lambda self: self._live(self._optimizer),
-                         lambda self, v: setattr(self, "_optimizer", v))
-    routing = property(lambda self: self._live(self._routing), lambda self, v: setattr(self, "_routing", v))
+    @property
+    def optimizer(self) -> MegatronOptimizer:
+        return _live(self._optimizer)
+
+    @property
+    def routing(self) -> Routing:
+        return _live(self._routing)
 
     # --- layout facts -------------------------------------------------------------------------
     @property
@@ -224,6 +245,8 @@ class Actor(WeightIO):
                 raise ValueError("old_log_probs='engine' needs batch.rollout_log_probs")
             return (batch.rollout_log_probs if self.is_last_stage else None), {}
         if versions is not None and any(v != live_version for v in versions):
+            if live_version is None:
+                raise ValueError("per-version pi_old needs the live version the weights hold")
             return self._versioned_old_log_probs(batch, list(versions), live_version)
         self._begin_routing(batch, record=bool(self.routing_settings.drift),
                             compare_engine=batch.routed_experts is not None)
@@ -244,8 +267,8 @@ class Actor(WeightIO):
         return self.routing.end()
 
     def _begin_routing(self, batch: TrainBatch, *, record: bool = False, compare_old: bool = False,
-                       compare_engine: bool = False) -> None:
-        replay = self.routing_settings.replay
+                       compare_engine: bool = False, replay: bool | None = None) -> None:
+        replay = self.routing_settings.replay if replay is None else replay
         if batch.routed_experts is not None and self.layout.context > 1:
             raise ValueError("batch.routed_experts: the MoE routing tools are not supported with "
                              f"parallel.context={self.layout.context}")
@@ -287,48 +310,8 @@ class Actor(WeightIO):
             sub.optimizer.state.clear()
         self.scheduler.step(increment=0)
 
-    # --- KL reference policy -------------------------------------------------------------------
     def _local_params(self) -> list[torch.nn.Parameter]:
         return [p for chunk in self.chunks for p in unwrap(chunk).parameters()]
-
-    def _trained_params(self) -> list[torch.nn.Parameter]:
-        """The parameters an optimizer step changes (with LoRA: the adapters alone)."""
-        return [p for p in self._local_params() if p.requires_grad]
-
-    @torch.no_grad()
-    def set_reference(self, full: dict[str, torch.Tensor] | None = None) -> None:
-        """Keep this rank's parameter shards as the KL reference policy: the current weights, or
-        those of `full` (one-process megatron tensors, e.g. a saved reference; every rank passes
-        it, and the current weights are left as they were). The copy lives in host memory
-        (snapshots.py). With LoRA the reference is the base, the same model with its adapters
-        off: nothing is copied, and `full` is refused."""
-        if self.lora.enabled:
-            if full is not None:
-                raise ValueError("set_reference(full) with LoRA: the reference policy is the base "
-                                 "(the adapters off), not a weight set of its own")
-            self._reference = []
-            return
-        params = self._local_params()
-        if full is None:
-            self._reference = host_copy(params)
-            return
-        current = [p.detach().clone() for p in params]
-        load_full_state_dict(self.chunks, full)
-        self._reference = host_copy(params)
-        for p, c in zip(params, current):
-            p.copy_(c)
-
-    def compute_ref_log_probs(self, batch: TrainBatch) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """Log-probs under the reference policy (set_reference), for the KL penalty: `(ref_log_probs
-        [b, s] on the last stage else None, metrics)`; the caller sets `batch.ref_log_probs`.
-        A forward-only pass with the reference weights swapped in, then swapped back."""
-        if self._reference is None:
-            raise RuntimeError("compute_ref_log_probs needs a reference policy: call set_reference() first")
-        if self.lora.enabled:
-            with adapters_off(self.models):
-                return self._forward_only(batch)
-        with swapped_in(self._local_params(), self._reference):
-            return self._forward_only(batch)
 
     def _forward_only(self, batch: TrainBatch, **routing) -> tuple[torch.Tensor | None, dict[str, float]]:
         self._begin_routing(batch, **routing)
@@ -340,19 +323,3 @@ class Actor(WeightIO):
             routing_metrics = self.routing.end()
         return log_probs, {**metrics, **routing_metrics}
 
-    # --- pi_old of asynchronous rollouts (train.max_staleness > 0; docs/async.md) ----------------
-    def keep_version(self, version: int) -> None:
-        """Before the updates of `version`: keep its weights on the host, so that tokens it
-        generates can get their pi_old recomputed later (the newest max_staleness versions)."""
-        self._versions.keep(version, self._trained_params())
-
-    def kept_versions(self) -> list[int]:
-        """The versions whose weights keep_version holds."""
-        return self._versions.versions()
-
-    def _versioned_old_log_probs(self, batch: TrainBatch, versions: list[int], live: int,
-                                 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-        """pi_old per token from the weights of the version that generated it (snapshots.py)."""
-        return old_log_probs_per_version(
-            lambda part: self._forward_only(part, compare_engine=batch.routed_experts is not None),
-            batch, versions, live, lambda v: self._versions.of(v, self._trained_params()))

@@ -60,7 +60,7 @@ def spec_for_layout(model: str | Path | Mapping[str, Any], layout: ParallelLayou
     layout.validate_model(**dims)
     available = available or Available.detect()
     compute = (compute or ComputeSettings()).resolve(available)
-    layout.check_context_parallel(transformer_engine=compute.transformer_engine, cuda=available.cuda,
+    layout.check_context_parallel(transformer_engine=bool(compute.transformer_engine), cuda=available.cuda,  # resolved
                                   half=params_dtype in (torch.bfloat16, torch.float16))
     fields = layout.transformer_config_fields(is_moe=bool(dims["num_experts"]))
     if not torch.cuda.is_available():
@@ -257,28 +257,3 @@ def build_optimizer(chunks: list[DistributedDataParallel], settings: OptimizerSe
         lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay,
         end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
     return optimizer, scheduler
-
-
-def cut_hidden_references(chunks: list[torch.nn.Module]) -> None:
-    """What keeps a dropped Actor's model alive beyond Python's reach, cut by Actor.close before it
-    collects (the inverse of what build_model_chunks wired). A function of its own: its loop
-    variables must be gone before close() collects."""
-    for chunk in chunks:
-        # A cycle the collector cannot see: megatron's MoE token dispatcher keeps the last
-        # forward's routing probs (token_dispatcher.py, `self.probs`), whose autograd graph
-        # reaches the router weight's AccumulateGrad node, whose DDP backward hook holds the
-        # DDP chunk (C++ edges, not traversed by gc). Without this a trained MoE Actor
-        # stayed in memory for good.
-        for module in unwrap(chunk).modules():
-            dispatcher = getattr(module, "token_dispatcher", None)
-            for name, value in list(vars(dispatcher).items()) if dispatcher is not None else ():
-                if torch.is_tensor(value):
-                    setattr(dispatcher, name, None)
-        chunk.grad_accs.clear()
-        # megatron caches methods with functools.lru_cache on the class, `self` in the key
-        # (RotaryEmbedding.forward in rotary_pos_embedding.py), which holds the module and,
-        # through the cached values' graph, the rest. The caches only save recomputation.
-        for cls in {c for m in unwrap(chunk).modules() for c in type(m).__mro__}:
-            for attr in vars(cls).values():
-                if callable(getattr(attr, "cache_clear", None)):
-                    attr.cache_clear()

@@ -177,22 +177,22 @@ class _FusedTokenLogProbs(torch.autograd.Function):
             if temperature != 1.0:
                 dz.div_(temperature)
             dz = dz.to(weight.dtype)
-            if need_hidden:
+            if grad_hidden is not None:
                 if hidden.dtype == acc:
                     torch.mm(dz, weight, out=grad_hidden[sl])
                 else:
                     grad_hidden[sl] = torch.mm(dz, weight)
-            if need_weight:
+            if grad_weight is not None:
                 if weight.dtype == acc:
                     grad_weight.addmm_(dz.t(), hidden[sl])
                 else:
                     grad_weight += torch.mm(dz.t(), hidden[sl])
             del z, dz
-        if need_hidden:
+        if grad_hidden is not None:
             if ctx.tp_size > 1:
                 dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.tp_group)
             grad_hidden = grad_hidden.to(hidden.dtype)
-        if need_weight:
+        if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 

@@ -47,14 +47,17 @@ def reward_kl_advantages(shard: TrainBatch, settings: AdvantageSettings, group_s
         raise ValueError("the KL in the reward needs the shard's rewards, global_rows and pi_old's and "
                          "the reference's log-probs on the last pipeline stage")
     packed = shard.packed()
+    old, ref, rewards = packed.old_log_probs, packed.ref_log_probs, packed.rewards
+    if old is None or ref is None or rewards is None:  # packed() keeps every field it was given
+        raise ValueError("the packed shard lost its log-probs or rewards")
     group = ps.get_data_parallel_group()
     groups = shard.global_rows // group_size
     num = torch.tensor([int(groups.max()) + 1 if groups.numel() else 0], dtype=torch.long,
                        device=comm_device(group))
     dist.all_reduce(num, op=dist.ReduceOp.MAX, group=group)
     rows = BatchRows(packed.lengths, packed.loss_mask, groups, int(num.item()))
-    kl = token_kl(packed.old_log_probs.double(), packed.ref_log_probs.double(), settings.kl_in_reward_estimator)
-    adv, _ = batch_advantages(settings, packed.rewards, rows, kl=kl,
+    kl = token_kl(old.double(), ref.double(), settings.kl_in_reward_estimator)
+    adv, _ = batch_advantages(settings, rewards, rows, kl=kl,
                               all_reduce=_all_reduce(group) if dist.get_world_size(group) > 1 else None)
     adv = adv.float()
     if adv.numel() == shard.num_rows or shard.is_packed:

@@ -36,6 +36,8 @@ router_replay), and recomputing the router in backward (recompute=full, or selec
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -112,8 +114,11 @@ def check_routed_experts(batch: TrainBatch, config) -> None:
                          f"expected {want}")
     if batch.route_layers is not None and any(not 0 <= x < config.num_layers for x in batch.route_layers):
         raise ValueError(f"route_layers {batch.route_layers}: the model has {config.num_layers} layers")
-    hi = largest_expert_id(batch.routed_experts)
-    if batch.routed_experts.numel() and hi >= (config.num_moe_experts or 0):
+    routes = batch.routed_experts
+    if routes is None:
+        raise ValueError("the batch carries no routed_experts to replay or compare")
+    hi = largest_expert_id(routes)
+    if routes.numel() and hi >= (config.num_moe_experts or 0):
         raise ValueError(f"routed_experts name expert {hi}, the model has {config.num_moe_experts}")
 
 
@@ -130,10 +135,10 @@ class Routing:
                     module.router_replay = RouterControl(module, self)
                     found.append(module.router_replay)
             self.controls[id(chunk)] = found
-        self._pass: dict | None = None
+        self._pass: dict[str, Any] | None = None
         self.table: dict[int, torch.Tensor] = {}  # layer -> [T + 1, k] int16: the old pass's choice per
         # real token of the rank's batch, row after row (packed; entry T: a sink)
-        self.recorded_shape: tuple[int, int] | None = None  # the same on every rank (no table
+        self.recorded_shape: tuple[int, int, int] | None = None  # the same on every rank (no table
         # on a stage without MoE layers), so every rank takes the same collectives
 
     @property
@@ -199,7 +204,7 @@ class Routing:
         if p["record"] or p["compare_old"]:  # each token's place in the recorded table
             p["offsets"] = p["offsets"].to(r.device)  # (once: a no-op after the first micro-batch)
             batch_rows = p["mb"]["batch_rows"]
-            inside = real & (batch_rows >= 0) & (q < mb.lengths[r])  # a real token of a real row
+            inside = real & (batch_rows >= 0) & (q < mb.row_lengths()[r])  # a real token of a real row
             p["mb"].update(inside=inside, place=torch.where(
                 inside, p["offsets"][batch_rows.clamp(min=0)] + q, p["total"]))
         for control in controls:
@@ -218,7 +223,7 @@ class Routing:
         if used:  # a self-check: every replayed set is the engine's (routing_replay_mismatch = 0)
             if p["compare_engine"]:
                 engine = t["routed"][t["rows"], t["pos"], p["axis"][layer]].long().to(natural.device)
-                self._count("replay", layer, engine, natural, t["mask"])
+                self._count(p, "replay", layer, engine, natural, t["mask"])
             return
         if p["record"]:
             if layer not in self.table:  # entry T: a sink for tokens not kept (see below)
@@ -229,13 +234,14 @@ class Routing:
             self.table[layer][t["place"]] = natural.to(torch.int16)
         if p["compare_old"] and layer in self.table:
             old = self.table[layer].to(natural.device)
-            self._count("drift", layer, old[t["place"]].long(), natural, t["mask"] & t["inside"])
+            self._count(p, "drift", layer, old[t["place"]].long(), natural, t["mask"] & t["inside"])
         if p["compare_engine"] and t["routed"] is not None:
             engine = t["routed"][t["rows"], t["pos"], p["axis"][layer]].long().to(natural.device)
-            self._count("engine", layer, engine, natural, t["mask"])
+            self._count(p, "engine", layer, engine, natural, t["mask"])
 
-    def _count(self, kind: str, layer: int, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> None:
-        counts = self._pass["counts"]
+    def _count(self, p: dict[str, Any], kind: str, layer: int, a: torch.Tensor, b: torch.Tensor,
+               mask: torch.Tensor) -> None:
+        counts = p["counts"]
         if kind not in counts:
             counts[kind] = torch.zeros(self.num_layers, 2, dtype=torch.float64, device=b.device)
         changed, compared = drift_counts(a, b, mask)

@@ -7,7 +7,7 @@ without a run config (tests, benchmarks).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 OLD_LOG_PROB_SOURCES = ("recompute", "engine")
 
@@ -201,21 +201,44 @@ class Available:
     transformer_engine: bool
     apex_wgrad: bool  # apex's fused_weight_gradient_mlp_cuda extension
     te_version: str | None = None  # transformer_engine.__version__ where it imports
+    gpu_name: str = ""  # this rank's GPU, with CUDA
+    gpu_capability: tuple[int, int] | None = None  # its compute capability, with CUDA
+    triton_version: str | None = None  # the installed Triton's, with CUDA
+    fla_tilelang: bool = False  # flash-linear-attention's TileLang backend would run (kernels.py)
 
     @staticmethod
     def detect() -> "Available":
         import importlib.util
+        import os
 
         import torch
 
+        from model_specs.features.gated_delta_net.kernels import tilelang_usable, triton_version
         from model_specs.norms import HAVE_TE
         te_version = None
         if HAVE_TE:
             import transformer_engine
             te_version = transformer_engine.__version__
-        return Available(cuda=torch.cuda.is_available(), transformer_engine=HAVE_TE,
+        cuda = torch.cuda.is_available()
+        gpu: dict = {}
+        if cuda:  # this rank's own device (torchrun's LOCAL_RANK): no context on another one
+            index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            major, minor = torch.cuda.get_device_capability(index)
+            gpu = dict(gpu_name=torch.cuda.get_device_name(index), gpu_capability=(major, minor),
+                       triton_version=triton_version(), fla_tilelang=tilelang_usable())
+        return Available(cuda=cuda, transformer_engine=HAVE_TE,
                          apex_wgrad=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
-                         te_version=te_version)
+                         te_version=te_version, **gpu)
+
+    def check_gated_delta_net(self) -> None:
+        """For a model with Gated DeltaNet layers: DeltaRuleKernelError, naming the Triton version,
+        the GPU and what to install, where flash-linear-attention's backward would refuse (or be
+        wrong) on this machine (model_specs/features/gated_delta_net/kernels.py). A no-op
+        without CUDA (the CPU takes the torch forms)."""
+        if self.cuda:
+            from model_specs.features.gated_delta_net.kernels import check_backward_kernels
+            check_backward_kernels(triton=self.triton_version, capability=self.gpu_capability,
+                                   device=self.gpu_name, tilelang=self.fla_tilelang)
 
 
 @dataclass(frozen=True)
@@ -279,11 +302,11 @@ class ComputeSettings:
                              "recompute is 'selective'")
         return out
 
-    def transformer_config_fields(self) -> dict:
+    def transformer_config_fields(self) -> dict[str, Any]:
         """The TransformerConfig fields of resolved settings (model_specs takes them as overrides)."""
         if self.transformer_engine is None:
             raise ValueError("resolve() the compute settings first")
-        fields = dict(moe_grouped_gemm=self.moe_grouped_gemm, moe_permute_fusion=self.moe_permute_fusion,
+        fields: dict[str, Any] = dict(moe_grouped_gemm=self.moe_grouped_gemm, moe_permute_fusion=self.moe_permute_fusion,
                       apply_rope_fusion=self.apply_rope_fusion,
                       bias_activation_fusion=self.bias_activation_fusion,
                       gradient_accumulation_fusion=self.gradient_accumulation_fusion)

@@ -50,10 +50,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel
 
 from gspo_megatron.actor.batching import token_budget
 from gspo_megatron.actor.batching.batch import TrainBatch, positions_in_rows
 from gspo_megatron.actor.batching.micro_batch import MicroBatch, from_input_positions
+from gspo_megatron.actor.finite_step import refuse_non_finite
 from gspo_megatron.actor.forward import BeforeForward, is_last_stage_rank, run_schedule, seq_multiple
 from gspo_megatron.actor.settings import LogProbSettings, MicroBatchSettings
 from gspo_megatron.algorithms.loss_metrics import finalize_metrics
@@ -108,7 +110,7 @@ def _token_totals(mb: MicroBatch, log_probs: torch.Tensor, entropy: torch.Tensor
     return out
 
 
-def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, float]:
+def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, torch.Tensor]:
     """Combine per-micro-batch totals over micro-batches and over the world.
 
     Only the last pipeline stage's TP-rank-0 ranks contribute (their TP peers hold copies, other
@@ -134,7 +136,8 @@ def reduce_to_all_ranks(reports: list[dict], keys: dict[str, str]) -> dict[str, 
     dist.all_reduce(ext_t, op=dist.ReduceOp.MAX)
     # The step's one wait for the device: both totals in one copy to the host.
     host = torch.cat([sum_t, ext_t]).cpu()
-    out, i_sum, i_ext = {}, 0, len(sums)
+    out: dict[str, torch.Tensor] = {}
+    i_sum, i_ext = 0, len(sums)
     for key, op in keys.items():
         if op == "sum":
             out[key] = host[i_sum]
@@ -219,7 +222,7 @@ def _token_places(batch: TrainBatch, mbs: list[MicroBatch]):
     schedule, in a constant number of conversions (no per-micro-batch one: test_host_syncs)."""
     starts = batch.offsets[:-1] if batch.is_packed else torch.arange(batch.num_rows) * batch.padded_shape[1]
     rows = torch.cat([mb.rows for mb in mbs])
-    lengths = torch.cat([mb.lengths for mb in mbs])
+    lengths = torch.cat([mb.row_lengths() for mb in mbs])
     local = torch.cat([torch.arange(mb.rows.numel()) for mb in mbs])
     mb_of = torch.cat([torch.full((mb.rows.numel(),), i) for i, mb in enumerate(mbs)])
     real = rows >= 0  # filler rows: -1
@@ -268,7 +271,7 @@ def compute_log_probs(chunks: list[torch.nn.Module], batch: TrainBatch, *,
     return (out if is_last_stage_rank() else None), metrics
 
 
-def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: TrainBatch, *,
+def train_step(chunks: list[DistributedDataParallel], optimizer, scheduler, batch: TrainBatch, *,
                batching: MicroBatchSettings, loss: LossSettings, logprob: LogProbSettings,
                with_entropy: bool = True, before_forward: BeforeForward | None = None) -> dict[str, float]:
     """One optimizer step on this DP rank's shard of a (mini-)batch; metrics on every rank.
@@ -295,7 +298,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     local = int(batch.loss_mask.sum()) if per_token else batch.num_valid_sequences()
     if correct and is_last_stage_rank():  # MIS may leave rows (tokens) untrained: not counted
         # (per micro-batch: padded to its own rows only; filler rows train nothing)
-        kept = [mismatch_correction(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
+        kept = [mismatch_correction(mb.needs("old_log_probs"), mb.needs("rollout_log_probs"), mb.loss_mask,
                                     **loss.mismatch_kwargs()).loss_mask for mb in mbs]
         local = sum(int(m.sum()) if per_token else int(m.any(dim=1).sum()) for m in kept)
     global_count = _global_count(local)
@@ -317,7 +320,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
                 adv = adv[:, None].expand_as(log_probs)  # one advantage per row, on every token
             mask, weights = mb.loss_mask, {}
             if correct:
-                c = mismatch_correction(mb.old_log_probs, mb.rollout_log_probs, mb.loss_mask,
+                c = mismatch_correction(mb.needs("old_log_probs"), mb.needs("rollout_log_probs"), mb.loss_mask,
                                         **loss.mismatch_kwargs(), cp_group=cp_group)
                 mask, weights = c.loss_mask, dict(token_weights=c.token_weights, row_weights=c.row_weights)
                 report.update(c.totals)
@@ -333,6 +336,7 @@ def train_step(chunks: list[torch.nn.Module], optimizer, scheduler, batch: Train
     optimizer.zero_grad()
     reports = run_schedule(chunks, mbs, logprob, loss_func, forward_only=False,
                            with_entropy=with_entropy, before_forward=before_forward)
+    refuse_non_finite(chunks, reports)  # a NaN is never applied, hence never synced (finite_step.py)
     update_ok, grad_norm, _ = optimizer.step()
     if grad_norm is None:  # megatron computes it only when clipping; report it anyway
         grad_norm = optimizer.get_grad_norm()

@@ -21,7 +21,7 @@ models need the streaming path of gspo_megatron/sync.
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,7 +53,8 @@ def mark_expert_params(model: torch.nn.Module) -> None:
     the weight sync treat them as under EP; with expert-TP = TP the two groups are the same."""
     for name, param in model.named_parameters():
         if ".mlp.experts." in f".{name}":
-            param.allreduce = False
+            # read by megatron-core's DDP and optimizers; torch's Parameter does not declare it
+            param.allreduce = False  # type: ignore[attr-defined]
 
 
 def global_name(model: GPTModel, local_name: str) -> str:
@@ -72,7 +73,7 @@ def global_name(model: GPTModel, local_name: str) -> str:
     return name
 
 
-def named_parameters_global(chunks: list[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
+def named_parameters_global(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(global canonical name, local parameter) over all model chunks of this rank; tied copies
     skipped. Canonical: the local spec's names (model_specs.weights.maps.canonical_megatron_name),
     so that a TE-spec model and a local-spec one list the same names. LoRA adapters are not the
@@ -134,7 +135,8 @@ def full_tensor_over_tp(param: torch.nn.Parameter) -> torch.Tensor:
         return local.clone()
     shards = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(shards, local.contiguous(), group=group)
-    return join_tp_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1),
+    return join_tp_shards(shards, param.partition_dim,  # type: ignore[attr-defined]  # megatron-core's TP attribute
+                          getattr(param, "partition_stride", 1),
                           getattr(param, "partition_blocks", None))
 
 
@@ -162,11 +164,11 @@ def full_state_dict(chunks: list[torch.nn.Module], *, to_all_ranks: bool = True
             mine[name] = full.cpu()  # pickled by the object collective below: host memory, any rank
     world = dist.get_world_size()
     if to_all_ranks:
-        pieces: list = [None] * world
+        pieces: list[Any] = [None] * world
         dist.all_gather_object(pieces, mine)
     else:
-        pieces = [None] * world if dist.get_rank() == 0 else None
-        dist.gather_object(mine, pieces, dst=0)
+        pieces = [None] * world
+        dist.gather_object(mine, pieces if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
             return None
     out: dict[str, torch.Tensor] = {}

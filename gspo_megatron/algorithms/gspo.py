@@ -8,8 +8,20 @@ divides by the number of valid sequences of the whole global batch itself; megat
 divides each micro-batch loss by the number of micro-batches and the DP gradient all-reduce averages
 over ranks, so the actor multiplies by `num_microbatches * dp_size` as well. Then the gradient equals
 the full-batch gradient for any split, uneven ones included (docs/algorithm.md "Aggregation", property 11).
-GSPO's sequence ratio fixes the aggregation (a mean over sequences of one term each, Eq. 5): both
-losses here take only loss_agg_mode="seq-mean-token-mean" (grpo.py takes the others).
+
+Aggregation (loss.loss_agg_mode). The paper's is the default: a mean over sequences of one term
+each (Eq. 5, seq-mean-token-mean). Both losses take every row of AGGREGATIONS, as ROLL computes
+`importance_sampling: seq` (roll/pipeline/rlvr/actor_worker.py ActorWorker.loss_func, then agg_loss;
+slime's gspo the same): the sequence ratio s_i is broadcast to the row's trained tokens, each token's
+term is `-min(s_i A_{i,t}, clip(s_i) A_{i,t})`, and the mode aggregates those terms, so that with
+seq-mean-token-sum a sequence weighs by its length L_i, with token-mean by L_i over the batch's
+tokens. gspo differentiates through s_i (ROLL's and slime's gradient: every token of a row gets
+s_i / L_i times the row's summed active advantages); gspo_token through its token factor
+(Eqs. 13-14: token t gets s_i A_{i,t}); the two agree when A is constant along a row.
+gspo's row term is formed as `value + (s_i - sg[s_i]) * slope`, value and slope the mode's
+aggregation of the tokens' constant terms and of d term / d s_i (0 where clipped): the same value
+and gradient as aggregating the tokens' terms directly, and under context parallelism each rank's
+share of the full row's gradient (both are summed over the group before they meet s_i).
 
 Loss terms use an explicit clip decision instead of `min(.)`: for A > 0 the row is clipped when
 s > 1 + eps_high, for A < 0 when s < 1 - eps_low; a clipped row contributes the constant
@@ -57,27 +69,36 @@ def gspo_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: 
     """GSPO loss `-J` (Eq. 5) with the sequence ratio `s_i` of Eq. 7.
 
     log_probs, old_log_probs, loss_mask: `[b, s]` (old/ref are treated as constants); advantages:
-    `[b]`. `s_i = exp(masked mean of (log_probs - old_log_probs))`, the log-ratio clamped to +-20
+    `[b]`, or `[b, s]` (ROLL's per-token advantages with importance_sampling: seq: the module
+    docstring). `s_i = exp(masked mean of (log_probs - old_log_probs))`, the log-ratio clamped to +-20
     before exp (see rows.LOG_RATIO_CLAMP). With `ref_log_probs`, `kl_coef * KL_i` (per-row masked
     mean of the kl_estimator's estimate) is added to each row's term. Returns `(loss, metrics)`;
     metrics are detached, see loss_metrics.py (`clip_fraction` = clipped sequences / valid
-    sequences). token_weights `[b, s]` / row_weights `[b]`: constant importance weights of the
-    train/inference mismatch (mismatch.py): a row's term is multiplied by its row weight and by the
-    mean of its tokens' weights. dual_clip_c: the module docstring. cp_group: the context-parallel
+    sequences, a row counting when all its trained tokens are). token_weights `[b, s]` / row_weights
+    `[b]`: constant importance weights of the train/inference mismatch (mismatch.py): each token's
+    term is multiplied by its weight (with seq-mean-token-mean: the row's term by the mean of its
+    tokens' weights), a row's by its row weight. loss_agg_mode, dual_clip_c: the module docstring.
+    cp_group: the context-parallel
     group the rows' positions are split over; the per-row sums are reduced over it before the exp
     (rows.py).
     """
-    check_aggregation("gspo", loss_agg_mode, dual_clip_c)
-    rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row",), reduction,
+    aggregation = check_aggregation("gspo", loss_agg_mode, dual_clip_c)
+    rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("row", "token"), reduction,
                              eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
-    per_row, clipped = clipped_objective_loss(seq_ratio, adv, eps_low, eps_high, dual_clip_c)  # [b], [b]
+    a = adv[:, None] if adv.dim() == 1 else adv  # [b, 1] or [b, s]
+    value, clipped = clipped_objective_loss(seq_ratio.detach()[:, None], a, eps_low, eps_high, dual_clip_c)
+    slope = torch.where(clipped, torch.zeros_like(a), -a)  # d term / d s_i per token (0 where clipped)
+    value, slope, clipped = (x.expand_as(rows.mask) for x in (value, slope, clipped))  # [b, s]
     if token_weights is not None:
-        per_row = per_row * rows.mean(token_weights.detach())
+        w = token_weights.detach().to(value.dtype)
+        value, slope = value * w, slope * w
+    per_row = rows.aggregate(value, aggregation) + (seq_ratio - seq_ratio.detach()) * rows.aggregate(slope, aggregation)
+    whole_row = rows.sum(clipped.to(seq_ratio.dtype)) >= rows.lengths  # every trained token clipped
     return finish_loss(rows, per_row=per_row, row_weights=row_weights, reduction=reduction,
-                       seq_ratio=seq_ratio, clipped_tokens=clipped[:, None].expand_as(rows.mask),
-                       clipped_sequences=clipped, kl=rows_kl(rows, ref_log_probs, kl_estimator),
-                       kl_coef=kl_coef)
+                       seq_ratio=seq_ratio, clipped_tokens=clipped, clipped_sequences=whole_row,
+                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef,
+                       loss_agg_mode=aggregation)
 
 
 def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
@@ -95,7 +116,7 @@ def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
     when A_{i,t} = A_i. Clipping is decided per token (the sign of A_{i,t} may vary along a row), so
     `clip_fraction` here is the fraction of trainable tokens clipped.
     """
-    check_aggregation("gspo_token", loss_agg_mode, dual_clip_c)
+    aggregation = check_aggregation("gspo_token", loss_agg_mode, dual_clip_c)
     rows, adv = prepare_rows(log_probs, old_log_probs, loss_mask, advantages, ("token",), reduction,
                              eps_low, eps_high, ref_log_probs, kl_coef, cp_group)
     seq_ratio = torch.exp(rows.seq_log_ratio())  # [b]
@@ -105,4 +126,5 @@ def gspo_token_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advant
         per_token = per_token * token_weights.detach().to(per_token.dtype)
     return finish_loss(rows, per_token=per_token, row_weights=row_weights, reduction=reduction,
                        seq_ratio=seq_ratio, clipped_tokens=clipped, clipped_sequences=None,
-                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef)
+                       kl=rows_kl(rows, ref_log_probs, kl_estimator), kl_coef=kl_coef,
+                       loss_agg_mode=aggregation)

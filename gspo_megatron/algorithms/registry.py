@@ -65,8 +65,8 @@ class LossSpec:
     per-token estimators and per-turn credit may feed it."""
     aggregations: tuple[str, ...] | None = (SEQUENCE_MEAN,)
     """The rows of AGGREGATIONS (`loss_agg_mode`) its function computes; None: every row, a
-    plug-in's included. GSPO's sequence ratio fixes its own (Eq. 5: a mean over sequences of one
-    term each), so gspo and gspo_token list only seq-mean-token-mean."""
+    plug-in's included (gspo, gspo_token and grpo; the default stays seq-mean-token-mean, GSPO's
+    Eq. 5). A plug-in loss that computes only the default keeps this default."""
     settings: type | None = None
     """Its own settings (a dataclass), from loss.loss_args: passed to its function as keyword
     arguments. None: it takes none."""
@@ -101,9 +101,10 @@ LOSSES: Table[LossSpec] = Table("loss", LossSpec, (
     LossSpec("gspo", "gspo_megatron.algorithms.gspo:gspo_loss", GSPO_CLIP, "sequence",
              RATIO_KEYS + ("clipped_sequences",),
              "sequence-level ratio s_i = exp(mean log-ratio), clipped per sequence (Eqs. 5-7)",
+             also_token_advantages=True, aggregations=None,
              peers={"verl": ("gspo",), "roll": ("seq",), "slime": ("gspo",)}),
     LossSpec("gspo_token", "gspo_megatron.algorithms.gspo:gspo_token_loss", GSPO_CLIP, "token", RATIO_KEYS,
-             "GSPO-token: s_i per token with per-token advantages (Eqs. 13-14)"),
+             "GSPO-token: s_i per token with per-token advantages (Eqs. 13-14)", aggregations=None),
     LossSpec("grpo", "gspo_megatron.algorithms.grpo:grpo_loss", GRPO_CLIP, "sequence", RATIO_KEYS,
              "GRPO baseline: token-level ratios (Eqs. 2-3)", also_token_advantages=True,
              aggregations=None, peers={"verl": ("vanilla",), "roll": ("token",), "slime": ("grpo",)}),
@@ -138,9 +139,11 @@ class LossSettings:
     (gspo_megatron/algorithms/terms.py)."""
     loss_agg_mode: str = field(default=SEQUENCE_MEAN, metadata={TABLE: lambda: AGGREGATIONS})
     """How the per-token terms (and the KL term) become the loss, a row of AGGREGATIONS
-    (gspo_megatron/algorithms/terms.py; verl's and ROLL's agg_loss modes). A loss takes the rows its
-    LOSSES row lists: gspo and gspo_token only seq-mean-token-mean (the sequence ratio fixes it,
-    Eq. 5), grpo every one (docs/algorithm.md "Loss aggregation")."""
+    (gspo_megatron/algorithms/terms.py; verl's and ROLL's agg_loss modes). The default is the
+    paper's: one term per sequence (GSPO Eq. 5). gspo and gspo_token take the others as ROLL's
+    importance_sampling: seq does (the sequence ratio on each trained token, the tokens' terms
+    aggregated: with token sums a sequence weighs by its length); grpo every one
+    (docs/algorithm.md "Loss aggregation")."""
     aggregation_args: dict[str, Any] = field(default_factory=dict, metadata={SETTINGS_OF: "loss_agg_mode"})
     """The aggregation's own settings: seq-mean-token-sum-norm's {token_sum_norm: C} (Dr. GRPO's and
     verl's loss_scale_factor, usually rollout.max_new_tokens); {} for the others."""
@@ -190,10 +193,8 @@ class LossSettings:
     def _check_aggregation(self) -> None:
         if not self.spec.takes_aggregation(self.loss_agg_mode):
             AGGREGATIONS.row(self.loss_agg_mode, "loss_agg_mode")  # an unknown name is named first
-            why = (" (GSPO's sequence ratio fixes its own: one term per sequence, Eq. 5)"
-                   if self.name.startswith("gspo") else "")
             raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}: expected "
-                             f"{' or '.join(self.spec.aggregation_names())} with the {self.name} loss{why}")
+                             f"{' or '.join(self.spec.aggregation_names())} with the {self.name} loss")
         self.aggregation = Aggregation.of(self.loss_agg_mode, self.aggregation_args, "aggregation_args")
         if self.dual_clip_c is not None and not (self.dual_clip_c > 1 and self.spec.clip is not None):
             raise ValueError(f"dual_clip_c={self.dual_clip_c!r}: expected > 1 (or null for off), with a "
@@ -237,7 +238,7 @@ class LossSettings:
         """Any train/inference mismatch correction is on (it needs the engine's log-probs)."""
         return any(c is not None for c in (self.tis_cap, self.seq_is_cap, self.mis_cap))
 
-    def mismatch_kwargs(self) -> dict[str, float | str | None]:
+    def mismatch_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of mismatch.mismatch_correction."""
         return dict(tis_cap=self.tis_cap, seq_is_cap=self.seq_is_cap, mis_cap=self.mis_cap,
                     mis_level=self.mis_level)

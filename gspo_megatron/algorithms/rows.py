@@ -170,7 +170,7 @@ def finish_loss(rows: Rows, *, per_row: torch.Tensor | None = None, per_token: t
     """Aggregate the terms of -J (and the KL term), reduce over valid rows, build the metrics.
 
     per_token: `[b, s]` terms l_it (grpo, gspo_token), aggregated per row by `loss_agg_mode`
-    (Rows.aggregate); or per_row: `[b]` terms -J_i (gspo with seq-mean-token-mean). row_weights:
+    (Rows.aggregate); or per_row: `[b]` row terms already aggregated by it (gspo). row_weights:
     `[b]` constants on each row's policy term (the mismatch corrections; not on the KL term).
     kl: `[b, s]` per-token KL estimate (kl.rows_kl) or None, aggregated like the policy terms.
     The reduction divides by the rows with a trained token, or, with token-mean, by the trained
@@ -179,12 +179,13 @@ def finish_loss(rows: Rows, *, per_row: torch.Tensor | None = None, per_token: t
     None. Under context parallelism the loss is the full rows' on every rank; the metrics are this
     rank's share (module docstring).
     """
-    if (per_row is None) == (per_token is None):
-        raise ValueError("finish_loss takes per_row or per_token terms, exactly one")
     aggregation = Aggregation.of(loss_agg_mode)
-    if per_row is not None and aggregation.name != SEQUENCE_MEAN:
-        raise ValueError(f"loss_agg_mode={aggregation.name!r}: per-sequence terms take {SEQUENCE_MEAN} only")
-    terms = per_row if per_row is not None else rows.aggregate(per_token, aggregation)
+    if per_row is not None and per_token is None:
+        terms = per_row  # already aggregated by the loss, with this mode (gspo's sequence terms)
+    elif per_token is not None and per_row is None:
+        terms = rows.aggregate(per_token, aggregation)
+    else:
+        raise ValueError("finish_loss takes per_row or per_token terms, exactly one")
     terms = rows.weighted(terms, row_weights)
     kl_mean = None
     if kl is not None:

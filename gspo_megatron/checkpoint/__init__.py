@@ -14,16 +14,20 @@ May import: parallel, model_specs; never config, run, driver, actor, sync, train
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["CheckpointMismatchError", "check_layout_fits", "checkpoint_hf_config", "load_model",
            "model_sharded_state_dict", "save_model"]
 
 
-def __getattr__(name: str) -> Any:
-    """The model I/O names load megatron-core on first use (PEP 562), so that the package's light
-    modules (run_lock, output_dirs, durable) serve start-up checks that come before torch: a second
-    run on a locked folder stops in about a second, not after megatron's imports."""
-    if name in __all__:
-        return getattr(importlib.import_module("gspo_megatron.checkpoint.model_io"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if TYPE_CHECKING:  # the names as the checker sees them; at run time __getattr__ imports them
+    from gspo_megatron.checkpoint.model_io import (CheckpointMismatchError, check_layout_fits, checkpoint_hf_config,
+                                                   load_model, model_sharded_state_dict, save_model)
+else:
+    def __getattr__(name: str) -> Any:
+        """The model I/O names load megatron-core on first use (PEP 562), so that the package's light
+        modules (run_lock, output_dirs, durable) serve start-up checks that come before torch: a second
+        run on a locked folder stops in about a second, not after megatron's imports."""
+        if name in __all__:
+            return getattr(importlib.import_module("gspo_megatron.checkpoint.model_io"), name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,7 @@ from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 from tqdm import tqdm
 
-from gspo_megatron.checkpoint.hf_files import HFTensorReader, copy_metadata_files
+from gspo_megatron.checkpoint.hf_files import HFTensorReader, TensorReader, copy_metadata_files
 from gspo_megatron.checkpoint.model_io import HF_SUBDIR, TorchDcpSaveStrategy, without_extra_state
 from gspo_megatron.checkpoint.mxfp4 import StackedExpertsReader, is_mxfp4
 from gspo_megatron.checkpoint.output_dirs import publish_dir
@@ -165,18 +165,19 @@ def convert_hf_to_megatron(hf_dir: str | Path, out_dir: str | Path,
                                 f"Face model folder (config.json and *.safetensors), e.g. {str(hf_dir.parent)!r}")
     hf = load_hf_config(hf_dir)
     wmap = weight_map_for(hf)
-    reader = HFTensorReader(hf_dir)
-    _check_float_tensors(reader, wmap)
+    hf_reader = HFTensorReader(hf_dir)
+    _check_float_tensors(hf_reader, wmap)
+    reader: TensorReader = hf_reader
     by_name = wmap.by_megatron_name()
     dtype = dtype or reader.dtype(by_name["embedding.word_embeddings.weight"].hf[0])
     if any(m.stacked for m in by_name.values()):  # gpt-oss: MXFP4 dequantized, stacks read once
-        reader = StackedExpertsReader(reader, dtype)
+        reader = StackedExpertsReader(hf_reader, dtype)
     _check_unused_hf(reader, wmap, hf)
     return publish_dir(out_dir, lambda tmp: _write_megatron(hf_dir, tmp, hf, wmap, reader, dtype),
                        field=field, protected={"the HF model": hf_dir}, source=str(hf_dir))
 
 
-def _write_megatron(hf_dir: Path, out_dir: Path, hf: dict, wmap: WeightMap, reader: HFTensorReader,
+def _write_megatron(hf_dir: Path, out_dir: Path, hf: dict, wmap: WeightMap, reader: TensorReader,
                     dtype: torch.dtype) -> None:
     by_name = wmap.by_megatron_name()
     # megatron writes metadata.json last: a checkpoint interrupted before it is not loadable.
@@ -204,7 +205,7 @@ def _write_megatron(hf_dir: Path, out_dir: Path, hf: dict, wmap: WeightMap, read
                                 sharded_strategy=_StreamingSaveStrategy(load_param))
 
 
-def _check_hf_shapes(reader: HFTensorReader, wmap: WeightMap, params: dict) -> None:
+def _check_hf_shapes(reader: TensorReader, wmap: WeightMap, params: dict) -> None:
     for m in wmap.mappings():
         for name, shape in zip(m.hf, wmap.hf_shapes(m, params[m.megatron].shape)):
             reader.get_shape_checked(name, shape)
@@ -228,7 +229,7 @@ INTEGER_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "
                   "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64"}  # safetensors' names
 
 
-def _check_unused_hf(reader: HFTensorReader, wmap: WeightMap, hf: dict[str, Any]) -> None:
+def _check_unused_hf(reader: TensorReader, wmap: WeightMap, hf: dict[str, Any]) -> None:
     """HF tensors that the map does not consume mean a model the map does not describe."""
     unused = set(reader.names) - set(wmap.hf_names())
     unused = {n for n in unused if not wmap.ignores_hf(n)}  # recomputed buffers, GLM-4.5's MTP layers

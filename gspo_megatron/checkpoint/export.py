@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from megatron.core import dist_checkpointing
@@ -35,8 +35,8 @@ from model_specs.weights.maps import WeightMapError, weight_map_for
 def convert_megatron_to_hf(ckpt_dir: str | Path, out_dir: str | Path,
                            dtype: torch.dtype | None = None, batch_bytes: int = 1 << 30,
                            max_shard_bytes: int = 5 << 30, *, field: str = "--out",
-                           protected: dict[str, str | Path | None] | None = None,
-                           may_hold: dict[str, str | Path | None] | None = None) -> Path:
+                           protected: Mapping[str, str | Path | None] | None = None,
+                           may_hold: Mapping[str, str | Path | None] | None = None) -> Path:
     """Write the model of a megatron checkpoint (any layout) as HF safetensors + metadata files.
 
     `out_dir` is published whole (output_dirs.publish_dir): written beside it, then renamed into

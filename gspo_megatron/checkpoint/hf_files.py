@@ -13,7 +13,7 @@ import json
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 from safetensors import safe_open
@@ -99,6 +99,20 @@ def check_weight_files(hf_dir: str | Path) -> None:
     """Every weight file of an HF model is present and as long as its header says."""
     for path in weight_files(hf_dir):
         read_safetensors_header(path)
+
+
+class TensorReader(Protocol):
+    """What the converter reads an HF checkpoint through: HFTensorReader, or a reader that
+    rewrites another's tensors (mxfp4.StackedExpertsReader)."""
+
+    dir: Path
+
+    @property
+    def names(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> torch.dtype: ...
+    def get_shape_checked(self, name: str, expected_shape: Sequence[int]) -> None: ...
+    def get(self, name: str) -> torch.Tensor: ...
 
 
 class HFTensorReader:

@@ -97,6 +97,19 @@ def check_free_space(field: str, path: str | Path, need_bytes: int, what: str) -
                              f"{_size(need_bytes)}; free space or choose another path")
 
 
+def check_free_space_together(needs: list[tuple[str, str | Path, int, str]]) -> None:
+    """check_free_space for several (field, path, bytes, what) needs, those on one filesystem added
+    up: a checkpoint and the weight sync's copies that share a disk must fit together."""
+    by_device: dict[int, list[tuple[str, str | Path, int, str]]] = {}
+    for need in needs:
+        by_device.setdefault(os.stat(_nearest_existing(Path(need[1]))).st_dev, []).append(need)
+    for group in by_device.values():
+        field, path = group[0][0], group[0][1]
+        what = " and ".join(f"{w} ({_size(n)}{f', {f}' if f != field else ''})" if len(group) > 1 else w
+                            for f, _, n, w in group)
+        check_free_space(field, path, sum(n for _, _, n, _ in group), what)
+
+
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 

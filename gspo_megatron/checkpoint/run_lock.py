@@ -142,6 +142,7 @@ class RunLock:
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / LOCK_NAME
         me = _me()
+        why: str | None
         for _ in range(5):  # a few rounds only when racing others over a stale lock
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -31,7 +31,7 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -
     except TableError as e:
         raise ConfigError(str(e)) from None
     cfg = build(RunConfig, data)
-    validate(cfg)
+    validate(cfg, data)
     return cfg
 
 

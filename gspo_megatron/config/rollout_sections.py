@@ -34,10 +34,9 @@ def _prompt_formats() -> Table:
 @dataclasses.dataclass
 class RolloutConfig(ManagerConfig, ServerHealthSettings):
     prompts: str | list[str] = ""
-    """The prompt set: a jsonl file, a parquet file, a folder of parquet shards (train-*.parquet, as
-    `datasets` writes them), a folder saved by datasets' save_to_disk, or a list of these (read in
-    order). Local paths only: these machines have no dataset hub. Large sets are memory-mapped,
-    never read whole (rollout/prompts/sets.py)."""
+    """The prompt set: a path, or a list of paths read in order, each read as a row of PROMPT_FORMATS
+    (rollout.prompt_format lists them). Local paths only: these machines have no dataset hub. Large
+    sets are memory-mapped, never read whole (rollout/prompts/sets.py)."""
     prompt_format: str | None = dataclasses.field(default=None, metadata={TABLE: _prompt_formats})
     """How rollout.prompts (and eval.prompts) are read, a row of PROMPT_FORMATS
     (rollout/prompts/formats.py) or package.module:Name of a PromptFormat of your own; null = by each

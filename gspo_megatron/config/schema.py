@@ -129,7 +129,8 @@ class SyncConfig:
     """How the weights reach the servers, a row of TRANSPORTS (gspo_megatron/sync/transports.py) or
     package.module:Name of a TransportRow of your own."""
     transport_args: dict[str, Any] = dataclasses.field(default_factory=dict, metadata={SETTINGS_OF: "transport"})
-    """The transport's own settings, for a transport that declares some; {} for the shipped ones."""
+    """The transport's own settings, for a transport that declares some (tensor: cuda_ipc, CUDA IPC
+    handles for servers on the trainers' GPUs); {}: its defaults."""
     bucket_mb: int = 512
     """Size bound of one transfer bucket, and of one request (per sender)."""
     senders: Literal["owners", "rank0"] = "owners"

@@ -5,21 +5,23 @@ rules in its __post_init__.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from gspo_megatron.config.parsing import ConfigError
 from gspo_megatron.config.schema import RunConfig
 
 
-def validate(cfg: RunConfig) -> None:
-    """ConfigError at the first rule `cfg` breaks."""
+def validate(cfg: RunConfig, given: Mapping[str, Any] | None = None) -> None:
+    """ConfigError at the first rule `cfg` breaks. given: the mapping the config was built from
+    (sections of fields the user wrote), for the rules about a field written where it does nothing."""
     def need(cond: bool, field: str, value: Any, expected: str) -> None:
         if not cond:
             raise ConfigError(f"{field}={value!r}: expected {expected}")
     m, r, t, c = cfg.model, cfg.rollout, cfg.train, cfg.checkpoint
     need(bool(m.hf_path), "model.hf_path", m.hf_path, "a Hugging Face model directory")
     need(bool(r.prompts), "rollout.prompts", r.prompts,
-         "a prompt set (jsonl, parquet, a folder of them or saved by datasets, or a list)")
+         "a prompt set: a path or a list of paths, each of a format of rollout.prompt_format's choices")
     need(r.max_prompt_tokens is None or r.max_prompt_tokens >= 1, "rollout.max_prompt_tokens",
          r.max_prompt_tokens, ">= 1 or null")
     for name in ("server_health_interval_s", "server_health_timeout_s", "server_wait_s", "abort_timeout_s"):
@@ -47,12 +49,10 @@ def validate(cfg: RunConfig) -> None:
     d = cfg.distill
     per_token = bool(d.teacher) and d.coef > 0  # distillation's per-token term needs no group
     need(r.group_size >= 2 or not cfg.loss.group_relative or (per_token and r.group_size >= 1),
-         "rollout.group_size", r.group_size,
-         f">= 2: loss.name={cfg.loss.name} uses group-relative advantages (loss.advantage_estimator="
-         f"{cfg.loss.advantage_estimator}: reward minus the mean of the prompt's group, GSPO Eq. 6), so "
-         f"a group of one has advantage 0 everywhere and the run would learn nothing")
+         "rollout.group_size", r.group_size, f">= 2: {_group_relative_reason(cfg)}")
     _advantage_rules(cfg, need)
     _lora_rules(cfg, need)
+    _knobs_that_do_nothing(cfg, given or {})
     if d.teacher:
         need(cfg.loss.name == "gspo_token", "loss.name", cfg.loss.name,
              "gspo_token with distill.teacher (each token gets its own advantage; GSPO's sequence "
@@ -89,7 +89,7 @@ def validate(cfg: RunConfig) -> None:
     need(not r.mask_stale_tokens or r.partial_rollouts, "rollout.mask_stale_tokens",
          r.mask_stale_tokens, "false unless rollout.partial_rollouts is true")
     need(r.max_turns is None or r.max_turns >= 1, "rollout.max_turns", r.max_turns, ">= 1 or null")
-    need(r.turn_credit == "episode" or (r.environment and cfg.loss.name == "gspo_token"),
+    need(r.turn_credit == "episode" or (bool(r.environment) and cfg.loss.name == "gspo_token"),
          "rollout.turn_credit", r.turn_credit,
          "'episode' unless rollout.environment is set and loss.name is gspo_token (per-token "
          "advantages; gspo uses the episode return)")
@@ -131,10 +131,38 @@ def validate(cfg: RunConfig) -> None:
          cfg.moe.engine_routing, "true or null with moe.replay=true (replay needs the engine's routing)")
 
 
+def _group_relative_reason(cfg: RunConfig) -> str:
+    """Which field makes the advantages relative to the prompt's group, and what a group of one
+    then gives."""
+    loss = cfg.loss
+    if loss.estimator.kind == "group":
+        return (f"loss.advantage_estimator={loss.advantage_estimator} is relative to the prompt's group "
+                "(reward minus the mean of the group, GSPO Eq. 6), so a group of one has advantage 0 "
+                "everywhere and the run would learn nothing")
+    if loss.reward_norm_std == "group":
+        return ("loss.reward_norm_std=group divides each reward by the std of its prompt's group, which a "
+                "group of one does not have (NaN advantages); set it to batch, running or null")
+    return ("loss.reward_norm_mean=group subtracts the mean of the prompt's group from each reward, so a "
+            "group of one has reward 0 everywhere and the run would learn nothing; set it to batch, running "
+            "or null")
+
+
 def _advantage_rules(cfg: RunConfig, need: Callable[[bool, str, Any, str], None]) -> None:
     """The loss section's advantage fields against the loss, the rollout and distillation."""
     loss, r = cfg.loss, cfg.rollout
     credit = r.turn_credit if r.environment else "episode"
+    if r.group_size * r.prompts_per_step == 1:  # a batch statistic of one response
+        one = "one response per rollout batch (rollout.prompts_per_step=1 x rollout.group_size=1)"
+        need(loss.reward_norm_std != "batch", "loss.reward_norm_std", loss.reward_norm_std,
+             f"null or running with {one}: the std of a single reward is undefined (NaN advantages)")
+        need(loss.reward_norm_mean != "batch", "loss.reward_norm_mean", loss.reward_norm_mean,
+             f"null or running with {one}: the batch mean is that reward itself, so every advantage would "
+             "be 0 and the run would learn nothing")
+        if not loss.per_token(credit):
+            field = "loss.whiten_advantages" if loss.whiten_advantages else "loss.advantage_estimator"
+            need(not (loss.whiten_advantages or loss.estimator.whitens), field, getattr(cfg.loss, field[5:]),
+                 f"{'false' if loss.whiten_advantages else 'an estimator that does not whiten'} with {one}: "
+                 "whitening one advantage over the batch leaves exactly 0, and the run would learn nothing")
     need(not loss.per_token(credit) or loss.spec.takes_token_advantages, "loss.name", loss.name,
          f"a loss that takes one advantage per token (gspo_token, grpo): {loss.describe().split(' | ')[1]}"
          f"{' with rollout.turn_credit=return_to_go' if credit == 'return_to_go' else ''} gives each "
@@ -167,3 +195,17 @@ def _lora_rules(cfg: RunConfig, need: Callable[[bool, str, Any, str], None]) -> 
          f"null or false with lora.rank={lora.rank}: a LoRA run sends its adapters whole (every element "
          "of an adapter moves every step) and never the base")
 
+def _knobs_that_do_nothing(cfg: RunConfig, given: Mapping[str, Any]) -> None:
+    """A field the user wrote that the rest of the config makes inert is named, not ignored."""
+    section = given.get("loss")
+    written: Mapping[str, Any] = section if isinstance(section, Mapping) else {}
+    loss = cfg.loss
+    for field, coef, on in (("kl_estimator", "kl_coef", loss.kl_coef > 0),
+                            ("kl_in_reward_estimator", "kl_in_reward_coef", loss.kl_in_reward)):
+        if field in written and not on:
+            raise ConfigError(f"loss.{field}={getattr(loss, field)!r}: acts only with loss.{coef} > 0, which is "
+                              f"{getattr(loss, coef)!r} (no KL term): set loss.{coef}, or leave {field} out")
+    if written.get("whiten_advantages") is False and loss.estimator.whitens:
+        raise ConfigError(f"loss.whiten_advantages=false: loss.advantage_estimator={loss.advantage_estimator} "
+                          "whitens its advantages over the batch whatever this says; leave it out, or choose an "
+                          "estimator that does not whiten (docs/algorithm.md, Advantage estimators)")

@@ -16,23 +16,24 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gspo_megatron.actor.batching.batch import TrainBatch
 from gspo_megatron.algorithms.advantage.shaping import RunningMoments
 from gspo_megatron.config import RunConfig
-from gspo_megatron.driver.environment import env_factory
+from gspo_megatron.driver.environment import env_factory, reward_workers
 from gspo_megatron.driver.records import RolloutRecords
-from gspo_megatron.driver.rollout_metrics import rollout_metrics
+from gspo_megatron.driver.rollout_metrics import alignment_metrics, rollout_metrics
 from gspo_megatron.driver.samples_to_batch import policy_lag, samples_to_batch
 from gspo_megatron.driver.servers import start_policy_servers, start_teachers, wants_engine_routing
 from gspo_megatron.driver.staleness import take_fresh_groups
 from gspo_megatron.driver.warm_start import warm_start_examples
 from model_specs.hf.config import load_hf_config
 from rollout.generation.async_rollouts import AsyncRollouts
-from rollout.generation.chat import ChatTemplate
+from rollout.generation.multiturn.chat import ChatTemplate
 from rollout.servers.errors import NoServerLeft
-from rollout.prompts.dataset import PromptStream, chat_prompt_ids, load_prompts
+from rollout.prompts.dataset import KeptRows, PromptStream, chat_prompt_ids, load_prompts
+from rollout.prompts.sets import PromptSet
 from rollout.servers.health import GONE, LIVE, REJOINING, HealthMonitor
 from rollout.generation.manager import RolloutInterrupted, RolloutManager
 from rollout.servers.pool import TEACHER, ServerPool
@@ -40,11 +41,14 @@ from rollout.rewards import RewardWorkerPool
 from rollout.servers.launch import ServerGroup
 from rollout.generation.teacher import TeacherScorer
 
+if TYPE_CHECKING:
+    from gspo_megatron.driver.evaluation import Evaluator
+
 
 class Driver:
     """Rank 0's half of the loop. Owns the servers it started (stop() ends them)."""
 
-    def __init__(self, cfg: RunConfig, servers: ServerGroup, records: list[dict],
+    def __init__(self, cfg: RunConfig, servers: ServerGroup, records: PromptSet,
                  teachers: ServerGroup | None = None, cache_dir: Path | None = None):
         from transformers import AutoTokenizer
         r = dataclasses.replace(cfg.rollout, return_routed_experts=wants_engine_routing(cfg))
@@ -61,7 +65,12 @@ class Driver:
         if cfg.lora.enabled:  # every generation runs with the run's adapter (sync/adapter_sync.py)
             from gspo_megatron.lora.serving import ADAPTER_NAME
             self.pool.use_adapter(ADAPTER_NAME)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+
+        def decode(ids: list[int]) -> str:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if not isinstance(text, str):  # one sequence of ids decodes to one string
+                raise TypeError(f"the tokenizer decoded one sequence to {type(text).__name__}")
+            return text
         self.env_factory = env_factory(r) if r.environment else None
         self.teachers, self.teacher = teachers, None
         if teachers is not None:  # on-policy distillation: another pool, outside the weight sync
@@ -69,33 +78,35 @@ class Driver:
                                                     log=_say, role=TEACHER),
                                          max_in_flight=cfg.distill.max_in_flight, timeout_s=r.request_timeout_s)
         self.rewards: RewardWorkerPool | None = None
+        self.chat: ChatTemplate | None = None  # multi-turn: the tokenizer's chat template
         if self.env_factory is not None:  # multi-turn: the environment gives the rewards
             self.chat = ChatTemplate(self.tokenizer)
             self.manager = RolloutManager(self.pool, r, decode=decode, env_factory=self.env_factory,
                                           chat=self.chat, max_turns=r.max_turns, teacher=self.teacher)
         else:
-            self.rewards = RewardWorkerPool.from_config(r, plugins=cfg.plugins)  # starts its workers now, while the run sets up
+            self.rewards = reward_workers(cfg)  # starts its workers now, while the run sets up
             print(f"[gspo] reward: {r.reward} in {r.reward_workers} worker processes, at most "
                   f"{r.reward_timeout_s:g} s a call", flush=True)
             self.manager = RolloutManager(
                 self.pool, r,  # the rollout config section is the manager's config (and more)
                 encode_prompt=lambda rec: chat_prompt_ids(self.tokenizer, rec), decode=decode,
                 scorer=self.rewards, teacher=self.teacher)
-        self.records = RolloutRecords(cfg.logging.rollout_records) if cfg.logging.rollout_records else None
+        self.records = RolloutRecords(cfg.logging.rollout_records, advantages_on_last_stage=cfg.loss.kl_in_reward) \
+            if cfg.logging.rollout_records else None
         self.producer: AsyncRollouts | None = None  # train.max_staleness > 0: start_async()
         self._async_state: dict[str, Any] | None = None  # a resume's queue, until start_async()
-        self.evaluator = None  # eval: made at its first use
+        self.evaluator: Evaluator | None = None  # eval: made at its first use
         # loss.reward_norm_* = running: the run's reward statistics (checkpointed with the buffer)
         self.reward_moments = RunningMoments() if "running" in (cfg.loss.reward_norm_mean,
                                                                  cfg.loss.reward_norm_std) else None
         # last, once nothing can fail: probes each server, restarts those this run launched
         self.health = HealthMonitor(self.pool, r, launched=servers.launched(), log=_say).start()
-        self.teacher_health = None if teachers is None else \
+        self.teacher_health = None if teachers is None or self.teacher is None else \
             HealthMonitor(self.teacher.pool, r, launched=teachers.launched(), log=_say).start()
 
     @classmethod
     def start(cls, cfg: RunConfig, log_dir: str | None = None, cache_dir: Path | None = None,
-              prompt_rows=None) -> "Driver":
+              prompt_rows: KeptRows | None = None) -> "Driver":
         """Attach to rollout.server_urls, or launch rollout.num_servers local servers (servers.py).
         log_dir: the servers' logs; cache_dir: where parquet prompt sets are memory-mapped from
         (rollout/prompts/sets.py); prompt_rows: the rows of the prompt set to use (rollout.max_prompt_tokens;
@@ -139,6 +150,8 @@ class Driver:
                                                     current_weight_version=weight_version,
                                                     should_stop=should_stop)
             except RolloutInterrupted:
+                if before is None:  # only a step that can be stopped is interrupted
+                    raise
                 self.load_state(before["stream"], before["manager"])
                 return None
             except NoServerLeft:  # the step's prompts come again once a server is back
@@ -151,6 +164,10 @@ class Driver:
         batch = samples_to_batch(groups, r.group_size, turn_discount=r.turn_discount if per_token else None,
                                  advantage=self.cfg.loss, running=self.reward_moments, metrics=shaping)
         metrics = rollout_metrics(groups, manager_metrics)
+        aligned, problem = alignment_metrics([s for g in groups for s in g])
+        metrics.update(aligned)
+        if problem is not None:
+            _say(f"step {step}: a rollout sample's records are not paired: {problem}")
         metrics.update({f"rollout/{k}": v for k, v in shaping.items()})
         metrics["rollout/policy_lag_max"] = policy_lag(batch, int(weight_version))
         for pool in self.pools():  # servers live, failures, restarts, resubmitted (and the teacher's)
@@ -230,7 +247,8 @@ class Driver:
         """The held-out evaluation of the servers' current weights (evaluation.py)."""
         if self.evaluator is None:
             from gspo_megatron.driver.evaluation import Evaluator
-            self.evaluator = Evaluator(self.cfg, self, cache_dir=self.cache_dir)
+            self.evaluator = Evaluator(self.cfg, self.pool, self.tokenizer, self.manager.decode, rewards=self.rewards,
+                                       env_factory=self.env_factory, chat=self.chat, cache_dir=self.cache_dir)
         return self.evaluator.run(step)
 
     def paused(self):
@@ -240,8 +258,7 @@ class Driver:
     def warm_start_examples(self, n: int, offset: int) -> list[tuple[list[int], list[int], list[int]]]:
         """n (prompt ids, response ids, response loss mask) for the supervised warm start, cycling
         through the prompt set from `offset` (warm_start.py)."""
-        return warm_start_examples(self.prompts, n, offset, self.tokenizer, self.env_factory,
-                                   getattr(self, "chat", None))
+        return warm_start_examples(self.prompts, n, offset, self.tokenizer, self.env_factory, self.chat)
 
     # --- state -------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

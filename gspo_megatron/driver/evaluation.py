@@ -1,6 +1,6 @@
 """Evaluation on a held-out prompt set during training (the `eval:` config section).
 
-    evaluator = Evaluator(cfg, driver)              # rank 0, beside the rollout manager
+    evaluator = Evaluator(cfg, pool, tokenizer, decode, rewards=rewards)   # rank 0: the driver's parts
     metrics = evaluator.run(step=40)                # the servers' current weights
 
 Before step 0, before every `eval.interval`-th step and after the last one, the driver samples
@@ -22,13 +22,20 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 from gspo_megatron.config import RunConfig
+from gspo_megatron.driver.environment import reward_workers
+from rollout.generation.multiturn.chat import ChatTemplate
+from rollout.generation.multiturn import Environment
 from rollout.prompts.dataset import chat_prompt_ids, load_prompts
 from rollout.generation.manager import RolloutManager
 from rollout.rewards import RewardErrorBudget, RewardWorkerPool
 from rollout.generation.sample import Sample
+from rollout.servers.pool import ServerPool
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def eval_due(cfg: RunConfig, step: int) -> bool:
@@ -40,11 +47,11 @@ def eval_metrics(groups: list[list[Sample]]) -> dict[str, float]:
     """The eval/* scalars of scored groups (one group per prompt)."""
     def summary(gs: list[list[Sample]], suffix: str = "") -> dict[str, float]:
         samples = [s for g in gs for s in g]
-        return {f"eval/accuracy{suffix}": statistics.fmean(float(s.reward >= 1.0) for s in samples),
-                f"eval/pass@k{suffix}": statistics.fmean(float(any(s.reward >= 1.0 for s in g)) for g in gs)}
+        return {f"eval/accuracy{suffix}": statistics.fmean(float(s.score >= 1.0) for s in samples),
+                f"eval/pass@k{suffix}": statistics.fmean(float(any(s.score >= 1.0 for s in g)) for g in gs)}
     out = summary(groups)
     samples = [s for g in groups for s in g]
-    out["eval/reward_mean"] = statistics.fmean(float(s.reward) for s in samples)
+    out["eval/reward_mean"] = statistics.fmean(s.score for s in samples)
     out["eval/response_length"] = statistics.fmean(len(s.response_ids) for s in samples)
     sources = sorted({str(g[0].prompt["data_source"]) for g in groups if "data_source" in g[0].prompt})
     for source in sources:
@@ -55,9 +62,13 @@ def eval_metrics(groups: list[list[Sample]]) -> dict[str, float]:
 class Evaluator:
     """Rank 0's evaluation: its own rollout manager over the driver's server pool."""
 
-    def __init__(self, cfg: RunConfig, driver: Any, cache_dir: Path | None = None) -> None:
-        """driver: the run's Driver (its pool, tokenizer, environment); cache_dir: where parquet
-        sets are memory-mapped from (rollout/prompts/sets.py)."""
+    def __init__(self, cfg: RunConfig, pool: ServerPool, tokenizer: PreTrainedTokenizerBase,
+                 decode: Callable[[list[int]], str], *, rewards: RewardWorkerPool | None = None,
+                 env_factory: Callable[[dict], Environment] | None = None, chat: ChatTemplate | None = None,
+                 cache_dir: Path | None = None) -> None:
+        """The driver's parts (driver.py): its server pool, tokenizer and decode; its reward
+        workers (single-turn), or its environment and chat template (multi-turn). cache_dir: where
+        parquet sets are memory-mapped from (rollout/prompts/sets.py)."""
         r, e = cfg.rollout, cfg.eval
         self.cfg = cfg
         self.prompts = load_prompts(e.prompts, e.prompt_key or r.prompt_key, e.answer_key or r.answer_key,
@@ -68,20 +79,17 @@ class Evaluator:
             top_k=1 if greedy else -1, top_p=e.top_p, max_new_tokens=e.max_new_tokens or r.max_new_tokens,
             dynamic_sampling=False, oversample_groups=0, partial_rollouts=False, mask_stale_tokens=False,
             return_routed_experts=False, seed=None, max_reward_error_fraction=1.0)
-        tok = driver.tokenizer
         budget = RewardErrorBudget(1.0, what="the held-out eval")  # it never stops the run: said once
         self.own_rewards = None
-        if driver.env_factory is None and (e.reward or r.reward) != r.reward:
-            self.own_rewards = RewardWorkerPool.from_config(r, e.reward, cfg.eval_reward_args(), cfg.plugins)
-        if driver.env_factory is not None:
-            self.manager = RolloutManager(driver.pool, config, decode=driver.manager.decode,
-                                          env_factory=driver.env_factory, chat=driver.chat, max_turns=r.max_turns,
-                                          reward_budget=budget)
+        if env_factory is None and (e.reward or r.reward) != r.reward:
+            self.own_rewards = reward_workers(cfg, e.reward, cfg.eval_reward_args())
+        if env_factory is not None:
+            self.manager = RolloutManager(pool, config, decode=decode, env_factory=env_factory, chat=chat,
+                                          max_turns=r.max_turns, reward_budget=budget)
         else:
-            self.manager = RolloutManager(driver.pool, config, encode_prompt=lambda rec: chat_prompt_ids(tok, rec),
-                                          decode=driver.manager.decode, scorer=self.own_rewards or driver.rewards,
-                                          reward_budget=budget)
-        self.decode = driver.manager.decode
+            self.manager = RolloutManager(pool, config, encode_prompt=lambda rec: chat_prompt_ids(tokenizer, rec),
+                                          decode=decode, scorer=self.own_rewards or rewards, reward_budget=budget)
+        self.decode = decode
         self.records = Path(cfg.logging.eval_records) if cfg.logging.eval_records else None
 
     def run(self, step: int) -> dict[str, float]:

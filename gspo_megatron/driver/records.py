@@ -13,11 +13,15 @@ from rollout.generation.sample import Sample
 
 
 class RolloutRecords:
-    """Appends one JSON line per sample and step: what was sampled and the row the actor trained on."""
+    """Appends one JSON line per sample and step: what was sampled and the row the actor trained on.
+    `batch_advantages` is null where the driver does not know them: with the KL in the reward
+    (loss.kl_in_reward_coef > 0) they are computed on the last pipeline stage from the reference
+    log-probs (actor/reward_kl.py), and the driver's batch holds only placeholders."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, advantages_on_last_stage: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.advantages_known = not advantages_on_last_stage
 
     def write(self, step: int, samples: list[Sample], batch: TrainBatch) -> None:
         with self.path.open("a") as f:
@@ -35,5 +39,5 @@ class RolloutRecords:
                     "batch_tokens": batch.row_values("tokens", row).tolist(),
                     "batch_loss_mask": batch.row_values("loss_mask", row).int().tolist(),
                     "batch_rollout_log_probs": batch.row_values("rollout_log_probs", row).tolist(),
-                    "batch_advantages": adv.tolist() if adv.dim() else float(adv),
+                    "batch_advantages": (adv.tolist() if adv.dim() else float(adv)) if self.advantages_known else None,
                 }) + "\n")

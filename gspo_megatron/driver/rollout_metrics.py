@@ -8,12 +8,17 @@ import statistics
 import torch
 
 from gspo_megatron.algorithms.distill import reverse_kl
+from rollout.generation.alignment import misalignment
 from rollout.generation.sample import Sample
+
+ALIGNMENT_CHECKS = 8
+"""Samples a step checks fully for alignment (rollout/generation/alignment.py), those built from
+several generate calls first: a few numpy passes over each one's tokens and routes."""
 
 
 def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float]) -> dict[str, float]:
     samples = [s for g in groups for s in g]
-    rewards = [float(s.reward) for s in samples]
+    rewards = [s.score for s in samples]
     lengths = [len(s.response_ids) for s in samples]
     m = manager_metrics
     return {
@@ -25,7 +30,7 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
         "rollout/truncated_fraction": m.get("truncated_fraction", 0.0),
         "rollout/groups_dropped": m.get("groups_dropped_equal_reward", 0.0),
         "rollout/partial_resumed": m.get("samples_resumed", 0.0),
-        "rollout/partial_restarted": m.get("samples_restarted_routing", 0.0),
+        "rollout/unrouted_dropped": float(sum(s.metadata.get("unrouted_dropped", 0) for s in samples)),
         "rollout/partial_buffered": m.get("groups_partial_buffered", 0.0),
         "rollout/reward_errors": m.get("reward_errors", 0.0),
         **reward_metrics(samples, m),
@@ -36,13 +41,27 @@ def rollout_metrics(groups: list[list[Sample]], manager_metrics: dict[str, float
     }
 
 
+def alignment_metrics(samples: list[Sample], checks: int = ALIGNMENT_CHECKS,
+                      ) -> tuple[dict[str, float], str | None]:
+    """rollout/alignment_checked and rollout/misaligned over `checks` of the samples (those of
+    several segments first, then in order), and the first problem found, named (or None)."""
+    chosen = sorted(range(len(samples)), key=lambda i: (samples[i].num_segments <= 1, i))[:checks]
+    found = [(samples[i], misalignment(samples[i])) for i in chosen]
+    bad = [(s, p) for s, p in found if p is not None]
+    first = f"sample {bad[0][0].group_id}/{bad[0][0].index}: {bad[0][1]}" if bad else None
+    return {"rollout/alignment_checked": float(len(found)), "rollout/misaligned": float(len(bad))}, first
+
+
 def distill_metrics(samples: list[Sample], m: dict[str, float]) -> dict[str, float]:
     """On-policy distillation: the reverse KL of the student's samples from the teacher (per trained
     token, with the engine's log-probs of the student: pi_old up to train/logprob_abs_diff), and
     the teacher's request time and throughput."""
     mask = torch.tensor([k for s in samples for k in s.loss_mask], dtype=torch.bool)
     student = torch.tensor([lp for s in samples for lp in s.logprobs], dtype=torch.float64)
-    teacher = torch.tensor([lp for s in samples for lp in s.teacher_logprobs], dtype=torch.float64)
+    unscored = [s.index for s in samples if s.teacher_logprobs is None]
+    if unscored:
+        raise ValueError(f"{len(unscored)} sample(s) have no teacher log-probs: the teacher scores every sample")
+    teacher = torch.tensor([lp for s in samples for lp in s.teacher_logprobs or ()], dtype=torch.float64)
     seconds = m.get("teacher_seconds", 0.0)
     return {"distill/reverse_kl": reverse_kl(student, teacher, mask), "distill/teacher_time": seconds,
             "distill/teacher_tokens_per_s": m.get("teacher_tokens", 0.0) / seconds if seconds else 0.0}
@@ -55,6 +74,8 @@ def reward_metrics(samples: list[Sample], m: dict[str, float]) -> dict[str, floa
     p99 = seconds[min(len(seconds) - 1, int(0.99 * len(seconds)))] if seconds else 0.0
     return {"reward/timeouts": m.get("reward_timeouts", 0.0),
             "reward/worker_restarts": m.get("reward_worker_restarts", 0.0),
+            "reward/sandbox_failures": m.get("reward_sandbox_failures", 0.0),
+            "reward/groups_dropped_sandbox": m.get("groups_dropped_sandbox", 0.0),
             "reward/p99_ms": 1000.0 * p99,
             "time/reward_wait": m.get("reward_wait_seconds", 0.0),
             "time/reward": m.get("reward_seconds", 0.0)}

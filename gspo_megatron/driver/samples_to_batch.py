@@ -57,7 +57,7 @@ def samples_to_batch(groups: list[list[Sample]], group_size: int,
         if teacher is not None and s.teacher_logprobs is not None:
             teacher[response] = torch.tensor(s.teacher_logprobs, dtype=torch.float32)
         start += p + r
-    rewards, shaping = shape_rewards(settings, torch.tensor([float(s.reward) for s in samples],
+    rewards, shaping = shape_rewards(settings, torch.tensor([s.score for s in samples],
                                                             dtype=torch.float64), group_size, running)
     rows = BatchRows(lengths, loss_mask, torch.arange(len(samples)) // group_size, len(samples) // group_size)
     if settings.kl_in_reward:  # finished on the last pipeline stage, after the reference log-probs
@@ -102,5 +102,8 @@ def routed_experts(samples: list[Sample], total: int) -> torch.Tensor | None:
 def policy_lag(batch: TrainBatch, current_version: int) -> float:
     """The largest number of weight updates between the policy that sampled a trained token and
     the current one (0: fully on-policy; > 0 only with partial rollouts)."""
-    sampled = batch.weight_versions[batch.loss_mask & (batch.weight_versions >= 0)]
+    versions = batch.weight_versions
+    if versions is None:
+        raise ValueError("the batch carries no weight_versions: its samples' versions were not recorded")
+    sampled = versions[batch.loss_mask & (versions >= 0)]
     return float(current_version - int(sampled.min())) if sampled.numel() else 0.0

@@ -17,9 +17,10 @@ from rollout.generation.step_metrics import episode_metrics
 from rollout.generation.sample import Sample
 
 # manager metrics that add up over the rollout thread's batches between two trainer steps
-_COUNTS = ("groups_dropped_equal_reward", "samples_resumed", "samples_restarted_routing", "groups_partial_buffered",
+_COUNTS = ("groups_dropped_equal_reward", "samples_resumed", "groups_partial_buffered",
            "reward_errors", "response_tokens", "rollout_seconds", "prompts_drawn", "batches",
            "reward_timeouts", "reward_worker_restarts", "reward_seconds", "reward_wait_seconds",
+           "reward_sandbox_failures", "groups_dropped_sandbox",
            "teacher_seconds", "teacher_tokens")
 
 

@@ -5,7 +5,7 @@ gets an advantage from the rewards of turn k on, for gspo_token (docs/algorithm.
     adv = turn_credit_advantages(samples, group_size, width=None, discount=0.9)      # [T] packed
 
 With G_{i,k} = sum_{m >= k} discount^(m - k) r_{i,m} (the turn rewards of episode i): a group
-estimator (grpo, dr_grpo, rloo, ...) scores episode i by G_{i,1} and gives each token of turn k
+estimator (ESTIMATORS' kind "group") scores episode i by G_{i,1} and gives each token of turn k
 (G_{i,k} - b_i) / d_i with its group's baseline and scale (algorithms/advantage); a return
 estimator sees each turn's reward on the turn's last token and takes the return-to-go per token.
 rollout/ runs the episodes (token-in/token-out, rollout.generation.multiturn); this turns their
@@ -22,7 +22,7 @@ from rollout.generation.sample import Sample
 
 
 def _turn_rewards(s: Sample) -> list[float]:
-    return [float(x) for x in (s.metadata.get("turn_rewards") or [float(s.reward)])]
+    return [float(x) for x in (s.metadata.get("turn_rewards") or [s.score])]
 
 
 def turn_credit_inputs(samples: list[Sample], discount: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

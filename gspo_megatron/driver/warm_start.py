@@ -10,22 +10,26 @@ assistant's reply; with one, the record's scripted turns played against the envi
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from gspo_megatron.actor.batching.batch import TrainBatch
+from rollout.generation.multiturn import Environment, EpisodeChat
 from rollout.prompts.dataset import chat_prompt_ids
 
 
-def warm_start_examples(records: Any, n: int, offset: int, tokenizer: Any,
-                        env_factory: Callable[[dict], Any] | None = None, chat: Any = None,
+def warm_start_examples(records: Sequence[dict], n: int, offset: int, tokenizer: Any,
+                        env_factory: Callable[[dict], Environment] | None = None,
+                        chat: EpisodeChat | None = None,
                         ) -> list[tuple[list[int], list[int], list[int]]]:
     """n (prompt ids, response ids, response loss mask), cycling through `records` from `offset`."""
     out = []
     for k in range(n):
         rec = records[(offset + k) % len(records)]
         if env_factory is not None:
+            if chat is None:
+                raise ValueError("a multi-turn warm start needs the chat template its episodes use")
             out.append(demonstration(rec, env_factory(rec), chat, tokenizer))
             continue
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -37,7 +41,7 @@ def warm_start_examples(records: Any, n: int, offset: int, tokenizer: Any,
     return out
 
 
-def demonstration(record: dict, env: Any, chat: Any, tokenizer: Any) -> tuple[list[int], list[int], list[int]]:
+def demonstration(record: dict, env: Environment, chat: EpisodeChat, tokenizer: Any) -> tuple[list[int], list[int], list[int]]:
     """A scripted episode for the supervised warm start: record["solution"] lists the assistant's
     turns; they are played against the environment through the chat template exactly as rollouts
     are built (each turn's text + EOS, then the environment's tokens), so the warm start teaches

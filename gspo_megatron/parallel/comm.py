@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+from types import FrameType
 from typing import Iterator
 
 import torch
@@ -70,10 +71,12 @@ def _project_caller(depth: int) -> str | None:
     """'module:line' of the calling frame `depth` up if it is project code, else None. Frames of
     the torch-function modes themselves (this module, cpu_compat's CpuDeviceMode, which may sit
     above this one) are looked through."""
-    frame = sys._getframe(depth)
+    frame: FrameType | None = sys._getframe(depth)
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_TRANSPARENT):
         frame = frame.f_back
-    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    if frame is None:
+        return None
+    name = frame.f_globals.get("__name__", "")
     if name.startswith(_PROJECT_PREFIXES):
         return f"{name}:{frame.f_lineno}"
     return None

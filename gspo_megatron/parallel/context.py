@@ -50,10 +50,8 @@ def join(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
     if size == 1:
         return parts[0]
     c = parts[0].shape[dim] // 2
-    chunks: list[torch.Tensor | None] = [None] * (2 * size)
-    for r, part in enumerate(parts):
-        chunks[r], chunks[2 * size - 1 - r] = part.split(c, dim=dim)
-    return torch.cat(chunks, dim=dim)
+    halves = [part.split(c, dim=dim) for part in parts]  # rank r held chunks r and 2 size - 1 - r
+    return torch.cat([h[0] for h in halves] + [h[1] for h in reversed(halves)], dim=dim)
 
 
 def all_gather(local: torch.Tensor, group: dist.ProcessGroup, dim: int = 1) -> torch.Tensor:

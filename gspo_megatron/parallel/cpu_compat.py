@@ -178,15 +178,17 @@ def _patch_backward_device_literals() -> None:
     """Recomputation (compute.recompute) runs layers' forward again inside autograd's backward,
     where CpuDeviceMode is not active: megatron's causal mask (utils.get_default_causal_mask, called
     by FusedScaleMaskSoftmax.forward_torch_softmax) is then built with device="cuda" and fails.
-    Both names point at a CPU twin (cached like the original), and so do the sliding window's."""
-    import functools
-
+    Both names point at a CPU twin (its masks cached: clear_mask_cache); the sliding window's mask
+    has one too, uncached."""
     from megatron.core.fusions import fused_softmax
     from megatron.core.transformer import utils
 
-    @functools.lru_cache(maxsize=32)
     def get_default_causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+        if sq not in _CAUSAL_MASKS:
+            if len(_CAUSAL_MASKS) >= _CAUSAL_MASKS_KEPT:
+                del _CAUSAL_MASKS[next(iter(_CAUSAL_MASKS))]
+            _CAUSAL_MASKS[sq] = torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
+        return _CAUSAL_MASKS[sq]
 
     utils.get_default_causal_mask = fused_softmax.get_default_causal_mask = get_default_causal_mask
 
@@ -199,6 +201,19 @@ def _patch_backward_device_literals() -> None:
 
     utils.get_sliding_window_causal_mask = get_sliding_window_causal_mask
     fused_softmax.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
+# The CPU twin's causal masks by length, the oldest dropped past _CAUSAL_MASKS_KEPT (a dict rather
+# than functools.lru_cache, so that a closed Actor can free them and say how many bytes they held).
+_CAUSAL_MASKS: dict[int, torch.Tensor] = {}
+_CAUSAL_MASKS_KEPT = 32
+
+
+def clear_mask_cache() -> list[torch.Tensor]:
+    """Empty the CPU twin's cache of causal masks (actor/release.py); the masks it held."""
+    dropped = list(_CAUSAL_MASKS.values())
+    _CAUSAL_MASKS.clear()
+    return dropped
 
 
 def _enter_device_mode() -> None:

@@ -216,7 +216,7 @@ class ParallelLayout:
         first, last = self.first_stage_layers, self.last_stage_layers
         ends = [f"{name} {n}" for name, n in (("first_stage_layers", first),
                                               ("last_stage_layers", last)) if n is not None]
-        taken = " + ".join(ends) + (f" = {first + last} layers" if len(ends) == 2 else " layers")
+        taken = " + ".join(ends) + (f" = {first + last} layers" if first is not None and last is not None else " layers")
         middle_stages = pp - len(ends)
         middle = num_layers - (first or 0) - (last or 0)
         if middle < 0:

@@ -10,5 +10,8 @@ def unwrap(chunk: torch.nn.Module) -> GPTModel:
     while not isinstance(chunk, GPTModel):
         if not hasattr(chunk, "module"):
             raise TypeError(f"expected a (wrapped) GPTModel, got {type(chunk).__name__}")
-        chunk = chunk.module
+        inner = chunk.module
+        if not isinstance(inner, torch.nn.Module):
+            raise TypeError(f"{type(chunk).__name__}.module is a {type(inner).__name__}, not a module")
+        chunk = inner
     return chunk

@@ -12,7 +12,7 @@ import argparse
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,7 @@ def main() -> None:
                     peak=torch.cuda.max_memory_allocated() if cuda else None, seconds=seconds)
         est = step_time(actor.spec, layout, world, settings, GPUS[args.gpu], 8, rows * dp * length,
                         length / 2, predicted) if cuda else None
-    everyone = [None] * world
+    everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:
         print(f"{layout.describe(world)}: {rows} rows x {length} tokens per DP rank, budget {s.max_tokens}, "
@@ -123,9 +123,9 @@ def main() -> None:
             mib = lambda a, b: f"{a / 2**20:.2f} / {b / 2**20:.2f}"  # noqa: E731
             peak = (f"{pm.total() / GiB:.2f} / {r['peak'] / GiB:.2f}" if r["peak"] is not None
                     else "- (CPU)")
-            step = f"{est:.3f} / {r['seconds']:.3f}" if est is not None else f"- / {r['seconds']:.3f}"
+            took = f"{est:.3f} / {r['seconds']:.3f}" if est is not None else f"- / {r['seconds']:.3f}"
             print(f"| {r['rank']} | {r['stage']} | {mib(pm.weights, w)} | {mib(pm.gradients, g)} | "
-                  f"{mib(pm.optimizer, o)} | {peak} | {step} |")
+                  f"{mib(pm.optimizer, o)} | {peak} | {took} |")
     # Leave the groups together: a rank that exits while gloo's threads still serve another rank
     # aborts with "terminate called without an active exception" (SIGABRT; CI saw it on rank 1
     # after the table was printed). Only on success: after an error a barrier would wait for the

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, TypeAlias
 
 from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.layout import ParallelLayout
@@ -21,7 +21,8 @@ from gspo_megatron.parallel.layout import ParallelLayout
 if TYPE_CHECKING:  # the planner reads a torch-free ModelShape; plan --check a built ModelSpec
     from model_specs.build import ModelSpec
     from model_specs.shape import ModelShape
-    Model = Union[ModelSpec, ModelShape]
+
+Model: TypeAlias = "ModelSpec | ModelShape"  # what the planner reads of a model: its config and sizes
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -297,10 +298,12 @@ def layer_activation_bytes(spec: Model, layout: ParallelLayout, s: MemorySetting
     if _is_moe_layer(c, i):
         if "moe" in mods:
             return attn + b * h / sp
-        ffn, k = c.moe_ffn_hidden_size, c.moe_router_topk
+        ffn, k, experts = c.moe_ffn_hidden_size, c.moe_router_topk, c.num_moe_experts
+        if ffn is None or experts is None:
+            raise ValueError(f"layer {i} is a MoE layer of a config without moe_ffn_hidden_size or num_moe_experts")
         gate = 2 if c.gated_linear_unit else 1
         per_copy = b * (2 * h + gate * ffn + (0 if "moe_act" in mods else ffn))
-        mlp = b * h / sp + norm_out + 8 * c.num_moe_experts / sp + k * per_copy / sp
+        mlp = b * h / sp + norm_out + 8 * experts / sp + k * per_copy / sp
         if c.moe_shared_expert_intermediate_size:
             sh = c.moe_shared_expert_intermediate_size
             mlp += b * (gate * sh + sh) / tp

@@ -138,7 +138,7 @@ def divisors(n: int) -> list[int]:
 class Row:
     layout: ParallelLayout
     name: str
-    memory: RankMemory | None = None
+    memory: RankMemory
     max_tokens: int = 0
     step_s: float = 0.0
     tokens_s: float = 0.0

@@ -18,14 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.layout import ParallelLayout
-from gspo_megatron.planner.memory import stage_params
-
-if TYPE_CHECKING:
-    from gspo_megatron.planner.memory import Model
+from gspo_megatron.planner.memory import Model, stage_params
 
 # One 400 Gb/s NIC per H100 (50 GB/s line rate), about half of it reached end to end.
 SYNC_GBPS = 25.0

@@ -4,12 +4,17 @@ rank can see, and the locks that make a folder one run's.
     scratch_dir(cfg, "logs")              # under checkpoint.dir (else the TensorBoard dir, ./runs)
     locks = lock_run_folders(cfg)         # rank 0: RunLockedError if another run holds one
     release(locks)
+    set_aside_earlier_files(cfg)          # rank 0, a fresh start: an earlier attempt's metrics moved
+    drop_records_from(cfg, step)          # rank 0, a resume: the records of steps it redoes dropped
 
 What must hold of them before a run starts (writable, room, a harmless export target, unlocked) is
 checked in preflight.py.
 """
 from __future__ import annotations
 
+import json
+import shutil
+import time
 from pathlib import Path
 
 from gspo_megatron.checkpoint.output_dirs import OutputDirError
@@ -95,3 +100,46 @@ def release(locks: list[RunLock]) -> None:
         lock.release()
 
 
+
+
+def appended_files(cfg: RunConfig) -> list[Path]:
+    """The files a run appends to, step after step: the metrics.jsonl, the rollout and eval
+    records (TensorBoard's event files are found in its folder)."""
+    tb = cfg.logging.tensorboard_dir
+    jsonl = cfg.logging.metrics_jsonl or (str(Path(tb) / "metrics.jsonl") if tb else None)
+    return [Path(p) for p in (jsonl, cfg.logging.rollout_records, cfg.logging.eval_records) if p]
+
+
+def set_aside_earlier_files(cfg: RunConfig) -> Path | None:
+    """Rank 0, at a fresh start (nothing to resume): what an earlier attempt left in the files this
+    run appends to (an attempt stopped before its first checkpoint, or an earlier run writing into
+    the same folders) is moved, whole, into `<tensorboard_dir>/previous/<UTC time>/` (beside the
+    first such file without a TensorBoard folder), so the new run's curves and records hold its own
+    steps once and nothing is deleted; TensorBoard shows the moved events as a run of their own.
+    Returns that folder, or None when there was nothing."""
+    tb = Path(cfg.logging.tensorboard_dir) if cfg.logging.tensorboard_dir else None
+    found = sorted(tb.glob("events.out.tfevents.*")) if tb is not None and tb.is_dir() else []
+    found += [p for p in appended_files(cfg) if p.is_file()]
+    if not found:
+        return None
+    root = (tb if tb is not None else found[0].parent) / "previous"
+    dest = root / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    for n in range(1, 1000):
+        if not dest.exists():
+            break
+        dest = root / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{n}"
+    dest.mkdir(parents=True)
+    for i, path in enumerate(found):
+        target = dest / path.name
+        shutil.move(str(path), str(target if not target.exists() else dest / f"{i}-{path.name}"))
+    return dest
+
+
+def drop_records_from(cfg: RunConfig, step: int) -> None:
+    """Rank 0, at a resume from the checkpoint of `step`: the rollout and eval records of steps >=
+    `step` (written by the attempt that was stopped after that checkpoint) are dropped, since the
+    resumed run writes them again (the metrics.jsonl: MetricsWriter's purge_step)."""
+    for path in appended_files(cfg)[1:]:
+        if path.is_file():
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) < step]
+            path.write_text("".join(ln + "\n" for ln in keep))

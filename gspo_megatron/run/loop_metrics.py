@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gspo_megatron.actor.batching.batch import TrainBatch
+    from rollout.generation.async_rollouts import AsyncRollouts
 
 
 class PhaseTimer(dict):
@@ -29,8 +33,8 @@ class PhaseTimer(dict):
 
 
 def step_scalars(rollout: dict[str, float], updates: list[dict[str, float]], old: dict[str, float],
-                 sync: dict[str, float], t: PhaseTimer, tokens: float, shard: Any,
-                 transfer: dict[str, float], producer: Any = None) -> dict[str, float]:
+                 sync: dict[str, float], t: PhaseTimer, tokens: float, shard: TrainBatch,
+                 transfer: dict[str, float], producer: AsyncRollouts | None = None) -> dict[str, float]:
     """Every scalar of one step: the rollout's (rank 0's batch metrics), the updates' and the old
     log-prob pass's (train_metrics), the weight sync's, the phases' seconds, throughput, the batch
     transfer's, and (asynchronous, rank 0: the rollout thread) the overlap."""
@@ -39,9 +43,10 @@ def step_scalars(rollout: dict[str, float], updates: list[dict[str, float]], old
     if producer is not None:
         metrics.update(overlap_metrics(t, producer))
     metrics["perf/tokens_per_s"] = tokens / t["time/step"]
-    metrics.update({"batch/dp_token_imbalance": shard.dp_token_imbalance,
-                    "batch/bytes_per_rank": transfer["bytes_per_rank"],
+    metrics.update({"batch/bytes_per_rank": transfer["bytes_per_rank"],
                     "time/batch_transfer": transfer["batch_transfer_s"]})
+    if shard.dp_token_imbalance is not None:  # (set by the transfer: always, in the loop)
+        metrics["batch/dp_token_imbalance"] = shard.dp_token_imbalance
     return metrics
 
 
@@ -78,7 +83,7 @@ def train_metrics(updates: list[dict[str, float]], old: dict[str, float]) -> dic
     return {k: v for k, v in out.items() if v is not None}
 
 
-def overlap_metrics(t: PhaseTimer, producer) -> dict[str, float]:
+def overlap_metrics(t: PhaseTimer, producer: AsyncRollouts) -> dict[str, float]:
     """Busy fractions of the rollout thread and the trainer over the step, and their overlap."""
     start, end = t.spans["step"][0]
     train = [s for phase, spans in t.spans.items() if phase not in ("step", "rollout") for s in spans]

@@ -38,14 +38,22 @@ TAGS = {
     "rollout/truncated_fraction": "fraction of responses cut by max_new_tokens",
     "rollout/groups_dropped": "groups dropped by dynamic sampling (all rewards equal)",
     "rollout/partial_resumed": "samples resumed from a partial rollout this step",
-    "rollout/partial_restarted": "partial responses restarted from the prompt: with routing replay, "
-                                 "one generated under other weights is not resumed",
+    "rollout/unrouted_dropped": "tokens dropped to be generated again: SGLang answered the abort "
+                                "of a request it had retracted without their routes (moe.replay "
+                                "or engine_routing; rollout/generation/requests.py)",
+    "rollout/alignment_checked": "samples whose tokens, log-probs, weight versions and routes were "
+                                 "checked for pairing this step (rollout/generation/alignment.py)",
+    "rollout/misaligned": "of those, samples not paired (the log names the first position)",
     "rollout/partial_buffered": "groups left unfinished in the partial-rollout buffer",
     "rollout/reward_errors": "reward calls that failed: raised, returned a non-finite or non-number "
                              "value, ran past rollout.reward_timeout_s, or lost their worker (reward 0)",
     "reward/timeouts": "reward calls killed at rollout.reward_timeout_s (their worker replaced)",
     "reward/worker_restarts": "reward workers replaced this step (a timeout, or a worker that died: "
                               "os._exit, a segfault, the OOM killer)",
+    "reward/sandbox_failures": "responses the code sandbox failed to start a run for, after its retries (not "
+                               "the response's doing: no reward error; the run stops after 32 in a row)",
+    "reward/groups_dropped_sandbox": "groups left out of the step because the code sandbox failed on one of "
+                                     "their responses (never judged, so never a reward of 0)",
     "reward/p99_ms": "99th percentile of the scoring time per response",
     "time/reward_wait": "seconds the rollout loop waited on scoring with nothing left generating (what "
                      "scoring adds to the rollout phase)",
@@ -118,6 +126,10 @@ TAGS = {
                                "tokens, in the old-log-prob pass (moe.engine_routing)",
     "routing/replay_mismatch": "with moe.replay: replayed sets that differ from SGLang's (a "
                                "self-check: always 0)",
+    "routing/version_mismatch": "on 4 rows per rank, SGLang's recorded sets that differ from what "
+                                "the weights of their token's version choose (the versions the "
+                                "trainer still holds; 0 but near-ties when routes and tokens are "
+                                "paired: actor/held/versioned_routes.py)",
     "time/routing_drift": "seconds of the forward-only routing drift pass (moe.drift)",
     "sync/gb": "GB of HF-named tensors sent per sync, by every sender to every server",
     "sync/bytes": "the same in bytes",

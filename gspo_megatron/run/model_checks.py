@@ -59,6 +59,8 @@ def check_teacher(cfg: RunConfig, student: Path) -> None:
     from model_specs.hf.tensors import shape_mismatch
     from rollout.generation.teacher import vocabulary_mismatch
     field = "distill.teacher"
+    if cfg.distill.teacher is None:
+        raise ValueError("the teacher's checks need distill.teacher")
     teacher = check_model_folder(field, cfg.distill.teacher)
     try:
         hf = load_hf_config(teacher)
@@ -135,7 +137,8 @@ def check_prompts_fit(cfg: RunConfig, train: "PromptSet", held_out: "PromptSet |
     drop it (which makes the bound a matter of the config: checked without reading the rows)."""
     context, source = served_context(cfg, model_dir)
     r, e = cfg.rollout, cfg.eval
-    sets = [("rollout.prompts", train, r.max_new_tokens, r.max_prompt_tokens, None)]
+    sets: list[tuple[str, PromptSet, int, int | None, int | None]] = [
+        ("rollout.prompts", train, r.max_new_tokens, r.max_prompt_tokens, None)]
     if held_out is not None:
         sets.append(("eval.prompts", held_out, e.max_new_tokens or r.max_new_tokens, None, e.max_prompts))
     tokenizer = None

@@ -12,12 +12,29 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.distributed as dist
 
 from gspo_megatron.config import RunConfig
 from gspo_megatron.run.folders import INITIAL_DIR, REFERENCE_DIR, export_rules, scratch_dir
+
+if TYPE_CHECKING:
+    from gspo_megatron.actor.actor import Actor
+    from gspo_megatron.checkpoint.loop_state import LoopState
+    from gspo_megatron.checkpoint.manager import CheckpointManager
+
+
+class RunParts(Protocol):
+    """What the reference and the final checkpoint are made from: a setup.Run's parts (setup.py
+    imports this module, so it names them rather than the Run)."""
+
+    cfg: RunConfig
+    rank: int
+    actor: Actor
+    ckpt: CheckpointManager | None
+    loop: LoopState
+    resumed_from: Path | None
 
 
 def initial_megatron_checkpoint(cfg: RunConfig, rank: int, fingerprint: dict[str, Any]) -> Path:
@@ -71,7 +88,7 @@ def _raise_if_disk_full(error: BaseException, tmp: Path, hf_path: str) -> None:
                           "needed: the model's weight files); free space and rerun") from None
 
 
-def set_up_reference(run: Any) -> None:
+def set_up_reference(run: RunParts) -> None:
     """The KL reference is the policy RL starts from (after the warm start). It is saved once, to
     checkpoint.dir/reference/model.safetensors (one-process tensors, rank 0, atomic), so that a
     resumed run, in any layout, penalises against the same policy. A LoRA run's is its base (the
@@ -80,7 +97,8 @@ def set_up_reference(run: Any) -> None:
     if run.cfg.lora.enabled:
         run.actor.set_reference()
         return
-    path = Path(run.cfg.checkpoint.dir) / REFERENCE_DIR / "model.safetensors" if run.ckpt else None
+    ckpt_dir = run.cfg.checkpoint.dir if run.ckpt else None
+    path = Path(ckpt_dir) / REFERENCE_DIR / "model.safetensors" if ckpt_dir else None
     if run.resumed_from is not None and path is not None:  # preflight found it, of the same model
         run.actor.set_reference(load_file(str(path)))
         return
@@ -89,7 +107,7 @@ def set_up_reference(run: Any) -> None:
         return
     from gspo_megatron.checkpoint.fingerprint import write_fingerprint
     full = run.actor.full_state_dict(to_all_ranks=False)
-    if run.rank == 0:  # the directory appears complete (weights + source) or not at all
+    if full is not None:  # rank 0: the directory appears complete (weights + source) or not at all
         tmp = path.parent.with_name(path.parent.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -100,29 +118,29 @@ def set_up_reference(run: Any) -> None:
     dist.barrier()
 
 
-def final_model_checkpoint(run: Any) -> Path:
-        """Collective (run: a setup.Run). A megatron checkpoint of the current policy: the last checkpoint's model if
-        it is of this step, else a fresh model-only checkpoint in a scratch directory (a LoRA run's
-        always: the base with its adapters merged in, lora/merge.py merged_in_place)."""
-        import contextlib
+def final_model_checkpoint(run: RunParts) -> Path:
+    """Collective. A megatron checkpoint of the current policy: the last checkpoint's model if
+    it is of this step, else a fresh model-only checkpoint in a scratch directory (a LoRA run's
+    always: the base with its adapters merged in, lora/merge.py merged_in_place)."""
+    import contextlib
 
-        from gspo_megatron.checkpoint.model_io import save_model
-        from gspo_megatron.lora.merge import merged_in_place
-        lora = run.cfg.lora.enabled
-        latest = run.ckpt.latest() if run.ckpt else None
-        if not lora and latest is not None and latest.name.endswith(f"{run.loop.step:08d}"):
-            return latest / "model"
-        src = scratch_dir(run.cfg, "final_megatron")
-        if run.rank == 0 and src.exists():
-            shutil.rmtree(src)
-        dist.barrier()
-        with merged_in_place(run.actor.models) if lora else contextlib.nullcontext():
-            save_model(run.actor.models, src, hf_dir=run.cfg.model.hf_path)
-        dist.barrier()
-        return src
+    from gspo_megatron.checkpoint.model_io import save_model
+    from gspo_megatron.lora.merge import merged_in_place
+    lora = run.cfg.lora.enabled
+    latest = run.ckpt.latest() if run.ckpt else None
+    if not lora and latest is not None and latest.name.endswith(f"{run.loop.step:08d}"):
+        return latest / "model"
+    src = scratch_dir(run.cfg, "final_megatron")
+    if run.rank == 0 and src.exists():
+        shutil.rmtree(src)
+    dist.barrier()
+    with merged_in_place(run.actor.models) if lora else contextlib.nullcontext():
+        save_model(run.actor.models, src, hf_dir=run.cfg.model.hf_path)
+    dist.barrier()
+    return src
 
 
-def load_peft_adapters(actor: Any, cfg: RunConfig) -> None:
+def load_peft_adapters(actor: Actor, cfg: RunConfig) -> None:
     """Collective: the adapters of the PEFT folder lora.init_peft (lora/peft.py from_peft)."""
     from gspo_megatron.lora.peft import from_peft, load_peft
     from model_specs import load_hf_config
@@ -153,6 +171,9 @@ def export_hf(src: Path, cfg: RunConfig) -> None:
     """The final policy as HF safetensors (rank 0, after the process groups are gone), published
     whole into checkpoint.export_hf: it replaces only an earlier export (output_dirs)."""
     from gspo_megatron.checkpoint.export import convert_megatron_to_hf
-    out = convert_megatron_to_hf(src, cfg.checkpoint.export_hf, field="checkpoint.export_hf",
-                                 **export_rules(cfg))
-    print(f"[gspo] exported the final policy to {out} (HF format)", flush=True)
+    if cfg.checkpoint.export_hf is None:
+        raise ValueError("export_hf without checkpoint.export_hf")
+    rules = export_rules(cfg)
+    convert_megatron_to_hf(src, cfg.checkpoint.export_hf, field="checkpoint.export_hf",
+                           protected=rules["protected"], may_hold=rules["may_hold"])
+    print(f"[gspo] exported the final policy to {cfg.checkpoint.export_hf} (HF format)", flush=True)

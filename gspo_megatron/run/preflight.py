@@ -22,9 +22,9 @@ import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
-from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free_space, check_writable_dir
+from gspo_megatron.checkpoint.output_dirs import check_export_target, check_free_space_together, check_writable_dir
 from gspo_megatron.config import ConfigError, RunConfig
 from gspo_megatron.parallel.layout import LayoutError
 from gspo_errors import EXIT_INPUT, EXIT_RUNTIME, GspoError, MissingInputError
@@ -36,6 +36,9 @@ from gspo_megatron.sync.transports import TRANSPORTS
 from model_specs.hf.config import load_hf_config, model_dims
 from rollout.prompts.dataset import PromptFileError, PromptSet, load_prompts
 from rollout.prompts.rows import resolved
+
+if TYPE_CHECKING:
+    from rollout.prompts.dataset import KeptRows
 
 _Check = TypeVar("_Check", bound=Callable[..., Any])
 
@@ -117,7 +120,7 @@ class Inputs:
     resume_from: Path | None              # the complete, verified checkpoint to resume from
     prompts: dict[str, Any] = dataclasses.field(default_factory=dict)  # the prompt set's fingerprint
     new_prompt_epoch: bool = False        # resume over a changed prompt set: start a new epoch
-    prompt_rows: Any = None               # rank 0, rollout.max_prompt_tokens: the rows kept
+    prompt_rows: KeptRows | None = None   # rank 0, rollout.max_prompt_tokens: the rows kept
 
 
 @refusal
@@ -145,9 +148,11 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
         cfg.train.check_machine(available)  # optimizer offload without CUDA
     except ValueError as e:
         raise ConfigError(f"train.{e}") from None
+    if "linear_num_key_heads" in dims:  # Gated DeltaNet: kernels that would refuse its backward
+        available.check_gated_delta_net()
     try:  # the Actor resolves it with the same function: what this says is what it builds
         resolve_sequence_layout(cfg.parallel, cfg.train.pack_sequences,
-                                transformer_engine=compute.transformer_engine, cuda=available.cuda,
+                                transformer_engine=bool(compute.transformer_engine), cuda=available.cuda,  # resolved
                                 half=cfg.model.dtype == "bfloat16", te_version=available.te_version,
                                 linear_attention="linear_num_key_heads" in dims)
     except LayoutError:
@@ -207,7 +212,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
                                   f"than model.hf_path={str(hf)!r} ({change}); resume with that "
                                   f"model, or start over in a new checkpoint.dir")
-        if cfg.loss.reference_reason and not cfg.lora.enabled:  # a LoRA run's is its base
+        if cfg.loss.reference_reason and cfg.checkpoint.dir and not cfg.lora.enabled:  # a LoRA run's is its base
             ref = Path(cfg.checkpoint.dir) / REFERENCE_DIR
             if not (ref / "model.safetensors").is_file():
                 raise ConfigError(f"{cfg.loss.reference_reason}: resuming from {resume_from}, "
@@ -237,7 +242,8 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
                   resuming: bool = False) -> None:
     """OutputDirError (one line) for an output the run could not write, or lack room for: one
     checkpoint (the last one's size, else estimated), plus the initial HF -> megatron conversion
-    when a fresh run makes one (into checkpoint.dir: about the weight files' size)."""
+    when a fresh run makes one (into checkpoint.dir: about the weight files' size), plus the weight
+    sync's copies (a folder transport) where they share the checkpoint's filesystem."""
     for field, path in output_fields(cfg).items():
         check_writable_dir(field, path)
     if cfg.checkpoint.export_hf:
@@ -247,6 +253,7 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
     if cfg.lora.init_peft:
         from gspo_megatron.lora.peft import load_peft
         load_peft(cfg.lora.init_peft)  # the folder and its files (their shapes: when loaded)
+    needs: list[tuple[str, str | Path, int, str]] = []  # (field, path, bytes, what): one filesystem's fit together
     if cfg.checkpoint.dir:
         need = previous_checkpoint_bytes or checkpoint_bytes(cfg, hf_dir)
         what = ("one checkpoint (the last one's size)" if previous_checkpoint_bytes
@@ -255,14 +262,15 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
             from gspo_megatron.checkpoint.hf_files import weight_files
             need += sum(f.stat().st_size for f in weight_files(hf_dir))
             what = "the initial conversion and " + what
-        check_free_space("checkpoint.dir", cfg.checkpoint.dir, need, what)
+        needs.append(("checkpoint.dir", cfg.checkpoint.dir, need, what))
     row = TRANSPORTS[cfg.sync.transport]
     if row.folder_versions and not cfg.lora.enabled:  # the versions the transport keeps in sync.dir
         # at once (a LoRA run's adapters go through no transport: sync/adapter_sync.py)
         from gspo_megatron.checkpoint.hf_files import weight_files
         need = row.folder_versions * sum(f.stat().st_size for f in weight_files(hf_dir))
-        check_free_space("sync.dir", cfg.sync.dir or Path(run_root(cfg)) / "sync", need,
-                         f"the {row.name} transport ({row.folder_versions} copies of the model's weights)")
+        needs.append(("sync.dir", cfg.sync.dir or Path(run_root(cfg)) / "sync", need,
+                      f"the {row.name} transport ({row.folder_versions} copies of the model's weights)"))
+    check_free_space_together(needs)
 
 
 def prompt_set_changed(stored: dict[str, Any] | None, now: dict[str, Any]) -> str:
@@ -293,12 +301,14 @@ def check_prompt_set(cfg: RunConfig, stored: dict[str, Any] | None, now: dict[st
                       "over this one")
 
 
-def drop_overlong_prompts(cfg: RunConfig, prompts, hf_dir: Path):
+def drop_overlong_prompts(cfg: RunConfig, prompts: PromptSet, hf_dir: Path) -> KeptRows:
     """rollout.max_prompt_tokens: the rows kept (an index array), said in one line."""
     from transformers import AutoTokenizer
 
     from rollout.prompts.dataset import PromptFileError, filter_overlong
     r = cfg.rollout
+    if r.max_prompt_tokens is None:
+        raise ValueError("dropping overlong prompts needs rollout.max_prompt_tokens")
     try:
         kept, dropped = filter_overlong(prompts, AutoTokenizer.from_pretrained(str(hf_dir)), r.max_prompt_tokens)
     except PromptFileError as e:
@@ -306,4 +316,6 @@ def drop_overlong_prompts(cfg: RunConfig, prompts, hf_dir: Path):
     print(f"[gspo] rollout.prompts: {dropped} of {prompts.total_rows} prompts are longer than "
           f"{r.max_prompt_tokens} tokens (rollout.max_prompt_tokens) and were dropped; {len(kept)} remain",
           flush=True)
+    if kept.kept is None:
+        raise RuntimeError("filter_overlong returned every row without a kept-row index")
     return kept.kept

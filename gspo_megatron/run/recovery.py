@@ -61,12 +61,12 @@ def receive_rows(run: Run, live: int, step: int, staleness: int, saved: int | No
             run.save_checkpoint()
             saved = run.loop.step
         await_a_server(run, saved)
-        if on_driver(run.rank, lambda: run.driver.policy_needs_sync()):  # not when a teacher was lost
-            with run.driver.paused() if run.rank == 0 else nullcontext():
+        if on_driver(run.rank, lambda: run.rank0_driver.policy_needs_sync()):  # not when a teacher was lost
+            with run.rank0_driver.paused() if run.rank == 0 else nullcontext():
                 sync_weights(run, saved, again=True)  # the servers back get the policy
-        on_driver(run.rank, run.driver.restart_rollouts)
+        on_driver(run.rank, lambda: run.rank0_driver.restart_rollouts())
     raise ServersLost(f"no rollout completed after {run.cfg.rollout.server_max_restarts_per_run + 2} "
-                      f"servers came back ({on_driver(run.rank, lambda: run.driver.lost_servers()[1])})")
+                      f"servers came back ({on_driver(run.rank, lambda: run.rank0_driver.lost_servers()[1])})")
 
 
 def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, float]:
@@ -91,14 +91,14 @@ def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, 
                       "syncs its servers at start", flush=True)
             return {"deferred": 1.0}
     raise ServersLost(f"no weight sync took hold after {run.cfg.rollout.server_max_restarts_per_run + 2} "
-                      f"servers came back ({on_driver(run.rank, lambda: run.driver.pool.summary())})")
+                      f"servers came back ({on_driver(run.rank, lambda: run.rank0_driver.pool.summary())})")
 
 
 def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) -> bool:
     """Every rank: rank 0 waits up to rollout.server_wait_s for a server to come back (True); a
     signal meanwhile is SignalExit, or False with finish_on_signal (the caller ends its step); none
     back is ServersLost (exit 75, after the one line)."""
-    back, waited = on_driver(run.rank, lambda: run.driver.wait_for_server(run.stop.requested))
+    back, waited = on_driver(run.rank, lambda: run.rank0_driver.wait_for_server(run.stop.requested))
     signum = run.stop.agreed()
     if signum and finish_on_signal:
         return False
@@ -118,12 +118,13 @@ def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) 
                "and none can come back")  # each past its restart bound: no reason to wait
         raise ServersLost(f"no {kind} in service {how} ({what}){kept}; exiting with "
                           f"{EXIT_NO_SERVER} (retryable: launch/slurm/job.sh requeues on it)")
+    return True
 
 
 def input_failure(run: Run) -> str | None:
     """Rank 0: when a role's servers are all gone and those the run launched died the same way
     twice (ServerPool.input_failure), the line that says so; else None."""
-    for pool in run.driver.pools_without_server():
+    for pool in run.rank0_driver.pools_without_server():
         failure = pool.input_failure()
         if failure is not None:
             return f"no {pool.role.name} in service: each died the same way after a restart ({failure})"
@@ -138,7 +139,7 @@ def no_server_marker(run: Run) -> tuple[str, str]:
     launch/slurm/job.sh to requeue whatever exit code srun reports (srun --kill-on-bad-exit may
     SIGKILL rank 0 once the others have exited); returns (which servers are missing: "SGLang
     server" or "teacher server", what happened to each of them)."""
-    kind, what = run.driver.lost_servers()
+    kind, what = run.rank0_driver.lost_servers()
     if run.cfg.checkpoint.dir:
         (Path(run.cfg.checkpoint.dir) / NO_SERVER_MARKER).write_text(what + "\n")
     return kind, what
@@ -153,7 +154,7 @@ def rollout_on_driver(run: Run, live: int, step: int, staleness: int):
     """Rank 0: the step's rollout batch and what every rank needs of the whole batch (its metrics,
     its tokens and, asynchronous, the weight versions it trains), or None when a signal
     interrupted the rollout."""
-    got = run.driver.rollout_batch(str(live), step, should_stop=run.stop.requested,
+    got = run.rank0_driver.rollout_batch(str(live), step, should_stop=run.stop.requested,
                                    oldest_version=oldest_usable_version(run, live) if staleness else None)
     if got is None:
         return None

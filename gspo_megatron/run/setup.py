@@ -24,7 +24,8 @@ from gspo_megatron.checkpoint.manager import CheckpointManager
 from gspo_megatron.config import RunConfig
 from gspo_megatron.driver.driver import Driver
 from gspo_megatron.parallel.rank_zero import on_driver
-from gspo_megatron.run.folders import lock_run_folders, release, scratch_dir
+from gspo_megatron.run.folders import (drop_records_from, lock_run_folders, release, scratch_dir,
+                                       set_aside_earlier_files)
 from gspo_megatron.run.metrics import MetricsWriter
 from gspo_megatron.run.model_files import initial_megatron_checkpoint, load_peft_adapters, set_up_reference
 from gspo_megatron.run.preflight import Inputs, check_inputs
@@ -35,6 +36,7 @@ if TYPE_CHECKING:  # built inside setup, so that importing this module loads no 
     from gspo_megatron.actor.actor import Actor
     from gspo_megatron.sync.adapter_sync import AdapterSync
     from gspo_megatron.sync.weight_sync import WeightSync
+    from rollout.prompts.dataset import KeptRows
 
 
 @dataclasses.dataclass
@@ -54,11 +56,20 @@ class Run:
     stop: GracefulStop = dataclasses.field(default_factory=lambda: GracefulStop(enabled=False))
     locks: list = dataclasses.field(default_factory=list)  # rank 0: its folders' RunLocks
 
+    @property
+    def rank0_driver(self) -> Driver:
+        """The driver, which rank 0 alone holds (the loop asks for it on rank 0 only)."""
+        if self.driver is None:
+            raise RuntimeError(f"rank {self.rank} holds no driver: only rank 0 drives the rollouts")
+        return self.driver
+
     def save_checkpoint(self) -> None:
         """Collective: a checkpoint of the last finished step, with rank 0's prompt cursor and
-        rollout buffer (the driver's state)."""
+        rollout buffer (the driver's state). Only a run with checkpoint.dir saves."""
+        if self.ckpt is None:
+            raise RuntimeError("save_checkpoint without checkpoint.dir")
         if self.rank == 0:
-            state = self.driver.state()
+            state = self.rank0_driver.state()
             self.loop.data_cursor, self.loop.rollout_buffer = state["stream"], state["manager"]
         self.ckpt.save(self.loop.step, self.actor, self.loop)
 
@@ -85,7 +96,7 @@ def build_actor(cfg: RunConfig) -> Actor:
                  max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0, lora=cfg.lora)
 
 
-def start_driver(cfg: RunConfig, rank: int, prompt_rows=None) -> Driver | None:
+def start_driver(cfg: RunConfig, rank: int, prompt_rows: KeptRows | None = None) -> Driver | None:
     """Rank 0 starts (or attaches) the servers; a failure there stops every rank."""
     holder: list[Driver] = []
 
@@ -170,14 +181,12 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         left_out = left_out_layers_note(actor.spec.hf_config)
         if left_out:
             print(f"[gspo] model: {left_out}", flush=True)
-    run = Run(cfg, rank, world, actor, None, None, ckpt, MetricsWriter(None, enabled=False),
-              LoopState(extra={"source_model": inputs.model_fingerprint, "prompts": inputs.prompts}),
-              resumed_from=resume_from, stop=stop)
+    loop = LoopState(extra={"source_model": inputs.model_fingerprint, "prompts": inputs.prompts})
     if ckpt:
         ckpt.clean_incomplete()
-    run.driver = start_driver(cfg, rank, inputs.prompt_rows)
-    if run.driver is not None:  # after a signal, no server call waits for the health probe
-        for pool in run.driver.pools():
+    driver = start_driver(cfg, rank, inputs.prompt_rows)
+    if driver is not None:  # after a signal, no server call waits for the health probe
+        for pool in driver.pools():
             pool.stop_requested = stop.requested
             pool.abort_timeout_s = cfg.rollout.abort_timeout_s
     if lora:
@@ -185,22 +194,30 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         if not resume_from and cfg.lora.init_peft:
             load_peft_adapters(actor, cfg)
     if resume_from:
-        run.loop = ckpt.load(resume_from, actor)
-        run.loop.extra["prompts"] = inputs.prompts
-        if inputs.new_prompt_epoch and run.loop.data_cursor:  # rollout.prompts_changed=restart_epoch
-            run.loop.data_cursor = {**run.loop.data_cursor, "position": 0,
-                                    "epoch": run.loop.data_cursor["epoch"] + 1}
-        if rank == 0:
-            run.driver.load_state(run.loop.data_cursor, run.loop.rollout_buffer)
-            print(f"[gspo] resumed from {resume_from} (step {run.loop.step})", flush=True)
-    elif not lora:
+        if ckpt is None:
+            raise RuntimeError(f"resuming from {resume_from} without checkpoint.dir")
+        loop = ckpt.load(resume_from, actor)
+        loop.extra["prompts"] = inputs.prompts
+        if inputs.new_prompt_epoch and loop.data_cursor:  # rollout.prompts_changed=restart_epoch
+            loop.data_cursor = {**loop.data_cursor, "position": 0, "epoch": loop.data_cursor["epoch"] + 1}
+        if driver is not None:  # rank 0
+            driver.load_state(loop.data_cursor, loop.rollout_buffer)
+            print(f"[gspo] resumed from {resume_from} (step {loop.step})", flush=True)
+    elif not lora and init_ckpt is not None:
         actor.load_weights(init_ckpt)
-    run.sync = build_sync(cfg, actor, run.driver)
+    sync = build_sync(cfg, actor, driver)
+    if rank == 0:  # each step's metrics and records once: an earlier attempt's are set aside
+        if resume_from:
+            drop_records_from(cfg, loop.step)
+        elif (moved := set_aside_earlier_files(cfg)) is not None:
+            print(f"[gspo] an earlier attempt's metrics and records (no checkpoint to resume from) moved to "
+                  f"{moved}", flush=True)
+    writer = MetricsWriter(None, enabled=False)
     if rank == 0 and cfg.logging.tensorboard_dir:
-        run.writer = MetricsWriter(cfg.logging.tensorboard_dir, jsonl_path=cfg.logging.metrics_jsonl,
-                                   purge_step=run.loop.step if resume_from else None)
+        writer = MetricsWriter(cfg.logging.tensorboard_dir, jsonl_path=cfg.logging.metrics_jsonl,
+                               purge_step=loop.step if resume_from else None)
         print(f"[gspo] TensorBoard: tensorboard --logdir {cfg.logging.tensorboard_dir}", flush=True)
-    return run
+    return Run(cfg, rank, world, actor, driver, sync, ckpt, writer, loop, resumed_from=resume_from, stop=stop)
 
 
 def begin_rl(run: Run) -> None:

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGTERM / SIGUSR1: save, then exit with the signal's status.
+"""Graceful stop on SIGTERM / SIGUSR1 / SIGINT (Ctrl-C): save, then exit with the signal's status.
 
     stop = GracefulStop(enabled=cfg.checkpoint.save_on_signal)
     ...                                  # the loop asks stop.agreed() at its safe points
@@ -13,7 +13,11 @@ first and SIGKILL later. On the first signal the RL loop (trainer.run_loop):
 - later in a step (old log-probs, train, sync): finishes the step (its updates are committed to
   the servers by the sync) and its metrics;
 then saves a checkpoint of the last finished step (unless one was just written) and exits with
-128 + the signal number (143 for SIGTERM, 138 for SIGUSR1). The bound: the abort and drain of a
+128 + the signal number (143 for SIGTERM, 138 for SIGUSR1, 130 for Ctrl-C). Ctrl-C is a signal a
+user sends too: the SGLang servers and reward workers the run starts lead sessions of their own, so
+the terminal's SIGINT reaches the trainer alone, which saves as for SIGTERM. Under torchrun,
+torchrun itself answers Ctrl-C by sending its workers SIGTERM, their second signal: they exit at
+once, as torchrun expects. The bound: the abort and drain of a
 rollout (seconds; request_timeout_s at worst), or the rest of one step's train and sync, plus one
 checkpoint save. A second signal exits at once (SignalExit raised in the handler; the servers this
 run started are still stopped on the way out).
@@ -26,19 +30,22 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from types import FrameType
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class SignalExit(BaseException):
     """The run stops because of a signal; exit code 128 + signum. A BaseException: no
     `except Exception` on the way out may swallow it."""
 
-    def __init__(self, signum: int, saved: str | None = None) -> None:
-        self.signum, self.saved = signum, saved
+    def __init__(self, signum: int, saved: str | None = None, unsaved: str | None = None) -> None:
+        """saved: what was saved ("step 3"); unsaved: why nothing was, said to the user instead."""
+        self.signum, self.saved, self.unsaved = signum, saved, unsaved
         name = signal.Signals(signum).name
         super().__init__(f"{name}: stopped" + (f" after saving {saved}" if saved else ""))
 
@@ -48,18 +55,18 @@ class SignalExit(BaseException):
 
 
 class GracefulStop:
-    """Records the first SIGTERM / SIGUSR1; a second one raises SignalExit at once."""
+    """Records the first SIGTERM / SIGUSR1 / SIGINT; a second one raises SignalExit at once."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         if enabled and threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None:
-            raise SignalExit(signum)
+            raise SignalExit(signum, unsaved="a second signal: exiting at once, nothing saved")
         self.signum = signum
         print(f"[gspo] {signal.Signals(signum).name}: saving at the next safe point, then exiting "
               "(a second signal exits at once)", file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ rollout (the server pool); never config, run, driver, trainer or cli.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "TRANSPORTS": "transports", "Transport": "transport_base", "Sender": "transport_base",
@@ -28,7 +28,18 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if TYPE_CHECKING:  # the names as the checker sees them; at run time __getattr__ imports them
+    from gspo_megatron.sync.disk import DiskTransport
+    from gspo_megatron.sync.distributed import DistributedTransport
+    from gspo_megatron.sync.stream import build_plan, hf_state_dict, stream_hf_weights
+    from gspo_megatron.sync.tensor import TensorTransport
+    from gspo_megatron.sync.transport_base import Sender, Transport, make_transport
+    from gspo_megatron.sync.transports import TRANSPORTS
+    from gspo_megatron.sync.weight_sync import WeightSync, WeightSyncError
+else:
+    def __getattr__(name: str) -> Any:
+        if name in _EXPORTS:
+            return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+

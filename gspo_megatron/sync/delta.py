@@ -9,7 +9,8 @@ serves, in rollout/in_server/weight_loader.py's payload format.
 The sender keeps the last values it sent of its own HF tensors (`base`, in the served dtype, on
 the host: model bytes in the served dtype / number of senders per sender; docs/sync.md gives the
 figures at Qwen3-30B-A3B's and Qwen3-235B-A22B's shapes) and compares bit patterns on the
-tensor's device (the base copied there per tensor), so an update
+tensor's device (the base copied there per tensor; what goes on the wire stays there for a sender
+that hands GPU memory to the servers, `on_device`), so an update
 below the served dtype's resolution sends nothing, and -0.0 / NaN payloads compare exactly. Per
 tensor the cheapest of three forms goes: the changed values with their flat indices (int32, or
 int64 past 2**31 elements), the changed values with a bitmask of the changed elements (1 bit per
@@ -29,6 +30,9 @@ from rollout.in_server.weight_loader import PART, bit_pattern, checksum, pack_bi
 class DeltaEncoder:
     def __init__(self, served_dtype: torch.dtype, keep_base: bool = True) -> None:
         self.dtype, self.keep_base = served_dtype, keep_base
+        self.on_device = False
+        """The payload stays on the tensors' device (a sender that hands GPU memory to the servers:
+        the tensor transport's cuda_ipc); else it goes to the host. `base` is on the host either way."""
         self.base: dict[str, torch.Tensor] = {}
         self.reset_stats()
 
@@ -49,21 +53,22 @@ class DeltaEncoder:
             out["full"] = []
         if delta:
             out["delta"] = []
-        check = set(check)
+        checked = set(check)
         for name, tensor in bucket:
             # compared where the tensor is (a GPU's cores, not the host's); what goes on the wire
             # and into `base` is on the host
             here = tensor.detach().to(dtype=self.dtype).contiguous()
             new = here if here.device.type == "cpu" else here.cpu()
+            wire = here if self.on_device else new
             shape = torch.tensor(list(new.shape), dtype=torch.int64)
             extra = []
-            if delta and name in check:  # exact on any device (weight_delta.checksum)
+            if delta and name in checked:  # exact on any device (weight_delta.checksum)
                 extra = [(name + PART + "shape", shape), (name + PART + "sum", torch.tensor([checksum(here)]))]
                 self.stats["checked"] += 1
             nbytes = new.numel() * new.element_size()
             self.stats["elements"] += new.numel()
             if full:  # SGLang's own load: checked where deltas are (they bypass it)
-                out["full"] += [(name, new)]
+                out["full"] += [(name, wire)]
             if delta:
                 old = self.base.get(name)
                 if old is None or old.shape != new.shape:
@@ -77,12 +82,13 @@ class DeltaEncoder:
                 as_idx = changed.numel() * idx_dtype.itemsize
                 as_bits = (new.numel() + 7) // 8
                 if values + min(as_idx, as_bits) >= nbytes:
-                    out["delta"] += [(name, new)] + extra
+                    out["delta"] += [(name, wire)] + extra
                 elif changed.numel():
                     where = ((PART + "idx", changed.to(idx_dtype)) if as_idx <= as_bits
                              else (PART + "bits", pack_bits(mask)))
-                    out["delta"] += [(name + where[0], where[1].cpu()),
-                                     (name + PART + "val", here.reshape(-1)[changed].cpu())]
+                    to_wire = (lambda t: t) if self.on_device else (lambda t: t.cpu())
+                    out["delta"] += [(name + where[0], to_wire(where[1])),
+                                     (name + PART + "val", to_wire(here.reshape(-1)[changed]))]
                     out["delta"] += extra or [(name + PART + "shape", shape)]
                 elif extra:
                     out["delta"] += extra

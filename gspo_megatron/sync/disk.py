@@ -45,7 +45,7 @@ def _write(path: Path, write: Callable[[], Any]) -> None:
 
 
 @dataclass
-class DiskSender(Sender):
+class DiskSender(Sender[None]):
     """Writes each request of this rank as a shard of the version's folder."""
 
     folder: str = ""
@@ -89,27 +89,34 @@ class DiskTransport(Transport):
         return self.root / f"weights-{version}"
 
     def begin(self, version: str) -> None:
-        self._dir = self.folder(version)
-        if self._dir.exists():
-            shutil.rmtree(self._dir)
-        _write(self._dir / "config.json", lambda: copy_metadata_files(self.metadata_dir, self._dir))
+        self._dir = folder = self.folder(version)
+        if folder.exists():
+            shutil.rmtree(folder)
+        _write(folder / "config.json", lambda: copy_metadata_files(self.metadata_dir, folder))
 
     def sender(self, version: str, targets: dict[str, str]) -> DiskSender:
-        return DiskSender(str(self._dir))
+        return DiskSender(str(self._version_dir()))
+
+    def _version_dir(self) -> Path:
+        """The folder of the sync begun last (begin comes first: weight_sync.py)."""
+        if self._dir is None:
+            raise RuntimeError("the disk transport has no version folder: begin() was not called")
+        return self._dir
 
     def finish(self, version: str) -> None:
+        folder = self._version_dir()
         weight_map, total = {}, 0
-        for shard in sorted(self._dir.glob("*.safetensors")):
+        for shard in sorted(folder.glob("*.safetensors")):
             header = read_safetensors_header(shard)  # a short shard is named here, not loaded
             weight_map.update({n: shard.name for n in header.tensors})
             total += header.data_bytes
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write(self._dir / INDEX_NAME,
-               lambda: (self._dir / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n"))
-        self.pool.update_weights_from_disk(str(self._dir), weight_version=version)
-        if self._current is not None and self._current != self._dir:
+        _write(folder / INDEX_NAME,
+               lambda: (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n"))
+        self.pool.update_weights_from_disk(str(folder), weight_version=version)
+        if self._current is not None and self._current != folder:
             shutil.rmtree(self._current, ignore_errors=True)
-        self._current = self._dir
+        self._current = folder
 
     def abort(self, version: str) -> None:
         """The version's folder goes, unless the servers serve it already."""

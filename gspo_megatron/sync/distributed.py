@@ -40,7 +40,7 @@ import traceback
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 from urllib.parse import urlsplit
 
 import torch
@@ -51,11 +51,24 @@ from gspo_megatron.sync.transport_base import Parts, Sender, SenderState
 from rollout.in_server.weight_loader import REPLY
 
 if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
     from rollout.servers.pool import ServerPool
 
 
 @dataclass
-class GroupSender(Sender):
+class Wire:
+    """A request as one broadcast: its entries' names, dtypes and shapes (sent over HTTP) and their
+    bytes concatenated, one tensor on the groups' device that every server's post reads."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    flat: torch.Tensor
+    delta: bool
+
+
+@dataclass
+class GroupSender(Sender[Wire]):
     """Posts each request over this rank's group with the server."""
 
     server_tp: dict[str, int] = field(default_factory=dict)  # each server's TP size (its group ranks)
@@ -85,7 +98,12 @@ class DistributedTransport(TensorTransport):
         self.timeout_s = timeout_s
         self.tp_size_of = {c.url: n for c, n in zip(pool.clients, server_tp_sizes or [1] * len(pool.clients))}
 
-    def sender(self, version: str, targets: dict[str, str]) -> GroupSender:
+    @classmethod
+    def for_run(cls, pool: ServerPool, **_: object) -> DistributedTransport:
+        """Not the tensor transport's: an update group per server takes no CUDA IPC setting."""
+        return cls(pool)
+
+    def sender(self, version: str, targets: dict[str, str]) -> Sender[Any]:
         from rollout.servers.health import LIVE
         return GroupSender(dict(self.tp_size_of), [u for u in targets if self.pool.status(u) != LIVE],
                            self.timeout_s)
@@ -112,8 +130,9 @@ def join_group(address: str, port: int, world_size: int, name: str, backend: str
     from torch.distributed.distributed_c10d import Backend, _new_process_group_helper, _world
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    # the name is torch 2.14's GroupName, a NewType of str that older versions lack: a cast, no import
     pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), dist.PrefixStore(name, store),
-                                      group_name=name, backend_options=None, timeout=timeout)
+                                      group_name=cast("GroupName", name), backend_options=None, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg, store
 
@@ -125,8 +144,9 @@ def _wait(work, reply: Future, deadline: float, what: str) -> None:
     pause = 0.0005
     while not work.is_completed():
         if reply.done():
-            if reply.exception() is not None:
-                raise reply.exception()
+            error = reply.exception()
+            if error is not None:
+                raise error
             answered_at = answered_at or time.monotonic()
             if time.monotonic() - answered_at > 5.0:
                 raise RuntimeError(f"the server answered without taking part in the {what}")
@@ -137,18 +157,6 @@ def _wait(work, reply: Future, deadline: float, what: str) -> None:
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
     work.wait()
-
-
-@dataclass
-class Wire:
-    """A request as one broadcast: its entries' names, dtypes and shapes (sent over HTTP) and their
-    bytes concatenated, one tensor on the groups' device that every server's post reads."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    flat: torch.Tensor
-    delta: bool
 
 
 class WeightUpdateGroups:

@@ -96,6 +96,7 @@ class SenderPass:
         if encoder is None or encoder.dtype != dtype or encoder.keep_base != plan.keep_base:
             encoder = DeltaEncoder(dtype, keep_base=plan.keep_base)
         encoder.reset_stats()
+        encoder.on_device = self.sender.keeps_device()
         self.enc = encoder
         self.out = Outcome(dist.get_rank())
         self.modes = sorted(set(plan.targets.values()))

@@ -59,7 +59,8 @@ def _full_shape(param: torch.nn.Parameter) -> tuple[int, ...]:
     if getattr(param, "tensor_model_parallel", False):
         tp = (ps.get_expert_tensor_parallel_world_size() if is_expert_param(param)
               else ps.get_tensor_model_parallel_world_size())
-        shape[param.partition_dim] *= tp
+        # set by megatron-core's set_tensor_model_parallel_attributes; torch's Parameter does not declare it
+        shape[param.partition_dim] *= tp  # type: ignore[attr-defined]
     return tuple(shape)
 
 
@@ -178,12 +179,16 @@ def stream_owned(chunks: Sequence[torch.nn.Module], wmap: WeightMap, plan: Seque
             if e.owner != rank:
                 full = torch.empty(e.shape, dtype=e.dtype, device=comm_device())
                 dist.recv(full, src=e.owner)
+            if full is None:
+                raise RuntimeError(f"rank {rank} sends {e.mapping.megatron} but received no full tensor of it")
             b = bucket_of[i]
             filled[b].append((e.mapping, full))
             pending[b] -= 1
             if pending[b] == 0:
                 yield wmap.hf_tensors(filled.pop(b))
         elif rank == e.owner:
+            if full is None:
+                raise RuntimeError(f"rank {rank} owns {e.mapping.megatron} but holds no full tensor of it")
             dist.send(full.contiguous(), dst=sender)
 
 

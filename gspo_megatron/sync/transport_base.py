@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, ClassVar, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Generic, Sequence, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 Parts = Sequence[tuple[str, torch.Tensor]]  # (HF name or a loader entry's name, tensor)
 _Kept = TypeVar("_Kept")
+_Packed = TypeVar("_Packed")  # what a sender posts: parts, a wire, nothing (disk)
 
 
 class SenderState:
@@ -57,7 +58,7 @@ class SenderState:
 
 
 @dataclass
-class Sender:
+class Sender(Generic[_Packed]):
     """What every sender rank does with its pending parts in one pass (module docstring)."""
 
     def open(self, state: SenderState, targets: dict[str, str]) -> dict[str, Exception]:
@@ -65,11 +66,16 @@ class Sender:
         Returns the servers it could not get ready, with why (ServerUnavailable: lost)."""
         return {}
 
-    def pack(self, state: SenderState, mode: str, parts: Parts) -> object:
-        """The pending parts of one mode as each server of that mode receives them (once per request)."""
-        return parts
+    def keeps_device(self) -> bool:
+        """Its parts may stay on the GPU (it hands device memory to the servers); else the encoder
+        puts them on the host."""
+        return False
 
-    def post(self, state: SenderState, url: str, packed: object) -> list[str]:
+    def pack(self, state: SenderState, mode: str, parts: Parts) -> _Packed:
+        """The pending parts of one mode as each server of that mode receives them (once per request)."""
+        raise NotImplementedError
+
+    def post(self, state: SenderState, url: str, packed: _Packed) -> list[str]:
         """Deliver `packed` to the server at `url` (from a thread of its own); returns the names
         whose checksum the server found different after applying. A lost server raises
         ServerUnavailable (rollout.servers.client)."""
@@ -83,7 +89,7 @@ class Transport:
     """Trainer rank 0's part of a transport (module docstring); `pool` is the ServerPool."""
 
     name: ClassVar[str]
-    sender_type: ClassVar[type[Sender]] = Sender
+    sender_type: ClassVar[type[Sender[Any]]]
     row: TransportRow | None = None
     """Its row of TRANSPORTS (set by make_transport; None for one built by hand)."""
 
@@ -102,7 +108,7 @@ class Transport:
     def begin(self, version: str) -> None:
         """The servers are paused: open what they need for this sync."""
 
-    def sender(self, version: str, targets: dict[str, str]) -> Sender:
+    def sender(self, version: str, targets: dict[str, str]) -> Sender[Any]:
         """What every sender does in this pass (it travels to them in the pass plan)."""
         return self.sender_type()
 

@@ -36,9 +36,22 @@ class TransportRow:
     None: it takes none."""
 
 
+@dataclass(frozen=True)
+class TensorSettings:
+    """The tensor transport's own settings (sync.transport_args)."""
+
+    cuda_ipc: bool = False
+    """Hand each request to the servers as CUDA IPC handles to the sender's GPU memory (the
+    servers map it, no host copy on either side) instead of host shared memory: for servers on
+    the trainers' GPUs (colocated), which must be able to open every sender's GPU. Each sender
+    then holds a request's bytes on its GPU while the servers apply it (at most sync.bucket_mb).
+    Without CUDA the tensors are on the host already: no effect."""
+
+
 _S = "gspo_megatron.sync."
 TRANSPORTS: Table[TransportRow] = Table("weight-sync transport", TransportRow, (
     TransportRow("disk", _S + "disk:DiskTransport", deltas=False, folder_versions=2, description="safetensors files in sync.dir"),
-    TransportRow("tensor", _S + "tensor:TensorTransport", deltas=True, description="shared memory on the trainers' hosts"),
+    TransportRow("tensor", _S + "tensor:TensorTransport", deltas=True,
+                 description="shared memory on the trainers' hosts (CUDA IPC with cuda_ipc)", settings=TensorSettings),
     TransportRow("distributed", _S + "distributed:DistributedTransport", deltas=True, description="an update group per server"),
 ), field="sync.transport")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from gspo_errors import GspoError
 from gspo_megatron.sync.delta import DeltaEncoder
 from gspo_megatron.sync.sender_pass import CHECK_FIRST_DELTAS, Outcome, PassPlan, run_pass
-from gspo_megatron.sync.stream import assign_senders, build_plan
+from gspo_megatron.sync.stream import PlanEntry, assign_senders, build_plan
 from gspo_megatron.sync.transport_base import SenderState, Transport
 from gspo_megatron.sync.transports import TRANSPORTS
 from model_specs.weights.maps import weight_map_for
@@ -68,8 +68,11 @@ def _no_server(error: BaseException) -> bool:
 
 
 def _from_rank0(message: _Message | None) -> _Message:
+    """Rank 0's message on every rank (rank 0 passes it, the others None)."""
     got = [message]
     dist.broadcast_object_list(got, src=0)
+    if got[0] is None:
+        raise RuntimeError("rank 0 broadcast no message")
     return got[0]
 
 
@@ -171,7 +174,8 @@ class WeightSync:
             self.deltas = row.deltas and delta is not False
         self.state = SenderState()
         self.encoder: DeltaEncoder | None = None  # this rank's, with the base of its last pass
-        self._plan = self._sender_of = None
+        self._plan: list[PlanEntry] | None = None
+        self._sender_of: list[int] = []
         self._delta_ready = False  # the servers in sync hold what the encoders' bases say
         self._deltas_sent = 0
         self._served_dtype: str | None = None
@@ -189,7 +193,7 @@ class WeightSync:
             self._plan = build_plan(self.chunks, self.wmap)
             self._sender_of = assign_senders(self._plan, only=0 if self.senders == "rank0" else None)
         start = time.perf_counter()
-        totals, attempt, repair = Totals(), 0, []
+        totals, attempt, repair = Totals(), 0, list[str]()
         while True:
             attempt += 1  # every pass, repairs included
             begun = _from_rank0(self._begin(version, repair) if self.rank == 0 else None)
@@ -219,10 +223,24 @@ class WeightSync:
             self._deltas_sent += 1
         return totals.report(time.perf_counter() - start, attempt)
 
+    @property
+    def _pool(self) -> ServerPool:
+        """Rank 0's server pool (the other ranks hold None and never ask)."""
+        if self.pool is None:
+            raise RuntimeError(f"rank {self.rank}: only rank 0's WeightSync talks to the servers")
+        return self.pool
+
+    @property
+    def _transport(self) -> Transport:
+        """Rank 0's transport (the other ranks hold None and never ask)."""
+        if self.transport is None:
+            raise RuntimeError(f"rank {self.rank}: only rank 0's WeightSync runs the transport")
+        return self.transport
+
     def _served(self) -> str:
         """The servers' dtype (rank 0): their launch argument, else the model config's."""
         if self._served_dtype is None:
-            got = {c.served_dtype() for c in self.pool.sync_clients()}
+            got = {c.served_dtype() for c in self._pool.sync_clients()}
             got = {self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
                    if d == "auto" else d for d in got}
             if len(got) != 1:
@@ -237,13 +255,14 @@ class WeightSync:
         from rollout.servers.health import LIVE
         if repair:
             return {u: "full" for u in repair}
-        clients = self.pool.sync_clients()
+        clients = self._pool.sync_clients()
         if not clients:
             from rollout.servers.errors import NoServerLeft
-            raise NoServerLeft(f"no server is left to take the weights ({self.pool.summary()})")
+            raise NoServerLeft(", ".join(self._pool.server_urls),
+                               f"no server is left to take the weights ({self._pool.summary()})")
         delta = self.deltas and self._delta_ready
-        versions = self.pool.weight_versions() if delta else {}
-        return {c.url: "delta" if (delta and self.pool.status(c.url) == LIVE
+        versions = self._pool.weight_versions() if delta else {}
+        return {c.url: "delta" if (delta and self._pool.status(c.url) == LIVE
                                    and versions.get(c.url) == self.version) else "full"
                 for c in clients}
 
@@ -252,12 +271,12 @@ class WeightSync:
         pass plan."""
         try:
             if not repair:
-                self.pool.pause_generation(self.pause_mode)
-                self.transport.begin(version)
+                self._pool.pause_generation(self.pause_mode)
+                self._transport.begin(version)
             targets = self._targets(repair)  # after the pause and begin: a server they took out is no target
             return PassStart(PassPlan(version, targets, check_all=self._deltas_sent < CHECK_FIRST_DELTAS,
                                       dtype=self._served(), keep_base=self.deltas,
-                                      sender=self.transport.sender(version, targets)))
+                                      sender=self._transport.sender(version, targets)))
         except Exception as e:  # noqa: BLE001 - reported on every rank
             return PassStart(None, f"{type(e).__name__}: {e}", _no_server(e))
 
@@ -273,10 +292,10 @@ class WeightSync:
         if failed:
             error = f"rank {failed[0].rank}: {failed[0].error}"
             for url in lost:
-                self.pool.take_out(url, f"lost during a weight sync: {error}")
+                self._pool.take_out(url, f"lost during a weight sync: {error}")
             self._abort(version)
-            left = bool(self.pool.sync_clients())
-            return Verdict(error, retry=bool(lost) and left and attempt <= len(self.pool.clients),
+            left = bool(self._pool.sync_clients())
+            return Verdict(error, retry=bool(lost) and left and attempt <= len(self._pool.clients),
                            no_server=not left)
         wrong = sorted({u for o in outcomes for u in o.mismatched})
         if wrong:
@@ -293,22 +312,22 @@ class WeightSync:
         return Verdict()
 
     def _finish(self, version: str) -> None:
-        self.transport.finish(version)
-        served = self.pool.weight_versions()  # of the servers still in the sync
+        self._transport.finish(version)
+        served = self._pool.weight_versions()  # of the servers still in the sync
         wrong = {url: v for url, v in served.items() if v != version}
         if wrong:
             raise WeightSyncError(f"servers report weight versions {wrong} after the update, "
                                   f"expected {version!r}")
         if not served:
             raise WeightSyncError(f"no server is left to take version {version!r} "
-                                  f"({self.pool.summary()})")
-        self.pool.synced(version)  # servers that came back hold the policy now: they serve again
-        self.pool.continue_generation()
+                                  f"({self._pool.summary()})")
+        self._pool.synced(version)  # servers that came back hold the policy now: they serve again
+        self._pool.continue_generation()
 
     def _abort(self, version: str) -> None:
         """After a failure: the transport undoes what the next sync cannot (best effort: the
         sync's own error is what gets reported); the servers stay paused."""
         try:
-            self.transport.abort(version)
+            self._transport.abort(version)
         except Exception:  # noqa: BLE001
             pass

@@ -73,7 +73,8 @@ class FamilyTable(Table[Family]):
         return super().register(row)
 
 
-FAMILIES: FamilyTable = FamilyTable("model family", Family, description_of=_describe)
+FAMILIES: FamilyTable = FamilyTable("model family", Family, description_of=_describe,
+                                     field="model.hf_path (its config.json's model_type)")
 
 
 def _declare_shipped() -> None:

@@ -127,7 +127,7 @@ class WeightMap:
         if IGNORED_HF.match(name):
             return True
         m = _HF_LAYER.match(name)
-        return bool(m) and self.num_layers <= int(m.group(1)) < self.num_layers + self.extra_hf_layers
+        return m is not None and self.num_layers <= int(m.group(1)) < self.num_layers + self.extra_hf_layers
 
     # ---- conversions of full (TP-merged) tensors ----
     def to_megatron(self, m: ParamMapping, hf_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -147,9 +147,11 @@ class WeightMap:
             return part.transpose(0, 1).contiguous() if m.kind == STACKED_T else part.clone()
         if m.kind == QKV:
             heads, groups, head_dim, gated = m.layout
-            return fuse_qkv(*hf_tensors, heads, groups, head_dim, gated=bool(gated))
+            q, k, v = hf_tensors
+            return fuse_qkv(q, k, v, heads, groups, head_dim, gated=bool(gated))
         if m.kind == GDN_IN_PROJ:
-            return fuse_gdn_in_proj(*hf_tensors, *m.layout)
+            qkvz, ba = hf_tensors
+            return fuse_gdn_in_proj(qkvz, ba, *m.layout)
         if m.kind == GATE_UP:
             return torch.cat(list(hf_tensors), dim=0)
         return hf_tensors[0]
@@ -192,6 +194,8 @@ class WeightMap:
                 if name not in slices:
                     slices[name] = {}
                     out.append((name, None))  # type: ignore[arg-type]  # filled in below
+                if m.expert is None:
+                    raise WeightMapError(f"{name}: a stacked tensor's mapping names no expert")
                 slices[name][m.expert] = t
         for i, (name, t) in enumerate(out):
             if t is None:

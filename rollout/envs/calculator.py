@@ -12,12 +12,13 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from typing import Callable
 
 from rollout.generation.multiturn import Environment, EnvStep
 from rollout.rewards import last_boxed
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+_OPS: dict[type[ast.operator | ast.unaryop], Callable[..., float]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv, ast.USub: operator.neg, ast.UAdd: operator.pos}
 
 

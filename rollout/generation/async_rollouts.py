@@ -15,8 +15,9 @@ makes the running step stop: its in-flight requests are aborted, their partial r
 weight version of every token so far) go back to the manager's buffer and resume after the pause,
 under the new weights; its complete groups wait in the manager's `ready` list. So a response cut
 by a weight sync carries two versions, never an unrecorded mix (SGLang labels a whole response with
-one version). A multi-turn episode cut at a turn restarts from its prompt, and so does a response
-with engine routes (routing replay, docs/async.md "R3").
+one version). A multi-turn episode cut at a turn restarts from its prompt; a response with engine
+routes resumes like the others, each token keeping the routes of the pass that sampled it
+(routing replay, docs/async.md "R3").
 
 Back-pressure: no new batch starts while the queue holds `max_groups - batch_groups` groups or
 `max_tokens` tokens; the thread waits instead of growing the queue.
@@ -79,7 +80,7 @@ class AsyncRollouts:
                 if self._closed:
                     return
                 while self.retry:  # stale groups sent back: generated again, first
-                    self.manager.buffer.appendleft(self.retry.pop())
+                    self.manager.groups.buffer.appendleft(self.retry.pop())
                 self._generating = True
                 self._busy_since = t0 = time.monotonic()
             result = None

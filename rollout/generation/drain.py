@@ -10,12 +10,15 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, wait
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rollout.generation.sample import ABORTED, Sample
 
+if TYPE_CHECKING:
+    from rollout.servers.pool import ServerPool
 
-def drain(pool: Any, in_flight: dict[Future, Sample], timeout_s: float, abandon: threading.Event) -> None:
+
+def drain(pool: ServerPool, in_flight: dict[Future, Sample], timeout_s: float, abandon: threading.Event) -> None:
     """Abort every request on the pool's servers (again while some are still running: a request
     may reach a server after the previous abort) and wait for the calls. What has not returned
     within timeout_s (a stalled server) is abandoned: `abandon` (given to each ServerPool.generate)
@@ -47,7 +50,7 @@ def drain(pool: Any, in_flight: dict[Future, Sample], timeout_s: float, abandon:
             aborting.join(timeout=2.0)  # requests (a healthy server answers in ms; a stalled one is out)
 
 
-def _abort_all(pool: Any) -> None:
+def _abort_all(pool: ServerPool) -> None:
     try:
         pool.abort_all()
     except Exception:  # noqa: BLE001 - a dead server has nothing left to abort

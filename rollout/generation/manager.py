@@ -7,9 +7,10 @@
     state = manager.to_state()      # the buffer of unfinished groups, for the trainer's checkpoint
 
 One HTTP request per sample (segment), up to `max_in_flight_requests` at once; SGLang batches them.
-The manager holds what lasts between steps (the buffer, the ready groups, the group ids, the reward
-error budget) and the request threads (requests.py: one request or episode per sample); one
-step's own state is a StepGeneration (step.py), which works with these through their public names.
+The manager holds what lasts between steps (the group buffer, groups.py: unfinished and ready
+groups and the group ids; the reward error budget) and the request threads (requests.py: one
+request or episode per sample); one step's own state is a StepGeneration (step.py), which is
+handed these parts (StepParts), not the manager.
 Partial rollouts (paper-independent, as in slime/Kimi): once `num_groups` groups are complete the
 rest are aborted, and their partial responses wait in the buffer; next step they resume from
 prompt + partial response asking only for the REMAINING budget. Every token keeps the weight version
@@ -25,15 +26,15 @@ Multi-turn environments give their rewards during the episode (their own path).
 """
 from __future__ import annotations
 
-import collections
 from typing import Any, Callable, Iterator
 
-from rollout.generation.chat import ChatTemplate
+from rollout.generation.multiturn.chat import ChatTemplate
+from rollout.generation.groups import GroupBuffer
 from rollout.generation.manager_config import ManagerConfig
 from rollout.generation.multiturn import Environment
 from rollout.generation.requests import SampleRequests
 from rollout.generation.sample import Sample
-from rollout.generation.step import RolloutInterrupted, StepGeneration, StepResult  # noqa: F401 (re-exported)
+from rollout.generation.step import RolloutInterrupted, StepGeneration, StepParts, StepResult  # noqa: F401 (re-exported)
 from rollout.generation.teacher import TeacherScorer
 from rollout.rewards.answers import RewardFn
 from rollout.rewards.scoring import RewardErrorBudget, Scorer, ThreadScorer
@@ -57,7 +58,7 @@ class RolloutManager:
         teacher: on-policy distillation (rollout.generation.teacher.TeacherScorer): a group also waits for its
         teacher log-probs, requested beside its rewards.
         env_factory: record -> Environment, for multi-turn episodes (rollout.generation.multiturn), whose turns
-        go through `chat` (rollout.generation.chat.ChatTemplate: the tokenizer's template) or, without it,
+        go through `chat` (rollout.generation.multiturn.chat.ChatTemplate: the tokenizer's template) or, without it,
         fixed ChatML markers tokenised with `encode_text` (its reset() message is the prompt, so
         encode_prompt is then unused). max_turns: bound on an episode's model turns (None: the
         environment's own)."""
@@ -74,13 +75,9 @@ class RolloutManager:
         self._own_scorer = ThreadScorer(reward_fn) if scorer is None and reward_fn is not None else None
         self.scorer = scorer or self._own_scorer
         self.teacher = teacher
-        self.buffer: collections.deque[list[Sample]] = collections.deque()
-        """Unfinished groups (partial responses, or waiting for their scores) a step left: the
-        next step starts them first."""
-        self.ready: collections.deque[list[Sample]] = collections.deque()
-        """Complete, scored groups a stopped step kept (generate_step(keep_on_stop=True)): the
-        next step takes them first, as they are."""
-        self.next_group_id = 0
+        self.groups = GroupBuffer()
+        """Unfinished groups a step left and complete ones a stopped step kept: the next step
+        takes them first."""
         self.reward_budget = reward_budget or RewardErrorBudget(config.max_reward_error_fraction)
 
     @property
@@ -90,9 +87,13 @@ class RolloutManager:
 
     def new_group(self, record: dict) -> list[Sample]:
         """A group of group_size fresh samples of one prompt record, with the next group id."""
-        prompt_ids = [] if self.episodes else list(self.encode_prompt(record))
-        gid = self.next_group_id
-        self.next_group_id += 1
+        if self.episodes:  # the environment's reset() message is the prompt
+            prompt_ids: list[int] = []
+        elif self.encode_prompt is not None:
+            prompt_ids = list(self.encode_prompt(record))
+        else:
+            raise ValueError("single-turn rollouts need encode_prompt")
+        gid = self.groups.next_id()
         budget = int(record.get("max_new_tokens", self.config.max_new_tokens))
         return [Sample(gid, i, record, list(prompt_ids), budget)
                 for i in range(self.config.group_size)]
@@ -109,21 +110,22 @@ class RolloutManager:
         then NoServerLeft. keep_on_stop: nothing of the step is lost then: its complete
         groups go to `ready`, its unfinished ones (partial responses, their tokens' versions kept)
         to the front of the buffer, in group order; without it the caller restores a saved state."""
-        return StepGeneration(self, prompts, num_groups, current_weight_version, should_stop,
+        return StepGeneration(self.parts(), prompts, num_groups, current_weight_version, should_stop,
                               keep_on_stop).run()
+
+    def parts(self) -> StepParts:
+        """What a step works with (step.py): this manager's collaborators, not the manager."""
+        return StepParts(config=self.config, groups=self.groups, requests=self.requests, pool=self.pool,
+                         new_group=self.new_group, episodes=self.episodes, scorer=self.scorer,
+                         decode=self.decode, teacher=self.teacher, reward_budget=self.reward_budget)
 
     # --- checkpointing -----------------------------------------------------------------------
     def to_state(self) -> dict[str, Any]:
-        """The buffer and counters as plain data (JSON-serialisable when prompt records are)."""
-        return {"next_group_id": self.next_group_id,
-                "buffer": [[s.to_dict() for s in g] for g in self.buffer],
-                "ready": [[s.to_dict() for s in g] for g in self.ready],
-                "reward_budget": self.reward_budget.to_state()}
+        """The group buffer and the counters as plain data (JSON-serialisable when prompt records are)."""
+        return {**self.groups.to_state(), "reward_budget": self.reward_budget.to_state()}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self.next_group_id = int(state["next_group_id"])
-        self.buffer = collections.deque([Sample.from_dict(d) for d in g] for g in state["buffer"])
-        self.ready = collections.deque([Sample.from_dict(d) for d in g] for g in state.get("ready", []))
+        self.groups.load_state(state)
         self.reward_budget.load_state(state["reward_budget"])
 
     def close(self) -> None:

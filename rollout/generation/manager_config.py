@@ -71,7 +71,7 @@ class ManagerConfig:
         return {"return_routed_experts": True} if self.return_routed_experts else {}
 
     def sampling_params(self, max_new_tokens: int, sample: Sample | None = None) -> dict[str, Any]:
-        params = {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
+        params: dict[str, Any] = {"max_new_tokens": max_new_tokens, "temperature": self.temperature,
                   "top_p": self.top_p, "top_k": self.top_k}
         if self.seed is not None and sample is not None:
             # SGLang seeds its sampler per request and position (sglang/srt/layers/sampler.py

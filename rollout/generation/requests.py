@@ -11,13 +11,14 @@ own: run tag, group id, sample index and a counter (`request_id`).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Callable
 
-from rollout.generation.chat import ChatTemplate
+from rollout.generation.multiturn.chat import ChatTemplate
 from rollout.generation.manager_config import ManagerConfig
 from rollout.generation.multiturn import Environment, run_episode
 from rollout.generation.sample import DONE, PENDING, Sample
@@ -69,6 +70,13 @@ class SampleRequests:
             out = self.pool.generate(sample.tokens, self.config.sampling_params(sample.remaining_tokens, sample),
                                      rid=self.request_id(sample), timeout_s=self.config.request_timeout_s,
                                      abandon=self.abandon, **self.config.generate_kwargs())
+            if self.config.return_routed_experts and out.routed_experts is None and out.output_ids:
+                # SGLang answers an abort of a request it had released and queued again (a
+                # retract) without routes (rollout/in_server/released_routes.py): its tokens are
+                # generated again rather than kept without the routes they were sampled with
+                sample.metadata["unrouted_dropped"] = (sample.metadata.get("unrouted_dropped", 0)
+                                                       + len(out.output_ids))
+                out = dataclasses.replace(out, output_ids=[], logprobs=[], weight_versions=[])
             sample.append_model_tokens(out.output_ids, out.logprobs, out.weight_versions,
                                        out.routed_experts)
             sample.num_segments += 1 if out.output_ids else 0

@@ -38,6 +38,13 @@ paths under .venv/lib/python3.11/site-packages/sglang/srt/):
   gives [0, 0]). Consumers must pick the MoE layers from the model config.
 - Shared experts fused into the top-k are cut off (RoutedExpertsCapturer._get_local_slice).
 - An aborted request that had started returns rows for everything it processed.
+- A request SGLang retracts (a pause in "retract" mode, a decode batch out of KV cache) loses its
+  slots and is prefilled again, perhaps under new weights, which writes that prefill's routes at
+  every position; the project's servers keep the released rows and return them instead
+  (rollout/in_server/released_routes.py), so a route is still the one of the pass that sampled the
+  next token. Aborted while it waits in the queue, such a request returns no routes at all: its
+  tokens are dropped and generated again (rollout/generation/requests.py).
+The check that a sample's records are paired: rollout/generation/alignment.py.
 """
 from __future__ import annotations
 
@@ -86,6 +93,14 @@ class Sample:
     in the last generate call, -1 where there is none (module docstring); None: not requested."""
 
     @property
+    def score(self) -> float:
+        """The reward of a scored sample (what the driver trains on and evaluates; every sample it
+        receives has been scored)."""
+        if self.reward is None:
+            raise ValueError(f"sample {self.index} of group {self.group_id} has no reward yet")
+        return self.reward
+
+    @property
     def remaining_tokens(self) -> int:
         return self.max_new_tokens - len(self.response_ids)
 
@@ -99,13 +114,6 @@ class Sample:
         self.response_ids, self.logprobs, self.loss_mask, self.weight_versions = [], [], [], []
         self.num_segments, self.status, self.finish_reason = 0, PENDING, None
         self.reward, self.routed_experts, self.teacher_logprobs = None, None, None
-
-    def has_tokens_of_other_weights(self, version: str | None) -> bool:
-        """Some of its response's tokens came from weights other than `version` (None: unknown,
-        False). Environment tokens ("") come from no weights."""
-        if not (self.response_ids and version):
-            return False
-        return any(v and v != version for v in self.weight_versions)
 
     def append_model_tokens(self, ids: list[int], logprobs: list[float], versions: list[str],
                             routed_experts: np.ndarray | None = None) -> None:

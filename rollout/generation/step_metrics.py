@@ -4,21 +4,27 @@ tool calls and environment tokens. The trainer's rollout/* metrics are made of t
 """
 from __future__ import annotations
 
-import collections
-from typing import Any
-
 from rollout.generation.sample import Sample
+from rollout.rewards.scoring import RewardErrorBudget
 
 
-def step_metrics(kept: list[list[Sample]], m: collections.Counter, seconds: float, *, buffer_groups: int,
-                 budget: Any, episodes: bool) -> dict[str, float]:
-    """The step's counters `m` and the kept groups' summary; budget: the RewardErrorBudget."""
+class StepCounts(dict[str, float]):
+    """A step's counters and timers by name: one never counted reads 0 and is not reported
+    (collections.Counter's way, for seconds as well as counts)."""
+
+    def __missing__(self, key: str) -> float:
+        return 0
+
+
+def step_metrics(kept: list[list[Sample]], m: StepCounts, seconds: float, *, buffer_groups: int,
+                 budget: RewardErrorBudget, episodes: bool) -> dict[str, float]:
+    """The step's counters `m` and the kept groups' summary; budget: the run's reward errors."""
     samples = [s for g in kept for s in g]
     n = max(1, len(samples))
     resp_tokens = sum(len(s.response_ids) for s in samples)
     out = {k: float(v) for k, v in m.items()}
     out.update({
-        "reward_mean": sum(s.reward for s in samples) / n,
+        "reward_mean": sum(s.score for s in samples) / n,
         "response_length_mean": resp_tokens / n,
         # cut by the token budget: a response at max_new_tokens, an episode out of budget
         "truncated_fraction": sum(s.finish_reason in ("length", "budget") for s in samples) / n,

@@ -137,6 +137,13 @@ def probe(model: torch.nn.Module, shapes: dict[str, Sequence[int]]) -> dict[str,
 
 
 @torch.no_grad()
+def _hf_of(part: Part) -> torch.Tensor:
+    """The HF flat indices of a scattered part (one with `pos`: _as_parts sets both)."""
+    if part.hf is None:
+        raise ValueError(f"part of {part.param} has positions but no HF indices")
+    return part.hf
+
+
 def served_values(place: Placement, params: dict[str, torch.nn.Parameter]
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(HF flat indices, values) of the elements this rank holds, each index once, sorted."""
@@ -149,18 +156,19 @@ def served_values(place: Placement, params: dict[str, torch.nn.Parameter]
             return torch.empty(0, dtype=torch.int64), torch.empty(0)
         idx = torch.cat([torch.arange(p.lo, p.hi, device=f.device) for p, f in zip(blocks, flats)])
         return idx, torch.cat([f[p.offset + p.lo:p.offset + p.hi] for p, f in zip(blocks, flats)])
-    idx, vals = [], []
+    idx_parts: list[torch.Tensor] = []
+    val_parts: list[torch.Tensor] = []
     for part in place.parts:
         flat = params[part.param].data.reshape(-1)
         if part.pos is None:
-            idx.append(torch.arange(part.lo, part.hi, device=flat.device))
-            vals.append(flat[part.offset + part.lo:part.offset + part.hi])
+            idx_parts.append(torch.arange(part.lo, part.hi, device=flat.device))
+            val_parts.append(flat[part.offset + part.lo:part.offset + part.hi])
         else:
-            idx.append(part.hf.to(flat.device))
-            vals.append(flat[part.pos.to(flat.device)])
-    if not idx:
+            idx_parts.append(_hf_of(part).to(flat.device))
+            val_parts.append(flat[part.pos.to(flat.device)])
+    if not idx_parts:
         return torch.empty(0, dtype=torch.int64), torch.empty(0)
-    idx, vals = torch.cat(idx), torch.cat(vals)
+    idx, vals = torch.cat(idx_parts), torch.cat(val_parts)
     order = torch.argsort(idx)
     idx, vals = idx[order], vals[order]
     keep = torch.ones_like(idx, dtype=torch.bool)
@@ -185,7 +193,7 @@ def apply_sparse(place: Placement, params: dict[str, torch.nn.Parameter], idx: t
                 flat.index_copy_(0, part.offset + i[ok], v[ok])
             continue
         lut = torch.full((place.numel,), -1, dtype=torch.int64, device=flat.device)
-        lut[part.hf.to(flat.device)] = part.pos.to(flat.device)
+        lut[_hf_of(part).to(flat.device)] = part.pos.to(flat.device)
         where = lut[i]
         ok = where >= 0
         flat.index_copy_(0, where[ok], v[ok])

@@ -40,7 +40,7 @@ import math
 import os
 import traceback
 from collections import defaultdict
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -150,18 +150,21 @@ FLAT = PART + "flat="
 
 def flatten(named: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """A payload as one (name, uint8 tensor) pair: each entry's name, dtype, shape and byte offset
-    in the name (JSON), the bytes concatenated, each entry at a multiple of 8 (for its view)."""
+    in the name (JSON), the bytes concatenated, each entry at a multiple of 8 (for its view). The
+    buffer is on the GPU where any entry is (the small host entries, paths and shapes, join it
+    there: one CUDA IPC handle per request), else on the host."""
+    device = next((t.device for _, t in named if t.device.type != "cpu"), torch.device("cpu"))
     meta, chunks, offset = [], [], 0
     for name, t in named:
         pad = (-offset) % 8
         if pad:
-            chunks.append(torch.zeros(pad, dtype=torch.uint8))
+            chunks.append(torch.zeros(pad, dtype=torch.uint8, device=device))
             offset += pad
-        data = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
         meta.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
         chunks.append(data)
         offset += data.numel()
-    buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8, device=device)
     return [(FLAT + json.dumps(meta), buf)]
 
 
@@ -189,14 +192,16 @@ def route_load_weights(model: torch.nn.Module) -> None:
     idempotent. The model's own load_weights stays at `model.gspo_own_load_weights`."""
     if getattr(model, "gspo_own_load_weights", None) is not None:
         return
-    own = model.load_weights
+    # SGLang's model classes define load_weights (SGLang ships no types; torch's Module types an
+    # attribute as a tensor or a module): read and replace it as the attribute it is on the instance
+    own: Callable[[Any], Any] = getattr(model, "load_weights")
 
-    def load_weights(weights):
+    def load_weights(weights: Any) -> Any:
         if isinstance(weights, list) and any(PART in n for n, _ in weights):
             return load(model, weights)
         return own(weights)  # HF names, or the disk loader's iterator (not consumed here)
-    model.gspo_own_load_weights = own
-    model.load_weights = load_weights
+    setattr(model, "gspo_own_load_weights", own)
+    setattr(model, "load_weights", load_weights)
 
 
 def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -255,7 +260,8 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
         return
     if dense:
         own_load_weights(model)(dense)
-    shapes = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items() if "shape" in e}
+    shapes: dict[str, Sequence[int]] = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items()
+                                        if "shape" in e}
     places = probe(model, shapes) if shapes else {}
     params = dict(model.named_parameters())
     for n in order:
@@ -268,8 +274,7 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
         # The probe went through load_weights, which may derive tensors from what it loaded
         # (DeepSeek's w_kc / w_vc from kv_b_proj); the sparse writes bypass it: derive them again
         # from the parameters as they are now.
-        from sglang.srt.model_loader.loader import post_load_weights
-        post_load_weights(model)
+        _post_load_weights(model)
     for n in order:
         e = entries[n]
         if "sum" not in e:
@@ -301,6 +306,18 @@ def _load_adapter(name: str, entries: dict[str, dict[str, torch.Tensor]],
     if report["mismatched"]:
         return  # nothing written: the sender sends the version again
     report["mismatched"] += write_adapter(name, dict(dense))
+def _post_load_weights(model: torch.nn.Module) -> None:
+    """SGLang's post_load_weights (sglang 0.5.23 model_loader/loader.py): the model's own, where it
+    has one. Outside an SGLang server (a process standing in for one: tools/gpu_check_sync.py on a
+    GPU machine without SGLang) the same, done here."""
+    try:
+        from sglang.srt.model_loader.loader import post_load_weights
+    except ImportError:
+        post_load = getattr(model, "post_load_weights", None)
+        if callable(post_load):
+            post_load()
+        return
+    post_load_weights(model)
 
 
 def _export(path: str, shapes: dict[str, Sequence[int]], places: dict[str, Placement],

@@ -1,2 +1,2 @@
-"""Prompt sets as users keep them (jsonl, parquet files or folders, `datasets.save_to_disk`
-folders), their rows made into records, and the resumable prompt stream the driver draws from."""
+"""Prompt sets as users keep them (each path read as a row of PROMPT_FORMATS, formats.py), their rows
+made into records, and the resumable prompt stream the driver draws from."""

@@ -82,7 +82,7 @@ class ArrowSource:
 def _key_type(schema, key: str, path: Path):
     """The Arrow type at a dotted key of a schema; PromptFileError naming what the rows have."""
     import pyarrow as pa
-    fields, done, t = {f.name: f.type for f in schema}, [], None
+    fields, done, t = {f.name: f.type for f in schema}, list[str](), None
     for part in key.split("."):
         if t is not None:
             if not pa.types.is_struct(t):

@@ -10,15 +10,21 @@ from __future__ import annotations
 import array
 import random
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, TypeAlias
 
 from rollout.prompts.sets import PromptFileError, PromptSet, open_prompt_set  # noqa: F401  (PromptFileError: the API)
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import NDArray
+
+KeptRows: TypeAlias = "NDArray[np.int64]"  # the rows of a prompt set that filter_overlong keeps, in order
 
 
 def load_prompts(spec: str | Path | list, prompt_key: str = "prompt", answer_key: str = "answer",
                  cache_dir: str | Path | None = None, prompt_format: str | None = None) -> PromptSet:
-    """A prompt set (rollout.prompts.sets): jsonl, parquet, a folder of parquet shards or saved by
-    datasets, or a list of them (or a format of PROMPT_FORMATS by name); every row validated (PromptFileError names file, row and key),
+    """A prompt set (rollout.prompts.sets): a path or a list of paths, each read as a row of
+    PROMPT_FORMATS (by its shape, or `prompt_format` by name); every row validated (PromptFileError names file, row and key),
     records made on access ("prompt": a string or a list of chat messages; "answer": anything)."""
     return open_prompt_set(spec if isinstance(spec, list) else str(spec), prompt_key=prompt_key,
                            answer_key=answer_key, cache_dir=cache_dir, prompt_format=prompt_format)

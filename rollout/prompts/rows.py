@@ -27,7 +27,7 @@ def resolved(path: str | Path) -> str:
 
 def get_key(row: Any, path: str, where: str) -> Any:
     """row[a][b][c] for path "a.b.c"; PromptFileError naming the key and what the row has."""
-    value, done = row, []
+    value, done = row, list[str]()
     for part in path.split("."):
         if not isinstance(value, dict) or part not in value:
             have = sorted(value) if isinstance(value, dict) else type(value).__name__

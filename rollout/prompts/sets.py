@@ -1,6 +1,5 @@
-"""Prompt sets as users keep them: jsonl, parquet (a file, or a folder of shards as `datasets`
-writes them), a folder saved by `datasets.Dataset.save_to_disk`, or a list of these; each row
-mapped to a record by key paths.
+"""Prompt sets as users keep them: a path, or a list of paths, each read by a row of PROMPT_FORMATS
+(formats.py: jsonl, parquet and datasets' folders ship); each row mapped to a record by key paths.
 
     prompts = open_prompt_set(["data/train.parquet", "data/more.jsonl"], prompt_key="prompt",
                               answer_key="reward_model.ground_truth", cache_dir="runs/a/prompt_cache")
@@ -46,7 +45,7 @@ def open_source(spec: str, cache_dir: str | Path | None, prompt_format: str | No
     return format_for(path, prompt_format).open(path, Path(cache_dir) if cache_dir is not None else None)
 
 
-def prompt_set_fingerprint(paths: list[str | Path], records: int,
+def prompt_set_fingerprint(paths: Sequence[str | Path], records: int,
                            selection: dict[str, Any] | None = None) -> dict[str, Any]:
     """The prompt files' resolved paths, total bytes, row count and SHA-256 of their bytes (read
     once, 1 MiB at a time: about a second per GB) and of `selection` (the keys and filters that
@@ -93,7 +92,7 @@ class PromptSet(Sequence):
         k = bisect.bisect_right(self._starts, g) - 1
         return self.sources[k], g - self._starts[k]
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, i: int) -> dict:  # type: ignore[override]  # rows by index; no slices
         source, r = self.locate(i)
         return make_record(source.row(r), self.prompt_key, self.answer_key, source.where(r))
 

@@ -32,7 +32,8 @@ expected within the same tolerance; tuples as lists. (LiveCodeBench compares suc
 decimals, verl's APPS checks try a float tolerance first: this is the strict end.) Whatever the
 program prints is an answer: an output that cannot be parsed or compared (an int past int()'s 4300
 digits, JSON nested past MAX_RESULT_DEPTH, 10**400 against a float) fails the test; only the
-sandbox's own failure raises, a reward error.
+sandbox's own failure to start a run raises (SandboxFailure: the machine's, scored as such and never
+a reward error, scoring.py).
 
 Time: each test has its limit, and the whole scoring of one response, from the call's start, has a
 budget below the reward call's bound (tests_budget_s, by default rollout.reward_timeout_s
@@ -55,7 +56,7 @@ import time
 import zlib
 from typing import Any
 
-from rollout.rewards.sandbox.run import Sandbox
+from rollout.rewards.sandbox.run import Sandbox, SandboxFailure
 from rollout.rewards.settings import DEFAULT_REWARD_TIMEOUT_S, CodeSandboxSettings
 
 _TAG = re.compile(r"[A-Za-z0-9_+-]*")
@@ -63,6 +64,11 @@ PYTHON_TAGS = {"", "python", "py", "python3", "py3"}
 FLOAT_TOLERANCE = 1e-6
 MAX_SCANNED_CHARS = 1 << 20
 """A response's first characters searched for code blocks (a 32k-token response is ~130k)."""
+RESULT_RATIO, RESULT_SLACK = 16, 4096
+"""A call's result is parsed only up to RESULT_SLACK + RESULT_RATIO x the expected value's JSON in
+characters: longer JSON cannot equal it (a float's repr is at most 24 characters, a character
+escaped at most 12), and a result of max_output_bytes in small numbers parsed whole is a list of
+a million objects in the worker."""
 MAX_RESULT_DEPTH = 200
 """Deepest nesting of a call's JSON result that is parsed; deeper fails the test (a result of
 "[" * 100000 would reach json's and the comparison's recursion)."""
@@ -79,7 +85,8 @@ def extract_program(text: str) -> str | None:
         end = text.find("```", newline + 1) if newline >= 0 else -1
         if end < 0:  # no later fence can close either
             return program
-        if _TAG.match(text, start + 3, newline).group(0).lower() in PYTHON_TAGS:
+        tag = _TAG.match(text, start + 3, newline)  # matches, if only the empty string
+        if tag is not None and tag.group(0).lower() in PYTHON_TAGS:
             program = text[newline + 1:end]
         pos = end + 3
 
@@ -192,17 +199,41 @@ def _close(got: float, expected: float) -> bool:
     return math.isclose(got, expected, rel_tol=FLOAT_TOLERANCE, abs_tol=FLOAT_TOLERANCE)
 
 
+_BLANK = re.compile(r"\s*")
+_TOKEN = re.compile(r"\S+")
+
+
 def stdout_matches(got: str, expected: str) -> bool:
-    """Module docstring: trimmed lines, else tokens, with a tolerance only on expected floats."""
-    def lines(s: str) -> list[str]:
-        out = [line.rstrip() for line in s.replace("\r\n", "\n").split("\n")]
-        while out and not out[-1]:
-            out.pop()
-        return out
-    if lines(got) == lines(expected):
-        return True
-    a, b = got.split(), expected.split()
-    return len(a) == len(b) and all(_tokens_equal(x, y) for x, y in zip(a, b))
+    """Module docstring: trimmed lines, else tokens, with a tolerance only on expected floats. Both
+    compared as streams, a line or a token at a time: an output of max_output_bytes in small
+    tokens, split whole, was 1.4 million strings (84 MiB more in the worker while compared)."""
+    return _same_lines(got, expected) or _same_tokens(got, expected)
+
+
+def _same_lines(got: str, expected: str) -> bool:
+    """Equal after trimming trailing whitespace per line and trailing empty lines, the output's
+    lines compared where they lie (no copy of them)."""
+    g = e = 0
+    while g <= len(got) and e <= len(expected):
+        g_end, e_end = got.find("\n", g), expected.find("\n", e)
+        g_end, e_end = len(got) if g_end < 0 else g_end, len(expected) if e_end < 0 else e_end
+        want = expected[e:e_end].rstrip()  # ends in a character that is not whitespace, or is empty
+        if not (got.startswith(want, g, g_end) and _BLANK.fullmatch(got, g + len(want), g_end)):
+            return False
+        g, e = g_end + 1, e_end + 1
+    return bool(_BLANK.fullmatch(got, min(g, len(got))) and _BLANK.fullmatch(expected, min(e, len(expected))))
+
+
+def _same_tokens(got: str, expected: str) -> bool:
+    for a, b in itertools.zip_longest(_TOKEN.finditer(got), _TOKEN.finditer(expected)):
+        if a is None or b is None:
+            return False
+        want = b.group()
+        if a.end() - a.start() != len(want) and not _REAL.fullmatch(want):
+            return False  # not equal as text, and no tolerance: not read out of the output at all
+        if not _tokens_equal(a.group(), want):
+            return False
+    return True
 
 
 def values_equal(got: Any, expected: Any) -> bool:
@@ -223,14 +254,16 @@ def values_equal(got: Any, expected: Any) -> bool:
     return got == expected
 
 
-def call_result(out: str) -> tuple[bool, Any]:
+def call_result(out: str, max_chars: int | None = None) -> tuple[bool, Any]:
     """(found, value): the JSON after the harness's last marker line in a call's stdout. Bounded
-    before parsing: the stdout is capped (max_output_bytes), nesting past MAX_RESULT_DEPTH is
-    refused, and int() refuses more than 4300 digits."""
+    before parsing: the stdout is capped (max_output_bytes), a result longer than `max_chars` is
+    not parsed (output_passes: what could equal the expected value), nesting past MAX_RESULT_DEPTH
+    is refused, and int() refuses more than 4300 digits."""
     marker = CALL_MARKER.strip() + "\n"
-    if marker not in out:
+    at = out.rfind(marker)
+    if at < 0 or (max_chars is not None and len(out) - at - len(marker) > max_chars):
         return False, None
-    text = out.rsplit(marker, 1)[1]
+    text = out[at + len(marker):]
     if _nesting(text) > MAX_RESULT_DEPTH:
         return False, None
     try:
@@ -258,7 +291,7 @@ def output_passes(got: str, expected: Any, call: bool) -> bool:
     try:
         if not call:
             return stdout_matches(got, str(expected))
-        found, value = call_result(got)
+        found, value = call_result(got, RESULT_SLACK + RESULT_RATIO * len(json.dumps(expected)))
         return found and (values_equal(value, expected) or (isinstance(expected, list) and len(expected) == 1
                                                             and values_equal(value, expected[0])))
     except Exception:  # noqa: BLE001 - the program's output, never the sandbox's failure
@@ -309,15 +342,16 @@ class CodeReward:
             return 0.0
         limit = suite.time_limit_s or self.settings.time_limit_s
         passed = 0
-        for case in suite.cases:
-            if time.monotonic() >= deadline:
-                break  # the budget is spent: the tests not run count as failed
-            status, ok = self._run_case(program, suite.fn_name, case, limit, deadline)
-            passed += ok
-            if status == "timeout":
-                break  # a program that timed out once would spend the rest of the budget the same way
-            if not ok and self.settings.scoring == "all_pass":
-                return 0.0
+        with self.sandbox.session():  # gVisor: one sandbox for this response's tests, none shared with another's
+            for case in suite.cases:
+                if time.monotonic() >= deadline:
+                    break  # the budget is spent: the tests not run count as failed
+                status, ok = self._run_case(program, suite.fn_name, case, limit, deadline)
+                passed += ok
+                if status == "timeout":
+                    break  # a program that timed out once would spend the rest of the budget the same way
+                if not ok and self.settings.scoring == "all_pass":
+                    return 0.0
         return passed / len(suite.cases) if self.settings.scoring == "fraction" else float(passed == len(suite.cases))
 
     def _run_case(self, program: str, fn_name: str | None, case: Case, limit: float,
@@ -336,6 +370,6 @@ class CodeReward:
 
     @staticmethod
     def _check(result: Any) -> None:
-        if result.status == "sandbox_error":  # ours, not the program's: a reward error, counted
-            raise RuntimeError(f"the code sandbox failed to start: "
-                               f"{result.stderr_tail.decode(errors='replace').strip()[-300:]}")
+        if result.status == "sandbox_error":  # ours, not the program's: never the response's reward error
+            raise SandboxFailure(f"the code sandbox failed to start a run (not the response's doing): "
+                                 f"{result.stderr_tail.decode(errors='replace').strip()[-300:]}")

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gspo_errors import GspoError
 from rollout.rewards.settings import RewardServiceSettings
+
+if TYPE_CHECKING:
+    import requests
 
 
 class RewardServiceError(GspoError, RuntimeError):
@@ -33,7 +36,7 @@ class RewardServiceError(GspoError, RuntimeError):
 class RewardService:
     def __init__(self, url: str, settings: RewardServiceSettings) -> None:
         self.url, self.settings = url, settings
-        self._session = None
+        self._session: requests.Session | None = None
 
     def _post(self, body: bytes) -> Any:
         import requests

@@ -6,7 +6,11 @@
 
 Every way a reward call can fail ends in a Score with reward 0.0 and an `error` naming it: the
 function raised, returned something that is not a finite number, ran past rollout.reward_timeout_s
-(its worker killed), or its worker died (os._exit, a segfault, the OOM killer).
+(its worker killed), or its worker died (os._exit, a segfault, the OOM killer). One failure is not
+the response's: the code sandbox failing to start a run (status "sandbox", from an exception
+whose class carries `score_status`): the response was never judged, so it is no reward error; it
+is counted and said on its own, its group is left out of the step, and the run stops only when
+the sandbox fails SANDBOX_FAILURES_IN_A_ROW times in a row (the machine, not a response).
 """
 from __future__ import annotations
 
@@ -21,7 +25,11 @@ from typing import Any, Callable, Protocol
 from gspo_errors import GspoError
 
 # Score.status values
-OK, ERROR, TIMEOUT, DIED = "ok", "error", "timeout", "died"
+OK, ERROR, TIMEOUT, DIED, SANDBOX = "ok", "error", "timeout", "died", "sandbox"
+SANDBOX_FAILURES_IN_A_ROW = 32
+"""Sandbox failures in a row, with no call judged between them, that stop the run: the sandbox no
+longer starts on this machine. A response's run cannot cause them (docs/rewards.md), and one
+failing now and then (a host budget spent by someone else for a moment) is retried and counted."""
 
 
 @dataclasses.dataclass
@@ -30,7 +38,8 @@ class Score:
     error: str | None = None
     """Why the reward is 0.0 instead of the function's value (None when it is the value)."""
     status: str = OK
-    """ok, error (raised or returned a non-number), timeout, died."""
+    """ok, error (raised or returned a non-number), timeout, died, sandbox (the code sandbox failed
+    to start a run: not the response's doing, never a reward error)."""
     seconds: float = 0.0
     """Scoring time of this response (a batched call's time split evenly over its responses)."""
 
@@ -51,6 +60,12 @@ def as_reward(value: Any) -> float:
 
 def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def status_of(e: BaseException) -> str:
+    """The Score status of a reward call that raised `e`: ERROR, unless its class says otherwise
+    (the code sandbox's SandboxFailure: SANDBOX)."""
+    return getattr(e, "score_status", ERROR)
 
 
 class Scorer(Protocol):
@@ -75,7 +90,7 @@ class ThreadScorer:
             try:
                 out.append(Score(as_reward(self.fn(record, text)), seconds=time.perf_counter() - t0))
             except Exception as e:  # noqa: BLE001 - a buggy reward must not kill a long run; it is counted
-                out.append(Score(0.0, error_text(e), ERROR, time.perf_counter() - t0))
+                out.append(Score(0.0, error_text(e), status_of(e), time.perf_counter() - t0))
         return out
 
     def submit(self, records: list[dict], texts: list[str]) -> "Future[list[Score]]":
@@ -104,11 +119,18 @@ class RewardErrorBudget:
         self.calls = 0
         self.errors = 0
         self.last_error: str | None = None
+        self.sandbox_failures = 0
+        """Calls the code sandbox failed to start (module docstring): counted here, not in errors."""
+        self.sandbox_in_a_row = 0
         self._said = False  # the first error of this process was said (a resume says its own)
         self._lock = threading.Lock()  # the train and the eval managers may share one budget
 
-    def record(self, ok: bool, error: str | None = None) -> None:
+    def record(self, ok: bool, error: str | None = None, status: str | None = None) -> None:
+        if status == SANDBOX:
+            self._sandbox_failed(error)
+            return
         with self._lock:
+            self.sandbox_in_a_row = 0
             self.calls += 1
             if not ok:
                 self.errors += 1
@@ -124,6 +146,18 @@ class RewardErrorBudget:
                     f"the reward (or environment) failed {self.errors} of {self.calls} times "
                     f"(> rollout.max_reward_error_fraction {self.max_error_fraction}); last error: "
                     f"{self.last_error}")
+
+    def _sandbox_failed(self, error: str | None) -> None:
+        with self._lock:
+            self.sandbox_failures += 1
+            self.sandbox_in_a_row += 1
+            if self.sandbox_failures == 1:
+                self.log(f"code sandbox failure, the first of {self.what} (not the response's: no reward error; "
+                         f"its group is left out, counted as reward/sandbox_failures): {error}")
+            if self.sandbox_in_a_row >= SANDBOX_FAILURES_IN_A_ROW:
+                raise RewardErrorBudgetExceeded(
+                    f"the code sandbox failed to start {self.sandbox_in_a_row} runs in a row, with no response "
+                    f"judged between them: it no longer starts on this machine; last: {error}")
 
     def to_state(self) -> dict[str, Any]:
         return {"calls": self.calls, "errors": self.errors, "last_error": self.last_error}

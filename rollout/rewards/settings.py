@@ -52,8 +52,11 @@ class CodeSandboxSettings:
     failure stops the run of the remaining tests). fraction pays a guess: a program printing one
     constant earns the share of the tests expecting it (a constant YES: 0.5 on a YES/NO row), so
     pick all_pass for rows with few distinct outputs or few tests (docs/rewards.md)."""
-    isolation: Literal["auto", "namespaces", "process"] = "auto"
-    """namespaces (and auto, the same): each test in fresh user, mount, PID, network, IPC, UTS and
+    isolation: Literal["auto", "gvisor", "namespaces", "process"] = "auto"
+    """auto: gvisor where it runs (root, Debian's runsc, installed on first use), else namespaces with
+    a start-up line saying what the shared kernel leaves open. gvisor: each response's tests in a
+    gVisor sandbox of their own (gVisor's kernel, not the host's: docs/rewards.md), refused at start
+    where it cannot run. namespaces: each test in fresh user, mount, PID, network, IPC, UTS and
     cgroup namespaces, in a root holding only the interpreter's read-only files and a private /tmp
     (no project, data or run folder, no network, no other process visible, everything killed with
     it) as an unprivileged user (as root: one of each worker's own); refused at start, in one line,

@@ -8,7 +8,7 @@ first not yet scored:
     worker -> pool   ("ready", batched, has_prepare) | ("init_error", message)
     pool -> worker   ("task", task_id, records, texts)
     worker -> pool   ("prepared", task_id)                    after each prompt's prepare()
-                     ("score", task_id, i, reward, error, seconds)   per response, or for batched:
+                     ("score", task_id, i, reward, error, seconds, status)   per response, or for batched:
                      ("batch", task_id, [(reward, error), ...], seconds)
 Every message restarts the pool's clock for the call that follows, so the time bound is per call.
 Frames are an 8-byte length then a pickle. The worker's stdout goes to stderr: a print in a reward
@@ -54,14 +54,14 @@ def not_dumpable() -> None:
 
 def score_task(reward: Any, task_id: int, records: list[dict], texts: list[str], result_fd: int) -> None:
     """Score one task, sending a message per prepared prompt and per response (module docstring)."""
-    from rollout.rewards.scoring import as_reward, error_text
+    from rollout.rewards.scoring import OK, as_reward, error_text, status_of
     if reward.batched:
         t0 = time.perf_counter()
         try:
             values = list(reward.score(records, texts))
             if len(values) != len(texts):
                 raise ValueError(f"returned {len(values)} values for {len(texts)} responses")
-            results = []
+            results: list[tuple[float, str | None]] = []
             for v in values:
                 try:
                     results.append((as_reward(v), None))
@@ -74,6 +74,7 @@ def score_task(reward: Any, task_id: int, records: list[dict], texts: list[str],
     prepared: dict[int, tuple[Any, str | None]] = {}  # id(record) -> (prepared, error): once per prompt
     for i, (record, text) in enumerate(zip(records, texts)):
         t0 = time.perf_counter()
+        result: tuple[float, str | None]
         if reward.prepare is not None and id(record) not in prepared:
             try:
                 prepared[id(record)] = (reward.prepare(record), None)
@@ -89,9 +90,10 @@ def score_task(reward: Any, task_id: int, records: list[dict], texts: list[str],
                 result = (as_reward(reward.score(record, text, value)), None)
             else:
                 result = (as_reward(reward.score(record, text)), None)
+            status = OK
         except Exception as e:  # noqa: BLE001
-            result = (0.0, error_text(e))
-        send(result_fd, ("score", task_id, i, result[0], result[1], time.perf_counter() - t0))
+            result, status = (0.0, error_text(e)), status_of(e)
+        send(result_fd, ("score", task_id, i, result[0], result[1], time.perf_counter() - t0, status))
 
 
 def main(argv: list[str]) -> int:

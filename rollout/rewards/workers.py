@@ -42,20 +42,11 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 from gspo_errors import GspoError
 from rollout.rewards.frames import FrameReader, send
 from rollout.rewards.scoring import DIED, ERROR, OK, TIMEOUT, Score
-
-
-class RolloutSettings(Protocol):
-    """What a pool reads of the run config's rollout section (gspo_megatron's RolloutConfig)."""
-
-    reward: str
-    reward_args: dict[str, Any]
-    reward_workers: int
-    reward_timeout_s: float
 
 SECRET = re.compile(r"_TOKEN$|_KEY$|SECRET|PASSWORD|PASSWD|CREDENTIAL|^AWS_|^HF_TOKEN$|^WANDB_API_KEY$", re.I)
 """Environment variables a reward worker of a shipped reward does not get: a worker runs the code
@@ -132,14 +123,6 @@ class RewardWorkerPool:
         os.set_blocking(self._wake_r, False)
         self._thread = threading.Thread(target=self._run, name="reward-workers", daemon=True)
         self._thread.start()  # workers are started by this thread: their parent-death signal is its lifetime
-
-    @classmethod
-    def from_config(cls, rollout: RolloutSettings, name: str | None = None, args: Mapping[str, Any] | None = None,
-                    plugins: Sequence[str] = ()) -> RewardWorkerPool:
-        """rollout.reward_workers processes scoring `name` with its settings `args` (default
-        rollout.reward with rollout.reward_args), under the rollout section's timeout."""
-        return cls(name or rollout.reward, workers=rollout.reward_workers, timeout_s=rollout.reward_timeout_s,
-                   args=rollout.reward_args if name is None else args, plugins=plugins)
 
     # --- the caller's side -------------------------------------------------------------------------
     def submit(self, records: list[dict], texts: list[str]) -> "Future[list[Score]]":
@@ -322,8 +305,8 @@ class RewardWorkerPool:
         if kind == "prepared":
             w.preparing, w.call_start, w.deadline = False, now, now + self.timeout_s
         elif kind == "score":
-            _, _, i, reward, error, seconds = message
-            task.scores[w.offset + i] = Score(reward, error, OK if error is None else ERROR, seconds)
+            _, _, i, reward, error, seconds, status = message
+            task.scores[w.offset + i] = Score(reward, error, status, seconds)
             task.next = w.offset + i + 1
             task.timeouts_in_a_row = 0
             w.preparing = self._has_prepare and task.next < len(task.texts) and \

@@ -246,12 +246,14 @@ class SGLangClient(WeightUpdates, LoraAdapters):
         the server needs --enable-return-routed-experts); routed_experts_layout (num_hidden_layers,
         num_experts_per_tok) shapes them, by default read from the server's config.json.
         """
-        layout = None
+        layout: tuple[int, int] | None = None
         if return_routed_experts:
-            layout = tuple(routed_experts_layout or self.routed_experts_layout())
+            layers, top_k = routed_experts_layout or self.routed_experts_layout()
+            layout = (layers, top_k)
         batch = len(input_ids) > 0 and not isinstance(input_ids[0], int)
-        payload: dict[str, Any] = {"input_ids": [list(map(int, x)) for x in input_ids] if batch
-                                   else list(map(int, input_ids)),
+        ids: list[Any] = list(input_ids)
+        payload: dict[str, Any] = {"input_ids": [[int(t) for t in x] for x in ids] if batch
+                                   else [int(t) for t in ids],
                                    "sampling_params": dict(sampling_params),
                                    "return_logprob": return_logprob}
         if rid is not None:

@@ -24,11 +24,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import requests
 
 from rollout.in_server.cpu_stand_ins import STAND_INS_DIR
+from rollout.in_server.startup import STARTUP_DIR
 from rollout.servers.managed_process import ManagedProcess, ServerStartError, transient_cause  # noqa: F401  (the API)
 from rollout.servers.ports import free_port
 from rollout.servers.memory import FLOOR, cpu_mem_fraction_static
@@ -64,8 +65,10 @@ class ServerConfig:
     memory (rollout/servers/memory.py); on GPU SGLang's default."""
     return_routed_experts: bool = False
     """--enable-return-routed-experts: the server can return every token's routed experts (MoE
-    routing replay; ManagerConfig.return_routed_experts asks for them). MoE models only; on CPU the
-    stand-in's sitecustomize lets its host buffer skip CUDA pinning."""
+    routing replay; ManagerConfig.return_routed_experts asks for them). MoE models only. The
+    server then starts with the patch that keeps a retracted request's routes
+    (rollout/in_server/startup), on CPU also the stand-in's, which lets its host buffer skip CUDA
+    pinning."""
     extra_args: Sequence[str] = ()
     """More launch_server flags, passed through verbatim."""
     env: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -103,6 +106,12 @@ def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
            "--host", config.host, "--port", str(port), "--device", device,
            "--tp-size", str(config.tp_size), "--skip-server-warmup"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **config.env}
+    routes = config.return_routed_experts or "--enable-return-routed-experts" in config.extra_args
+    # Python's start-up patches (sitecustomize): the routes of released requests kept on every
+    # device (rollout/in_server/startup), the stand-ins on a CPU
+    startup = ([str(STARTUP_DIR)] if routes else []) + ([str(STAND_INS_DIR)] if device == "cpu" else [])
+    if startup:
+        env["PYTHONPATH"] = os.pathsep.join(startup + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if device == "cpu":
         cmd += ["--attention-backend", "torch_native", "--cuda-graph-backend-decode", "disabled",
                 "--cuda-graph-backend-prefill", "disabled", "--dtype", config.dtype or "float32",
@@ -110,8 +119,6 @@ def server_process(config: ServerConfig, log_dir: Path) -> ManagedProcess:
                 # without it the idle scheduler busy-polls a core (docs/cpu.md)
                 "--sleep-on-idle"]
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(STAND_INS_DIR)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     else:
         if config.dtype:
             cmd += ["--dtype", config.dtype]
@@ -153,7 +160,7 @@ def router_process(worker_urls: Sequence[str], log_dir: Path, host: str = "127.0
 def _router_serves(url: str) -> bool:
     """The router answers /health before its workers are registered (then /generate is 503):
     ready means a 1-token generation goes through."""
-    probe = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
+    probe: dict[str, Any] = {"input_ids": [0], "sampling_params": {"max_new_tokens": 1}}
     return requests.post(url + "/generate", json=probe, timeout=30).status_code == 200
 
 
@@ -203,8 +210,8 @@ class ServerGroup:
         server i gets base_gpu_id = i * tp_size unless set), wait until all are healthy (a start
         that failed for a transient cause is tried once more, said on `log`), then the router if
         asked. Any other failure stops everything already started and re-raises."""
-        temp_log_dir = None if config.log_dir else Path(tempfile.mkdtemp(prefix="gspo-sglang-logs-"))
-        log_dir = Path(config.log_dir) if config.log_dir else temp_log_dir
+        log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="gspo-sglang-logs-"))
+        temp_log_dir = None if config.log_dir else log_dir
         procs: list[ManagedProcess] = []
         router_proc = None
         try:

@@ -25,7 +25,7 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from rollout.servers.client import GenerateOutput, SGLangClient, ServerUnavailable
 from rollout.servers.errors import NoServerLeft, NoTeacherLeft, RequestAbandoned, TakenOut
@@ -34,6 +34,8 @@ from rollout.servers.health import GONE, LIVE, OUT, REJOINING
 _SERVING = (LIVE,)
 _SYNCED = (LIVE, REJOINING)  # the targets of a weight sync and of control calls
 
+
+_Result = TypeVar("_Result")  # what a call on a server returns
 
 @dataclasses.dataclass(frozen=True)
 class PoolRole:
@@ -221,14 +223,14 @@ class ServerPool:
                 resubmitted: float(counts["requests_resubmitted"])}
 
     # --- calls -------------------------------------------------------------------------------
-    def _watched(self, client: SGLangClient, call: Callable[[SGLangClient], Any],
-                 statuses: tuple[str, ...], abandon: threading.Event | None = None) -> Any:
+    def _watched(self, client: SGLangClient, call: Callable[[SGLangClient], _Result],
+                 statuses: tuple[str, ...], abandon: threading.Event | None = None) -> _Result:
         """call(client) on a thread of its own; its result, or ServerUnavailable as soon as the
         client leaves `statuses` (taken out by a probe) while the call runs, or RequestAbandoned
         once `abandon` is set. The abandoned thread ends with its HTTP request: at once for a
         killed server, by the request's timeout for a stalled one, or when a restart kills the
         stalled one; its answer goes nowhere."""
-        box: Future = Future()
+        box: Future[_Result] = Future()
 
         def run() -> None:
             try:
@@ -293,8 +295,8 @@ class ServerPool:
         """Log-probs of input_ids[start:] from one prefill on a live server (SGLangClient.input_log_probs)."""
         return self._on_a_live_server(lambda c: c.input_log_probs(input_ids, start, timeout_s=timeout_s))
 
-    def _on_a_live_server(self, call: Callable[[SGLangClient], Any],
-                          abandon: threading.Event | None = None) -> Any:
+    def _on_a_live_server(self, call: Callable[[SGLangClient], _Result],
+                          abandon: threading.Event | None = None) -> _Result:
         """call(client) on the next live server (round robin); a server that cannot be reached, or
         is taken out meanwhile, is out of service and the call moves on (counted in
         rollout/requests_resubmitted); none left: the role's NoServerLeft naming each server once."""
@@ -316,7 +318,7 @@ class ServerPool:
                 errors[client.url] = e.message
                 self.take_out(client.url, e.message)
 
-    def for_each(self, fn: Callable[[SGLangClient], Any], live_only: bool = True) -> list[Any]:
+    def for_each(self, fn: Callable[[SGLangClient], _Result], live_only: bool = True) -> list[_Result | None]:
         """Call fn(client) on every live or rejoining server (every server: live_only=False) in
         parallel; results in server order. A server that cannot be reached is taken out of service
         (its result is None) and the others go on, unless none answered; any other error is raised
@@ -324,10 +326,12 @@ class ServerPool:
         clients = self.sync_clients() if live_only else self.clients
         return self._for_clients(clients, fn, _SYNCED if live_only else (LIVE, OUT, REJOINING, GONE))
 
-    def _for_clients(self, clients: list[SGLangClient], fn: Callable[[SGLangClient], Any],
-                     statuses: tuple[str, ...]) -> list[Any]:
+    def _for_clients(self, clients: list[SGLangClient], fn: Callable[[SGLangClient], _Result],
+                     statuses: tuple[str, ...]) -> list[_Result | None]:
         futures = [self._executor.submit(self._watched, c, fn, statuses) for c in clients]
-        results, first_error, lost = [], None, []
+        results: list[_Result | None] = []
+        first_error: BaseException | None = None
+        lost: list[ServerUnavailable] = []
         for c, f in zip(clients, futures):
             try:
                 results.append(f.result())
@@ -372,7 +376,7 @@ class ServerPool:
             self.pause_epoch, self._targets = self.pause_epoch + 1, None
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None,
-                                 **kw: Any) -> list[dict]:
+                                 **kw: Any) -> list[dict | None]:
         """Every server reloads from `model_path` (see SGLangClient.update_weights_from_disk)."""
         return self.for_each(lambda c: c.update_weights_from_disk(model_path, weight_version, **kw))
 

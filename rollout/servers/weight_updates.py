@@ -12,6 +12,10 @@ from typing import Any, Sequence
 class WeightUpdates:
     """SGLangClient's weight-update endpoints (it supplies `_checked`)."""
 
+    def _checked(self, path: str, payload: Any, **kw: Any) -> dict:
+        """POST `payload` to `path` and check SGLang's success flag (SGLangClient's)."""
+        raise NotImplementedError
+
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, *,
                                  flush_cache: bool = True, abort_all_requests: bool = False,
                                  load_format: str | None = None, timeout_s: float = 600.0) -> dict:
@@ -35,11 +39,12 @@ class WeightUpdates:
                                    weight_version: str | None = None, *, flush_cache: bool = True,
                                    tp_size: int = 1, load_format: str | None = None,
                                    timeout_s: float = 600.0) -> dict:
-        """Send (HF name, CPU tensor) pairs by shared memory: the server must run on this machine.
+        """Send (HF name, tensor) pairs by shared memory: the server must run on this machine.
 
-        Call between begin_weight_update() and end_weight_update(). Tensors go through
+        Call between begin_weight_update() and end_weight_update(). Host tensors go through
         torch.multiprocessing's "file_system" sharing strategy (the default strategy crashes the
-        server, docs/cpu.md); keep them alive until this returns. `tp_size`: the server's TP size
+        server, docs/cpu.md), CUDA tensors as CUDA IPC handles (a server on the same GPU maps them:
+        serialize_named_tensors); keep them alive until this returns. `tp_size`: the server's TP size
         (each TP rank receives the same list). A partial list updates only those parameters.
         """
         payload = _drop_none(serialized_named_tensors=[serialize_named_tensors(named_tensors)] * tp_size,
@@ -117,14 +122,17 @@ def _drop_none(**fields: Any) -> dict[str, Any]:
 
 
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, Any]]) -> str:
-    """Pickle (name, tensor) pairs the way SGLang's MultiprocessingSerializer does (ForkingPickler,
-    so tensors travel by shared memory), base64-encoded for JSON."""
-    return serialize([(str(n), t.detach().cpu().contiguous()) for n, t in named_tensors])
+    """Pickle (name, tensor) pairs the way SGLang's MultiprocessingSerializer does (ForkingPickler),
+    base64-encoded for JSON. A tensor travels where it is: a host tensor by shared memory (torch's
+    "file_system" sharing strategy), a CUDA tensor as a CUDA IPC handle to its memory, which a
+    process on the same GPU (a colocated server) maps without a copy. The tensors must stay alive
+    until the server has applied them (the call returns)."""
+    return serialize([(str(n), t.detach().contiguous()) for n, t in named_tensors])
 
 
 def serialize(value: Any) -> str:
-    """`value` (tensors inside: by shared memory) as SGLang's MultiprocessingSerializer pickles it,
-    base64-encoded for JSON."""
+    """`value` (tensors inside: by shared memory, or CUDA IPC) as SGLang's MultiprocessingSerializer
+    pickles it, base64-encoded for JSON."""
     import torch.multiprocessing as torch_mp
     from multiprocessing.reduction import ForkingPickler
 
@@ -132,3 +140,14 @@ def serialize(value: Any) -> str:
     buf = io.BytesIO()
     ForkingPickler(buf).dump(value)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def deserialize_named_tensors(data: str) -> list[tuple[str, Any]]:
+    """What a server makes of one rank's serialize_named_tensors() (SGLang's
+    MultiprocessingSerializer.deserialize: base64, then unpickling, which maps shared memory and
+    opens CUDA IPC handles): for a process that stands in for a server (tools/gpu_check_sync.py)."""
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions (shared memory, CUDA IPC)
+
+    return pickle.loads(base64.b64decode(data))

@@ -18,6 +18,8 @@ would clip after an SGD step this large and the step would be trivially zero).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ TOL = 1e-5
 # The skewed batch: RL's long tail in small, 4 mini-batches of 8 rows, each with two
 # rows 3-5x longer than the rest. Cut by row count, a DP rank gets both long rows of a
 # mini-batch; balanced by work (actor/batching/balance.py, the default) it does not.
-SKEWED = dict(rows=32, mini=4, lengths=[6, 7, 5, 22, 6, 7, 7, 22, 5, 5, 7, 24, 7, 24, 7, 5,
+SKEWED: dict[str, Any] = dict(rows=32, mini=4, lengths=[6, 7, 5, 22, 6, 7, 7, 22, 5, 5, 7, 24, 7, 24, 7, 5,
                                         6, 21, 23, 7, 7, 7, 6, 6, 21, 21, 6, 5, 7, 6, 6, 5])
 
 

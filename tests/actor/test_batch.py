@@ -89,13 +89,15 @@ def _equal(a: TrainBatch, b: TrainBatch) -> None:
 
 def _with_routes(batch: TrainBatch, token_advantages: bool = False) -> TrainBatch:
     import dataclasses
+    engine = batch.rollout_log_probs
+    assert engine is not None
     b, s = batch.tokens.shape
     real = torch.arange(s)[None] < batch.lengths[:, None]
     routes = torch.where(real[..., None, None], torch.randint(0, 9, (b, s, 3, 2)), -1).to(torch.int16)
     adv = torch.where(batch.loss_mask, torch.randn(b, s), 0.0) if token_advantages else batch.advantages
     return dataclasses.replace(batch, routed_experts=routes, advantages=adv,  # padding as the rollout's
                                weight_versions=torch.where(real, 4, -1), tokens=torch.where(real, batch.tokens, 0),
-                               rollout_log_probs=torch.where(real, batch.rollout_log_probs, 0.0))
+                               rollout_log_probs=torch.where(real, engine, 0.0))
 
 
 @pytest.mark.parametrize("token_advantages", [False, True])

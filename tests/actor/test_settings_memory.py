@@ -11,6 +11,8 @@ optimizer's non-leaf main params), so it is not offered as a setting yet.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -39,7 +41,7 @@ def _train(rank, world, layout: dict, variant: str):
     from model_specs.hf.tiny import qwen3_moe as tiny_hf_config
     opt = OptimizerSettings(optimizer="adam", lr=1e-3, use_distributed_optimizer=variant == "sharded")
     compute = ComputeSettings(recompute="selective", recompute_modules=MODULES) if variant == "recompute" else None
-    out = dict(steps=[])
+    out: dict[str, Any] = dict(steps=[])
     with Actor(tiny_hf_config(), ParallelLayout(**layout), optimizer=opt, loss=LossSettings(name="gspo"),
                micro_batch_size=2, compute=compute, seed=7) as actor:
         config = actor.chunks[0].config if hasattr(actor.chunks[0], "config") else None

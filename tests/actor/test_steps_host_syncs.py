@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ class SyncCounter:
         self.on = False
         self.project: collections.Counter = collections.Counter()
         self.megatron: collections.Counter = collections.Counter()
-        self._saved = {}
+        self._saved: dict[str, Any] = {}
 
     def __enter__(self):
         for name in CONVERSIONS:

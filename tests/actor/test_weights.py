@@ -34,7 +34,9 @@ def _build(layout_kwargs: dict, seed: int):
 def _one_process_state(rank: int, world: int) -> dict:
     from gspo_megatron.actor.weights import full_state_dict
 
-    return _to_np(full_state_dict(_build({}, seed=7)))
+    full = _to_np(full_state_dict(_build({}, seed=7)))
+    assert full is not None  # to every rank
+    return full
 
 
 def _round_trip(rank: int, world: int, layout_kwargs: dict, full: dict) -> dict | None:

@@ -11,6 +11,8 @@ The actor's layouts (DP, PP, TP, token-budget micro-batches) per aggregation: te
 test_actor_aggregation.py."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from distributed import run_distributed
 pytestmark = pytest.mark.slow
 
 F64 = torch.float64
-ESTIMATOR_CASES = {
+ESTIMATOR_CASES: dict[str, dict[str, Any]] = {
     "grpo": dict(advantage_estimator="grpo", estimator_args={"group_std": "unbiased"}, kl_in_reward_coef=0.3),
     "rloo": dict(advantage_estimator="rloo", kl_in_reward_coef=0.3, whiten_advantages=True),
     "rf_pp_baseline": dict(advantage_estimator="reinforce_plus_plus_baseline", kl_in_reward_coef=0.3,
@@ -130,8 +132,8 @@ def _cp_worker(rank: int, world: int) -> dict:
 
     out = {}
     for mode in MODES:
-        kw = dict(eps_low=0.2, eps_high=0.27, dual_clip_c=3.0, kl_coef=0.1, kl_estimator="low_var_kl",
-                  loss_agg_mode=Aggregation.of(mode, {"token_sum_norm": 16.0} if mode.endswith("norm") else {}))
+        kw: dict[str, Any] = dict(eps_low=0.2, eps_high=0.27, dual_clip_c=3.0, kl_coef=0.1, kl_estimator="low_var_kl",
+                                  loss_agg_mode=Aggregation.of(mode, {"token_sum_norm": 16.0} if mode.endswith("norm") else {}))
         for reduction in ("mean", "sum"):
             x = lp.clone().requires_grad_(True)
             full, _ = grpo_loss(x, old, adv, mask, ref_log_probs=ref, reduction=reduction, **kw)
@@ -140,6 +142,8 @@ def _cp_worker(rank: int, world: int) -> dict:
             part, _ = grpo_loss(y, cut(old), cut(adv), cut(mask), ref_log_probs=cut(ref), reduction=reduction,
                                 cp_group=group, **kw)
             (grad,) = torch.autograd.grad(part, y)
+            assert group is not None
+            assert group is not None
             got = context.all_gather(grad, group)
             out[(mode, reduction)] = (abs(float(part - full)), float((got - full_grad).abs().max()),
                                       float(full_grad.abs().max()))

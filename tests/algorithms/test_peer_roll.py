@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gspo_megatron.algorithms import grpo_loss, gspo_loss
+from gspo_megatron.algorithms import grpo_loss, gspo_loss, gspo_token_loss
 from gspo_megatron.algorithms.advantage.pipeline import BatchRows, batch_advantages, shape_rewards
 from gspo_megatron.algorithms.advantage.shaping import RunningMoments
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
@@ -115,8 +115,8 @@ def roll_advantages(case, *, reward_clip=None, norm=(None, None), running=None, 
 
 
 def roll_agg_loss(loss_mat, loss_mask, mode, global_valid_samples):
-    if mode == "token-mean":
-        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    if mode == "token-mean":  # ROLL sums loss_mat unmasked: its terms are 0 where the advantages are
+        return loss_mat.sum() / loss_mask.sum()
     valid = torch.any(loss_mask > 0, dim=-1).to(loss_mat.dtype)
     if mode == "seq-mean-token-mean":
         return (roll_masked_mean(loss_mat, loss_mask, dim=-1) * valid).sum() / global_valid_samples
@@ -127,15 +127,17 @@ def roll_agg_loss(loss_mat, loss_mask, mode, global_valid_samples):
 
 
 def roll_actor_loss(lp, case, advantages, importance_sampling, pg_clip, dual_clip_loss, mode,
-                    kl_loss_coef=0.0):
-    """actor_worker.loss_func with use_pg_clip_range false (pg_clip both ways) and use_kl_loss."""
+                    kl_loss_coef=0.0, pg_clip_range=None):
+    """actor_worker.loss_func with use_kl_loss; pg_clip both ways, or use_pg_clip_range with
+    pg_clip_range = (pg_clip_low, pg_clip_high) (the dual clip's c stays 1 + 2 pg_clip)."""
     mask = case.mask
     valid = float(torch.any(mask > 0, dim=-1).sum())  # the pipeline's global_valid_samples
     if importance_sampling == "token":
         ratio = (lp - case.old_log_probs).exp()
     else:
         ratio = roll_masked_mean(lp - case.old_log_probs, mask, dim=-1).exp().unsqueeze(-1).expand_as(lp)
-    surr1, surr2 = ratio * advantages, ratio.clamp(1 - pg_clip, 1 + pg_clip) * advantages
+    low, high = pg_clip_range or (pg_clip, pg_clip)
+    surr1, surr2 = ratio * advantages, ratio.clamp(1 - low, 1 + high) * advantages
     loss = -torch.min(surr1, surr2)
     if dual_clip_loss:
         loss = torch.where(advantages < 0, -torch.max(-loss, (1 + pg_clip * 2) * advantages), loss)
@@ -240,8 +242,8 @@ def test_token_importance_sampling_every_aggregation(seed, mode):
     """importance_sampling: token = grpo, per-token advantages, dual clip, every loss_agg_mode;
     ROLL's seq-mean-token-sum-norm divides the token sums by the padded width without a mean over
     sequences (ours: Dr. GRPO's (1/N) sum_i sum_t / C, C = the width here)."""
-    case = make_case(seed, ratio_scale=0.5)
-    adv = torch.randn(case.mask.shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+    case = make_case(seed, ratio_scale=0.5)  # 0 at padding, as ROLL's compute_advantage leaves them
+    adv = torch.randn(case.mask.shape, generator=torch.Generator().manual_seed(seed), dtype=F64) * case.mask
     want = _loss_and_grad(lambda x: roll_actor_loss(x, case, adv, "token", 0.2, True, mode, 0.01), case.log_probs)
     width = float(case.mask.shape[-1])
     kw = dict(token_sum_norm=width) if mode == "seq-mean-token-sum-norm" else {}
@@ -256,10 +258,69 @@ def test_token_importance_sampling_every_aggregation(seed, mode):
     torch.testing.assert_close(got[1], want[1], **TOL)
 
 
-def test_seq_importance_sampling_with_token_sums_is_refused_by_name():
-    """ROLL's importance_sampling: seq with seq-mean-token-sum weighs each sequence's one term by
-    its length; GSPO's sequence ratio fixes its own aggregation, so gspo refuses it."""
-    case = make_case(0)
-    with pytest.raises(ValueError, match="the gspo loss takes seq-mean-token-mean"):
-        gspo_loss(case.log_probs, case.old_log_probs, case.rewards, case.mask.bool(),
-                  loss_agg_mode="seq-mean-token-sum")
+MODES = ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"]
+
+
+def _seq_case(seed):
+    """Ragged rows, two empty ones, ratios on both sides of GSPO's clip (3e-4 / 4e-4), one row with
+    a negative advantage past the dual clip's c = 1.4; advantages one per row, or per token (ROLL
+    gives every token one: its reinforce returns with gamma < 1 or the token KL), 0 at padding as
+    ROLL's compute_advantage leaves them."""
+    case = make_case(seed, ratio_scale=0.002)
+    neg = int(torch.nonzero((case.rewards < 0) & (case.lengths > 1))[0])
+    case.log_probs[neg, :case.lengths[neg]] = case.old_log_probs[neg, :case.lengths[neg]] + 0.5
+    g = torch.Generator().manual_seed(100 + seed)
+    token_adv = torch.randn(case.mask.shape, generator=g, dtype=F64) * case.mask
+    return case, neg, token_adv
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("advantages", ["row", "token"])
+def test_seq_importance_sampling_every_aggregation_is_gspo(seed, mode, advantages):
+    """importance_sampling: seq (the sequence ratio broadcast to the row's tokens, each token's
+    clipped term, agg_loss of every loss_agg_mode), dual_clip_loss and use_kl_loss (k3 clamped:
+    our low_var_kl), with GSPO's clip through use_pg_clip_range = gspo with the same loss_agg_mode:
+    values and gradients. ROLL's seq-mean-token-sum-norm sums the rows without a mean over them
+    (docs/algorithm.md: ours is Dr. GRPO's (1/N), ROLL's N times it)."""
+    case, neg, token_adv = _seq_case(seed)
+    row_adv = case.rewards
+    adv = row_adv[:, None] * case.mask if advantages == "row" else token_adv
+    width = float(case.mask.shape[-1])
+    want = _loss_and_grad(lambda x: roll_actor_loss(x, case, adv, "seq", 0.2, True, mode, 0.001,
+                                                    pg_clip_range=(3e-4, 4e-4)), case.log_probs)
+    kw = dict(token_sum_norm=width) if mode == "seq-mean-token-sum-norm" else {}
+    got = _loss_and_grad(lambda x: gspo_loss(x, case.old_log_probs, row_adv if advantages == "row" else adv,
+                                             case.mask.bool(), dual_clip_c=1.4, loss_agg_mode=Aggregation.of(mode, kw),
+                                             ref_log_probs=case.ref_log_probs, kl_coef=0.001,
+                                             kl_estimator="low_var_kl"), case.log_probs)
+    if mode == "seq-mean-token-sum-norm":
+        n = float((case.lengths > 0).sum())
+        want = (want[0] / n, want[1] / n)
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    torch.testing.assert_close(got[1], want[1], **TOL)
+    # the clips bite: some rows clipped (no policy gradient), others not; the dual clip holds a row
+    s = torch.exp(roll_masked_mean(case.log_probs - case.old_log_probs, case.mask, dim=-1))
+    clipped = ((row_adv > 0) & (s > 1 + 4e-4)) | ((row_adv < 0) & (s < 1 - 3e-4))
+    live = case.lengths > 0
+    assert 0 < int((clipped & live).sum()) < int(live.sum()) and float(s[neg]) > 1.4
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gspo_token_is_roll_seq_with_one_advantage_per_row_and_the_paper_with_per_token_ones(mode):
+    """gspo_token (Eqs. 13-14) = ROLL's importance_sampling: seq when the advantages are constant
+    along a row, every aggregation; with per-token advantages the values agree but the gradients
+    do not: ROLL differentiates through s_i (each token gets s_i / L_i times the row's active
+    advantages), GSPO-token through its token factor (token t gets s_i A_t): migrate maps ROLL's
+    seq to gspo, which computes ROLL's gradient (the test above)."""
+    case, _, token_adv = _seq_case(0)
+    width = float(case.mask.shape[-1])
+    kw = dict(token_sum_norm=width) if mode == "seq-mean-token-sum-norm" else {}
+    n = float((case.lengths > 0).sum()) if mode == "seq-mean-token-sum-norm" else 1.0
+    for adv, same_gradient in ((case.rewards[:, None] * case.mask, True), (token_adv, False)):
+        want = _loss_and_grad(lambda x: roll_actor_loss(x, case, adv, "seq", 0.2, False, mode,
+                                                        pg_clip_range=(3e-4, 4e-4)), case.log_probs)
+        got = _loss_and_grad(lambda x: gspo_token_loss(x, case.old_log_probs, adv, case.mask.bool(),
+                                                       loss_agg_mode=Aggregation.of(mode, kw)), case.log_probs)
+        torch.testing.assert_close(got[0], want[0] / n, **TOL)
+        assert torch.allclose(got[1], want[1] / n, rtol=0, atol=1e-12) == same_gradient

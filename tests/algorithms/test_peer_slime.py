@@ -162,10 +162,12 @@ def _loss_and_grad(fn, lp):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("eps_clip_c", [None, 3.0])
 @pytest.mark.parametrize("kl_type", ["k1", "k2", "k3", "low_var_kl"])
-def test_gspo_policy_loss_with_kl_loss(seed, eps_clip_c, kl_type):
+@pytest.mark.parametrize("per_token_loss", [False, True])
+def test_gspo_policy_loss_with_kl_loss(seed, eps_clip_c, kl_type, per_token_loss):
     """--advantage-estimator gspo: ppo_kl = the sequence mean of old - new (compute_gspo_kl, with
     its gradient), --eps-clip / --eps-clip-high / --eps-clip-c, --use-kl-loss with --kl-loss-type,
-    reduced by the per-sample mean."""
+    reduced by the per-sample mean, or with --calculate-per-token-loss by the mean over the batch's
+    tokens (each token carrying its sequence's ratio: gspo with token-mean)."""
     case = make_case(seed, ratio_scale=0.05)
     row = int(torch.nonzero((case.rewards < 0) & (case.lengths > 1))[0])
     case.log_probs[row, :case.lengths[row]] += 1.5  # s_i > 3 on a negative advantage
@@ -178,12 +180,14 @@ def test_gspo_policy_loss_with_kl_loss(seed, eps_clip_c, kl_type):
             ppo_kl = ((case.old_log_probs[i, :n] - x[i, :n]) * m).sum() / m.sum().clamp(min=1)
             pg = slime_policy_loss(ppo_kl.expand(n), case.rewards[i].expand(n), 3e-4, 4e-4, eps_clip_c)
             kl = slime_approx_kl(x[i, :n], case.ref_log_probs[i, :n], kl_type)
-            loss = loss + ((pg + 0.01 * kl) * m).sum() / m.sum()
-        return loss / len(keep)
+            loss = loss + ((pg + 0.01 * kl) * m).sum() / (1.0 if per_token_loss else m.sum())
+        return loss / (sum(m.sum() for m in masks) if per_token_loss else len(keep))
     want = _loss_and_grad(slime, case.log_probs)
     got = _loss_and_grad(lambda x: gspo_loss(x, case.old_log_probs, case.rewards, case.mask.bool(),
                                              dual_clip_c=eps_clip_c, ref_log_probs=case.ref_log_probs,
-                                             kl_coef=0.01, kl_estimator=kl_type), case.log_probs)
+                                             kl_coef=0.01, kl_estimator=kl_type,
+                                             loss_agg_mode="token-mean" if per_token_loss else "seq-mean-token-mean"),
+                         case.log_probs)
     torch.testing.assert_close(got[0], want[0], **TOL)
     torch.testing.assert_close(got[1], want[1], **TOL)
 

@@ -110,18 +110,26 @@ def test_megatron_schedule_contract_dp2_uneven_microbatches(name, mode):
     torch.testing.assert_close(sum(rank_grads) / dp, full_grad)   # DP all-reduce average
 
 
-@pytest.mark.parametrize("name", RL_LOSSES)
-def test_aggregations_a_row_does_not_list_are_refused_by_name(name):
-    lp, old, adv, mask, _ = global_batch(name)
-    for mode in {"token-mean", "seq-mean-token-sum"} - set(LOSSES[name].aggregation_names()):
-        with pytest.raises(ValueError, match=f"loss_agg_mode='{mode}': the {name} loss takes"):
-            LOSS_FUNCTIONS[name](lp, old, adv, mask, loss_agg_mode=mode)
+def test_aggregations_a_row_does_not_list_are_refused_by_name():
+    """The built-in losses take every mode; a plug-in row that lists only the default (LossSpec's
+    default) is refused any other, by the config, naming the loss."""
+    from gspo_megatron.algorithms.registry import LossSettings, LossSpec
+    toy = LossSpec("toy_seq", "gspo_megatron.algorithms.gspo:gspo_loss", (3e-4, 4e-4), "sequence", ("num_sequences",),
+                   "a plug-in that computes only GSPO's own aggregation")
+    assert all(LOSSES[name].aggregations is None for name in RL_LOSSES)
+    with LOSSES.registered(toy):
+        assert LossSettings(name="toy_seq").loss_agg_mode == "seq-mean-token-mean"
+        with pytest.raises(ValueError, match="loss_agg_mode='token-mean': expected seq-mean-token-mean with the "
+                                             "toy_seq loss"):
+            LossSettings(name="toy_seq", loss_agg_mode="token-mean")
 
 
-def test_token_sums_weigh_rows_by_length_and_the_means_do_not():
+@pytest.mark.parametrize("loss", [grpo_loss, gspo_loss])
+def test_token_sums_weigh_rows_by_length_and_the_means_do_not(loss):
     """What the modes mean, on two rows of lengths 1 and 3 with one advantage each, on-policy
-    (every token's term is -A): seq-mean-token-mean -mean(A); seq-mean-token-sum -(A0 + 3 A1) / 2;
-    seq-mean-token-sum-norm that over C; token-mean -(A0 + 3 A1) / 4."""
+    (every token's term is -A, GSPO's with its sequence ratio on each token, as ROLL's seq):
+    seq-mean-token-mean -mean(A); seq-mean-token-sum -(A0 + 3 A1) / 2; seq-mean-token-sum-norm that
+    over C; token-mean -(A0 + 3 A1) / 4."""
     lp = torch.zeros(2, 4, dtype=F64)
     mask = torch.tensor([[0, 1, 0, 0], [0, 1, 1, 1]], dtype=torch.bool)
     adv = torch.tensor([1.0, -2.0], dtype=F64)
@@ -129,8 +137,8 @@ def test_token_sums_weigh_rows_by_length_and_the_means_do_not():
             "token-mean": 5 / 4}
     for mode, value in want.items():
         kw = dict(token_sum_norm=4.0) if mode.endswith("norm") else {}
-        loss, _ = grpo_loss(lp, lp, adv, mask, loss_agg_mode=Aggregation.of(mode, kw))
-        assert float(loss) == pytest.approx(value, abs=1e-15), mode
+        got, _ = loss(lp, lp, adv, mask, loss_agg_mode=Aggregation.of(mode, kw))
+        assert float(got) == pytest.approx(value, abs=1e-15), mode
 
 
 def test_metric_reduction_table_covers_every_summable_key():

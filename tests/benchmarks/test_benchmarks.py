@@ -82,6 +82,8 @@ SMOKE = {
                         lambda out: "GSPO: mean reward of the last 1 steps" in out),
     "layouts.py": (lambda url: ["--layouts", "tp2", "--rows", "4", "--seq", "16", "--reps", "1"],
                    lambda out: _line(out, r"tp2\s+2\s+[0-9.]+")),
+    "fp64_reference.py": (lambda url: ["--archs", "qwen3_moe"],
+                          lambda out: len(_rows(out, "qwen3_moe |")) == 1),
     "logprobs_memory.py": (lambda url: ["--tokens", "128", "--vocab", "1024", "--hidden", "32"],
                            lambda out: _line(out, r"\s*1024\s+128 \|")),
     # the full model's rows on the session's server (its weights replaced: the module restores them);
@@ -99,6 +101,9 @@ SMOKE = {
                          and _line(out, r"stability: gspo [0-9.]+ ± [0-9.]+ \(\d/1 collapsed\); grpo ")),
     "rewards.py": (lambda url: ["--smoke"], lambda out: len(_rows(out, "math short")) == 1
                    and len(_rows(out, "code, 10 stdin tests")) == 1),
+    # auto: gVisor where it runs (CI's machine), else the namespaces sandbox
+    "sandbox_backends.py": (lambda url: ["--backends", "auto", "--runs", "2", "--groups", "1", "--group-size", "2"],
+                            lambda out: len(_rows(out, "auto")) == 1 and "| exact |" in out),
     "rollout.py": (lambda url: ["--url", url, "--batch-sizes", "1", "--max-new-tokens", "4", "--repeats", "1"],
                    lambda out: _line(out, r"\s+1\s+\d+\s+\d+\s+\d+")),
     # the session's server: its weights are replaced by the sync (the module restores them)

@@ -49,6 +49,28 @@ def test_refused_at_parse_in_one_line(args, expected, tmp_path):
     assert line.startswith(f"moe_stability.py: error: {expected}"), line
 
 
+def test_bad_inputs_refused_before_anything_is_made(tmp_path):
+    """--set, --config, --model, --url and --out that would fail 15-55 s in (after the tasks, the
+    models and the server) are one line at once."""
+    from faults_common import dead_url
+    url = dead_url()
+    for args, expected in (
+            (["--set", "loss.nme=grpo"], "--config examples/tiny_moe_counting.yaml with the gspo arm and --set "
+                                         "loss.nme=grpo: unknown key 'loss.nme'"),
+            (["--regime", "learn", "--set", "train.lr=-1"], "--config examples/tiny_moe_larger_digit.yaml with the "
+                                                           "gspo arm and --set train.lr=-1: train.lr=-1.0: expected >= 0"),
+            (["--config", "examples/nope.yaml"], "--config examples/nope.yaml: no such file"),
+            (["--model", str(tmp_path / "missing")], f"--model {tmp_path / 'missing'}: no config.json there"),
+            (["--url", url], f"--url {url}: no SGLang server answers /health there")):
+        assert _refusal(args, tmp_path).startswith(f"moe_stability.py: error: {expected}"), args
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(a_file)], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == (f"moe_stability.py: error: --out {a_file}: a file is there "
+                                                            "(expected a folder for the runs, made if missing)")
+
+
 def test_help_shows_every_default():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], cwd=ROOT, env=env(), capture_output=True, text=True,
                           timeout=60)

@@ -53,8 +53,9 @@ def _load_forward_save(rank, world, cases):
         load_model(chunks, ckpt)
         set_fused(chunks, False)
         mbs = [MicroBatch(index=i, rows=torch.arange(2), tokens=TOKENS[2 * i:2 * i + 2],
-                          position_ids=torch.arange(16).expand(2, 16), loss_mask=None,
-                          advantages=None, old_log_probs=None, rollout_log_probs=None)
+                          position_ids=torch.arange(16).expand(2, 16),
+                          loss_mask=torch.ones(2, 16, dtype=torch.bool), advantages=torch.zeros(2),
+                          old_log_probs=None, rollout_log_probs=None)
                for i in range(2)]
         got = []
 

@@ -42,7 +42,7 @@ def _gpt_model_class():
     return GPTModel
 
 
-class GroupedExtraState(_gpt_model_class()):
+class GroupedExtraState(_gpt_model_class()):  # type: ignore[misc]  # megatron's GPTModel, imported late
     """The checkpoint face of TE's grouped linear with `num_gemms` experts: weight{i} parameters,
     one `_extra_state` in state_dict(), per-GEMM extra-state ShardedObjects in sharded_state_dict()
     under one sharded key with the expert axis as its shape. A GPTModel by type only (the model

@@ -55,7 +55,8 @@ def test_typed_parse_of_overrides():
     ("train.old_log_probs=cached", "train.old_log_probs='cached'"),
     ("train.mini_batches=3", "train.mini_batches=3: expected a divisor of the rollout batch"),
     ("rollout.temperature=0", "rollout.temperature=0.0: expected > 0"),
-    ("rollout.group_size=0", "rollout.group_size=0: expected >= 2: loss.name=gspo uses group-relative"),
+    ("rollout.group_size=0", "rollout.group_size=0: expected >= 2: loss.advantage_estimator=grpo is relative to "
+                             "the prompt's group"),
     ("parallel.tensor=0", "parallel.tensor=0: expected >= 1"),
     ("rollout.server_urls=[h:30000]", "rollout.server_urls='h:30000': expected URLs"),
     ("train.use_distributed_optimizer=maybe", "train.use_distributed_optimizer='maybe': expected bool"),
@@ -119,8 +120,6 @@ def test_moe_and_mismatch_cross_checks(overrides, needle):
 
 @pytest.mark.parametrize("overrides,needle", [
     (["loss.advantage_estimator=ppo"], "loss.advantage_estimator='ppo': expected one of grpo, dr_grpo, rloo"),
-    (["loss.loss_agg_mode=token-mean"], "loss.loss_agg_mode='token-mean': expected seq-mean-token-mean with the "
-                                        "gspo loss (GSPO's sequence ratio fixes its own"),
     (["loss.name=grpo", "loss.loss_agg_mode=seq-mean-token-sum-norm"],
      "loss.aggregation_args.token_sum_norm=0.0: expected > 0"),
     (["loss.aggregation_args.token_sum_norm=4"], "loss.aggregation_args={'token_sum_norm': 4}: "
@@ -144,20 +143,52 @@ def test_moe_and_mismatch_cross_checks(overrides, needle):
                                                             "(0.0003, 0.0004) is not a loss (expected a LossSpec)"),
     (["loss.advantage_clip=0"], "loss.advantage_clip=0.0: expected > 0"),
     (["loss.reward_norm_mean=domain"], "loss.reward_norm_mean='domain'"),
-    (["loss.advantage_estimator=reinforce", "loss.estimator_args.gamma=0.9"],
-     "loss.name='gspo': expected a loss that takes one advantage per token (gspo_token, grpo)"),
-    (["loss.advantage_estimator=reinforce_plus_plus", "loss.kl_in_reward_coef=0.1"],
-     "loss.name='gspo': expected a loss that takes one advantage per token"),
     (["loss.advantage_estimator=rloo", "rollout.group_size=1"], "rollout.group_size=1: expected >= 2"),
     (["loss.name=gspo_token", "loss.kl_in_reward_coef=0.1", "rollout.environment=calculator",
       "rollout.turn_credit=return_to_go"], "loss.kl_in_reward_coef=0.1: expected 0 with rollout.turn_credit"),
     (["loss.name=gspo_token", "loss.reward_clip=1", "rollout.environment=calculator",
       "rollout.turn_credit=return_to_go"], "loss.reward_clip=1.0: expected null with rollout.turn_credit"),
+    # a group of one is refused naming the field that makes the advantages group-relative
+    (["loss.advantage_estimator=reinforce", "loss.reward_norm_mean=group", "rollout.group_size=1"],
+     "rollout.group_size=1: expected >= 2: loss.reward_norm_mean=group subtracts the mean of the prompt's group"),
+    (["loss.advantage_estimator=reinforce", "loss.reward_norm_std=group", "rollout.group_size=1"],
+     "rollout.group_size=1: expected >= 2: loss.reward_norm_std=group divides each reward by the std of its "
+     "prompt's group, which a group of one does not have (NaN advantages)"),
+    # a batch statistic over one response: NaN (std) or exactly 0 (mean, whitening)
+    *[(["loss.advantage_estimator=reinforce", "rollout.group_size=1", "rollout.prompts_per_step=1",
+        "train.mini_batches=1", *sets], needle) for sets, needle in (
+        (["loss.reward_norm_std=batch"], "loss.reward_norm_std='batch': expected null or running with one response "
+                                         "per rollout batch (rollout.prompts_per_step=1 x rollout.group_size=1): the "
+                                         "std of a single reward is undefined (NaN advantages)"),
+        (["loss.reward_norm_mean=batch"], "loss.reward_norm_mean='batch': expected null or running with one response"),
+        (["loss.whiten_advantages=true"], "loss.whiten_advantages=True: expected false with one response per "
+                                          "rollout batch"),
+        (["loss.advantage_estimator=reinforce_plus_plus"], "loss.advantage_estimator='reinforce_plus_plus': "
+                                                           "expected an estimator that does not whiten"))],
+    # a reward name mistyped for the eval is named as the eval's
+    (["eval.reward=exact_matc"], "eval.reward='exact_matc': expected one of math, exact_match"),
+    # a knob the rest of the config makes inert is named, not ignored
+    (["loss.kl_estimator=k2"], "loss.kl_estimator='k2': acts only with loss.kl_coef > 0, which is 0.0"),
+    (["loss.kl_in_reward_estimator=k2"], "loss.kl_in_reward_estimator='k2': acts only with loss.kl_in_reward_coef > 0"),
+    (["loss.advantage_estimator=reinforce_plus_plus_baseline", "loss.whiten_advantages=false"],
+     "loss.whiten_advantages=false: loss.advantage_estimator=reinforce_plus_plus_baseline whitens its advantages "
+     "over the batch whatever this says"),
 ])
 def test_advantage_and_aggregation_rules(overrides, needle):
     with pytest.raises(ConfigError) as e:
         config_from_dict(BASE, overrides)
     assert needle in str(e.value)
+
+
+def test_gspo_takes_roll_seq_aggregations_and_per_token_advantages():
+    """ROLL's importance_sampling: seq with its loss_agg_mode, and with per-token advantages (a
+    discounted return, the KL in the reward): gspo takes them; the paper's aggregation by default."""
+    assert config_from_dict(BASE).loss.function_kwargs() == dict(eps_low=3e-4, eps_high=4e-4)
+    cfg = config_from_dict(BASE, ["loss.loss_agg_mode=seq-mean-token-sum", "loss.advantage_estimator=reinforce",
+                                  "loss.estimator_args.gamma=0.9"])
+    assert cfg.describe_loss().startswith("loss=gspo seq-mean-token-sum eps_low=0.0003 eps_high=0.0004 KL off | "
+                                          "advantage=reinforce gamma=0.9")
+    assert cfg.loss.per_token() and cfg.loss.spec.takes_token_advantages
 
 
 def test_advantage_settings_accepted_and_described():

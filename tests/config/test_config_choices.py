@@ -14,23 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from gspo_megatron.algorithms.advantage.table import ESTIMATORS, EstimatorSpec
+from gspo_megatron.algorithms.advantage.table import EstimatorSpec
 from gspo_megatron.algorithms.registry import LOSSES, RATIO_KEYS, LossSpec
-from gspo_megatron.algorithms.terms import AGGREGATIONS, KL_ESTIMATORS, AggregationSpec, KLEstimatorSpec
+from gspo_megatron.algorithms.terms import AggregationSpec, KLEstimatorSpec
 from gspo_megatron.config import RunConfig, config_from_dict, describe_fields, field_docs
 from gspo_megatron.config.parsing import TABLE, section_types
 from gspo_megatron.config.peers.migration import peer_names
-from gspo_megatron.sync.transports import TRANSPORTS, TransportRow
+from gspo_megatron.sync.transports import TransportRow
 from gspo_tables import TABLES, ConfigError, settings_fields
-from model_specs.families import FAMILIES, Family
+from model_specs.families import Family
 from model_specs.features.attention import QKNorm
 from rollout.envs import ENVIRONMENTS
-from rollout.prompts.formats import PROMPT_FORMATS, PromptFormat
+from rollout.prompts.formats import PromptFormat
+from rollout.prompts.rows import JsonlSource
 from rollout.rewards.registry import REWARDS, Reward, RewardSpec, RewardSpecError, get_reward
 
+from tools import docs_tables
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import docs_tables  # noqa: E402
 
 BASE = {"model": {"hf_path": "/m"}, "rollout": {"prompts": "p.jsonl"}}
 
@@ -104,7 +105,7 @@ TOYS = {  # the table's what -> a row of it added at test time, the config field
     "reward": (RewardSpec("choice", lambda s: Reward("choice", len), "a letter A-J", settings=ToySettings),
                "rollout", "reward"),
     "environment": (ToyEnv, "rollout", "environment"),
-    "prompt format": (PromptFormat("toy_format", lambda p: False, lambda p, c: None, "a toy format"),
+    "prompt format": (PromptFormat("toy_format", lambda p: False, lambda p, c: JsonlSource(p), "a toy format"),
                       "rollout", "prompt_format"),
     "model family": (Family("toy_family", ("toy_a", "toy_b"), (QKNorm(),)), "model", "hf_path"),
 }

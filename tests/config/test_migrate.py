@@ -15,7 +15,7 @@ import yaml
 from gspo_megatron.config import config_from_dict, load_config
 from gspo_megatron.config.peers import migrate
 from gspo_megatron.config.peers.slime import _flags
-from gspo_megatron.config.peers.verl import _override_lines
+from gspo_megatron.config.peers.verl import override_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = Path(__file__).parent / "peer_configs"
@@ -60,13 +60,15 @@ def test_exit_0_every_key_named_and_the_output_passes_the_checks(peer):
 def test_the_roll_block():
     m = migrate("roll", PEERS / "roll_gspo.yaml")
     loss = m.nested()["loss"]
-    assert loss == {"advantage_estimator": "reinforce", "name": "gspo", "dual_clip_c": 1.4, "advantage_clip": 2.0,
-                    "reward_clip": 10.0, "whiten_advantages": True, "kl_coef": 0.001, "kl_estimator": "low_var_kl"}
+    assert loss == {"advantage_estimator": "reinforce", "name": "gspo", "loss_agg_mode": "seq-mean-token-sum",
+                    "dual_clip_c": 1.4, "advantage_clip": 2.0, "reward_clip": 10.0, "whiten_advantages": True,
+                    "kl_coef": 0.001, "kl_estimator": "low_var_kl"}
     assert m.nested()["rollout"] == {"prompts_per_step": 64, "group_size": 8, "max_prompt_tokens": 2048,
                                      "max_new_tokens": 4096}
     report = m.report()
-    assert "not carried  loss_agg_mode = 'seq-mean-token-sum': GSPO's sequence ratio fixes" in report
+    assert "carried      loss_agg_mode = 'seq-mean-token-sum'  ->  loss.loss_agg_mode: 'seq-mean-token-sum'" in report
     assert "unknown      my_unknown_knob = 3: not a ROLL key this migration knows; not carried" in report
+    assert m.carried_keys == set(m.keys) - {"my_unknown_knob"}  # every key of the seed's block, as ROLL runs it
     assert "note         pg_clip is not set: ROLL's default 0.2 applies there" in report
     assert "missing      model.hf_path, rollout.prompts" in report
     # the example is this block on the tiny task: the same loss section
@@ -141,13 +143,14 @@ def test_verl_reinforce_plus_plus_with_the_kl_in_the_reward_takes_gspo_token(tmp
     m = migrate("verl", f, ["model.hf_path=m", "rollout.prompts=p"])
     assert m.nested()["loss"] == {"name": "gspo_token", "advantage_estimator": "reinforce_plus_plus",
                                   "kl_in_reward_coef": 0.02, "kl_in_reward_estimator": "low_var_kl"}
-    assert "unknown      (line) not an override" in m.report()
+    assert "not carried  (line 6) not an override: not a key=value override" in m.report()
 
 
 def test_readers_and_errors(tmp_path):
-    assert _flags("A=(\n --x 1 \\\n --use-kl-loss\n # --y 2\n)\n--z=3 word") == {
-        "x": "1", "use-kl-loss": True, "z": "3", "(word) word": "not a --flag"}
-    assert _override_lines("+a.b=1 \\\n++c=[1, 2]\n# x\n") == {"a.b": 1, "c": [1, 2]}
+    assert _flags("A=(\n --x 1 \\\n --use-kl-loss\n # --y 2\n)\n--z=3 word") == (
+        {"x": "1", "use-kl-loss": True, "z": "3"}, ["not carried  (line 6) word: not a --flag"])
+    assert override_keys("+a.b=1 \\\n++c=[1,2] 'd.e=[x, y]'\n# x\n", Path("o.txt")) == (
+        {"a.b": 1, "c": [1, 2], "d.e": ["x", "y"]}, [])
     proc = subprocess.run([sys.executable, "-m", "gspo_megatron.cli", "migrate", "--from", "roll",
                            str(tmp_path / "none.yaml")], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is not a file" in proc.stderr

@@ -1,8 +1,8 @@
 """The YAML `gspo-megatron migrate` prints trains: the issue's ROLL block, verl's GSPO recipe and
 slime's GSPO flags, each migrated, then 3 steps of the tiny MoE with a real SGLang server (the
 main job's machinery, tests/trainer/test_trainer_e2e.py; its sizes and files by --set, the
-algorithm as migrated). And verl's REINFORCE++ with the KL in the reward under DP2: the advantages
-finished on both ranks' last stage (actor/reward_kl.py)."""
+algorithm as migrated). And verl's REINFORCE++ and ROLL's reinforce with the KL in the reward under
+DP2: the per-token advantages finished on both ranks' last stage (actor/reward_kl.py)."""
 from __future__ import annotations
 
 import math
@@ -45,17 +45,31 @@ def test_the_migrated_config_trains_three_steps(tmp_path, server_url, case):  # 
     assert [r["step"] for r in steps] == [0, 1, 2]
     assert all(math.isfinite(r["train/loss"]) for r in steps)
     start = next(line for line in proc.stdout.splitlines() if "advantage=" in line)
+    assert case != "roll" or "loss=gspo seq-mean-token-sum eps_low=0.0003" in start, start  # as ROLL runs it
     assert {"roll": "advantage=reinforce reward_clip=10 whitened advantage_clip=2",
             "verl": "advantage=grpo group_std=unbiased", "slime": "advantage=grpo group_std=unbiased"}[case] in start
 
 
-def test_reinforce_plus_plus_with_the_kl_in_the_reward_trains_under_dp2(tmp_path, server_url):  # noqa: F811
-    source = tmp_path / "verl.txt"
-    source.write_text("algorithm.adv_estimator=reinforce_plus_plus\nalgorithm.use_kl_in_reward=True\n"
-                      "algorithm.kl_penalty=low_var_kl\nalgorithm.kl_ctrl.kl_coef=0.05\n"
-                      "actor_rollout_ref.actor.policy_loss.loss_mode=gspo\n")
-    config = migrated(tmp_path, "verl", source)
-    assert "name: gspo_token" in config.read_text()
+PER_TOKEN = {  # peer: (its file, the loss migrate gives it)
+    "verl": ("verl.txt", "algorithm.adv_estimator=reinforce_plus_plus\nalgorithm.use_kl_in_reward=True\n"
+             "algorithm.kl_penalty=low_var_kl\nalgorithm.kl_ctrl.kl_coef=0.05\n"
+             "actor_rollout_ref.actor.policy_loss.loss_mode=gspo\n", "name: gspo_token"),
+    # ROLL's seq with per-token advantages and token sums: gspo with ROLL's gradient through s_i
+    "roll": ("roll.yaml", "adv_estimator: reinforce\nadd_token_level_kl: true\ninit_kl_coef: 0.05\n"
+             "importance_sampling: seq\nloss_agg_mode: seq-mean-token-sum\nwhiten_advantages: true\n",
+             "loss_agg_mode: seq-mean-token-sum"),
+}
+
+
+@pytest.mark.parametrize("peer", sorted(PER_TOKEN))
+def test_per_token_advantages_with_the_kl_in_the_reward_train_under_dp2(tmp_path, server_url, peer):  # noqa: F811
+    """verl's REINFORCE++ and ROLL's reinforce with the KL in the reward: per-token advantages
+    finished on both ranks' last stage, into gspo_token (verl's GSPO) or gspo (ROLL's seq)."""
+    name, text, expected = PER_TOKEN[peer]
+    source = tmp_path / name
+    source.write_text(text)
+    config = migrated(tmp_path, peer, source)
+    assert expected in config.read_text() and "name: gspo" in config.read_text()
     proc = run_train([str(config)] + base_overrides(tmp_path / "run", server_url, **LOCAL), nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = _steps(tmp_path / "run")

@@ -32,6 +32,7 @@ SAID = {
     "A model family, made of features": ["; mistral; specs checked: local", "| HF -> megatron -> HF | fp32 |"],
     "A prompt format": ["{'prompt': 'What is 1 plus 1? End with the number.', 'answer': '2'}"],
     "All of them in one run": [
+        "listed: cispo grpo_std_floor near_number k3_capped seq-mean-token-sum-sqrt toy mistral csv",
         "[gspo] loss=cispo seq-mean-token-sum-sqrt eps_low=0.2 eps_high=0.28 kl_coef=0.01 (k3_capped) | "
         "advantage=grpo_std_floor floor=0.05", "[gspo] reward: near_number in 1 worker", "step    1/2 |",
         "the toy transport's reports: "],
@@ -40,7 +41,9 @@ SAID = {
 
 def recipe_blocks(text: str) -> list[tuple[str, str]]:
     """(its section's heading, its text) of every ```bash recipe block, in the guide's order."""
-    blocks, heading, fence, body = [], "(before any section)", None, []
+    blocks: list[tuple[str, str]] = []
+    body: list[str] = []
+    heading, fence = "(before any section)", None
     for line in text.splitlines():
         if fence is None:
             if line.startswith("```"):

@@ -9,8 +9,10 @@ import subprocess
 from stale_paths import stale_mentions
 
 # Paths in other repositories: the peers whose configs `migrate` reads and whose formulas the tests
-# transcribe, DeepSeek-V3's repository, Transformer Engine's sources (installed on GPUs only).
-ELSEWHERE = ("roll/", "verl/", "slime/", "inference/fp8_cast_bf16.py", "dot_product_attention/utils.py")
+# transcribe, DeepSeek-V3's repository, Transformer Engine's and flash-linear-attention's sources
+# (installed on GPUs only).
+ELSEWHERE = ("roll/", "verl/", "slime/", "inference/fp8_cast_bf16.py", "dot_product_attention/utils.py",
+             "transformer_engine/pytorch/", "fla/")
 # Files that are not ours to have, by the file that names them.
 NOT_OURS = {
     # the plug-in package each recipe has the reader create, outside the repository
@@ -20,8 +22,9 @@ NOT_OURS = {
     "docs/rewards.md": {"my_rewards.py"},  # the reader's own module
     # what scripts/gpu_acceptance.sh writes into its output folder
     "docs/gpu.md": {"summary.md", "summary_all.md"},
-    "scripts/gpu_acceptance.sh": {"PREFIX.md", "summary.md"},
-    "tests/scripts/test_gpu_acceptance.py": {"summary.md", "x.py", "examples/qwen3_235b.yaml"},  # and a rotted name
+    "scripts/gpu_acceptance.sh": {"PREFIX.md", "summary.md", "summary_all.md"},
+    "tests/scripts/test_gpu_acceptance.py": {"summary.md", "summary_all.md", "x.py",
+                                             "examples/qwen3_235b.yaml"},  # and a rotted name
     # the peers' own files that the examples carry over
     "examples/tiny_moe_slime_gspo.yaml": {"tests/test_gspo.sh"},
     "examples/tiny_moe_verl_gspo.yaml": {"examples/gspo_trainer/run_qwen30b_gspo.sh"},
@@ -32,7 +35,7 @@ NOT_OURS = {
     "tests/parallel/test_comm.py": {"gspo_megatron/fake_module.py"},
     "tests/tools/test_check_imports.py": {"rollout/servers/m13.py", "gspo_megatron/helpers.py",
                                           "gspo_megatron/actor/microbatches.py", "m13.py"},
-    "tests/tools/test_resolve_imports.py": {"gpu_only.py", "broken.py", "entry.py"},
+    "tests/tools/test_resolve_imports.py": {"gpu_only.py", "broken.py", "entry.py", "typed.py"},
     "tests/docs/stale_paths.py": {"some/path.py"},  # its docstring's example
 }
 

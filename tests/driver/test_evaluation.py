@@ -42,7 +42,7 @@ def _by_hand(run_dir: Path) -> dict[int, dict[str, float]]:
     return out
 
 
-def _logged(run_dir: Path) -> dict[int, dict[str, float]]:
+def _logged(run_dir: Path) -> dict[float, dict[str, float]]:
     from gspo_megatron.run.metrics import read_jsonl
     return {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")}
             for r in read_jsonl(run_dir / "tb" / "metrics.jsonl") if "eval/accuracy" in r}

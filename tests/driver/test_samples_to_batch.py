@@ -43,6 +43,22 @@ def test_samples_to_batch_alignment_and_advantages():
     assert m["rollout/response_length_max"] == 3 and m["rollout/groups_dropped"] == 2.0
 
 
+def test_rollout_records_leave_the_advantages_of_the_last_stage_unknown(tmp_path):
+    """With the KL in the reward the driver's batch holds placeholder advantages (0): the records say
+    null, not 0.0 for every row; without it they hold the driver's advantages."""
+    import json
+
+    from gspo_megatron.algorithms.advantage.table import AdvantageSettings
+    from gspo_megatron.driver.records import RolloutRecords
+    groups = [[_sample(0, 0, [5, 6], [8, 9], 1.0), _sample(0, 1, [5, 6], [10], 0.0)]]
+    for kl, path in ((0.1, tmp_path / "kl.jsonl"), (0.0, tmp_path / "plain.jsonl")):
+        settings = AdvantageSettings(advantage_estimator="reinforce", kl_in_reward_coef=kl)
+        batch = samples_to_batch(groups, group_size=2, advantage=settings)
+        RolloutRecords(path, advantages_on_last_stage=settings.kl_in_reward).write(0, groups[0], batch)
+    assert [json.loads(ln)["batch_advantages"] for ln in (tmp_path / "kl.jsonl").read_text().splitlines()] == [None, None]
+    assert [json.loads(ln)["batch_advantages"] for ln in (tmp_path / "plain.jsonl").read_text().splitlines()] == [1.0, 0.0]
+
+
 def test_sft_batch_trains_answer_tokens_only():
     b = sft_batch([([1, 2, 3], [7, 2]), ([1, 4], [9, 9, 2])])
     assert b.loss_mask.tolist() == [[False, False, False, True, True],

@@ -3,7 +3,6 @@ rule on a hand-computed episode), the chat template's environment tokens, the en
 errors, scripted warm-start episodes."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from gspo_megatron.algorithms.advantage.pipeline import BatchRows, batch_advanta
 from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.driver.turn_credit import turn_credit_advantages
 from gspo_megatron.driver.warm_start import demonstration
-from rollout.generation.chat import ChatTemplate
+from rollout.generation.multiturn.chat import ChatTemplate
 from rollout.envs import CalculatorEnv, EnvironmentSpecError, environment_class
 from rollout.generation.sample import Sample
 
@@ -22,16 +21,17 @@ from rollout.generation.sample import Sample
 def _episode(index: int, turns: list[int], rewards: list[float], prompt: int = 3) -> Sample:
     """An episode of model turns of these lengths, an environment turn of 2 tokens after each."""
     s = Sample(0, index, {}, [7] * prompt, 20)
-    spans, at = [], 0
+    spans: list[tuple[str, int, int]] = []
+    at = 0
     for k, n in enumerate(turns):
-        spans.append(["model", at, at + n])
+        spans.append(("model", at, at + n))
         at += n
         if k < len(turns) - 1:
-            spans.append(["env", at, at + 2])
+            spans.append(("env", at, at + 2))
             at += 2
     s.response_ids = list(range(at))
     s.loss_mask = [int(kind == "model") for kind, a, b in spans for _ in range(a, b)]
-    s.metadata = {"spans": spans, "turn_rewards": rewards}
+    s.metadata = {"spans": [list(span) for span in spans], "turn_rewards": rewards}
     return s
 
 

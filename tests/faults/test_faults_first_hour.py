@@ -33,7 +33,7 @@ def _train(tmp_path: Path, *sets: str) -> tuple[str, float]:
 
 def test_a_group_of_one_is_refused(tmp_path):
     line, seconds = _train(tmp_path, "rollout.group_size=1")
-    assert ("rollout.group_size=1: expected >= 2: loss.name=gspo uses group-relative advantages" in line
+    assert ("rollout.group_size=1: expected >= 2: loss.advantage_estimator=grpo is relative to the prompt's group" in line
             and "would learn nothing" in line)
     assert seconds < 2, seconds
 

@@ -31,7 +31,7 @@ HOLD = ("import sys, time; from gspo_megatron.checkpoint.run_lock import RunLock
 def _holder(folder: Path, **env_extra) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], cwd=ROOT, text=True,
                             env={**env(), **env_extra}, stdout=subprocess.PIPE)
-    assert proc.stdout.readline().strip() == "held"
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
 
 

@@ -1,5 +1,6 @@
-"""SIGTERM / SIGUSR1: save, exit with the signal's status, resume with every prompt trained once
-(gspo_megatron/run/signals.py).
+"""SIGTERM / SIGUSR1 / SIGINT (Ctrl-C): save, exit with the signal's status, resume with every prompt
+trained once (gspo_megatron/run/signals.py); a run stopped before its first checkpoint and started
+again writes each step's metrics and records once (gspo_megatron/run/folders.py).
 
 Before: SIGTERM ended the run at once without a save, although Slurm preemption and `scancel` send
 it first and leave a grace period. Now a signal during a rollout abandons that step (its prompts
@@ -82,8 +83,8 @@ def _finish_and_check(run_dir: Path, url: str, proc: subprocess.Popen, signum: i
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run_dir / "tb" / "metrics.jsonl", steps_only=True)] == list(range(STEPS))
     per_step = 2  # rollout.prompts_per_step
-    expected = _expected_prompts(STEPS * per_step)
-    expected = [sorted(expected[k * per_step:(k + 1) * per_step]) for k in range(STEPS)]
+    stream = _expected_prompts(STEPS * per_step)
+    expected = [sorted(stream[k * per_step:(k + 1) * per_step]) for k in range(STEPS)]
     assert _prompts_trained(run_dir) == expected, \
         "the trained prompts differ from an uninterrupted run's (a prompt lost or trained twice)"
     return out
@@ -130,4 +131,37 @@ def test_a_second_signal_exits_at_once(tmp_path, server_url):  # noqa: F811
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
     assert time.monotonic() - t0 < 30
-    assert "gspo-megatron: SIGTERM (rank 0): exiting with 143" in err, err[-3000:]
+    assert "gspo-megatron: SIGTERM (rank 0): a second signal: exiting at once, nothing saved; exiting with 143" \
+        in err, err[-3000:]
+
+
+def test_ctrl_c_saves_like_sigterm_and_resumes(tmp_path, server_url):  # noqa: F811
+    """SIGINT is a signal a user sends (Ctrl-C): the same save and resume as SIGTERM, exit 130."""
+    proc = _start(tmp_path, server_url)
+    _wait_for_steps(tmp_path, proc, 2)
+    proc.send_signal(signal.SIGINT)
+    _finish_and_check(tmp_path, server_url, proc, signal.SIGINT)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_with_its_own_metrics(tmp_path, server_url):  # noqa: F811
+    """Killed (SIGKILL: nothing saved) after 2 steps, with no checkpoint yet, then the same command:
+    a fresh run whose metrics.jsonl, TensorBoard scalars and records hold each of its steps once;
+    what the killed attempt wrote is kept, whole, under tb/previous/."""
+    from gspo_megatron.run.metrics import read_scalars
+    proc = _start(tmp_path, server_url)
+    _wait_for_steps(tmp_path, proc, 2)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert not (tmp_path / "ckpt" / "latest").exists()
+    again = run_train(train_args(tmp_path, server_url, **{
+        "train.steps": STEPS, "checkpoint.interval": 100, "logging.rollout_records": str(tmp_path / "records.jsonl")}))
+    assert again.returncode == 0 and "resumed from" not in again.stdout, again.stderr[-3000:]
+    assert "an earlier attempt's metrics and records (no checkpoint to resume from) moved to" in again.stdout
+    lines = (tmp_path / "tb" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines] == list(range(STEPS))  # each step once, this run's
+    assert [s for s, _ in read_scalars(tmp_path / "tb")["rollout/reward_mean"]] == list(range(STEPS))
+    _prompts_trained(tmp_path)  # the records: each step once, in order
+    (previous,) = (tmp_path / "tb" / "previous").iterdir()
+    old = [json.loads(ln)["step"] for ln in (previous / "metrics.jsonl").read_text().splitlines()]
+    assert old[:2] == [0, 1] and (previous / "records.jsonl").is_file()
+    assert any(p.name.startswith("events.out.tfevents") for p in previous.iterdir())

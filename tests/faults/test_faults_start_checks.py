@@ -142,3 +142,26 @@ def test_a_teacher_without_tokenizer_files_is_said_so(tmp_path, capsys):
     assert line.startswith(f"gspo-megatron: error: distill.teacher='{teacher}': no tokenizer there (none of "
                            "tokenizer.json, "), line
     assert line.endswith("on-policy distillation needs the student's tokenizer in the teacher's folder")
+
+
+def test_qwen3_next_on_hopper_with_a_broken_triton_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    """On an H200 with torch 2.11's Triton 3.6.0 flash-linear-attention refused the DeltaNet's
+    backward at the first step, after the set-up (2026-12-04): the start checks refuse it, one line,
+    exit 2. The machine is faked (Available.detect): no Hopper GPU runs here."""
+    import dataclasses
+
+    from gspo_megatron.actor.settings import Available
+    hopper = Available(cuda=True, transformer_engine=False, apex_wgrad=False, gpu_name="NVIDIA H200",
+                       gpu_capability=(9, 0), triton_version="3.6.0")
+    monkeypatch.setattr(Available, "detect", staticmethod(lambda: hopper))
+    qwen3_next = tiny_model_dir("qwen3_next", 0)
+    sets = {"model.hf_path": qwen3_next, "rollout.server_urls": "[http://127.0.0.1:9]"}
+    line = _refused(capsys, tmp_path, *_args(tmp_path, **sets))
+    assert line.startswith("gspo-megatron: error: Gated DeltaNet layers (Qwen3-Next) on NVIDIA H200 (compute "
+                           "capability 9.0) with Triton 3.6.0: "), line
+    assert line.endswith("install triton>=3.7.1, or tilelang with an nvcc on PATH or CUDA_HOME (fla's "
+                         "TileLang backend), then start again"), line
+    # with fla's fixed Triton the checks go on: the next one refuses a layout for 2 ranks on 1
+    monkeypatch.setattr(Available, "detect", staticmethod(lambda: dataclasses.replace(hopper, triton_version="3.7.1")))
+    line = _refused(capsys, tmp_path, *_args(tmp_path, **sets, **{"parallel.tensor": 2}))
+    assert "Gated DeltaNet" not in line and "world size 1" in line, line

@@ -83,7 +83,7 @@ def explain(proc, run) -> str:
     return f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}\n{logs}"
 
 
-def test_torch_distributed_over_srun_across_two_nodes(slurm_cluster, tmp_path):
+def test_torch_distributed_over_srun_across_two_nodes(slurm_cluster, tmp_path):  # noqa: F811  (the fixture imported above)
     """The infrastructure itself: srun-started ranks on n1 and n2 rendezvous on the first hostname."""
     script = tmp_path / "allreduce.sh"
     script.write_text(f"""#!/bin/bash
@@ -122,7 +122,7 @@ def _real_env() -> dict[str, str]:
     return env
 
 
-def test_real_trainer_and_sglang_preempted_mid_run_save_on_the_signal_and_resume(slurm_cluster, tmp_path):
+def test_real_trainer_and_sglang_preempted_mid_run_save_on_the_signal_and_resume(slurm_cluster, tmp_path):  # noqa: F811  (the fixture imported above)
     """The tiny MoE job as users submit it: trainer ranks (TP2) on n1, a real SGLang server on n2,
     checkpoints only every 100 steps. Mid-run, `scancel --signal=USR1 --batch` (what the time limit
     sends, `#SBATCH --signal=B:USR1@300`): the batch script SIGTERMs the trainer step, every rank
@@ -170,7 +170,7 @@ def test_real_trainer_and_sglang_preempted_mid_run_save_on_the_signal_and_resume
     assert "layout TP2" in resumed and "servers: http://n2:30000" in log
 
 
-def test_two_jobs_on_one_run_folder_one_trains_the_other_stops_at_the_lock(slurm_cluster, tmp_path):
+def test_two_jobs_on_one_run_folder_one_trains_the_other_stops_at_the_lock(slurm_cluster, tmp_path):  # noqa: F811  (the fixture imported above)
     """Two jobs submitted with the same run folder, one node each (colocated: its own SGLang
     server): whichever trainer starts second stops at once with the lock line naming the other's
     host, pid and Slurm job; the first trains to the end; metrics hold every step once."""
@@ -202,7 +202,7 @@ def test_two_jobs_on_one_run_folder_one_trains_the_other_stops_at_the_lock(slurm
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps:08d}"
 
 
-def test_colocated_servers_and_ranks_on_both_nodes(slurm_cluster, run):
+def test_colocated_servers_and_ranks_on_both_nodes(slurm_cluster, run):  # noqa: F811  (the fixture imported above)
     proc = submit(slurm_cluster, run, "--mode", "colocated", "--nodes", "2", str(run["config"]))
     assert proc.returncode == 0, explain(proc, run)
     steps = history(run)
@@ -220,7 +220,7 @@ def test_colocated_servers_and_ranks_on_both_nodes(slurm_cluster, run):
     assert "listening on 0.0.0.0:30001 for n2" in server_log and "SIGTERM, stopping" in server_log
 
 
-def test_disaggregated_server_node_and_trainer_node(slurm_cluster, run):
+def test_disaggregated_server_node_and_trainer_node(slurm_cluster, run):  # noqa: F811  (the fixture imported above)
     proc = submit(slurm_cluster, run, "--mode", "disaggregated", "--nodes", "2", "--server-nodes", "1",
                   "--procs-per-node", "2", str(run["config"]), "--set", "toy.steps=2")
     assert proc.returncode == 0, explain(proc, run)
@@ -243,7 +243,7 @@ def wait_for_step(run, step: int, proc, timeout: float = 60) -> None:
     raise TimeoutError(f"no checkpoint of step {step} within {timeout} s")
 
 
-def test_preemption_requeue_resumes_without_losing_or_repeating_a_step(slurm_cluster, run):
+def test_preemption_requeue_resumes_without_losing_or_repeating_a_step(slurm_cluster, run):  # noqa: F811  (the fixture imported above)
     """Requeued twice mid-run: by `scontrol requeue` (Slurm's own preemption path: SIGTERM) and by
     the USR1 the time limit sends (the script requeues itself). Every step is committed once."""
     steps = 10  # after step 4, the USR1 must land before the last step: 6 s of margin, not 3 s
@@ -277,7 +277,7 @@ def test_preemption_requeue_resumes_without_losing_or_repeating_a_step(slurm_clu
     assert [a.split(".")[1] for a in attempts] == ["0", "1", "2"]
 
 
-def test_trainer_failure_fails_the_job_and_stops_the_servers(slurm_cluster, run):
+def test_trainer_failure_fails_the_job_and_stops_the_servers(slurm_cluster, run):  # noqa: F811  (the fixture imported above)
     proc = submit(slurm_cluster, run, "--mode", "colocated", "--nodes", "2", str(run["config"]),
                   "--set", "toy.fail_at_step=2")
     assert proc.returncode != 0, explain(proc, run)
@@ -289,7 +289,7 @@ def test_trainer_failure_fails_the_job_and_stops_the_servers(slurm_cluster, run)
     assert slurm_cluster.run(["squeue", "-h"]).stdout.strip() == ""
 
 
-def test_direct_sbatch_with_wrong_node_count_stops_before_any_step(slurm_cluster, run):
+def test_direct_sbatch_with_wrong_node_count_stops_before_any_step(slurm_cluster, run):  # noqa: F811  (the fixture imported above)
     env = job_env(GSPO_NODES="3", GSPO_GPUS_PER_NODE="0", GSPO_MODEL_PATH=str(run["model"]),
                   GSPO_RUN_DIR=str(run["dir"]))
     out = run["dir"].parent / "direct.out"
@@ -301,7 +301,7 @@ def test_direct_sbatch_with_wrong_node_count_stops_before_any_step(slurm_cluster
     assert not (run["dir"] / "checkpoints").exists() and step_logs(run) == []
 
 
-def test_submit_with_bad_input_queues_nothing(slurm_cluster, run):
+def test_submit_with_bad_input_queues_nothing(slurm_cluster, run):  # noqa: F811  (the fixture imported above)
     args = [str(ROOT / "launch/slurm/submit.sh"), "--gpus-per-node", "0", "--run-dir", str(run["dir"]),
             "--mode", "disaggregated", "--nodes", "2", "--server-nodes", "2", "--model-path", str(run["model"]),
             str(run["config"])]

@@ -14,6 +14,7 @@ under TP2, gpt-oss's expert biases under TP2 x EP2, experts without EP under TP2
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def run_cases(rank, world, cases, bucket_bytes: int = 1 << 16):
     from gspo_megatron.sync import build_plan, stream_hf_weights
     from model_specs.weights.maps import weight_map_for
 
-    out = {}
+    out: dict[str, Any] = {}
     for name, hf_dir, layout, ckpt in cases:
         optimizer = OptimizerSettings(optimizer="adam", lr=1.0, adam_eps=10.0, clip_grad=0.0,
                                       use_distributed_optimizer=layout.get("expert", 1) > 1)
@@ -108,7 +109,8 @@ def run_cases(rank, world, cases, bucket_bytes: int = 1 << 16):
             shard = actor.shard(make_batch())
             old, _ = actor.compute_old_log_probs(shard)
             keep = actor.is_last_stage and ps.get_tensor_model_parallel_rank() == 0
-            out[name] = (shard.global_rows.numpy(), old.numpy()) if keep else None
+            out[name] = (shard.global_rows.numpy(), old.numpy()) if keep and shard.global_rows is not None \
+                and old is not None else None
             wmap = weight_map_for(actor.spec.hf_config)
             plan = build_plan(actor.chunks, wmap)
             streamed = list(stream_hf_weights(actor.chunks, wmap, plan, bucket_bytes))
@@ -146,7 +148,7 @@ def assert_layout_equals_one_process(ranks: list[dict], case: str, one: dict, na
     step_err = max(errs.values())
     print(f"{case}: max |layout - one process| log-prob {err:.3g}, parameter after a GSPO step "
           f"{step_err:.3g}")
-    worst = sorted(errs, key=errs.get, reverse=True)[:4]
+    worst = sorted(errs, key=lambda k: errs[k], reverse=True)[:4]
     assert err <= TOL and step_err <= TOL, (case, {k: errs[k] for k in worst})
     original = load_file(Path(hf_dir) / "model.safetensors")
     streamed = ranks[0][f"{case}/stream"]

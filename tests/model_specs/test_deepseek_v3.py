@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ from tools.make_tiny_model import make_tiny_model
 
 # initializer_range 0.1 (transformers' default 0.02 leaves attention almost uniform in a model this
 # small, and YaRN's effect on the log-probs under 1e-3)
-MODELS = {"v3": dict(initializer_range=0.1),
+MODELS: dict[str, dict[str, Any]] = {"v3": dict(initializer_range=0.1),
           "moonlight": dict(initializer_range=0.1, q_lora_rank=None, rope_parameters=None, n_group=1,
                             topk_group=1, n_shared_experts=2)}
 LAYOUTS = {"tp2": dict(tensor=2), "pp2": dict(pipeline=2), "ep2": dict(expert=2)}

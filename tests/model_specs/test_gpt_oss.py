@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ from tools.make_tiny_model import make_tiny_model
 
 NAME = "gpt_oss"
 # initializer_range 0.1: attention far from uniform and expert activations past the clamp
-MODEL = dict(initializer_range=0.1, num_hidden_layers=4)
+MODEL: dict[str, Any] = dict(initializer_range=0.1, num_hidden_layers=4)
 # expert_tensor 1: expert biases refuse expert-TP (model_specs/features/linear_bias/). TP2 alone is the layout
 # where experts are whole on ranks that split the dense layers, which megatron does not mark as
 # experts (actor/weights.py is_expert_param)

@@ -6,6 +6,7 @@ Engine's attention, CUDA only) is tools/gpu_check.py's CP row."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -74,9 +75,9 @@ def test_micro_batch_chunks_take_targets_before_splitting():
 
 
 # --- (b) the loss reduction on 2 gloo ranks -------------------------------------------------------
-CORRECTIONS = {"seq": dict(tis_cap=1.5, seq_is_cap=1.1, mis_cap=1.15, mis_level="sequence"),
+CORRECTIONS: dict[str, dict[str, Any]] = {"seq": dict(tis_cap=1.5, seq_is_cap=1.1, mis_cap=1.15, mis_level="sequence"),
                "tok": dict(tis_cap=1.5, mis_cap=2.0, mis_level="token")}
-CASES = {  # name: (loss, advantages, kwargs, corrections)
+CASES: dict[str, tuple[str, str, dict[str, Any], str | None]] = {  # name: (loss, advantages, kwargs, corrections)
     "gspo": ("gspo", "row", dict(eps_low=0.05, eps_high=0.05), None),
     "gspo_mean": ("gspo", "row", dict(eps_low=0.05, eps_high=0.05, reduction="mean"), None),
     "gspo_token": ("gspo_token", "token", dict(eps_low=0.05, eps_high=0.05), None),
@@ -89,6 +90,12 @@ CASES = {  # name: (loss, advantages, kwargs, corrections)
     "gspo_mismatch_seq": ("gspo", "row", dict(eps_low=0.05, eps_high=0.05), "seq"),
     "gspo_token_mismatch_tok": ("gspo_token", "token", dict(eps_low=0.05, eps_high=0.05), "tok"),
     "grpo_mismatch_seq": ("grpo", "row", dict(kl_coef=0.1), "seq"),
+    # ROLL's importance_sampling: seq: the sequence ratio on each token, the tokens' terms aggregated
+    "gspo_token_sums_mismatch_tok": ("gspo", "row", dict(eps_low=0.05, eps_high=0.05, kl_coef=0.1,
+                                                         loss_agg_mode="seq-mean-token-sum"), "tok"),
+    "gspo_token_adv_token_mean": ("gspo", "token", dict(eps_low=0.05, eps_high=0.05, loss_agg_mode="token-mean"), None),
+    "gspo_token_token_sum": ("gspo_token", "token", dict(eps_low=0.05, eps_high=0.05,
+                                                         loss_agg_mode="seq-mean-token-sum"), None),
 }
 
 
@@ -172,7 +179,7 @@ def _cp_worker(rank: int, world: int) -> dict:
     from gspo_megatron.parallel.process_groups import init_process_groups
     init_process_groups(ParallelLayout(context=2))  # megatron's CP group, on gloo
     group = ps.get_context_parallel_group()
-    out = {"sizes": (ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(),
+    out: dict[str, Any] = {"sizes": (ps.get_context_parallel_world_size(), ps.get_data_parallel_world_size(),
                      ps.get_data_parallel_world_size(with_context_parallel=True), seq_multiple())}
     batch = {"tokens": torch.arange(2 * 16).view(2, 16), "loss_mask": torch.rand(2, 16) < 0.5,
              "hidden": torch.randn(2, 16, 3)}

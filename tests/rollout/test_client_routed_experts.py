@@ -64,13 +64,56 @@ def test_layout_from_hf_config():
         routed_experts_layout_of({"num_hidden_layers": 4})
 
 
-def test_server_flag():
+def test_server_flag_and_start_up_patches():
+    """A server that returns routes gets the start-up patches that keep a released request's routes
+    (rollout/in_server/startup) first on its PYTHONPATH, on a GPU as on a CPU (there before the
+    CPU stand-ins); one that does not, none of them."""
+    from rollout.in_server.cpu_stand_ins import STAND_INS_DIR
+    from rollout.in_server.startup import STARTUP_DIR
     from rollout.servers.launch import ServerConfig, server_process
+    import os
     import pathlib
-    cmd = server_process(ServerConfig("/m", device="cpu", return_routed_experts=True), pathlib.Path("/tmp")).cmd
-    assert cmd.count("--enable-return-routed-experts") == 1
-    assert "--enable-return-routed-experts" not in server_process(ServerConfig("/m", device="cpu"),
-                                                                  pathlib.Path("/tmp")).cmd
+    proc = server_process(ServerConfig("/m", device="cpu", return_routed_experts=True), pathlib.Path("/tmp"))
+    assert proc.cmd.count("--enable-return-routed-experts") == 1
+    assert proc.env["PYTHONPATH"].split(os.pathsep)[:2] == [str(STARTUP_DIR), str(STAND_INS_DIR)]
+    plain = server_process(ServerConfig("/m", device="cpu"), pathlib.Path("/tmp"))
+    assert "--enable-return-routed-experts" not in plain.cmd
+    assert str(STARTUP_DIR) not in plain.env["PYTHONPATH"]
+    for config in (ServerConfig("/m", device="cuda", return_routed_experts=True),
+                   ServerConfig("/m", device="cuda", extra_args=["--enable-return-routed-experts"])):
+        path = server_process(config, pathlib.Path("/tmp")).env["PYTHONPATH"].split(os.pathsep)
+        assert path[0] == str(STARTUP_DIR) and str(STAND_INS_DIR) not in path
+    assert str(STARTUP_DIR) not in server_process(ServerConfig("/m", device="cuda"),
+                                                  pathlib.Path("/tmp")).env.get("PYTHONPATH", "")
+
+
+@pytest.mark.slow
+def test_start_up_patches_reach_sglang_in_a_gpu_servers_environment(tmp_path):
+    """A dry run on CPU of what a GPU server's processes import (spawned: a fresh interpreter with
+    the launch's PYTHONPATH, no CPU stand-ins): SGLang's release_req and the collection of routed
+    experts are patched, and a sitecustomize the environment had still runs."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    from rollout.servers.launch import ServerConfig, server_process
+    own = tmp_path / "site"
+    own.mkdir()
+    (own / "sitecustomize.py").write_text("import os\nos.environ['SITE_OWN_RAN'] = '1'\n")
+    env = server_process(ServerConfig("/m", device="cuda", return_routed_experts=True,
+                                      env={"PYTHONPATH": os.pathsep.join([str(own), os.getcwd()])}),
+                         pathlib.Path("/tmp")).env
+    code = ("import os\n"
+            "from sglang.srt.managers import schedule_batch\n"
+            "from sglang.srt.managers.scheduler_components import batch_result_processor as brp\n"
+            "print(schedule_batch.release_req.gspo_keeps_routes,\n"
+            "      brp.SchedulerBatchResultProcessor._maybe_collect_routed_experts.gspo_keeps_routes,\n"
+            "      os.environ.get('SITE_OWN_RAN'))\n")
+    out = subprocess.run([sys.executable, "-c", code], env={k: v for k, v in env.items()
+                                                             if k != "SGLANG_USE_CPU_ENGINE"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "True", "1"], out.stdout
 
 
 # --- the Sample record ---------------------------------------------------------------------------
@@ -123,11 +166,11 @@ def test_sample_and_buffer_json_round_trip():
     # the manager's rollout buffer (driver.json) keeps it
     mgr = RolloutManager(None, ManagerConfig(), encode_prompt=lambda r: [1], decode=str,
                          reward_fn=lambda r, t: 0.0)
-    mgr.buffer.append([s, Sample(3, 0, {"prompt": "p"}, [7, 8, 9], 20)])
+    mgr.groups.buffer.append([s, Sample(3, 0, {"prompt": "p"}, [7, 8, 9], 20)])
     mgr2 = RolloutManager(None, ManagerConfig(), encode_prompt=lambda r: [1], decode=str,
                           reward_fn=lambda r, t: 0.0)
     mgr2.load_state(json.loads(json.dumps(mgr.to_state())))
-    assert list(mgr2.buffer) == list(mgr.buffer)
+    assert list(mgr2.groups.buffer) == list(mgr.groups.buffer)
     for m in (mgr, mgr2):
         m.close()
 

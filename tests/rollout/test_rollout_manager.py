@@ -95,7 +95,7 @@ def test_partial_rollout_resume_has_exact_budget_and_versions(qwen3_server):
         step1 = mgr.generate_step(prompts, num_groups=1)
         assert [len(s.response_ids) for s in step1.groups[0]] == [8, 8]
         assert step1.metrics["groups_partial_buffered"] == 2
-        partial = [s for g in mgr.buffer for s in g]
+        partial = [s for g in mgr.groups.buffer for s in g]
         assert all(s.status == PENDING and s.finish_reason == "abort" for s in partial)
         assert all(0 < len(s.response_ids) < budget for s in partial), [len(s.response_ids) for s in partial]
         before = {(s.group_id, s.index): len(s.response_ids) for s in partial}
@@ -163,14 +163,11 @@ def test_sampling_seed_is_stable_per_sample_and_position():
     assert "sampling_seed" not in ManagerConfig().sampling_params(8, a)
 
 
-def test_restart_returns_a_sample_to_its_prompt_and_versions_decide_a_restart():
+def test_restart_returns_a_sample_to_its_prompt():
     s = Sample(3, 1, {"prompt": "p"}, [1, 2], 10)
-    assert not s.has_tokens_of_other_weights("v2")  # nothing generated yet
     s.append_model_tokens([5, 6], [-0.1, -0.2], ["v1", "v1"])
     s.append_env_tokens([7])
     s.reward, s.teacher_logprobs, s.status, s.num_segments = 1.0, [-1.0, -1.0, -1.0], DONE, 1
-    assert s.has_tokens_of_other_weights("v2") and not s.has_tokens_of_other_weights("v1")
-    assert not s.has_tokens_of_other_weights(None)  # the policy's version unknown: keep it
     s.restart()
     assert s == Sample(3, 1, {"prompt": "p"}, [1, 2], 10)
     assert s.status == PENDING and s.remaining_tokens == 10
@@ -187,3 +184,25 @@ def test_generation_modules_use_each_others_public_names_only():
                     and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
                 reached.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reached, reached
+
+
+@pytest.mark.slow
+def test_a_sandbox_failure_leaves_its_group_out_and_is_no_reward_error(qwen3_server):
+    # the code sandbox failing to start a run is not the response's doing: under the default
+    # max_reward_error_fraction 0 it ended the run as a reward error; now its group is left out of
+    # the step (never judged, so never a reward of 0 in training) and counted
+    from rollout.rewards.sandbox.run import SandboxFailure
+
+    def reward(rec, text):
+        if rec["id"] == 1:
+            raise SandboxFailure("the code sandbox failed to start a run (not the response's doing): seccomp")
+        return float(len(text) % 2)
+
+    mgr = _manager(qwen3_server, ManagerConfig(group_size=2, max_new_tokens=4, max_reward_error_fraction=0.0), reward)
+    prompts = iter([{"prompt": f"q{i}", "answer": "0", "id": i} for i in range(6)])
+    result = mgr.generate_step(prompts, num_groups=2)
+    kept = [g[0].prompt["id"] for g in result.groups]
+    assert len(kept) == 2 and 1 not in kept, kept
+    assert result.metrics["groups_dropped_sandbox"] == 1 and result.metrics["reward_sandbox_failures"] == 2
+    assert result.metrics.get("reward_errors", 0) == 0
+    assert mgr.reward_budget.errors == 0 and mgr.reward_budget.sandbox_failures == 2

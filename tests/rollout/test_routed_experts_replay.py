@@ -53,7 +53,7 @@ def _hf_topk(tokens):
 def _check_against_hf(sample: Sample):
     """Every position but the last routed as transformers routes it (near-ties excepted); last = -1."""
     r = sample.routed_experts
-    assert r.shape == (len(sample.tokens), 2, 2) and r.dtype == np.int16
+    assert r is not None and r.shape == (len(sample.tokens), 2, 2) and r.dtype == np.int16
     assert (r[-1] == -1).all() and ((r[:-1] >= 0) & (r[:-1] < 4)).all()
     sets, margin = _hf_topk(sample.tokens[:-1])
     differ = (np.sort(r[:-1], -1) != sets).any(-1)
@@ -105,7 +105,7 @@ def test_partial_rollout_resume_through_the_manager_and_its_checkpoint(routing_s
     for s in step1.groups[0]:
         s.check_aligned()
         _check_against_hf(s)
-    partial = [s for g in mgr.buffer for s in g]
+    partial = [s for g in mgr.groups.buffer for s in g]
     assert partial and all(s.finish_reason == "abort" and s.remaining_tokens > 0 for s in partial)
     for s in partial:  # routed up to what the aborted call processed, or not at all if it never ran
         s.check_aligned()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tarfile
 import sys
 from pathlib import Path
 
@@ -44,13 +45,14 @@ def test_dry_run_resolves_every_row_within_the_budget():
     assert "benchmarks/mfu.py --device cuda --only 5 6 7" in rows["2"][4]
     assert "benchmarks/logprobs_memory.py --device cuda --dtype bf16" in rows["3"][4]
     assert "gspo_megatron.cli plan " in rows["4"][4] and rows["4"][4].endswith("--check`")
-    assert rows["5"][1] == "not run"  # owed: no NCCL mode in benchmarks/sync.py (docs/gpu.md)
+    assert "tools/gpu_check_sync.py" in rows["5"][4]  # the sync on one GPU, with the tiny models' rows
     assert re.search(r"parsed the arguments of 12 commands with their tools' own parsers; imported \d+ modules "
                      "of ours they reach", out.stdout), out.stdout
-    # the rows 1.x share the machine: they cost their largest budget once
+    # the rows 1.x and 5 share the machine: they cost their largest budget once
     budgets = {rid: int(cells[2]) for rid, cells in rows.items()}
-    one_x = max(b for rid, b in budgets.items() if rid.startswith("1."))
-    total = budgets["0"] + one_x + budgets["2"] + budgets["3"] + budgets["4"]
+    together = [rid for rid, cells in rows.items() if cells[1] == "rows 1.x and 5 at once"]
+    assert together == [r for r in ROWS if r.startswith("1.")] + ["5"]
+    total = budgets["0"] + max(budgets[r] for r in together) + budgets["2"] + budgets["3"] + budgets["4"]
     cap = int(re.search(r"^BUDGET_CAP=(\d+)$", SCRIPT.read_text(), re.M).group(1))
     assert f"total: {total} s of device time (cap {cap} s" in out.stdout and total <= cap
 
@@ -62,7 +64,7 @@ def test_dry_run_resolves_every_row_within_the_budget():
     ("--layout tensor=1", "--layuot tensor=1", "gspo-megatron: error: unrecognized arguments: --layuot"),
     ("--layout tensor=1 ", "--layout tensr=1 ", "--layout 'tensr=1': expected fields such as tensor=4"),
     ("examples/qwen3_235b_a22b.yaml", "examples/qwen3_235b.yaml", "'examples/qwen3_235b.yaml' does not exist"),
-    ("row 2 mfu 120 ", "row 2 mfu 400 ", "the budgets add up to"),
+    ("row 2 mfu 100 ", "row 2 mfu 400 ", "the budgets add up to"),
 ])
 def test_dry_run_names_what_rotted(tmp_path, good, rotted, named):
     text = SCRIPT.read_text()
@@ -116,7 +118,7 @@ def test_key_refuses_a_missing_log_or_an_unknown_kind(tmp_path):
     out = acceptance(SCRIPT, "--key", "gpu_chek", str(log))
     assert (out.returncode, out.stdout) == (2, "")
     assert out.stderr == ("gpu_acceptance: --key gpu_chek: not a kind of row "
-                          "(kinds: env gpu_check offload lora mfu logprobs plan)\n")
+                          "(kinds: env gpu_check offload lora mfu logprobs plan sync)\n")
     assert acceptance(SCRIPT, "--key", "gpu_check", str(log)).stdout == "a line\n"  # no table: the last line
 
 
@@ -167,6 +169,32 @@ def test_key_figures_come_from_the_tools_tables(tmp_path):
     assert key == "torch.OutOfMemoryError: CUDA out of memory"  # the exception, not the last line
 
 
+def test_key_figures_name_the_fp64_outlier_the_memory_after_close_and_a_skip(tmp_path):
+    """gpu_check's newer lines reach the summary: the side off float64 where there is one, what
+    holds the memory after close, and a family the start refuses (a SKIP, rc 0); the sync row's
+    line (tools/gpu_check_sync.py's table)."""
+    from tools.gpu_check import table
+    from tools.gpu_check_memory import memory_key, memory_row
+    common = dict(lp_mean=2e-4, loss=-0.3125, load_local=0.0, load_te=0.0, export=0.0, wgrad="-")
+    fp64 = dict(ours=1.2e-6, transformers=8.9e-4, outlier="transformers", ok=True, why="")
+    rows = [dict(spec="local", dtype="fp32", tol=1e-4, lp_max=8.94e-4, ok=True, fp64=fp64, **common)]
+    memory = memory_row(0, [{"torch's cuBLAS workspaces": 96 << 20}], device="cpu")
+    log = tmp_path / "1.3.log"
+    log.write_text(table(rows) + f"\nmemory after close: {memory_key(memory)}\n")
+    key = acceptance(SCRIPT, "--key", "gpu_check", str(log)).stdout.strip()
+    assert key == ("PASS 1, FAIL 0; log-prob max diff local fp32 8.94e-04; local fp32 vs fp64: ours 1.20e-06, "
+                   f"transformers 8.90e-04, outlier transformers; after close {memory_key(memory)}"), key
+    assert "the closes freed torch's cuBLAS workspaces 96.0 MiB" in key
+    line = "Gated DeltaNet layers (Qwen3-Next) on NVIDIA H200 (compute capability 9.0) with Triton 3.6.0: ..."
+    log.write_text(table([dict(spec="te", dtype="fp32, bf16", skip=line, ok=True)]) + "\n")
+    assert acceptance(SCRIPT, "--key", "gpu_check", str(log)).stdout.strip() == f"SKIP: {line}"
+    log.write_text("| full | ... |\n\nsync on one device (NVIDIA H200, CUDA IPC): full 0.429 MB in 0.1 s, delta "
+                   "0.320 MB in 0.1 s; bit-identical yes; control caught yes\n")
+    assert acceptance(SCRIPT, "--key", "sync", str(log)).stdout.strip() == (
+        "(NVIDIA H200, CUDA IPC): full 0.429 MB in 0.1 s, delta 0.320 MB in 0.1 s; bit-identical yes; "
+        "control caught yes")
+
+
 def test_a_run_records_every_row_and_reruns_the_failed(tmp_path):
     """On CPU the GPU rows fail (no CUDA device, or their budget cut to a second runs out): each
     still gets its row, the run goes on and exits 1, and `--only failed` picks exactly those rows."""
@@ -180,13 +208,20 @@ def test_a_run_records_every_row_and_reruns_the_failed(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     rows = table_rows((tmp_path / "out" / "summary.md").read_text())
     assert list(rows) == ["1.1", "1.8", "5"]
-    for rid in ("1.1", "1.8"):
+    for rid, tool in (("1.1", "bash scripts/gpu_check.sh --no-bench --arch qwen3_moe --rows "),
+                      ("1.8", "bash scripts/gpu_check.sh --no-bench --arch qwen3_moe --rows "),
+                      ("5", f"{sys.executable} tools/gpu_check_sync.py")):
         step, _, command, rc, seconds, budget, key = rows[rid]
-        assert command.startswith("`bash scripts/gpu_check.sh --no-bench --arch qwen3_moe --rows ") and budget == "1"
+        assert command.startswith(f"`{tool}") and budget == "1", rows[rid]
         assert (rc == "timeout" and key.startswith("ran out of its 1 s")) or \
-            (rc == "2" and key == "gpu_check: no CUDA device (use --cpu-smoke for the CPU steps)"), rows[rid]
-        assert (tmp_path / "out" / "logs" / f"{rid}.log").is_file()
-    assert rows["5"][3] == "owed" and rows["5"][6].startswith("owed: benchmarks/sync.py has no NCCL mode")
+            (rc == "2" and key.endswith(": no CUDA device (use --cpu-smoke for the CPU steps)")) or \
+            (rc == "2" and key.endswith(": no CUDA device (use --cpu for the same path on the host)")), rows[rid]
+    # what comes back of a device call: at most 8 files, every log and row inside the archive
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        ["logs.tar.gz", "summary.md", "summary.tsv", "summary_all.md", "summary_all.tsv"]
+    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as archive:
+        names = sorted(archive.getnames())
+    assert {f"logs/{r}.log" for r in rows} | {f"rows/{r}.tsv" for r in rows} <= set(names), names
     assert out.stdout.index("| 1.1 |") < out.stdout.index("--- 1.1 (")  # the table, then the failures' ends
     again = run("--dry-run", "--no-imports", "--only", "failed")
-    assert again.returncode == 0 and list(table_rows(again.stdout)) == ["1.1", "1.8"], again.stdout
+    assert again.returncode == 0 and list(table_rows(again.stdout)) == ["1.1", "1.8", "5"], again.stdout

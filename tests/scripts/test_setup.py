@@ -40,7 +40,9 @@ def test_lets_a_build_that_fits_go_on(tmp_path: Path) -> None:
 def test_an_existing_venv_only_needs_room_for_an_update(tmp_path: Path) -> None:
     venv = tmp_path / ".venv"
     (venv / "bin").mkdir(parents=True)
-    (venv / "bin" / "python").symlink_to(shutil.which("python3"))
+    python = shutil.which("python3")
+    assert python is not None
+    (venv / "bin" / "python").symlink_to(python)
     out = need_disk(venv, free_gib(tmp_path) + 1000)
     assert out.returncode == 0, out.stderr  # 2 GiB asked, not the fresh build's figure
 
@@ -76,7 +78,9 @@ def test_every_module_with_an_mcore019_test_is_in_the_second_venvs_list() -> Non
     import glob
     import re
     script = (ROOT / "scripts" / "test.sh").read_text()
-    listed = re.search(r"MCORE_TESTS=\((.*?)\)", script, re.S).group(1).split()
+    found = re.search(r"MCORE_TESTS=\((.*?)\)", script, re.S)
+    assert found is not None, "scripts/test.sh lists no MCORE_TESTS"
+    listed = found.group(1).split()
     covered = {Path(p).name for pattern in listed for p in glob.glob(str(ROOT / pattern))}
     mark = re.compile(r"^(@pytest\.mark\.mcore019|pytestmark = .*pytest\.mark\.mcore019)", re.M)
     marked = {p.name for p in (ROOT / "tests").rglob("test_*.py") if mark.search(p.read_text())}

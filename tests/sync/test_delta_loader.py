@@ -7,6 +7,7 @@ unconsumed). The real servers' side: tests/sync/test_weight_sync_owners.py."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ class _Toy(torch.nn.Module):
 
 
 def _served(model: _Toy) -> dict[str, torch.Tensor]:
-    layer = model.layers[0]
+    layer: Any = model.layers[0]  # a _Layer (torch types a ModuleList's item as a Module)
     return {Q: layer.qkv.data[:2].clone(), K: layer.qkv.data[2:].clone(), W: layer.w.data.t().clone()}
 
 

@@ -64,6 +64,20 @@ def test_a_sync_dir_without_room_is_refused_at_start(tmp_path, small_disk):
     assert list(folder.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_a_checkpoint_and_the_sync_copies_on_one_disk_must_fit_together(tmp_path, small_disk):
+    """The conversion and one checkpoint (2.2 MB) fit, the disk transport's two copies (1.1 MB) fit,
+    both do not (2.8 MiB): refused at start, not at the first save."""
+    folder = small_disk(2900)
+    code, lines = _train(tmp_path, "sync.transport=disk", f"checkpoint.dir={folder / 'ck'}")
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"gspo-megatron: error: checkpoint.dir='{folder / 'ck'}': 2.8 MiB free, the initial "
+                               "conversion and one checkpoint (parameters + optimizer state, estimated from the "
+                               "model) (2.1 MiB) and the disk transport (2 copies of the model's weights) (1.1 MiB, "
+                               "sync.dir) needs about 3.2 MiB"), lines
+    assert list(folder.iterdir()) == []
+
+
 def test_delta_on_a_transport_without_deltas_is_refused_at_start(tmp_path):
     code, lines = _train(tmp_path, "sync.transport=disk", "sync.delta=true")
     assert code == 2 and lines == [

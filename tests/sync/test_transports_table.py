@@ -43,3 +43,18 @@ def test_the_config_takes_the_tables_names_and_references():
 def test_a_plug_in_transport_passes_the_every_owner_check(name, tmp_path):
     from transport_check import check_every_owner
     print(check_every_owner(name, tmp_path))
+
+
+def test_every_row_builds_for_a_run(tmp_path):
+    """make_transport builds every row as a run does (for_run with the row's settings: a subclass
+    of another row's class takes its own constructor's arguments, not its parent's settings)."""
+    from gspo_megatron.sync.transport_base import make_transport
+    from rollout.servers.pool import ServerPool
+    pool = ServerPool(["http://127.0.0.1:9"])
+    try:
+        for name, row in TRANSPORTS.items():
+            transport = make_transport(name, pool, hf_path=str(tmp_path), sync_dir=lambda: tmp_path / "sync",
+                                       master_address="127.0.0.1")
+            assert transport.row is row and transport.pool is pool, name
+    finally:
+        pool.close()

@@ -77,7 +77,8 @@ class _KillAt(Transport):
 
     def __init__(self, inner: Transport, victim, at: int = 1) -> None:
         super().__init__(inner.pool)
-        self.inner, self.name, self.key = inner, inner.name, len(_KILLS)
+        self.inner, self.key = inner, len(_KILLS)
+        self.name = inner.name  # type: ignore[misc]  # this transport stands in for `inner` under its name
         _KILLS[self.key] = {"victim": victim, "at": at, "generates": None}
 
     @property
@@ -164,6 +165,7 @@ def _body(rank, world, ckpt, live_url, disk_root):
 
     def trainer_error(gen) -> float:
         mine = _trainer_log_probs(actor, PROMPT + gen.output_ids, len(PROMPT))
+        assert mine is not None
         return (torch.tensor(gen.logprobs) - mine).abs().max().item()
 
     lines: list[str] = []

@@ -3,7 +3,8 @@ imports gspo_megatron's root, model_specs and rollout import nothing of gspo_meg
 are pure torch, the library packages know nothing of
 the run, the config and the first checks load without torch, only the entry points sit at
 gspo_megatron's top, no two modules have near-twin names, and no module imports itself through
-others, and no package through other packages; no package holds more than 12 modules at its top.
+others, and no package through other packages; no two modules import each other, not even under
+TYPE_CHECKING; no package holds more than 12 modules at its top.
 Also: no source file over 400 lines (STYLE: split by concern), and no citation of code by line
 number (STYLE: by function and version)."""
 from __future__ import annotations
@@ -58,6 +59,9 @@ def test_the_tree_follows_the_rules():
      "gspo_megatron.parallel.layout imports torch, and gspo_megatron.config imports"),
     ("gspo_megatron/checkpoint/hf_files.py", "def f():\n    from gspo_megatron.checkpoint import manager",
      "import cycle: gspo_megatron.checkpoint.hf_files <-> gspo_megatron.checkpoint.manager"),
+    ("gspo_megatron/checkpoint/hf_files.py",
+     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gspo_megatron.checkpoint import manager",
+     "modules that import each other: gspo_megatron.checkpoint.hf_files <-> gspo_megatron.checkpoint.manager"),
     ("rollout/generation/sample.py", "if TYPE_CHECKING:\n    from gspo_megatron.config import RunConfig",
      "rollout.generation.sample imports gspo_megatron.config (rollout knows nothing of megatron"),
 ])
@@ -101,15 +105,17 @@ def test_no_file_cites_code_by_line_number():
 
 
 def test_a_type_checking_import_closes_no_cycle(tmp_path, monkeypatch):
-    """STYLE's way to name the type of a module that imports this one: the import never runs, so
-    it is no cycle (and still counts for the direction rules, above)."""
+    """STYLE's way to name the type of a module further up an import chain: the import never runs,
+    so it is no cycle (and still counts for the direction rules, above); only between two modules
+    that import each other is it refused (the parametrized case above)."""
     for pkg in check_imports.PACKAGES:
         shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
-    hf_files = tmp_path / "gspo_megatron/checkpoint/hf_files.py"
-    typed = "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gspo_megatron.checkpoint import manager\n"
-    hf_files.write_text(hf_files.read_text() + typed)
+    # convert -> manager -> loop_state, and loop_state names convert's types
+    loop_state = tmp_path / "gspo_megatron/checkpoint/loop_state.py"
+    typed = "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gspo_megatron.checkpoint import convert\n"
+    loop_state.write_text(loop_state.read_text() + typed)
     monkeypatch.setattr(check_imports, "ROOT", tmp_path)
     assert check_imports.violations() == []
-    hf_files.write_text(hf_files.read_text() + "from gspo_megatron.checkpoint import manager\n")
-    assert any("import cycle: gspo_megatron.checkpoint.hf_files <-> gspo_megatron.checkpoint.manager" in v
-               for v in check_imports.violations())
+    loop_state.write_text(loop_state.read_text() + "from gspo_megatron.checkpoint import convert\n")
+    assert any(v.startswith("import cycle: ") and "gspo_megatron.checkpoint.loop_state" in v
+               and "gspo_megatron.checkpoint.convert" in v for v in check_imports.violations())

@@ -40,6 +40,7 @@ def test_planted_bad_imports_are_named(tmp_path):
         "if TYPE_CHECKING:\n    Alias = int\n")
     (pkg / "broken.py").write_text("from gspo_errors import NoSuchError\n")
     (pkg / "raises.py").write_text("LIMIT = undefined_name + 1\n")  # our own bug, not a missing package
+    (pkg / "typed.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    Model = int\n")
     tool = pkg / "tool.py"
     tool.write_text("""from typing import TYPE_CHECKING
 
@@ -47,7 +48,7 @@ from gspo_errors import GspoError
 from .gpu_only import kernel
 
 if TYPE_CHECKING:
-    from gspo_megatron.planner.memory import Model
+    from .typed import Model
 
 
 def on_the_gpu():
@@ -56,7 +57,7 @@ def on_the_gpu():
     from .gpu_only import nothing_here
     import rollout.no_such_module
     from .broken import x
-    from gspo_megatron.planner.memory import Model as at_run_time
+    from .typed import Model as at_run_time
     from .raises import LIMIT
 """)
     out = resolve(str(tool), "--own", "probe_pkg", path=str(tmp_path))
@@ -68,7 +69,7 @@ def on_the_gpu():
                                 "'nothing_here'")
     assert "import rollout.no_such_module: ModuleNotFoundError" in problems[2]
     assert "from probe_pkg.broken import x: ImportError: cannot import name 'NoSuchError'" in problems[3]
-    assert problems[4].endswith("gspo_megatron.planner.memory has no 'Model'")  # defined for the checker only
+    assert problems[4].endswith("probe_pkg.typed has no 'Model'")  # defined for the checker only
     assert problems[5].endswith("from probe_pkg.raises import LIMIT: NameError: name 'undefined_name' is not defined")
     assert ("resolved from its source, not importable here (ModuleNotFoundError: No module named "
             "'no_such_cuda_extension_xyz'): probe_pkg.gpu_only") in out.stdout

@@ -213,28 +213,34 @@ def test_async_multiturn_episodes(tmp_path, server_url):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_async_routing_replay(tmp_path):
-    """moe.replay with max_staleness 1, the run's own server (it must return routed experts):
-    replayed routes belong to the version that generated each token, so pi_old recomputed with
-    that version's weights and its routes still equals SGLang's log-probs. A response cut by a
-    weight sync restarts from its prompt: resumed, SGLang would route its prefix with the new
-    weights while its earlier tokens need the old routes of the same positions (kept resumed,
-    the recomputed pi_old was off by 1e-4 to 1.6e-3 after the first sync)."""
+def test_async_routing_replay_staleness_2(tmp_path):
+    """moe.replay with max_staleness 2, the run's own server (it must return routed experts): a
+    response cut by a weight sync resumes under the new weights, each token keeping the routes of
+    the pass that sampled it (rollout/in_server/released_routes.py, actor/held/versioned_routes.py); so
+    pi_old recomputed per version, replaying that version's routes, still equals SGLang's
+    log-probs, the recorded routes are what their version's weights choose, and the checked
+    samples are paired. (Replaying every recorded route in every version's pass would route the
+    later version's context as the earlier one did: pi_old was then off by 1e-4 to 1.6e-3.)"""
     from fixtures_models import tiny_model_dir
+    from gspo_megatron.run.metrics import read_jsonl
     from test_trainer_e2e import PROMPTS
     sets = {"model.hf_path": str(tiny_model_dir("qwen3_moe", 0)), "rollout.prompts": str(PROMPTS),
             "rollout.reward": "exact_match", "rollout.group_size": 4, "rollout.prompts_per_step": 2,
-            "rollout.max_new_tokens": 48, "rollout.ignore_eos": "true", "train.steps": 4,
-            "train.mini_batches": 2, "train.micro_batch_size": 4, "train.lr": 1e-3, "train.max_staleness": 1,
+            "rollout.max_new_tokens": 96, "rollout.ignore_eos": "true", "train.steps": 4,
+            "train.mini_batches": 2, "train.micro_batch_size": 4, "train.lr": 1e-3, "train.max_staleness": 2,
+            "rollout.max_buffered_groups": 4,  # the thread generates while the trainer syncs
             "moe.replay": "true", "checkpoint.dir": str(tmp_path / "ckpt"), "checkpoint.interval": 100,
             "logging.tensorboard_dir": str(tmp_path / "tb"),
             "logging.rollout_records": str(tmp_path / "records.jsonl")}
     proc = run_train([CONFIG, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]], timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    s = _check_staleness(tmp_path, 1)
+    s = _check_staleness(tmp_path, 2)
     assert all(v < 1e-4 for v in s["train/logprob_abs_diff"]), s["train/logprob_abs_diff"]
     assert all(v == 0.0 for v in s["routing/replay_mismatch"]), s["routing/replay_mismatch"]
-    from gspo_megatron.run.metrics import read_jsonl
-    restarted = sum(r.get("rollout/partial_restarted", 0.0) for r in read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True))
-    print(f"partial responses restarted (not resumed under new weights): {restarted:.0f}")
-    assert restarted > 0  # responses were cut by syncs (24 per run measured): the case arose
+    assert all(v < 0.01 for v in s["routing/version_mismatch"]), s["routing/version_mismatch"]
+    assert sum(s["rollout/alignment_checked"]) > 0 and not any(s["rollout/misaligned"]), s["rollout/misaligned"]
+    two = [r for r in _records(tmp_path) if len(_versions(r)) >= 2]
+    steps = read_jsonl(tmp_path / "tb" / "metrics.jsonl", steps_only=True)
+    print(f"responses cut by a sync and resumed: {len(two)}; resumed samples "
+          f"{sum(r.get('rollout/partial_resumed', 0.0) for r in steps):.0f}")
+    assert two  # responses were cut by syncs and trained with tokens of two versions

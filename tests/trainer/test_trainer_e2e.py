@@ -7,7 +7,6 @@ seed-0 weights at the end, as fixtures_servers asks.
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

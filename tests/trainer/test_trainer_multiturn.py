@@ -51,7 +51,7 @@ def test_multiturn_tp2_rows_rebuilt_from_records_and_resume(tmp_path, server_url
 
     from fixtures_models import tiny_model_dir
     from gspo_megatron.run.metrics import read_jsonl, read_scalars
-    from rollout.generation.chat import ChatTemplate
+    from rollout.generation.multiturn.chat import ChatTemplate
 
     args = _args(tmp_path, server_url, **{"parallel.tensor": 2, "loss.name": "gspo_token",
                                           "rollout.turn_credit": "return_to_go",

@@ -24,6 +24,7 @@ whatever dp_size is, and old log-probs computed on the shard travel with the row
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -187,13 +188,17 @@ class TrainBatch:
     def padded_shape(self) -> tuple[int, int]:
         """(rows, longest row): the padded form's [b, s]."""
         if not self.is_packed:
-            return tuple(self.tokens.shape)
+            rows, longest = self.tokens.shape
+            return rows, longest
         return self.num_rows, (int(self.lengths.max()) if self.num_rows else 1)
 
     @property
     def route_shape(self) -> tuple[int, int] | None:
         """(layers, top-k) of routed_experts, in either form; None without them."""
-        return None if self.routed_experts is None else tuple(self.routed_experts.shape[-2:])
+        if self.routed_experts is None:
+            return None
+        layers, top_k = self.routed_experts.shape[-2:]
+        return layers, top_k
 
     def is_token_field(self, name: str) -> bool:
         t = getattr(self, name)
@@ -212,7 +217,7 @@ class TrainBatch:
     def _remade(self, convert, *, keep_split: bool) -> "TrainBatch":
         """A batch of this one's tensor fields as `convert(name, tensor)` gives them; route_layers
         kept, and with keep_split the mini-batch sizes and the DP token imbalance too."""
-        out = {"route_layers": self.route_layers}
+        out: dict[str, Any] = {"route_layers": self.route_layers}
         if keep_split:
             out.update(mini_batch_sizes=self.mini_batch_sizes, dp_token_imbalance=self.dp_token_imbalance)
         for f in dataclasses.fields(self):

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from gspo_megatron.actor.batching.balance import balanced_sizes
 from gspo_megatron.actor.batching.batch import TrainBatch
 from gspo_megatron.parallel import context
+
+if TYPE_CHECKING:
+    from gspo_megatron.actor.batching.packing import PackedInputs
 
 
 @dataclass
@@ -30,8 +34,21 @@ class MicroBatch:
     ref_log_probs: torch.Tensor | None = None  # [m, s_m]
     lengths: torch.Tensor | None = None        # [m] real tokens per row (0 for a filler row)
     routed_experts: torch.Tensor | None = None  # [m, s_m, layers, k] engine routing, -1 = none
-    packed: "PackedInputs | None" = None       # the model's input as one packed sequence (packing.py)
+    packed: PackedInputs | None = None         # the model's input as one packed sequence (packing.py)
     targets: torch.Tensor | None = None        # [m, s_m / cp] context parallelism only: see context_chunks
+
+    def row_lengths(self) -> torch.Tensor:
+        """[m] real tokens per row (0 for a filler row): every micro-batch micro_batch() makes has them."""
+        if self.lengths is None:
+            raise ValueError(f"micro-batch {self.index} carries no row lengths")
+        return self.lengths
+
+    def needs(self, name: str) -> torch.Tensor:
+        """The per-token field `name` (old_log_probs, ...), which the caller's step cannot run without."""
+        value = getattr(self, name)
+        if value is None:
+            raise ValueError(f"micro-batch {self.index} carries no {name}")
+        return value
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return dataclasses.replace(self, **{
@@ -40,8 +57,13 @@ class MicroBatch:
             and getattr(self, f.name) is not None})
 
 
-def _pad_to(t: torch.Tensor | None, s: int, value=0) -> torch.Tensor | None:
-    if t is None or t.dim() < 2 or t.shape[1] == s:
+def _each(t: torch.Tensor | None, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """An optional field made the way its required ones are: absent stays absent."""
+    return None if t is None else f(t)
+
+
+def _pad_to(t: torch.Tensor, s: int, value: Any = 0) -> torch.Tensor:
+    if t.dim() < 2 or t.shape[1] == s:
         return t
     if t.shape[1] > s:
         return t[:, :s]
@@ -81,10 +103,10 @@ def micro_batch(batch: TrainBatch, index: int, rows: list[int], *, seq_multiple:
         position_ids=torch.arange(s).unsqueeze(0).expand(m, s).contiguous(),
         loss_mask=_pad_to(part.loss_mask, s, False),
         advantages=_pad_to(part.advantages, s),
-        old_log_probs=_pad_to(part.old_log_probs, s),
-        rollout_log_probs=_pad_to(part.rollout_log_probs, s),
-        ref_log_probs=_pad_to(part.ref_log_probs, s), lengths=lengths,
-        routed_experts=_pad_to(part.routed_experts, s, -1))
+        old_log_probs=_each(part.old_log_probs, lambda t: _pad_to(t, s)),
+        rollout_log_probs=_each(part.rollout_log_probs, lambda t: _pad_to(t, s)),
+        ref_log_probs=_each(part.ref_log_probs, lambda t: _pad_to(t, s)), lengths=lengths,
+        routed_experts=_each(part.routed_experts, lambda t: _pad_to(t, s, -1)))
 
 
 def context_chunks(mb: MicroBatch, rank: int, size: int) -> MicroBatch:
@@ -103,20 +125,23 @@ def context_chunks(mb: MicroBatch, rank: int, size: int) -> MicroBatch:
     if mb.packed is not None:
         raise ValueError("packed micro-batches cannot be split for context parallelism")
 
-    def to_inputs(t: torch.Tensor | None, fill=0) -> torch.Tensor | None:
-        if t is None or t.dim() < 2:
+    def to_inputs(t: torch.Tensor, fill: Any = 0) -> torch.Tensor:
+        if t.dim() < 2:
             return t
         return torch.cat([t[:, 1:], t.new_full((t.shape[0], 1, *t.shape[2:]), fill)], dim=1)
 
-    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-        return t if t is None or t.dim() < 2 else context.split(t, rank, size)
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t if t.dim() < 2 else context.split(t, rank, size)
+
+    def cut_inputs(t: torch.Tensor) -> torch.Tensor:
+        return cut(to_inputs(t))
 
     return dataclasses.replace(
         mb, tokens=cut(mb.tokens), position_ids=cut(mb.position_ids), targets=cut(to_inputs(mb.tokens)),
         loss_mask=cut(to_inputs(mb.loss_mask, False)), advantages=cut(to_inputs(mb.advantages)),
-        old_log_probs=cut(to_inputs(mb.old_log_probs)),
-        rollout_log_probs=cut(to_inputs(mb.rollout_log_probs)),
-        ref_log_probs=cut(to_inputs(mb.ref_log_probs)), routed_experts=cut(mb.routed_experts))
+        old_log_probs=_each(mb.old_log_probs, cut_inputs),
+        rollout_log_probs=_each(mb.rollout_log_probs, cut_inputs),
+        ref_log_probs=_each(mb.ref_log_probs, cut_inputs), routed_experts=_each(mb.routed_experts, cut))
 
 
 def from_input_positions(t: torch.Tensor) -> torch.Tensor:
@@ -131,9 +156,7 @@ def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
     m = max(mb.tokens.shape[0] for mb in mbs)
     s = max(mb.tokens.shape[1] for mb in mbs)
 
-    def grow(t: torch.Tensor | None, value=0) -> torch.Tensor | None:
-        if t is None:
-            return None
+    def grow(t: torch.Tensor, value: Any = 0) -> torch.Tensor:
         if t.dim() >= 2:
             t = _pad_to(t, s, value)
         extra = m - t.shape[0]
@@ -142,10 +165,10 @@ def pad_to_uniform_shape(mbs: list[MicroBatch]) -> list[MicroBatch]:
     return [MicroBatch(index=mb.index, rows=grow(mb.rows, -1), tokens=grow(mb.tokens),
                        position_ids=torch.arange(s).unsqueeze(0).expand(m, s).contiguous(),
                        loss_mask=grow(mb.loss_mask, False), advantages=grow(mb.advantages),
-                       old_log_probs=grow(mb.old_log_probs),
-                       rollout_log_probs=grow(mb.rollout_log_probs),
-                       ref_log_probs=grow(mb.ref_log_probs), lengths=grow(mb.lengths),
-                       routed_experts=grow(mb.routed_experts, -1)) for mb in mbs]
+                       old_log_probs=_each(mb.old_log_probs, grow),
+                       rollout_log_probs=_each(mb.rollout_log_probs, grow),
+                       ref_log_probs=_each(mb.ref_log_probs, grow), lengths=_each(mb.lengths, grow),
+                       routed_experts=_each(mb.routed_experts, lambda t: grow(t, -1))) for mb in mbs]
 
 
 def _filler_like(batch: TrainBatch) -> TrainBatch:
@@ -155,9 +178,9 @@ def _filler_like(batch: TrainBatch) -> TrainBatch:
         if t is None:
             return None
         return torch.zeros((1, 1) if batch.is_token_field(name) else (1,), dtype=t.dtype)
-    routes = None
-    if batch.routed_experts is not None:
-        routes = torch.full((1, 1, *batch.route_shape), -1, dtype=torch.int16)
+    routes, route_shape = None, batch.route_shape
+    if route_shape is not None:
+        routes = torch.full((1, 1, *route_shape), -1, dtype=torch.int16)
     return TrainBatch(tokens=torch.zeros(1, 1, dtype=torch.long), lengths=torch.ones(1, dtype=torch.long),
                       loss_mask=torch.zeros(1, 1, dtype=torch.bool), advantages=like("advantages"),
                       rollout_log_probs=like("rollout_log_probs"), weight_versions=like("weight_versions"),

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from gspo_megatron.parallel.layout import ParallelLayout
 
 # Transformer Engine's unfused attention, its only backend for fp32, takes THD from TE 2.11: in
 # 2.5-2.10 dot_product_attention/utils.py get_attention_backend disables it for qkv_format="thd",
@@ -62,12 +65,11 @@ def resolve_packing(requested: bool | None, *, te_on_cuda: bool, context: int, h
     return bool(why is None if requested is None else requested)
 
 
-def resolve_sequence_layout(layout: Any, requested: bool | None, *, transformer_engine: bool, cuda: bool,
+def resolve_sequence_layout(layout: ParallelLayout, requested: bool | None, *, transformer_engine: bool, cuda: bool,
                             half: bool, te_version: str | None, linear_attention: bool = False) -> bool:
     """Context parallelism and packing on this machine, in one place (the run's preflight and the
     Actor, before any collective): LayoutError for context parallelism that cannot run here,
-    ValueError for packing asked for where it cannot run; returns whether micro-batches are packed.
-    layout: a ParallelLayout."""
+    ValueError for packing asked for where it cannot run; returns whether micro-batches are packed."""
     layout.check_context_parallel(transformer_engine=transformer_engine, cuda=cuda, half=half)
     return resolve_packing(requested, te_on_cuda=transformer_engine and cuda, context=layout.context,
                            half=half, te_version=te_version, linear_attention=linear_attention)

@@ -112,7 +112,7 @@ def build(batch: TrainBatch, *, max_rows: int, max_tokens: int | None, seq_multi
            for i, rows in enumerate(plan)]
     if packed:
         for mb in mbs:
-            mb.packed = pack(mb.tokens, mb.lengths, multiple=seq_multiple)
+            mb.packed = pack(mb.tokens, mb.row_lengths(), multiple=seq_multiple)
     return mbs
 
 

@@ -161,7 +161,7 @@ def _who_is_who(my_dp_rank: int, layers: list[int] | None, replica_group, stage_
     all_gather of objects, once per step)."""
     def ranks(group):
         return None if group is None else tuple(dist.get_process_group_ranks(group))
-    every = [None] * dist.get_world_size()
+    every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, (my_dp_rank, None if layers is None else tuple(layers),
                                    ranks(replica_group), ranks(stage_group)))
     return every
@@ -218,7 +218,9 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
     who = _who_is_who(dp_rank, route_layers, replica_group, stage_group) if distributed \
         else [(dp_rank, key, None, None)]
     relay = _Relay(who)
-    header, batch, plan, error = None, None, None, None
+    header: tuple[Any, ...] | None = None
+    batch: TrainBatch | None = None
+    plan, error = None, None
     t0 = time.perf_counter()
     if rank == 0:
         try:
@@ -257,7 +259,7 @@ def scatter_rows(rank: int, make: Callable[[], tuple[TrainBatch, Any] | None], *
     _, extras, manifests, imbalance, most_bytes = header
     common, routes, sizes = manifests[dp_rank]
     sent = [0]
-    if rank == 0:
+    if batch is not None:  # rank 0
         mine = _send_all(batch, plan, relay, dp_size, key, replica_group, stage_group, sent)
         del batch
     else:
@@ -296,7 +298,7 @@ def _send_all(batch: TrainBatch, plan, relay: _Relay, dp_size: int, my_key, repl
     """Rank 0: pack each DP rank's rows and send them to the leader of each of its replica units,
     then each stage's routes to the leader of each of its stage units, one DP rank's buffers at a
     time (rank 0 relays to its own units as their leader); returns rank 0's own buffers."""
-    mine = None
+    mine: list[torch.Tensor] = []
     for d in range(dp_size):
         rows = [i for parts in plan for i in parts[d]]
         _, common = pack(batch, rows, routes=False)
@@ -307,7 +309,7 @@ def _send_all(batch: TrainBatch, plan, relay: _Relay, dp_size: int, my_key, repl
             sent[0] += _relay_from_0(buf, relay.units_of(d, key, stage=True), stage_group)
             own[key] = buf
         if d == relay.who[0][0]:
-            mine = [common, own.get(my_key)]
+            mine = [common] + ([own[my_key]] if my_key in own else [])
     return mine
 
 

@@ -97,7 +97,10 @@ def batch_advantages(settings: AdvantageSettings, rewards: torch.Tensor, rows: B
         # for a row without a trained token: it still counts in its group's statistics)
         scores = R if beta_kl is None else R - _row_sums(beta_kl, rows.lengths)
         stats = GroupStats(scores, rows.groups, rows.num_groups, rows.trained, all_reduce)
-        baseline, scale = spec.baseline_and_scale()(stats, settings.estimator_settings)
+        estimate = spec.baseline_and_scale()
+        if estimate is None:
+            raise ValueError(f"advantage estimator {spec.name!r} of kind 'group' names no function")
+        baseline, scale = estimate(stats, settings.estimator_settings)
         if turn_returns is None:
             adv = group_advantages_of(stats, baseline, scale)
         else:  # per-turn credit: each token's turn return against its row's baseline and scale

@@ -72,9 +72,11 @@ def normalize_rewards(rewards: torch.Tensor, group_size: int, mean: str | None, 
             return 0.0 if of == "mean" else 1.0
         if kind == "batch":
             return r.mean() if of == "mean" else r.std()
-        if kind == "group":
+        if grouped is not None and kind == "group":
             x = grouped.mean(1, keepdim=True) if of == "mean" else grouped.std(1, keepdim=True)
             return x.expand_as(grouped).reshape(-1)
+        if running is None or kind != "running":
+            raise ValueError(f"reward normalisation {kind!r}: expected 'batch', 'group', 'running' or null")
         return running.mean if of == "mean" else running.std
 
     centred = r - stat(mean, "mean")

@@ -142,14 +142,14 @@ class AdvantageSettings:
         # Errors read "field=value: expected ..." so that the config can prefix its section.
         ESTIMATORS.row(self.advantage_estimator, "advantage_estimator")
         self.estimator_settings = row_settings(self.estimator, self.estimator_args, "estimator_args")
-        for field in ("advantage_clip", "reward_clip"):
-            v = getattr(self, field)
+        for name in ("advantage_clip", "reward_clip"):
+            v = getattr(self, name)
             if v is not None and not v > 0:
-                raise ValueError(f"{field}={v!r}: expected > 0 (or null for off)")
-        for field in ("reward_norm_mean", "reward_norm_std"):
-            v = getattr(self, field)
+                raise ValueError(f"{name}={v!r}: expected > 0 (or null for off)")
+        for name in ("reward_norm_mean", "reward_norm_std"):
+            v = getattr(self, name)
             if v is not None and v not in NORMS:
-                raise ValueError(f"{field}={v!r}: expected one of {NORMS} or null")
+                raise ValueError(f"{name}={v!r}: expected one of {NORMS} or null")
         if not self.kl_in_reward_coef >= 0:
             raise ValueError(f"kl_in_reward_coef={self.kl_in_reward_coef!r}: expected >= 0")
         KL_ESTIMATORS.row(self.kl_in_reward_estimator, "kl_in_reward_estimator")

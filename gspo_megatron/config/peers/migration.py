@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,17 +59,6 @@ def _number(value: Any) -> Any:
     return value
 
 
-def read_yaml(path: Path, peer: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise ConfigError(f"migrate --from {peer}: {str(path)!r} is not a file")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"migrate --from {peer}: {str(path)!r} is not valid YAML: "
-                          f"{' '.join(str(e).split())}") from None
-    return data
-
-
 @dataclass
 class Migration:
     peer: str
@@ -81,6 +69,14 @@ class Migration:
     taken: set[str] = field(default_factory=set)
     named: set[str] = field(default_factory=set)          # keys a line names
     known: dict[str, str] = field(default_factory=dict)     # key prefix -> why it has no counterpart
+    carried_keys: set[str] = field(default_factory=set)   # input keys that became (or agree with) ours
+    reader_lines: list[str] = field(default_factory=list)  # what reading the file found (repeats, words)
+    unknown: int = 0                                       # input keys no rule and no prefix knows
+    overrides: list[str] = field(default_factory=list)     # the user's --set KEY=VALUE, applied in finish
+
+    def overridden(self, ours: str) -> bool:
+        """The user sets our field `ours` with --set (a rule may then leave it to them)."""
+        return any(o.split("=", 1)[0].strip() == ours for o in self.overrides)
 
     # --- what the vocabularies call --------------------------------------------------------------
     def has(self, key: str) -> bool:
@@ -95,6 +91,8 @@ class Migration:
         """`key` became our `ours` = value (how: the formula or the peer's meaning)."""
         self.taken.add(key)
         self.named.add(key)
+        if key in self.keys:
+            self.carried_keys.add(key)
         value = _number(value)
         self.values[ours] = value
         shown = f"{key} = {self.keys[key]!r}" if key in self.keys else key
@@ -103,8 +101,8 @@ class Migration:
     def also(self, key: str, ours: str, value: Any, how: str = "") -> None:
         """A second field of ours that `key` sets (its own line)."""
         self.values[ours] = value
-        self.lines.append(f"carried      {key} = {self.keys.get(key)!r}  ->  {ours}: {value!r}"
-                          + (f"  ({how})" if how else ""))
+        shown = f"{key} = {self.keys[key]!r}" if key in self.keys else key
+        self.lines.append(f"carried      {shown}  ->  {ours}: {value!r}" + (f"  ({how})" if how else ""))
 
     def said(self, key: str, what: str) -> None:
         """`key` is carried as `what` says (no field of its own: a default that agrees, a no-op)."""
@@ -112,6 +110,7 @@ class Migration:
             return
         self.taken.add(key)
         self.named.add(key)
+        self.carried_keys.add(key)
         self.lines.append(f"carried      {key} = {self.keys[key]!r}  ->  {what}")
 
     def skip(self, key: str, why: str) -> None:
@@ -141,16 +140,19 @@ class Migration:
     def finish(self, overrides: list[str]) -> None:
         """Name every key no rule read, apply `--set` overrides, and check the result with the
         trainer's config checks (placeholders for the fields the trainer needs that are missing)."""
+        self.unknown = 0
         for key, value in self.keys.items():
             if key in self.named:
                 continue
             if key in self.taken:  # read by a rule that named another key: say so, never nothing
+                self.carried_keys.add(key)
                 self.lines.append(f"carried      {key} = {value!r}  ->  read with the lines above")
                 continue
             why = next((w for prefix, w in self.known.items() if key == prefix or key.startswith(prefix + ".")), None)
             if why is not None:
                 self.lines.append(f"not carried  {key} = {value!r}: {why}")
             else:
+                self.unknown += 1
                 self.lines.append(f"unknown      {key} = {value!r}: not a {self.peer_name} key this migration "
                                   "knows; not carried")
         data = self.nested()
@@ -190,8 +192,17 @@ class Migration:
                 "# \"Coming from ROLL, verl or slime\").\n")
         return head + yaml.safe_dump(self.nested(), sort_keys=False, default_flow_style=False)
 
+    def summary(self) -> str:
+        """One line: how many of the input's keys were carried, not carried, unknown."""
+        n = len(self.keys)
+        carried = len(self.carried_keys & set(self.keys))
+        unknown = self.unknown
+        return (f"summary      {n} key{'s' if n != 1 else ''} read: {carried} carried, {n - carried - unknown} "
+                f"not carried, {unknown} unknown" + (f"; {len(self.reader_lines)} line(s) of the file not read as "
+                                                    "keys (above)" if self.reader_lines else ""))
+
     def report(self) -> str:
-        return "\n".join(f"[migrate] {line}" for line in self.lines)
+        return "\n".join(f"[migrate] {line}" for line in [*self.reader_lines, *self.lines, self.summary()])
 
 
 def carry_lora(m: Migration, rank_key: str, alpha_key: str, targets_key: str) -> None:

@@ -11,11 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from gspo_megatron.algorithms.terms import KL_ESTIMATORS
-from gspo_megatron.config.peers.migration import (Migration, carry_lora, flatten, peer_names, read_yaml,
+from gspo_megatron.config.parsing import ConfigError
+from gspo_megatron.config.peers.migration import (Migration, carry_lora, flatten, peer_names,
                                                   resolve_interpolations)
+from gspo_megatron.config.peers.reading import read_text, yaml_mapping
 
 KL_KINDS = peer_names(KL_ESTIMATORS, "roll")  # ROLL's kl_penalty kinds -> ours (its k3 is clamped at 10)
 DEFAULT_PG_CLIP = 0.2
+DEFAULT_PROMPT_LENGTH = 1024  # roll/configs/base_config.py BaseConfig.prompt_length
 NO_COUNTERPART = {
     "hydra": "Hydra's own settings", "defaults": "Hydra's defaults list",
     "exp_name": "run naming: the run is its checkpoint.dir here",
@@ -46,15 +49,13 @@ NO_COUNTERPART = {
 
 
 def read(path: Path) -> Migration:
-    data = read_yaml(path, "roll")
-    if not isinstance(data, dict):
-        from gspo_megatron.config.parsing import ConfigError
-        raise ConfigError(f"migrate --from roll: {str(path)!r} is not a YAML mapping of ROLL's keys")
-    return Migration("roll", str(path), resolve_interpolations(flatten(data)), known=dict(NO_COUNTERPART))
+    data = yaml_mapping(read_text(path, "roll"), path, "roll", required=True)
+    return Migration("roll", str(path), resolve_interpolations(flatten(data or {})), known=dict(NO_COUNTERPART))
 
 
 def translate(m: Migration) -> None:
     _sizes(m)
+    _workers(m)
     carry_lora(m, "actor_train.model_args.lora_rank", "actor_train.model_args.lora_alpha",
                "actor_train.model_args.lora_target")
     token_kl = bool(m.take("add_token_level_kl", False))
@@ -71,7 +72,6 @@ def _sizes(m: Migration) -> None:
     for key, ours, how in (("rollout_batch_size", "rollout.prompts_per_step", "prompts per rollout batch"),
                            ("num_return_sequences_in_group", "rollout.group_size", "responses per prompt"),
                            ("prompt_length", "rollout.max_prompt_tokens", "longer prompts are dropped at load"),
-                           ("response_length", "rollout.max_new_tokens", "the generation budget"),
                            ("max_steps", "train.steps", "RL steps"), ("seed", "train.seed", ""),
                            ("pretrain", "model.hf_path", "the initial policy"),
                            ("max_grad_norm", "train.clip_grad", "gradient norm clip"),
@@ -82,11 +82,14 @@ def _sizes(m: Migration) -> None:
                            ("actor_infer.generating_args.top_k", "rollout.top_k", "")):
         if m.has(key):
             m.carry(key, ours, m.take(key), how)
+    _budget(m)
     for key, same in (("actor_infer.generating_args.max_new_tokens", "response_length"),
                       ("actor_infer.generating_args.num_return_sequences", "num_return_sequences_in_group")):
         if m.has(key):
-            if m.has(same) and m.take(key) == m.keys[same]:
-                m.said(key, f"as {same} (the same value)")
+            if (m.has(same) and m.take(key) == m.keys[same]) or (
+                    same == "response_length" and m.keys.get(key) == m.values.get("rollout.max_new_tokens")):
+                m.said(key, "as rollout.max_new_tokens (the same value)" if same == "response_length"
+                       else f"as {same} (the same value)")
             else:
                 m.skip(key, f"differs from {same}: set the rollout field from one of them")
     epochs = m.take("ppo_epochs", 1)
@@ -96,6 +99,79 @@ def _sizes(m: Migration) -> None:
         else:
             m.skip("ppo_epochs", "several passes over one rollout batch are not offered (one pass, "
                                  "train.mini_batches updates)")
+
+
+def sequence_length(m: Migration) -> int | None:
+    """ROLL's padded sequence width: sequence_length, else prompt_length (1024 unless set) +
+    response_length (roll/configs/base_config.py BaseConfig.__post_init__)."""
+    for key in ("sequence_length", "response_length", "prompt_length"):
+        if m.has(key) and not (isinstance(m.keys[key], int) and not isinstance(m.keys[key], bool)):
+            raise ConfigError(f"migrate --from roll: {key}={m.keys[key]!r}: expected an integer")
+    if m.has("sequence_length"):
+        return int(m.keys["sequence_length"])
+    if m.has("response_length"):
+        return int(m.keys.get("prompt_length", DEFAULT_PROMPT_LENGTH)) + int(m.keys["response_length"])
+    return None
+
+
+def _budget(m: Migration) -> None:
+    """rollout.max_new_tokens: ROLL generates sequence_length - prompt_length new tokens (its
+    RLVRConfig rewrites actor_infer's max_new_tokens so); sequence_length, when given, wins over
+    response_length (BaseConfig sets response_length to None)."""
+    width = sequence_length(m)
+    if width is None:
+        return
+    budget = width - int(m.keys.get("prompt_length", DEFAULT_PROMPT_LENGTH))
+    if m.has("sequence_length"):
+        m.carry("sequence_length", "rollout.max_new_tokens", budget, "sequence_length - prompt_length "
+                f"({m.keys.get('prompt_length', DEFAULT_PROMPT_LENGTH)}), the new tokens ROLL generates")
+        m.skip("response_length", "sequence_length is given, and ROLL then ignores response_length")
+    else:
+        m.carry("response_length", "rollout.max_new_tokens", budget, "the generation budget")
+
+
+WORKER_KEYS = (  # actor_train.* -> ours
+    ("training_args.warmup_steps", "train.lr_warmup_steps", "linear warm-up steps of the learning rate"),
+    ("training_args.max_grad_norm", "train.clip_grad", "gradient norm clip"),
+    ("data_args.file_name", "rollout.prompts", "the training prompts (jsonl / parquet; relative to the working "
+                                               "directory here)"),
+    ("data_args.prompt", "rollout.prompt_key", "the prompt column"),
+    ("data_args.messages", "rollout.prompt_key", "the column of chat messages (a list of {role, content})"),
+    ("data_args.response", "rollout.answer_key", "the label column the reward compares with"),
+    ("strategy_args.strategy_config.tensor_model_parallel_size", "parallel.tensor", ""),
+    ("strategy_args.strategy_config.pipeline_model_parallel_size", "parallel.pipeline", ""),
+    ("strategy_args.strategy_config.virtual_pipeline_model_parallel_size", "parallel.virtual_pipeline", ""),
+    ("strategy_args.strategy_config.expert_model_parallel_size", "parallel.expert", ""),
+    ("strategy_args.strategy_config.expert_tensor_parallel_size", "parallel.expert_tensor", ""),
+    ("strategy_args.strategy_config.context_parallel_size", "parallel.context", ""),
+    ("strategy_args.strategy_config.use_distributed_optimizer", "train.use_distributed_optimizer", ""),
+)
+EVAL_KEYS = (("validation.data_args.file_name", "eval.prompts", "the held-out prompts"),
+             ("validation.generating_args.temperature", "eval.temperature", ""),
+             ("validation.generating_args.top_p", "eval.top_p", ""),
+             ("validation.generating_args.num_return_sequences", "eval.samples_per_prompt", ""))
+
+
+def _workers(m: Migration) -> None:
+    """The worker blocks' keys that are run settings here: actor_train's optimizer, data and layout,
+    validation's prompt set and sampling."""
+    for key, ours, how in WORKER_KEYS:
+        key = f"actor_train.{key}"
+        if m.has(key) and m.keys[key] is not None and ours not in m.values:
+            m.carry(key, ours, m.take(key), how)
+    if m.has("actor_train.data_args.file_name") and not m.has("actor_train.data_args.prompt") and not m.has(
+            "actor_train.data_args.messages"):
+        m.note("actor_train.data_args names no prompt column: rollout.prompt_key stays 'prompt' here")
+    if not m.has("validation.data_args.file_name"):
+        return
+    for key, ours, how in EVAL_KEYS:
+        if m.has(key) and m.keys[key] is not None:
+            m.carry(key, ours, m.take(key), how)
+    if m.has("eval_steps"):
+        m.carry("eval_steps", "eval.interval", m.take("eval_steps"), "held-out eval every N steps")
+    budget = m.keys.get("validation.generating_args.max_new_tokens")
+    if budget is not None and budget != m.values.get("rollout.max_new_tokens"):
+        m.carry("validation.generating_args.max_new_tokens", "eval.max_new_tokens", budget, "")
 
 
 def _estimator(m: Migration, token_kl: bool, gamma: float) -> None:
@@ -108,9 +184,12 @@ def _estimator(m: Migration, token_kl: bool, gamma: float) -> None:
         m.carry("adv_estimator", "loss.advantage_estimator", "reinforce",
                 "the return-to-go of the token rewards, ROLL compute_reinforce_return")
     elif est == "grpo":
-        if token_kl or gamma < 1:  # ROLL's grpo: reinforce after the group norm of the rewards
+        # ROLL's grpo is reinforce after the group norm of the rewards (reward_postprocess): with a
+        # token KL, a discount or a reward clip (applied to the normalised rewards) our grpo
+        # estimator, which normalises after the reward clip, would not be it
+        if token_kl or gamma < 1 or m.keys.get("reward_clip") is not None:
             m.carry("adv_estimator", "loss.advantage_estimator", "reinforce", "ROLL's grpo is reinforce after "
-                    "the group reward norm")
+                    "the group reward norm (and the reward clip after that norm)")
             for field in ("loss.reward_norm_mean", "loss.reward_norm_std"):
                 m.also("adv_estimator", field, "group", "ROLL forces norm_mean_type = norm_std_type = group")
         else:
@@ -132,26 +211,29 @@ def _loss(m: Migration, per_token: bool) -> str:
                "defaults to gspo")
         loss = "gspo"
     elif sampling == "seq":
-        loss = "gspo_token" if per_token else "gspo"
-        how = ("GSPO's sequence ratio; the advantages differ along a response (token KL or gamma < 1): "
-               "GSPO-token, Eqs. 13-14 (ROLL averages the per-token terms' clip decisions differently)"
-               if per_token else "the sequence ratio exp(mean log-ratio), clipped per sequence (Eqs. 5-7)")
+        loss = "gspo"
+        how = ("GSPO's sequence ratio on each token; the advantages differ along a response (token KL or gamma "
+               "< 1), and gspo takes them as ROLL does, differentiating through s_i (gspo_token would give "
+               "each token its own, the paper's Eqs. 13-14)" if per_token
+               else "the sequence ratio exp(mean log-ratio), clipped per sequence (Eqs. 5-7)")
         m.carry("importance_sampling", "loss.name", loss, how)
     else:
         loss = "grpo"
         m.carry("importance_sampling", "loss.name", "grpo", "token ratios (GRPO)")
     mode = m.take("loss_agg_mode")
     if mode is not None:
-        if loss.startswith("gspo") and mode != "seq-mean-token-mean":
-            m.skip("loss_agg_mode", "GSPO's sequence ratio fixes seq-mean-token-mean (Eq. 5); ROLL's token sums "
-                                    "would weigh each sequence's one term by its length")
-        else:
-            m.carry("loss_agg_mode", "loss.loss_agg_mode", mode, "ROLL's agg_loss mode")
-            if mode == "seq-mean-token-sum-norm":
-                m.also("loss_agg_mode", "loss.aggregation_args.token_sum_norm",
-                       float(m.keys.get("response_length", 0)) or None, "C = response_length")
-                m.note("seq-mean-token-sum-norm: ROLL divides by the padded width; here token_sum_norm = "
-                       "response_length, and the token sums are averaged over sequences (Dr. GRPO)")
+        m.carry("loss_agg_mode", "loss.loss_agg_mode", mode, "ROLL's agg_loss mode" + (
+            ": the sequence ratio on each trained token, the tokens' terms aggregated so (a sequence weighs by "
+            "its length with token sums)" if loss == "gspo" and mode != "seq-mean-token-mean" else ""))
+        if mode == "seq-mean-token-sum-norm":
+            width = sequence_length(m)
+            if width is None:
+                raise ConfigError("migrate --from roll: loss_agg_mode=seq-mean-token-sum-norm divides by ROLL's padded "
+                                  "width, and the file gives neither sequence_length nor response_length")
+            m.also("loss_agg_mode", "loss.aggregation_args.token_sum_norm", float(width - 1),
+                   "C = sequence_length - 1, the padded width ROLL divides by")
+            m.note("seq-mean-token-sum-norm: ROLL sums the token sums over C with no mean over the sequences: "
+                   "its gradient is this one's times the sequences of an optimizer step (docs/algorithm.md)")
     else:
         m.note("loss_agg_mode is not set: ROLL's default is seq-mean-token-mean, as here")
     return loss
@@ -219,7 +301,7 @@ def _kl(m: Migration, token_kl: bool, loss: str) -> None:
         m.carry("kl_loss_coef", "loss.kl_coef", float(m.take("kl_loss_coef", 0.0)), "a KL loss term per the loss's "
                 "aggregation")
         m.also("use_kl_loss", "loss.kl_estimator", "low_var_kl", "ROLL's actor uses k3 clamped to [-10, 10]")
-        m.named.add("use_kl_loss")
+        m.said("use_kl_loss", "loss.kl_coef above (the KL loss term on)")
     else:
         m.skip("kl_loss_coef", "use_kl_loss is off")
         if m.has("use_kl_loss"):

@@ -10,12 +10,13 @@ of PPO's clipped terms (or the token mean with --calculate-per-token-loss), with
 """
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
+from typing import Any
 
 from gspo_megatron.algorithms.terms import KL_ESTIMATORS
 from gspo_megatron.config.parsing import ConfigError
 from gspo_megatron.config.peers.migration import Migration, peer_names
+from gspo_megatron.config.peers.reading import Found, last_wins, read_text, shell_lines
 
 SWITCHES = {"use-kl-loss", "normalize-advantages", "calculate-per-token-loss", "disable-grpo-std-normalization",
             "disable-rewards-normalization", "apply-chat-template", "rollout-shuffle", "use-dynamic-batch-size",
@@ -30,7 +31,6 @@ NO_COUNTERPART = {
     "colocate": "SGLang servers beside the trainer here", "train-backend": "megatron-core here",
     "rm-type": "the reward is rollout.reward here (a shipped one, an HTTP service or your function: "
                "`gspo-megatron config`)",
-    "adam-beta1": "megatron's Adam betas (not a run setting here)", "adam-beta2": "megatron's Adam betas",
     "save": "checkpoint.dir here", "load": "checkpoint.dir here (a run resumes from it)",
     "save-interval": "checkpoint.interval here", "ref-load": "the reference is the policy RL starts from here",
     "eval-interval": "eval.interval here", "eval-prompt-data": "eval.prompts here",
@@ -40,41 +40,54 @@ NO_COUNTERPART = {
 }
 
 
-def _flags(text: str) -> dict[str, object]:
-    """{flag name: value} (True for a switch), in order; a stray word kept under its own text."""
-    words = [w.strip().rstrip("\\").strip() for w in shlex.split(text, comments=True)]
-    words = [w for w in words if w and w not in ("(", ")") and not w.endswith("=(")]
-    out: dict[str, object] = {}
+def _flags(text: str, path: Path = Path("flags")) -> tuple[dict[str, object], list[str]]:
+    """{flag name: value} (True for a switch) in order of first appearance, and a line for each
+    word that is not a flag and each earlier value of a repeated flag (argparse keeps the last).
+    Bash arrays may spread over lines: the words are read as one list."""
+    words = [(line, w) for line, ws in shell_lines(text, path, "slime") for w in ws
+             if w not in ("(", ")") and not w.endswith("=(")]
+    found: Found = []
+    other: dict[int, list[str]] = {}
     i = 0
     while i < len(words):
-        w = words[i]
+        line, w = words[i]
         i += 1
         if not w.startswith("--"):
-            out[f"(word) {w}"] = "not a --flag"
+            other.setdefault(line, []).append(w)
             continue
         name = w[2:]
         if "=" in name:
             name, value = name.split("=", 1)
-            out[name] = value
-        elif name in SWITCHES or i >= len(words) or words[i].startswith("--"):
-            out[name] = True
+            found.append((name, value, line))
+        elif name in SWITCHES or i >= len(words) or words[i][1].startswith("--"):
+            found.append((name, True, line))
         else:
-            out[name] = words[i]
+            found.append((name, words[i][1], line))
             i += 1
-    return out
+    flags, repeats = last_wins(found, "slime's argparse")
+    lines = [f"not carried  (line {line}) {' '.join(ws)}: not a --flag" for line, ws in other.items()]
+    return flags, lines + repeats
 
 
 def read(path: Path) -> Migration:
-    if not path.is_file():
-        raise ConfigError(f"migrate --from slime: {str(path)!r} is not a file")
-    flags = _flags(path.read_text(encoding="utf-8"))
+    flags, lines = _flags(read_text(path, "slime"), path)
     if not flags:
         raise ConfigError(f"migrate --from slime: {str(path)!r} holds no --flags")
-    return Migration("slime", str(path), flags, known=dict(NO_COUNTERPART))
+    return Migration("slime", str(path), flags, known=dict(NO_COUNTERPART), reader_lines=lines)
 
 
-def _num(v):
-    return float(v) if isinstance(v, str) else v
+def _typed(m: Migration, key: str, kind: type) -> Any:
+    """The flag's value as `kind` (int, float or str); ConfigError naming the flag otherwise."""
+    value = m.take(key)
+    try:
+        return kind(value) if kind is not int else int(str(value))
+    except (TypeError, ValueError):
+        what = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        raise ConfigError(f"migrate --from slime: --{key} {value!r}: expected {what}") from None
+
+
+def _float(m: Migration, key: str, default: float) -> float:
+    return float(_typed(m, key, float)) if m.has(key) else default
 
 
 def translate(m: Migration) -> None:
@@ -96,7 +109,10 @@ def translate(m: Migration) -> None:
                                  ("expert-model-parallel-size", "parallel.expert", "", int),
                                  ("context-parallel-size", "parallel.context", "", int)):
         if m.has(key):
-            m.carry(key, ours, kind(m.take(key)), how)
+            m.carry(key, ours, _typed(m, key, kind), how)
+    for key in ("adam-beta1", "adam-beta2"):
+        if m.has(key):
+            m.carry(key, f"train.{key.replace('-', '_')}", _typed(m, key, float), "Adam's beta")
     m.said("apply-chat-template", "prompts go through the tokenizer's chat template here, always")
     if m.keys.get("optimizer") in ("adam", "sgd"):
         m.carry("optimizer", "train.optimizer", m.take("optimizer"), "")
@@ -107,7 +123,7 @@ def translate(m: Migration) -> None:
     if m.take("use-dynamic-batch-size", False):
         m.said("use-dynamic-batch-size", "token-budget micro-batches")
         if m.has("max-tokens-per-gpu"):
-            m.carry("max-tokens-per-gpu", "train.max_tokens_per_micro_batch", int(m.take("max-tokens-per-gpu")), "")
+            m.carry("max-tokens-per-gpu", "train.max_tokens_per_micro_batch", _typed(m, "max-tokens-per-gpu", int), "")
     else:
         m.skip("max-tokens-per-gpu", "acts only with --use-dynamic-batch-size")
     _mini_batches(m)
@@ -119,11 +135,11 @@ def translate(m: Migration) -> None:
 
 def _mini_batches(m: Migration) -> None:
     if m.has("num-steps-per-rollout"):
-        m.carry("num-steps-per-rollout", "train.mini_batches", int(m.take("num-steps-per-rollout")), "")
+        m.carry("num-steps-per-rollout", "train.mini_batches", _typed(m, "num-steps-per-rollout", int), "")
         m.skip("global-batch-size", "--num-steps-per-rollout sets the updates per rollout")
     elif m.has("global-batch-size"):
-        total = int(m.keys.get("rollout-batch-size", 0)) * int(m.keys.get("n-samples-per-prompt", 1))
-        gbs = int(m.take("global-batch-size"))
+        total = m.values.get("rollout.prompts_per_step", 0) * m.values.get("rollout.group_size", 1)
+        gbs = _typed(m, "global-batch-size", int)
         if total and gbs and total % gbs == 0:
             m.carry("global-batch-size", "train.mini_batches", total // gbs,
                     "rollout-batch-size x n-samples-per-prompt / global-batch-size")
@@ -149,38 +165,43 @@ def _estimator(m: Migration, est: str) -> str:
         m.also("advantage-estimator", "loss.name", group, "GSPO's sequence ratio" if group == "gspo"
                else "token ratios")
     else:
-        m.carry("advantage-estimator", "loss.advantage_estimator", est, "slime's estimator: whitened (it needs "
-                "--normalize-advantages)")
+        # slime subtracts rpp_baseline's group mean in its reward post-processing, which
+        # --disable-rewards-normalization turns off: the raw reward on every token, whitened, is
+        # our reinforce_plus_plus's return (gamma 1)
+        ours = "reinforce_plus_plus" if est == "reinforce_plus_plus_baseline" and not norm else est
+        m.carry("advantage-estimator", "loss.advantage_estimator", ours, "slime's estimator, whitened" + (
+            " (--disable-rewards-normalization: no group mean, the raw reward on every token)" if ours != est else ""))
         m.also("advantage-estimator", "loss.name", "grpo", "slime's token-ratio loss")
+        if not m.keys.get("normalize-advantages"):
+            m.note(f"slime refuses {est} without --normalize-advantages (arguments.py); the advantages are "
+                   "whitened here")
     m.said("disable-grpo-std-normalization", "the estimator above")
     m.said("disable-rewards-normalization", "the estimator above")
     if m.take("normalize-advantages", False):
         m.carry("normalize-advantages", "loss.whiten_advantages", True, "over the batch's trained tokens, every DP rank")
     if m.has("gamma"):
-        m.estimator_setting("gamma", "gamma", float(m.take("gamma")), "the return-to-go's discount")
+        m.estimator_setting("gamma", "gamma", _float(m, "gamma", 1.0), "the return-to-go's discount")
     return group
 
 
 def _loss(m: Migration, loss: str) -> None:
-    lo = _num(m.take("eps-clip", 0.2))
-    hi = _num(m.take("eps-clip-high", lo))
+    lo = _float(m, "eps-clip", 0.2)
+    hi = _float(m, "eps-clip-high", lo)
     if m.has("eps-clip"):
         m.carry("eps-clip", "loss.eps_low", float(lo), "1 - eps")
-    if m.has("eps-clip-high") or m.has("eps-clip"):
-        m.also("eps-clip-high" if m.has("eps-clip-high") else "eps-clip", "loss.eps_high", float(hi),
-               "1 + eps (--eps-clip when --eps-clip-high is not given)")
-        m.named.add("eps-clip-high")
+    if m.has("eps-clip-high"):
+        m.carry("eps-clip-high", "loss.eps_high", float(hi), "1 + eps")
+    elif m.has("eps-clip"):
+        m.also("eps-clip", "loss.eps_high", float(hi), "1 + eps (--eps-clip when --eps-clip-high is not given)")
     else:
         m.note("--eps-clip is not set: slime's default 0.2 applies there; here the paper's for the loss")
     if m.has("eps-clip-c"):
-        m.carry("eps-clip-c", "loss.dual_clip_c", float(m.take("eps-clip-c")), "dual clip for A < 0")
+        m.carry("eps-clip-c", "loss.dual_clip_c", _float(m, "eps-clip-c", 0.0), "dual clip for A < 0")
     if m.take("calculate-per-token-loss", False):
-        if loss == "gspo":
-            m.skip("calculate-per-token-loss", "GSPO's sequence ratio fixes seq-mean-token-mean (Eq. 5)")
-        else:
-            m.carry("calculate-per-token-loss", "loss.loss_agg_mode", "token-mean", "the mean over the batch's "
-                    "trained tokens")
-    coef = _num(m.take("entropy-coef", 0.0))
+        m.carry("calculate-per-token-loss", "loss.loss_agg_mode", "token-mean", "the mean over the batch's "
+                "trained tokens" + (", each with its sequence's ratio (a sequence weighs by its length)"
+                                    if loss == "gspo" else ""))
+    coef = _float(m, "entropy-coef", 0.0)
     if m.has("entropy-coef"):
         if coef:
             m.skip("entropy-coef", "no entropy bonus here")
@@ -190,17 +211,23 @@ def _loss(m: Migration, loss: str) -> None:
 
 def _kl(m: Migration, est: str) -> None:
     kind = str(m.take("kl-loss-type", "k1"))
+    if kind not in KL_KINDS:
+        raise ConfigError(f"migrate --from slime: --kl-loss-type {kind!r}: expected one of {', '.join(KL_KINDS)}")
     if m.take("use-kl-loss", False):
-        m.carry("kl-loss-coef", "loss.kl_coef", float(m.take("kl-loss-coef", 0.0)), "a KL loss term, per-sample mean")
+        m.carry("kl-loss-coef", "loss.kl_coef", _typed(m, "kl-loss-coef", float) if m.has("kl-loss-coef") else 0.0,
+                "a KL loss term, per-sample mean")
         m.said("use-kl-loss", "loss.kl_coef above")
         m.carry("kl-loss-type", "loss.kl_estimator", KL_KINDS[kind], "slime's compute_approx_kl kind")
     else:
         m.skip("kl-loss-coef", "acts only with --use-kl-loss")
-    coef = _num(m.take("kl-coef", 0.0))
+    coef = _typed(m, "kl-coef", float) if m.has("kl-coef") else 0.0
     if coef and est == "reinforce_plus_plus":
         m.carry("kl-coef", "loss.kl_in_reward_coef", float(coef), "each token's reward gets -kl_coef KL(pi_old || "
                 "pi_ref), then the returns")
-        m.also("kl-coef", "loss.kl_in_reward_estimator", KL_KINDS[kind], "--kl-loss-type")
+        if m.has("kl-loss-type") and "kl-loss-type" not in m.named:
+            m.carry("kl-loss-type", "loss.kl_in_reward_estimator", KL_KINDS[kind], "the KL in the reward's kind")
+        else:
+            m.also("kl-coef", "loss.kl_in_reward_estimator", KL_KINDS[kind], "--kl-loss-type (k1 unless set)")
     elif coef:
         m.skip("kl-coef", f"slime's {est} advantages " + ("subtract each token's own KL (not the sum "
                "verl's and this project's estimators take)" if est == "reinforce_plus_plus_baseline"

@@ -1,7 +1,7 @@
 """verl's trainer config (verl/trainer/config/ppo_trainer.yaml, ppo_megatron_trainer.yaml; the
 nested actor_rollout_ref / algorithm / data keys) in this project's terms, from a YAML file or a
-file of Hydra overrides (`algorithm.adv_estimator=grpo`, one per line, `+` / `++` prefixes and a
-trailing `\\` allowed). Formulas: docs/algorithm.md.
+file of Hydra overrides (`algorithm.adv_estimator=grpo`, one or several per line, `+` / `++`
+prefixes), or a recipe's shell script of them (reading.py). Formulas: docs/algorithm.md.
 
 verl's estimators (core_algos compute_*_outcome_advantage) score a response by the sum of its
 token rewards (the KL in the reward included: ray_trainer.apply_kl_penalty); its policy losses
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -19,8 +20,9 @@ from gspo_megatron.config.parsing import ConfigError
 from gspo_megatron.algorithms.advantage.table import ESTIMATORS as ESTIMATOR_ROWS
 from gspo_megatron.algorithms.registry import LOSSES as LOSS_ROWS
 from gspo_megatron.algorithms.terms import KL_ESTIMATORS
-from gspo_megatron.config.peers.migration import (Migration, carry_lora, flatten, peer_names, read_yaml,
-                                                  resolve_interpolations)
+from gspo_megatron.config.peers.migration import Migration, carry_lora, flatten, peer_names, resolve_interpolations
+from gspo_megatron.config.peers.reading import (SHELL_VARIABLE, Found, last_wins, read_text, shell_lines, substitute,
+                                                yaml_mapping)
 
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
@@ -46,35 +48,59 @@ NO_COUNTERPART = {
 }
 
 
-def _override_lines(text: str) -> dict[str, str]:
-    """`key=value` per line (Hydra overrides): `+` / `++` prefixes, trailing `\\` and comments
-    dropped; a line that is not an override is kept under its own text (and named, not carried)."""
-    out: dict[str, str] = {}
-    for raw in text.splitlines():
-        line = raw.split(" #")[0].strip().rstrip("\\").strip()
-        if not line or line.startswith("#"):
-            continue
-        match = re.match(r"^\+{0,2}([A-Za-z_][\w.]*)=(.*)$", line)
-        if match is None:
-            out[f"(line) {line}"] = "not a key=value override"
-            continue
-        value = match.group(2).strip()
-        try:
-            out[match.group(1)] = yaml.safe_load(value) if value else ""
-        except yaml.YAMLError:
-            out[match.group(1)] = value
-    return out
+OVERRIDE = re.compile(r"^\+{0,2}([A-Za-z_][\w.]*)=(.*)$", re.S)
+
+
+def _value(raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def override_keys(text: str, path: Path) -> tuple[dict[str, Any], list[str]]:
+    """Hydra overrides as verl's users hold them: `key=value` words (`+` / `++` prefixes), one or
+    several per line, or a recipe's shell script around them (`set -x`, `MODEL=...` assignments used
+    as $MODEL, `python3 -m verl.trainer.main_ppo \\`, comments). Returns {key: value} (a repeated
+    key: the last value, as Hydra) and a line for each other word of the file and each earlier value."""
+    found: Found = []
+    lines: list[str] = []
+    variables: dict[str, str] = {}
+    for line, words in shell_lines(text, path, "verl"):
+        if words[0] == "export":
+            words = words[1:]
+        other = []
+        for word in words:
+            match = OVERRIDE.match(word)
+            if match and SHELL_VARIABLE.match(match.group(1)) and not word.startswith("+"):
+                variables[match.group(1)] = substitute(match.group(2), variables)
+                lines.append(f"note         (line {line}) {word}: a shell variable, used where the overrides "
+                             f"say ${match.group(1)}")
+            elif match:
+                found.append((match.group(1), _value(substitute(match.group(2), variables)), line))
+            else:
+                other.append(word)
+        if other:
+            lines.append(f"not carried  (line {line}) {' '.join(other)}: not a key=value override")
+    keys, repeats = last_wins(found, "Hydra")
+    return keys, lines + repeats
+
+
+def _overrides_in(text: str) -> bool:
+    """The text holds Hydra override words (a dotted key and `=`), not YAML."""
+    return re.search(r"(^|\s)\+{0,2}[A-Za-z_]\w*\.[\w.]*=", text, re.M) is not None
 
 
 def read(path: Path) -> Migration:
-    data = read_yaml(path, "verl")
-    if isinstance(data, dict):
-        keys = resolve_interpolations(flatten(data))
-    elif data is None or isinstance(data, str):
-        keys = _override_lines(path.read_text(encoding="utf-8"))
-    else:
-        raise ConfigError(f"migrate --from verl: {str(path)!r} is neither a YAML mapping nor key=value lines")
-    return Migration("verl", str(path), keys, known=dict(NO_COUNTERPART))
+    text = read_text(path, "verl")
+    data = yaml_mapping(text, path, "verl", required=not _overrides_in(text))
+    if data is not None:
+        return Migration("verl", str(path), resolve_interpolations(flatten(data)), known=dict(NO_COUNTERPART))
+    keys, lines = override_keys(text, path)
+    if not keys:
+        raise ConfigError(f"migrate --from verl: {str(path)!r} holds no key=value override (expected verl's YAML, "
+                          "Hydra overrides, or a recipe's shell script of them)")
+    return Migration("verl", str(path), keys, known=dict(NO_COUNTERPART), reader_lines=lines)
 
 
 def _unresolved(m: Migration) -> None:
@@ -147,22 +173,23 @@ def _mini_batches(m: Migration) -> None:
 
 
 def _loss(m: Migration) -> str:
-    mode_key = next((k for k in (f"{A}.policy_loss.loss_mode", f"{A}.loss_mode") if m.has(k)), None)
-    mode = m.take(mode_key) if mode_key else "vanilla"
-    if mode not in LOSSES:
+    mode_key = next((k for k in (f"{A}.policy_loss.loss_mode", f"{A}.loss_mode") if m.has(k)), "")
+    mode = m.take(mode_key) if mode_key else None
+    if mode is not None and mode not in LOSSES:
         m.skip(mode_key, f"verl's {mode!r} loss is not offered (gspo, vanilla = grpo here)")
-        mode = "vanilla"
-    loss = LOSSES[mode]
+        mode = None
+    loss = LOSSES[mode] if mode is not None else "gspo"  # no loss chosen: this project's default
     per_token = m.keys.get("algorithm.use_kl_in_reward") and m.keys.get("algorithm.adv_estimator") == "reinforce_plus_plus"
     if loss == "gspo" and (per_token or (m.keys.get("algorithm.gamma", 1.0) != 1.0
                                          and m.keys.get("algorithm.adv_estimator") == "reinforce_plus_plus")):
         loss = "gspo_token"
-    if mode_key:
+    if mode is not None:
         m.carry(mode_key, "loss.name", loss, "verl's token-form GSPO: GSPO with one advantage per response, "
                 "GSPO-token with one per token" if mode == "gspo" else "PPO's token ratios")
     else:
         m.note("policy_loss.loss_mode is not set: verl's default is vanilla (token ratios, grpo here); "
-               "loss.name here defaults to gspo")
+               "loss.name here defaults to gspo, and the vanilla loss's settings (clip_ratio_c, loss_agg_mode) "
+               "are not carried to it")
     lo = m.take(f"{A}.clip_ratio_low", m.keys.get(f"{A}.clip_ratio"))
     hi = m.take(f"{A}.clip_ratio_high", m.keys.get(f"{A}.clip_ratio"))
     for key, ours, v in ((f"{A}.clip_ratio_low", "loss.eps_low", lo), (f"{A}.clip_ratio_high", "loss.eps_high", hi)):
@@ -175,28 +202,58 @@ def _loss(m: Migration) -> str:
                "the paper's for the loss")
     c = m.take(f"{A}.clip_ratio_c")
     if loss == "grpo":
-        m.carry(f"{A}.clip_ratio_c", "loss.dual_clip_c", float(c if c is not None else 3.0),
+        m.carry(f"{A}.clip_ratio_c", "loss.dual_clip_c", _number(m, f"{A}.clip_ratio_c", 3.0),
                 "verl's vanilla loss always dual-clips negative advantages (3 unless set)")
     elif c is not None:
-        m.skip(f"{A}.clip_ratio_c", "verl's GSPO loss takes no dual clip (compute_policy_loss_gspo)")
+        m.skip(f"{A}.clip_ratio_c", "verl's GSPO loss takes no dual clip (compute_policy_loss_gspo)" if mode else
+               "verl's vanilla loss's dual clip, and this config trains gspo (loss_mode is not set): set "
+               "loss.dual_clip_c to keep one")
     agg = m.take(f"{A}.loss_agg_mode")
     if loss.startswith("gspo"):
         if agg == "seq-mean-token-mean":
             m.said(f"{A}.loss_agg_mode", "GSPO's own aggregation, as here")
         elif agg is not None:
             m.skip(f"{A}.loss_agg_mode", "verl's GSPO loss fixes seq-mean-token-mean whatever this says, as here "
-                                         "(Eq. 5)")
+                                         "(Eq. 5)" if mode else "the vanilla loss's, and this config trains gspo "
+                                         "(loss_mode is not set) with the paper's seq-mean-token-mean (Eq. 5)")
     elif agg is not None:
         m.carry(f"{A}.loss_agg_mode", "loss.loss_agg_mode", agg, "verl's agg_loss mode")
         if agg == "seq-mean-token-sum-norm":
-            norm = m.take(f"{A}.loss_scale_factor") or m.keys.get("data.max_response_length")
-            m.also(f"{A}.loss_agg_mode", "loss.aggregation_args.token_sum_norm", float(norm), "C")
-            m.note(f"seq-mean-token-sum-norm: loss.aggregation_args.token_sum_norm = {norm} (loss_scale_factor, else the response "
-                   "budget); verl's per-micro-batch sum is this times the micro-batch's rows (a constant under Adam)")
+            _token_sum_norm(m)
     else:
         m.note("loss_agg_mode is not set: verl's default is token-mean; here seq-mean-token-mean")
-    m.skip(f"{A}.loss_scale_factor", "acts only with seq-mean-token-sum-norm")
+    if f"{A}.loss_scale_factor" not in m.named:
+        m.skip(f"{A}.loss_scale_factor", "acts only with seq-mean-token-sum-norm")
     return loss
+
+
+def _number(m: Migration, key: str, default: float) -> float:
+    """The key's value as a number (default when absent); ConfigError naming it otherwise."""
+    value = m.keys.get(key, default)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"migrate --from verl: {key}={value!r}: expected a number") from None
+
+
+def _token_sum_norm(m: Migration) -> None:
+    """seq-mean-token-sum-norm's C: verl's loss_scale_factor, else the padded response width
+    (data.max_response_length)."""
+    key = next((k for k in (f"{A}.loss_scale_factor", "data.max_response_length")
+                if isinstance(m.keys.get(k), (int, float)) and not isinstance(m.keys.get(k), bool)), None)
+    if key is None:
+        if m.overridden("loss.aggregation_args.token_sum_norm"):
+            m.note("seq-mean-token-sum-norm: C is the --set loss.aggregation_args.token_sum_norm")
+            return
+        raise ConfigError(f"migrate --from verl: {A}.loss_agg_mode=seq-mean-token-sum-norm divides by "
+                          "loss_scale_factor, else by data.max_response_length, and this file gives neither as a "
+                          "number: add one, or --set loss.aggregation_args.token_sum_norm=C")
+    if key == f"{A}.loss_scale_factor":
+        m.carry(key, "loss.aggregation_args.token_sum_norm", float(m.take(key)), "C")
+    else:
+        m.also(f"{A}.loss_agg_mode", "loss.aggregation_args.token_sum_norm", float(m.keys[key]), f"C = {key}")
+    m.note("seq-mean-token-sum-norm: verl sums each micro-batch's token sums over C with no mean over the "
+           "sequences: its gradient is this one's times the micro-batch's rows (docs/algorithm.md)")
 
 
 def _estimator(m: Migration, loss: str) -> None:
@@ -210,6 +267,10 @@ def _estimator(m: Migration, loss: str) -> None:
                 + (" without the std (norm_adv_by_std_in_grpo: false)" if ours == "dr_grpo" else ""))
         if ours == "grpo":
             m.also("algorithm.adv_estimator", "loss.estimator_args.group_std", "unbiased", "torch.std")
+        if ours == "reinforce_plus_plus":
+            m.note("verl's REINFORCE++ return stops at every untrained position (a multi-turn episode's environment "
+                   "tokens), so an earlier turn gets none of the later rewards; here it sums through them, as "
+                   "ROLL's: the same on single-turn responses (docs/algorithm.md)")
         m.said("algorithm.norm_adv_by_std_in_grpo", "the estimator above")
     else:
         m.skip("algorithm.adv_estimator", f"verl's {est!r} is not offered here (estimators: docs/algorithm.md)")

@@ -104,7 +104,7 @@ class GatedOutputNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # each TP rank normalises its own heads with the replicated weight: its gradients are summed
         # over the TP group where sequence parallelism makes megatron do so (norms.py)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # type: ignore[attr-defined]  # megatron-core reads it; torch's Parameter does not declare it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -115,7 +115,7 @@ class GatedOutputNorm(torch.nn.Module):
 class TEGatedOutputNorm:
     """The DeltaNet's output norm on the TE spec: TE's RMSNorm without zero-centred gamma."""
 
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-6) -> torch.nn.Module:
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-6) -> torch.nn.Module:  # type: ignore[misc]  # a factory, as megatron's ModuleSpec calls it: building one returns the norm
         from megatron.core.extensions.transformer_engine import TENorm
         return TENorm(dataclasses.replace(config, layernorm_zero_centered_gamma=False), hidden_size, eps)
 

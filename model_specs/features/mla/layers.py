@@ -111,8 +111,8 @@ class DuplicatedLinear(MegatronModule):
         if config.perform_initialization:
             with torch.no_grad():
                 config.init_method(self.weight)
-        self.weight.allreduce = True
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.weight.allreduce = True  # type: ignore[attr-defined]  # megatron-core reads it; torch's Parameter does not declare it
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # megatron-core reads it; torch's Parameter does not declare it
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return F.linear(x, self.weight), None  # (output, bias) as megatron's linear layers

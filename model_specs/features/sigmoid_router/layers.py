@@ -43,7 +43,8 @@ class ExpertBiasRouter(TopKRouter):
         if self.enable_expert_bias:
             device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             zeros = torch.zeros(config.num_moe_experts, dtype=torch.float32, device=device)
-            del self.local_tokens_per_expert, self.expert_bias  # plain attributes (None) so far
+            for plain in ("local_tokens_per_expert", "expert_bias"):  # plain attributes (None) so far
+                delattr(self, plain)
             self.register_buffer("local_tokens_per_expert", zeros.clone(), persistent=False)
             self.expert_bias = torch.nn.Parameter(zeros, requires_grad=False)
 

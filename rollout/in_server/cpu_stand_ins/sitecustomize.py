@@ -37,6 +37,8 @@ import importlib.machinery
 import multiprocessing
 import os
 import sys
+import types
+from typing import Any, Callable
 
 
 
@@ -131,7 +133,8 @@ def _lora_token_slots_in_torch(module):
     module._compute_token_lora_mapping = token_lora_mapping
 
 
-PATCHES = {
+# module -> the attributes to set on it once imported, or a function that patches it
+PATCHES: dict[str, dict[str, Any] | Callable[[types.ModuleType], None]] = {
     "sglang.kernels.ops.elementwise.elementwise": {
         "fused_gate_sigmoid_mul": fused_gate_sigmoid_mul,
         "fused_gate_sigmoid_mul_add": fused_gate_sigmoid_mul_add},

@@ -26,8 +26,8 @@ stays charged to its cgroup after the run, and a removed cgroup lives on, pinned
 pages are evicted (87 -> 118 cgroups after 30 runs that each read a cold file; at the kernel's
 65,535 no cgroup can be made), while the pages tell a later run what this one read (a channel
 between runs: interpreter_files.py). v1: memory.force_empty; v2: memory.reclaim (5.19+), else
-memory.max 0; only where its memory.stat counts file pages (~1 ms; the honest run's files are the
-worker's, cached before). Standard library only.
+memory.max 0; always, since what reclaim frees besides pages (negative dentries) is a channel
+too (~1 ms; the honest run's files are the worker's, cached before). Standard library only.
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ _NAMES = itertools.count()
 CPU_PERIOD_US = 100_000
 REMOVE_WAIT_S = 2.0
 """How long remove() waits for the run's processes to be gone (a PID namespace dies asynchronously)."""
+EMPTY_WAIT_S = 0.5
+"""How long release() tries again to evict the pages a run's cgroup still holds (_empty_memory)."""
 
 
 def _write(path: Path, value: str) -> None:
@@ -172,25 +174,45 @@ def _memory_stat(d: Path) -> dict[str, int]:
     return {name: int(value) for name, _, value in (line.partition(" ") for line in lines) if value.isdigit()}
 
 
-def _empty_memory(d: Path, version: int) -> None:
-    """Evict the page cache charged to a cgroup whose processes are gone (module docstring); a
-    directory of another controller has no memory.stat and is left as it is. Not while pages are
-    dirty (a file the run wrote outside a tmpfs and nobody removed): reclaim does not write them
-    back but waits on them, 100 ms at a time; the cgroup is then left pinned until they are."""
+def _cached_file_pages(d: Path, version: int) -> int:
+    """Bytes of files' page cache charged to the cgroup: tmpfs and shared memory left out, which
+    reclaim cannot evict (a run's tmpfs is gone with its mount or its folder)."""
     stat = _memory_stat(d)
-    cached, dirty = (stat.get("cache", 0), stat.get("dirty", 0)) if version == 1 else (
-        stat.get("file", 0), stat.get("file_dirty", 0))
-    if not cached or dirty:
+    return stat.get("cache" if version == 1 else "file", 0) - stat.get("shmem", 0)
+
+
+def _empty_memory(d: Path, version: int) -> None:
+    """Evict what is charged to a cgroup whose processes are gone (module docstring): its page
+    cache and the kernel objects reclaim frees with it (dentries: a lookup of a missing name in a
+    bound host directory leaves a negative one, 100,000 from one run, which would outlive it in
+    the parent cgroup and answer a later run's lookup faster). Always, whatever memory.stat says
+    of file pages (a run that reads nothing still leaves dentries). A directory of another
+    controller has no memory.stat and is left as it is. Not while pages are dirty (a file the run
+    wrote outside a tmpfs and nobody removed): reclaim does not write them back but waits on them,
+    100 ms at a time; the cgroup is then left pinned until they are."""
+    if not (d / "memory.stat").exists():
         return
-    try:
-        if version == 1:
-            _write(d / "memory.force_empty", "0")
-        elif (d / "memory.reclaim").exists():
-            _write(d / "memory.reclaim", str(cached))
-        else:
-            _write(d / "memory.max", "0")
-    except OSError:
-        pass  # EAGAIN: not all of it (a page another process has mapped); the rest pins it a while
+    stat = _memory_stat(d)
+    if stat.get("dirty" if version == 1 else "file_dirty", 0):
+        return
+    # One pass can leave pages it could not take yet: a page still locked by the read-ahead that the
+    # run's last read started (v1's mem_cgroup_force_empty gives up after a few passes without
+    # progress and still answers 0; v2's memory.reclaim answers EAGAIN). On a loaded host those
+    # pages, left in the parent, told a later run what this one read: tried again, a bounded while.
+    deadline = time.monotonic() + EMPTY_WAIT_S
+    while True:
+        try:
+            if version == 1:
+                _write(d / "memory.force_empty", "0")
+            elif (d / "memory.reclaim").exists():
+                _write(d / "memory.reclaim", (d / "memory.current").read_text().strip())
+            else:
+                _write(d / "memory.max", "0")
+        except OSError:
+            pass  # EAGAIN: not all of it yet
+        if not _cached_file_pages(d, version) or time.monotonic() > deadline:
+            return  # past the deadline: a page another process has mapped pins it a while
+        time.sleep(0.005)
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""The reward worker as the subreaper of its sandboxed runs, and the reaping of what it adopts.
+"""The reward worker as the subreaper of its sandboxed runs, the reaping of what it adopts, and how a
+run's first process starts (dying with the worker, in the run's cgroup) and is killed with its group.
 
     with adopting():              # orphans of the run come to this process, not to PID 1
         ...run, kill...
@@ -18,9 +19,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout.rewards.sandbox.cgroup import RunCgroup
 
 PR_SET_CHILD_SUBREAPER = 36
 _lock = threading.Lock()
@@ -113,3 +120,35 @@ def reap(pids: set[int], group: int, until: float) -> set[int]:
         if not left or time.monotonic() >= until:
             return left
         time.sleep(0.002)
+
+
+# --- a run's processes: started tied to the worker and its cgroup, killed as a group --------------
+def die_with_worker() -> None:
+    """In the child before exec: SIGKILL when the reward worker dies (then `unshare --kill-child`
+    takes the whole PID namespace with it)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def in_child(cgroup: RunCgroup | None) -> Callable[[], None]:
+    """What the run's first process does between fork and exec: die with the worker, join the
+    run's cgroup (before anything of the program runs, so nothing it starts is outside it)."""
+    def child() -> None:
+        die_with_worker()
+        if cgroup is not None:
+            cgroup.join()
+    return child
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the run's process group (with namespaces, unshare's death takes its PID namespace)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        try:
+            if stream is not None:
+                stream.close()
+        except OSError:
+            pass
+    proc.wait()

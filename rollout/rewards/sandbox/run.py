@@ -4,12 +4,15 @@
     result = sandbox.run(program_text, stdin=b"3 4\\n", time_limit_s=2.0)
     result.status, result.stdout                     # "ok" | "runtime_error" | "timeout" | "output_limit"
 
-Each run is a fresh process tree; what it isolates depends on the machine (docs/rewards.md has the
-table, and tests/rollout/rewards/test_sandbox.py a test per promise). The adversary is the policy
-being trained: anything a program can reach that tells it the expected output, or that stops the
-run, it will learn to use.
+Each run is a fresh process tree; what it isolates depends on the backend and the machine
+(docs/rewards.md has the threat model per backend, and tests/rollout/rewards/ a test per promise).
+The adversary is the policy being trained: anything a program can reach that tells it the expected
+output, or that stops the run, it will learn to use.
 
-namespaces (auto and namespaces: where user namespaces are allowed)
+gvisor (auto where it runs: root, Debian's runsc): a response's tests in a gVisor sandbox of their
+own, gVisor's kernel and not the host's (gvisor/); `with sandbox.session():` around them.
+
+namespaces (and auto where gVisor does not run, said at start: the kernel is then the host's)
 - fresh user, mount, PID, network, IPC, UTS and cgroup namespaces per run (util-linux `unshare`);
   as root, made as an unprivileged user of the worker's own (users.py, util-linux `setpriv`), so
   the program's "root" is that user outside, and no run shares per-user budgets with another
@@ -23,7 +26,7 @@ namespaces (auto and namespaces: where user namespaces are allowed)
 - no other process visible; when the run ends or is killed, the kernel kills every process of its
   PID namespace (nothing escapes by double-forking or setsid);
 - every capability dropped, no_new_privs, a system-call filter (seccomp.py).
-process (only when isolation: process is set; auto never falls back to it)
+process (only by choice; auto never falls back to it)
 - a process group of its own (killed whole), limits, a private folder (0700) as the working
   directory, as root a user of the reward worker's own (users.py: it cannot signal, trace or read
   the worker, nor enter a concurrent run's folder); Landlock where the kernel has it (reads of the
@@ -44,24 +47,30 @@ not a VM: the kernel is shared, and a kernel exploit is out of its scope.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
+from typing import Iterator
 
 from gspo_errors import GspoError
 from rollout.rewards.sandbox.cgroup import CgroupLayout, RunCgroup
+from rollout.rewards.sandbox.gvisor.sessions import SENTRY_MB, SENTRY_TASKS, GvisorBackend
+from rollout.rewards.sandbox.gvisor.setup import Bundle, GvisorUnavailable, ensure_runsc, worker_folder
 from rollout.rewards.sandbox.interpreter_files import root_plan, warm
 from rollout.rewards.sandbox.process_mode import (FOLDER_PREFIX, landlock_abi, remove_folder, remove_left_behind,
                                                   remove_stale_folders)
-from rollout.rewards.sandbox.reaping import adopted_since, adopting, children_of, reap, start_ticks
+from rollout.rewards.sandbox.reaping import (adopted_since, adopting, children_of, in_child,
+                                              kill_group, reap, start_ticks)
 from rollout.rewards.sandbox.seccomp import SELF_PID, build_filter
+from rollout.rewards.sandbox.start_line import start_line, userns_hint
 from rollout.rewards.sandbox.streams import SET_UP_LIMIT_S, STDERR_TAIL, communicate
 from rollout.rewards.sandbox.users import run_user
 from rollout.rewards.settings import INTERPRETER_START_S, CodeSandboxSettings
@@ -86,9 +95,22 @@ PREFERRED_PYTHON = "/usr/bin/python3"
 """The system's interpreter, preferred: it needs only the system's libraries."""
 
 
+SET_UP_TRIES, SET_UP_BACKOFF_S = 3, 0.05
+"""Starts of one run whose set-up failed (the program never ran, so trying again is safe), the
+first retry after SET_UP_BACKOFF_S, each next one 4 times later: a host budget spent for a moment
+by someone else (the BPF JIT's, which every run's filter takes from) is not a failed response."""
+
+
 class SandboxUnavailable(GspoError, RuntimeError):
     """The sandbox cannot run here as configured (no namespaces where they are required, no
     interpreter the sandbox user can run); the message says why and what to set."""
+
+
+class SandboxFailure(GspoError, RuntimeError):
+    """The sandbox failed to start a run, SET_UP_TRIES times: the machine's failure, not the
+    response's. Scored with status "sandbox" (scoring.py): counted and said, never a reward error."""
+
+    score_status = "sandbox"
 
 
 @dataclasses.dataclass
@@ -100,13 +122,6 @@ class RunResult:
     stderr_tail: bytes
     returncode: int | None
     seconds: float
-
-
-def _set_parent_death_signal() -> None:
-    """In the child before exec: SIGKILL when the reward worker dies (then `unshare --kill-child`
-    takes the whole PID namespace with it)."""
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -124,7 +139,7 @@ class Sandbox:
         self.tag = f"{os.getpid()}-{id(self):x}"
         self.cgroups: CgroupLayout | None = None
         self.root: list[list[str]] = []
-        self._filter: bytes | None = None
+        self.syscall_filter: bytes | None = None
         self.uid: int | None = None
         """The runs' user outside their namespaces (root: this worker's own), None: the worker's."""
         self.whole_system = False
@@ -133,6 +148,11 @@ class Sandbox:
         """Processes of earlier runs still exiting when their run ended: reaped by a later run."""
         self.landlock = 0
         """process mode: the Landlock ABI that confines the runs' files, 0: none."""
+        self.set_up_failures = 0
+        """Runs whose set-up failed and were started again (SET_UP_TRIES)."""
+        self.gvisor: GvisorBackend | None = None
+        self.fallback = ""
+        """auto where gVisor does not run: why (said in the start-up line of the namespaces mode)."""
 
     # --- what this machine allows --------------------------------------------------------------
     def _prefix(self, mode: str) -> list[str]:
@@ -156,9 +176,17 @@ class Sandbox:
         if self.mode is not None:
             return self.note
         wanted = self.settings.isolation
+        if wanted in ("auto", "gvisor"):
+            why = self._probe_gvisor()
+            if why is None:
+                return self.note
+            if wanted == "gvisor":
+                raise SandboxUnavailable(f"rollout.reward_args.isolation='gvisor': {why}; set "
+                                         "rollout.reward_args.isolation: namespaces for the shared kernel's sandbox")
+            self.fallback = why
         mode = "process" if wanted == "process" else "namespaces"
         self.cgroups = CgroupLayout.find()
-        self._filter = build_filter(memory_unbounded=self.cgroups is None, shared_host=mode == "process")
+        self.syscall_filter = build_filter(memory_unbounded=self.cgroups is None, shared_host=mode == "process")
         self.uid = run_user()
         if mode == "process":
             self.landlock = landlock_abi()
@@ -181,40 +209,59 @@ class Sandbox:
             reasons.append(f"{python}: {r.status} {_one_line(r.stderr_tail.decode(errors='replace'))}")
         self.mode = self.python = None
         if mode == "process":
-            raise SandboxUnavailable(f"rollout.code_sandbox.isolation='process': no interpreter runs here: "
+            raise SandboxUnavailable("rollout.reward_args.isolation='process': no interpreter runs here: "
                                      + "; ".join(reasons))
         raise SandboxUnavailable(
-            f"rollout.code_sandbox.isolation={wanted!r}: the sandbox's namespaces cannot be made here "
-            f"({'; '.join(reasons)}){_userns_hint()}; set rollout.code_sandbox.isolation: process to run "
+            f"rollout.reward_args.isolation={wanted!r}: the sandbox's namespaces cannot be made here "
+            f"({'; '.join(reasons)}){userns_hint()}; set rollout.reward_args.isolation: process to run "
             "programs with process isolation only (weaker: no file-system, network or IPC isolation)")
 
+    def _probe_gvisor(self) -> str | None:
+        """Settle the gVisor backend (gvisor/) and run the probe's program in it; None when it
+        runs, else why not (one line)."""
+        if os.geteuid() != 0:
+            return "gVisor's runsc needs a root worker here"
+        try:
+            runsc = ensure_runsc(lambda line: print(f"[gspo] {line}", file=sys.stderr, flush=True))
+        except GvisorUnavailable as e:
+            return str(e)
+        self.cgroups = CgroupLayout.find()
+        self.python = self._candidates()[0]
+        self.root, self.whole_system = root_plan(self.python)
+        warm(self.root)  # read by the Gofer for the Sentry: cached, charged to this worker
+        folder = worker_folder()
+        s = self.settings
+        self.gvisor = GvisorBackend(
+            runsc, Bundle.make(folder / "bundle", self.python, self.root, TMP_MB, SHM_MB), folder / "state",
+            lambda: (self.cgroups.create((s.memory_mb + SENTRY_MB) << 20, 4 * s.max_processes + SENTRY_TASKS)
+                     if self.cgroups is not None else None), in_child,
+            {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", SANDBOX_ENV: self.tag})
+        weakref.finalize(self, self.gvisor.close)  # the spare sandbox, started ahead, with this one
+        self.mode = "gvisor"
+        for _ in range(PROBE_TRIES):
+            r = self._run_once("print(6 * 7)", b"", 10.0)
+            if r.status == "ok" and r.stdout.strip() == b"42":
+                self.note = self._describe()
+                return None
+        self.gvisor.close()
+        self.mode = self.python = self.gvisor = None
+        return f"gVisor's sandbox does not run a program here: {r.status} {_one_line(r.stderr_tail.decode(errors='replace'))}"
+
+    def close(self) -> None:
+        """End what outlives a run: gVisor's spare sandbox, started ahead for the next response (it
+        holds no program; it is also ended with this object, and dies with the worker)."""
+        if self.gvisor is not None:
+            self.gvisor.close()
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """One response's runs (gVisor: in one sandbox of their own; the other modes: each run is)."""
+        self.probe()
+        with self.gvisor.session() if self.gvisor is not None else contextlib.nullcontext():
+            yield
+
     def _describe(self) -> str:
-        if self.cgroups is not None:
-            bounds = self.cgroups.describe()
-        else:
-            bounds = (f"no cgroup here: memory bounded per process, at most {self._processes()} processes, "
-                      "memfd, SysV IPC and unix sockets refused, and the pages a run reads stay cached "
-                      "after it (a later run can time them)")
-        if self._filter is None:
-            bounds += f"; no system-call filter on {os.uname().machine}"
-        user = f"as uid {self.uid}" if self.uid is not None else (
-            "as the worker's user, whose per-user budgets (pipe pages, processes) the runs share with it")
-        if self.mode == "namespaces":
-            files = ("the system's directories whole (the loader listed no libraries)" if self.whole_system
-                     else "the interpreter's files only")
-            return (f"code sandbox: namespaces (a read-only root of {files}, no network, private /tmp, IPC and "
-                    f"hostname, no nested user namespaces, {user}), {bounds}, {self.python}")
-        if self.landlock:
-            files = (f"files confined by Landlock (ABI {self.landlock}: reads of the interpreter's files, "
-                     "writes in its folder)")
-        elif self.uid is not None:
-            files = ("NO file-system isolation (no Landlock in this kernel; what its user leaves in /tmp, "
-                     "/var/tmp and /dev/shm is removed)")
-        else:
-            files = ("NO file-system isolation (no Landlock in this kernel: the user's files, and the /proc "
-                     "files of its processes, the trainer's oom_score_adj among them, open to the runs)")
-        return (f"code sandbox: process isolation only (rollout.code_sandbox.isolation: process): the host's "
-                f"processes visible, sockets refused, {user}, {files}, {bounds}, {self.python}")
+        return start_line(self, FALLBACK_PROCESSES)
 
     # --- one run -------------------------------------------------------------------------------
     def run(self, program: str, stdin: bytes, time_limit_s: float | None = None,
@@ -222,7 +269,15 @@ class Sandbox:
         """The program on one input, within the limits (module docstring), and over by `deadline`
         (time.monotonic()) whatever the limit, set-up included: then its status is "timeout"."""
         self.probe()
-        return self._run_once(program, stdin, time_limit_s or self.settings.time_limit_s, deadline)
+        limit = time_limit_s or self.settings.time_limit_s
+        for attempt in range(SET_UP_TRIES):
+            result = self._run_once(program, stdin, limit, deadline)
+            left = (deadline or math.inf) - time.monotonic()
+            if result.status != "sandbox_error" or attempt == SET_UP_TRIES - 1 or left <= 0:
+                return result
+            self.set_up_failures += 1
+            time.sleep(min(SET_UP_BACKOFF_S * 4 ** attempt, left))
+        return result
 
     def _processes(self) -> int:
         s = self.settings
@@ -241,6 +296,13 @@ class Sandbox:
                   deadline: float | None = None, bounded: bool = True) -> RunResult:
         t0 = time.monotonic()
         hard = min(deadline or math.inf, t0 + SET_UP_LIMIT_S + time_limit_s + INTERPRETER_START_S)
+        if self.gvisor is not None:
+            # gVisor refuses RLIMIT_MSGQUEUE (its POSIX queues are its own, in its memory)
+            limits = {k: v for k, v in self._limits(time_limit_s).items() if k != "RLIMIT_MSGQUEUE"}
+            status, code, out, err = self.gvisor.run(program.encode(errors="surrogatepass"), stdin,
+                                                     time_limit_s + INTERPRETER_START_S, self.settings.max_output_bytes,
+                                                     limits, hard)
+            return RunResult(status, out, err[-STDERR_TAIL:], code, time.monotonic() - t0)
         # the whole run in one cgroup, the sandbox's own unshare process included (+1)
         cgroup = (self.cgroups.create(self.settings.memory_mb << 20, self.settings.max_processes + 1)
                   if self.cgroups is not None and bounded else None)
@@ -250,14 +312,16 @@ class Sandbox:
         status_r, status_w = os.pipe()
         config = {"mode": self.mode, "program_fd": program_fd, "status_fd": status_w, "python": self.python,
                   "limits": self._limits(time_limit_s), "root": self.root, "tmp_mb": TMP_MB, "shm_mb": SHM_MB,
-                  "seccomp": self._filter.hex() if self._filter else None, "self_pid": SELF_PID,
+                  "seccomp": self.syscall_filter.hex() if self.syscall_filter else None, "self_pid": SELF_PID,
                   "uid": self.uid, "landlock": self.landlock}
+        if self.mode is None or self.python is None:
+            raise RuntimeError("the sandbox is closed (or was never set up): no mode, no interpreter")
         argv = self._prefix(self.mode) + [self.python, "-I", "-S", "-c", INIT_SOURCE, json.dumps(config)]
         with adopting():  # what the run's kill orphans comes to this process, which reaps it
             try:
                 proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         pass_fds=(program_fd, status_w), start_new_session=True,
-                                        preexec_fn=_in_child(cgroup),
+                                        preexec_fn=in_child(cgroup),
                                         env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", SANDBOX_ENV: self.tag})
             except BaseException:
                 os.close(status_r)
@@ -293,7 +357,7 @@ class Sandbox:
         seen = set(self._unreaped)
         if cgroup is None and proc.poll() is None:
             seen.update(children_of(proc.pid))  # namespaces: its first process, which no cgroup lists
-        _kill_group(proc)
+        kill_group(proc)
         if cgroup is not None:
             seen |= cgroup.kill()  # and with it whatever escaped the process group (process mode)
             if cgroup.lingering():  # zombies it lists no more: left to this process outside its group
@@ -312,36 +376,3 @@ class Sandbox:
             remove_folder(folder, until)
         if self.uid is not None and not self.landlock:
             remove_left_behind(self.uid, until, keep=folder)
-
-
-def _in_child(cgroup: RunCgroup | None):
-    """What the run's first process does between fork and exec: die with the worker, join the
-    run's cgroup (before anything of the program runs, so nothing it starts is outside it)."""
-    def child() -> None:
-        _set_parent_death_signal()
-        if cgroup is not None:
-            cgroup.join()
-    return child
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the run's process group (with namespaces, unshare's death takes its PID namespace)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        try:
-            if stream is not None:
-                stream.close()
-        except OSError:
-            pass
-    proc.wait()
-
-
-def _userns_hint() -> str:
-    try:
-        n = int(Path("/proc/sys/user/max_user_namespaces").read_text())
-    except (OSError, ValueError):
-        return ""
-    return " (user namespaces are disabled on this machine: /proc/sys/user/max_user_namespaces = 0)" if n == 0 else ""

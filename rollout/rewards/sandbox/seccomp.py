@@ -59,9 +59,16 @@ import struct
 NR, ARCH = 0, 4
 ARGS = tuple(16 + 8 * i for i in range(6))
 """Offsets of the low 32 bits of each argument (little-endian machines only)."""
-BPF_LD_W_ABS, BPF_JEQ_K, BPF_JSET_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x45, 0x35, 0x06
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JSET_K, BPF_JGE_K, BPF_RET_K, BPF_JA = 0x20, 0x15, 0x45, 0x35, 0x06, 0x05
 RET_ALLOW, RET_ERRNO, RET_KILL_PROCESS = 0x7FFF0000, 0x00050000, 0x80000000
-CLONE_NEWUSER = 0x10000000
+CLONE_NEWUSER, CLONE_PIDFD = 0x10000000, 0x1000
+MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20
+"""MAP_SHARED's bit is set in MAP_SHARED_VALIDATE (3) too, never in MAP_PRIVATE (2)."""
+SOL_SOCKET = 1
+SO_ATTACH_FILTER, SO_ATTACH_BPF, SO_ATTACH_REUSEPORT_CBPF, SO_ATTACH_REUSEPORT_EBPF = 26, 50, 51, 52
+SO_COOKIE, SO_PASSPIDFD, SO_PEERPIDFD = 57, 76, 77
+PR_SET_SECCOMP = 22
+F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW = 5, 6, 7, 36, 37, 38
 AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
 PRIO_PROCESS, PRIO_PGRP = 0, 1
 IOPRIO_WHO_PROCESS, IOPRIO_WHO_PGRP = 1, 2
@@ -91,6 +98,8 @@ SYSCALLS = {
         "mincore": 27, "preadv2": 327, "pwritev2": 328, "prlimit64": 302, "setpriority": 141,
         "sched_setparam": 142, "sched_setscheduler": 144, "sched_setaffinity": 203, "sched_setattr": 314,
         "ioprio_set": 251, "migrate_pages": 256, "move_pages": 279, "fcntl": 72, "ioctl": 16,
+        "mmap": 9, "getsockopt": 55, "setsockopt": 54, "seccomp": 317, "prctl": 157, "sysinfo": 99,
+        "flock": 73, "name_to_handle_at": 303, "open_by_handle_at": 304,
     },
     "aarch64": _SAME_ON_BOTH | {
         "memfd_create": 279, "shmget": 194, "shmat": 196, "shmctl": 195, "shmdt": 197, "msgget": 186,
@@ -105,10 +114,15 @@ SYSCALLS = {
         "mincore": 232, "preadv2": 286, "pwritev2": 287, "prlimit64": 261, "setpriority": 140,
         "sched_setparam": 118, "sched_setscheduler": 119, "sched_setaffinity": 122, "sched_setattr": 274,
         "ioprio_set": 30, "migrate_pages": 238, "move_pages": 239, "fcntl": 25, "ioctl": 29,
+        "mmap": 222, "getsockopt": 209, "setsockopt": 208, "seccomp": 277, "prctl": 167, "sysinfo": 179,
+        "flock": 32, "name_to_handle_at": 264, "open_by_handle_at": 265,
     },
 }
 
 NO_USER_NAMESPACES = ("unshare", "setns")
+HOST_COUNTERS = ("memfd_create", "shmget", "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "name_to_handle_at",
+                 "open_by_handle_at", "seccomp", "sysinfo")
+"""Refused in every mode: what reads or moves a number the whole host shares (module docstring)."""
 KERNEL_SURFACE = ("keyctl", "add_key", "request_key", "io_uring_setup", "io_uring_enter",
                   "io_uring_register", "bpf", "perf_event_open", "userfaultfd", "io_setup", "io_destroy",
                   "io_submit", "io_cancel", "io_getevents", "io_pgetevents", "inotify_init",
@@ -160,6 +174,46 @@ def _by_value(nr: int, arg: int, answers: dict[int, int], otherwise: int) -> lis
     return [_op(BPF_JEQ_K, nr, 0, len(body))] + body
 
 
+def _refuse_when(nr: int, conditions: list[tuple[int, str, tuple[int, ...]]], answer: int) -> list[bytes]:
+    """`nr` answered `answer` (a RET_*) when every condition holds, else on to the next rule. A
+    condition is (argument, "in", values): its low 32 bits are one of the values; or (argument,
+    "set", (bit,)): that bit of it is set."""
+    # a failed condition jumps to `reload` (NR back in the accumulator, the answer jumped over),
+    # each passed one to the next condition, the last to the answer
+    starts, n = [], 0
+    for _, how, values in conditions:
+        starts.append(n)
+        n += 1 + (len(values) if how == "in" else 1)
+    reload, at_answer = n, n + 2
+    ops: list[bytes] = []
+    for c, (arg, how, values) in enumerate(conditions):
+        passed = starts[c + 1] if c + 1 < len(conditions) else at_answer
+        ops.append(_op(BPF_LD_W_ABS, ARGS[arg]))
+        checks = values if how == "in" else values[:1]
+        for j, value in enumerate(checks):
+            i, last = len(ops), j == len(checks) - 1
+            ops.append(_op(BPF_JEQ_K if how == "in" else BPF_JSET_K, value, passed - i - 1,
+                           reload - i - 1 if last else 0))
+    ops += [_op(BPF_LD_W_ABS, NR), _op(BPF_JA, 1), _op(BPF_RET_K, answer)]
+    return [_op(BPF_JEQ_K, nr, 0, len(ops))] + ops
+
+
+def _host_counter_rules(nr: dict[str, int]) -> list[bytes]:
+    """What a run could read or move of the host's shared numbers and budgets through an argument
+    (module docstring): shared anonymous mappings, socket cookies and pidfds, socket filters and
+    the program's own seccomp filters (the BPF JIT budget), locks."""
+    eperm, enolck = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.ENOLCK
+    ops = _refuse_when(nr["mmap"], [(3, "set", (MAP_ANONYMOUS,)), (3, "set", (MAP_SHARED,))], eperm)
+    ops += _refuse_when(nr["getsockopt"], [(1, "in", (SOL_SOCKET,)), (2, "in", (SO_COOKIE, SO_PEERPIDFD))], eperm)
+    ops += _refuse_when(nr["setsockopt"], [(1, "in", (SOL_SOCKET,)), (2, "in", (
+        SO_ATTACH_FILTER, SO_ATTACH_BPF, SO_ATTACH_REUSEPORT_CBPF, SO_ATTACH_REUSEPORT_EBPF, SO_PASSPIDFD))], eperm)
+    ops += _refuse_when(nr["prctl"], [(0, "in", (PR_SET_SECCOMP,))], eperm)
+    ops += _refuse_when(nr["fcntl"], [(1, "in", (F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK,
+                                                 F_OFD_SETLKW))], enolck)
+    ops += _deny(nr["flock"], errno.ENOLCK)
+    return ops
+
+
 def _socket_rules(nr: dict[str, int], *, memory_unbounded: bool, shared_host: bool) -> list[bytes]:
     """socket() and socketpair() by family (module docstring)."""
     refused, other = RET_ERRNO | errno.EPERM, RET_ERRNO | errno.EAFNOSUPPORT
@@ -203,7 +257,7 @@ def build_filter(*, memory_unbounded: bool, shared_host: bool, self_pid: int = S
            _op(BPF_RET_K, RET_KILL_PROCESS), _op(BPF_LD_W_ABS, NR)]
     if arch == "x86_64":  # the x32 ABI reaches the same calls under other numbers
         ops += [_op(BPF_JGE_K, X32_SYSCALL_BIT, 0, 1), _op(BPF_RET_K, RET_ERRNO | errno.ENOSYS)]
-    denied = list(NO_USER_NAMESPACES) + list(KERNEL_SURFACE)
+    denied = list(NO_USER_NAMESPACES) + list(KERNEL_SURFACE) + list(HOST_COUNTERS)
     if memory_unbounded:
         denied += UNBOUNDED_MEMORY
     if shared_host:
@@ -217,8 +271,10 @@ def build_filter(*, memory_unbounded: bool, shared_host: bool, self_pid: int = S
     for name in ("preadv2", "pwritev2"):  # flags, the sixth argument: none (RWF_NOWAIT tells what is cached)
         ops += _only_if(nr[name], [(5, [0])], errno.EOPNOTSUPP)
     ops += _socket_rules(nr, memory_unbounded=memory_unbounded, shared_host=shared_host)
-    # clone: everything but a new user namespace (threads and forks pass)
-    ops += [_op(BPF_JEQ_K, nr["clone"], 0, 4), _op(BPF_LD_W_ABS, ARGS[0]), _op(BPF_JSET_K, CLONE_NEWUSER, 0, 1),
+    ops += _host_counter_rules(nr)
+    # clone: everything but a new user namespace or a pidfd (threads and forks pass)
+    ops += [_op(BPF_JEQ_K, nr["clone"], 0, 4), _op(BPF_LD_W_ABS, ARGS[0]),
+            _op(BPF_JSET_K, CLONE_NEWUSER | CLONE_PIDFD, 0, 1),
             _op(BPF_RET_K, RET_ERRNO | errno.EPERM), _op(BPF_RET_K, RET_ALLOW)]
     if shared_host:
         ops += _own_processes_only(nr, self_pid)

@@ -18,15 +18,18 @@ def communicate(proc: subprocess.Popen, stdin: bytes, status_r: int, limit_s: fl
     """Feed stdin, read stdout (up to `cap` bytes) and stderr (tail) until exit, the cap, `limit_s`
     after the set-up said "ok" (SET_UP_LIMIT_S before it), or `hard` (time.monotonic()), whichever
     comes first. Returns (stdout, stderr, the status line, past the cap, timed out)."""
+    if proc.stdin is None or proc.stdout is None or proc.stderr is None:
+        raise ValueError("communicate needs a process started with stdin, stdout and stderr as pipes")
+    proc_in, proc_out, proc_err = proc.stdin, proc.stdout, proc.stderr
     out, err, status = bytearray(), bytearray(), bytearray()
     pending = memoryview(stdin)
-    readers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, status_r: status}
+    readers = {proc_out.fileno(): out, proc_err.fileno(): err, status_r: status}
     for fd in readers:
         os.set_blocking(fd, False)
-    writer = proc.stdin.fileno()
-    os.set_blocking(writer, False)
+    writer: int | None = proc_in.fileno()
+    os.set_blocking(proc_in.fileno(), False)
     if not pending:
-        proc.stdin.close()
+        proc_in.close()
         writer = None
     overflow = timed_out = False
     deadline, started = min(time.monotonic() + SET_UP_LIMIT_S, hard), False
@@ -39,13 +42,13 @@ def communicate(proc: subprocess.Popen, stdin: bytes, status_r: int, limit_s: fl
             timed_out = True
             break
         r, w, _ = select.select(list(readers), [writer] if writer is not None else [], [], left)
-        if w:
+        if w and writer is not None:
             try:
                 pending = pending[os.write(writer, pending[:65536]):]
             except (BrokenPipeError, BlockingIOError):
                 pending = pending[len(pending):]
             if not pending:
-                proc.stdin.close()
+                proc_in.close()
                 writer = None
         for fd in r:
             chunk = os.read(fd, 1 << 16)
@@ -54,9 +57,9 @@ def communicate(proc: subprocess.Popen, stdin: bytes, status_r: int, limit_s: fl
                 continue
             buf = readers[fd]
             buf += chunk
-            if fd == proc.stderr.fileno() and len(buf) > 4 * STDERR_TAIL:
+            if fd == proc_err.fileno() and len(buf) > 4 * STDERR_TAIL:
                 del buf[:-STDERR_TAIL]
-            if fd == proc.stdout.fileno() and len(buf) > cap:
+            if fd == proc_out.fileno() and len(buf) > cap:
                 overflow = True
         if overflow:
             break

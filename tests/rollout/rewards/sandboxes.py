@@ -2,6 +2,8 @@
 cannot make one), and the processes a run left behind."""
 from __future__ import annotations
 
+from typing import Literal
+
 import psutil
 import pytest
 
@@ -9,7 +11,7 @@ from rollout.rewards.sandbox.run import SANDBOX_ENV, Sandbox, SandboxUnavailable
 from rollout.rewards.settings import CodeSandboxSettings
 
 
-def probed_sandbox(isolation: str, **kw) -> Sandbox:
+def probed_sandbox(isolation: Literal["auto", "namespaces", "process"], **kw) -> Sandbox:
     sandbox = Sandbox(CodeSandboxSettings(isolation=isolation, **kw))
     try:
         sandbox.probe()

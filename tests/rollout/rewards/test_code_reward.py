@@ -87,7 +87,9 @@ def test_integers_and_strings_compare_exactly():
 
 @pytest.fixture(scope="module")
 def code() -> CodeReward:
-    return CodeReward(CodeSandboxSettings(time_limit_s=2.0, max_output_bytes=1 << 20))
+    reward = CodeReward(CodeSandboxSettings(time_limit_s=2.0, max_output_bytes=1 << 20))
+    reward.sandbox.probe()  # as a reward worker does before its first call (warm)
+    return reward
 
 
 @pytest.mark.slow
@@ -147,6 +149,7 @@ def test_hostile_programs_score_zero_within_the_limit_and_leave_nothing(code, tm
     with pytest.raises(socket.timeout):
         listener.accept()
     assert not outside.exists()
+    code.sandbox.close()  # gVisor's spare sandbox, started ahead for a next response, holds no program
     left = [p for p in psutil.process_iter() if _tagged(p, code.sandbox.tag)]
     assert left == []
 
@@ -327,6 +330,26 @@ def test_a_lone_surrogate_in_the_program_fails_the_test(code):
     # (UnicodeEncodeError, a reward error); now Python refuses its bytes, as any syntax error
     record = {"answer": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
     assert code.score(record, "```python\nprint(3)  # \udced\n```") == 0.0
+
+
+def test_a_large_output_of_small_tokens_is_compared_in_bounded_memory():
+    # 4 MiB of two-character tokens, split whole, were 1.4 million strings: 84 MiB more in the
+    # worker while compared; a call's result of small numbers parsed whole, a million objects
+    import tracemalloc
+    from rollout.rewards.code_reward import output_passes
+    tokens = "12 " * ((4 << 20) // 3)
+    result = "@@gspo-call-result@@\n[" + "1000, " * ((4 << 20) // 6) + "1]\n"
+    tracemalloc.start()
+    try:
+        assert not output_passes(tokens, "3\n", call=False)
+        assert not output_passes(tokens, " ".join(["12"] * 100) + "\n", call=False)
+        assert not output_passes(result, [1000, 1000], call=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+    assert output_passes("12 " * 1000, ("12 " * 1000).strip(), call=False)
+    assert output_passes("@@gspo-call-result@@\n" + str([1000] * 1000) + "\n", [1000] * 1000, call=True)
 
 
 def test_a_long_run_of_backticks_is_scanned_in_linear_time():

@@ -185,13 +185,35 @@ def test_process_mode_says_what_it_does_not_isolate(proc):
     assert not Path(folder).exists()  # its folder is removed after the run
 
 
+def _no_gvisor(monkeypatch) -> None:
+    """gVisor out of reach, as on a machine without root or apt-get (where ensure_runsc says so)."""
+    from rollout.rewards.sandbox import run as sandbox_run
+    from rollout.rewards.sandbox.gvisor.setup import GvisorUnavailable
+
+    def unavailable(log):
+        raise GvisorUnavailable("no runsc here (Debian's `runsc` package: apt-get install runsc, as root)")
+    monkeypatch.setattr(sandbox_run, "ensure_runsc", unavailable)
+
+
+def test_auto_without_gvisor_is_the_namespaces_mode_and_says_what_that_leaves_open(monkeypatch):
+    _no_gvisor(monkeypatch)
+    sandbox = Sandbox(CodeSandboxSettings(isolation="auto"))
+    note = sandbox.probe()
+    assert sandbox.mode == "namespaces" and "\n" not in note
+    assert "gVisor does not run here (no runsc here" in note and "the kernel is the host's" in note
+    with pytest.raises(SandboxUnavailable, match=r"^rollout.reward_args.isolation='gvisor': no runsc here"):
+        Sandbox(CodeSandboxSettings(isolation="gvisor")).probe()
+
+
 def test_auto_never_falls_back_to_process_mode(monkeypatch):
-    # where namespaces cannot be made, auto refuses in one line naming the weaker choice
+    # where namespaces cannot be made (and gVisor does not run), auto refuses in one line naming
+    # the weaker choice
+    _no_gvisor(monkeypatch)
     monkeypatch.setattr(Sandbox, "_prefix", lambda self, mode: ["false"] if mode == "namespaces" else [])
     sandbox = Sandbox(CodeSandboxSettings(isolation="auto"))
     with pytest.raises(SandboxUnavailable) as e:
         sandbox.probe()
-    assert "rollout.code_sandbox.isolation: process" in str(e.value) and "weaker" in str(e.value)
+    assert "rollout.reward_args.isolation: process" in str(e.value) and "weaker" in str(e.value)
     assert "\n" not in str(e.value) and sandbox.mode is None
 
 

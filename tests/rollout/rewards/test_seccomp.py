@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.rewards.sandbox.seccomp import AUDIT_ARCH, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K, build_filter, machine
+from rollout.rewards.sandbox.seccomp import (AUDIT_ARCH, BPF_JA, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K,
+                                            build_filter, machine)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -21,9 +22,11 @@ def test_every_jump_lands_inside_the_filter(arch, memory_unbounded, shared_host)
     program = build_filter(memory_unbounded=memory_unbounded, shared_host=shared_host, self_pid=1234, arch=arch)
     ops = [struct.unpack_from("=HBBI", program, i) for i in range(0, len(program), 8)]
     assert len(program) % 8 == 0 and len(ops) < 4096 and ops[-1][0] == BPF_RET_K
-    for i, (code, jt, jf, _) in enumerate(ops):
+    for i, (code, jt, jf, k) in enumerate(ops):
         if code in (BPF_JEQ_K, BPF_JSET_K, BPF_JGE_K):
             assert i + 1 + max(jt, jf) < len(ops), (i, jt, jf)
+        if code == BPF_JA:
+            assert i + 1 + k < len(ops), (i, k)
 
 
 @pytest.mark.skipif(machine() is None, reason="no filter for this architecture")

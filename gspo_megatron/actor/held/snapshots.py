@@ -73,13 +73,17 @@ def old_log_probs_per_version(forward_only, batch, versions: list[int], live: in
     """pi_old per token from the weights of the version that generated it: one forward-only pass
     (`forward_only(part)`) per version in `versions` (the same list on every rank: every pass is
     collective), with the kept weights of that version swapped in (`weights_of(v)`, a context; the
-    live version runs as it is); each pass's metrics over its own tokens, combined weighted by
-    their counts."""
+    live version runs as it is) and, with routing replay, the routes that version's forward passes
+    recorded; each pass's metrics over its own tokens, combined weighted by their counts (the
+    routing comparisons by their compared sets; per layer, the last pass's)."""
     import dataclasses
+
+    from gspo_megatron.actor.held.versioned_routes import routes_of_version
     out, parts = None, []
     for v in versions:
         mine = batch.loss_mask & (batch.weight_versions == v)
-        part = dataclasses.replace(batch, loss_mask=mine)
+        # routing replay: only the routes v's own passes computed (versioned_routes.py)
+        part = dataclasses.replace(batch, loss_mask=mine, routed_experts=routes_of_version(batch, v))
         with contextlib.nullcontext() if v == live else weights_of(v):
             lp, m = forward_only(part)
         parts.append(m)
@@ -93,4 +97,9 @@ def old_log_probs_per_version(forward_only, batch, versions: list[int], live: in
             metrics[key] = sum(p[key] * k for p, k in zip(parts, n)) / total
     metrics["tokens"] = sum(n)
     metrics["versions"] = float(len(versions))
+    for key in [k for k in metrics if k.startswith("routing_") and k.endswith("_mismatch")]:
+        sets = [p.get(key + "_sets", 0.0) for p in parts]  # each pass's compared sets: over all
+        if all(key in p for p in parts) and sum(sets):
+            metrics[key] = sum(p[key] * k for p, k in zip(parts, sets)) / sum(sets)
+            metrics[key + "_sets"] = sum(sets)
     return out, metrics
