@@ -22,13 +22,14 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 BF16_TOL = 0.1  # nats: two bf16 implementations of one model (tools/gpu_check.py BF16_TOL)
-PLANNED = [("Qwen3-30B-A3B", "TP1xPP1xEP8 (8 GPUs)", dict(expert=8), 8),
+PLANNED: list[tuple[str, str, dict[str, Any], int]] = [("Qwen3-30B-A3B", "TP1xPP1xEP8 (8 GPUs)", dict(expert=8), 8),
            ("Qwen3-235B-A22B", "TP4xPP2xEP8 (32 GPUs)", dict(tensor=4, pipeline=2, expert=8, expert_tensor=1), 32)]
 
 
@@ -73,7 +74,7 @@ def _trainer_log_probs(actor, tokens: list[int], n_prompt: int):
 def _held(actor) -> int:
     """The fuller rank's gradient buffers and optimizer state (bytes; a collective)."""
     import torch
-    held = [None] * torch.distributed.get_world_size()
+    held = [0] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(held, _held_bytes(actor))
     return max(held)
 
@@ -93,8 +94,8 @@ def _body_full(rank, world, ckpt, url, lr, steps):
     with Actor(hf, ParallelLayout(expert=2), micro_batch_size=2, params_dtype=torch.bfloat16,
                optimizer=OptimizerSettings(lr=lr, clip_grad=0.0)) as actor:
         actor.load_weights(ckpt)
-        sync = WeightSync(actor.chunks, hf, TensorTransport(pool) if rank == 0 else None, pool, delta=True)
-        out = {"full": [sync.sync(version="full")]}
+        sync = WeightSync(actor.chunks, hf, TensorTransport(pool) if pool is not None else None, pool, delta=True)
+        out: dict[str, Any] = {"full": [sync.sync(version="full")]}
         reports = []
         for i in range(steps):
             _step(actor, seed=i + 1)
@@ -130,16 +131,19 @@ def _body_lora(rank, world, ckpt, url, rank_r, lr, steps):
         for i in range(steps):
             _step(actor, seed=i + 1)
             reports.append(sync.sync(version=f"adapters-{i + 1}"))
+        adapters = actor.full_adapter_state_dict()
+        if adapters is None:
+            raise RuntimeError("full_adapter_state_dict(to_all_ranks=True) gave this rank nothing")
         out = {"adapters, per_expert": reports, "held": _held(actor),
-               "adapter_params": sum(v.numel() for v in actor.full_adapter_state_dict().values())}
+               "adapter_params": sum(v.numel() for v in adapters.values())}
         prompt = [5, 77, 301, 12, 9]
-        got = [None]
-        if rank == 0:
+        got: list[Any] = [None]
+        if pool is not None:  # rank 0
             gen = pool.generate(prompt, {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True})
             got = [(gen.output_ids, gen.logprobs)]
         torch.distributed.broadcast_object_list(got, src=0)
         mine = _trainer_log_probs(actor, prompt + got[0][0], len(prompt))
-        diffs = [None] * world
+        diffs: list[float | None] = [None] * world
         torch.distributed.all_gather_object(
             diffs, None if mine is None else float((mine - torch.tensor(got[0][1])).abs().max()))
         out["served_diff"] = max(d for d in diffs if d is not None)

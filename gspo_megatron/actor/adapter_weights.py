@@ -12,6 +12,8 @@ object collective of weights.py serves them at any model size.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -74,15 +76,15 @@ def full_adapter_state_dict(chunks: list[torch.nn.Module], *, grads: bool = Fals
         if _owns(param):
             mine[name] = full.cpu()
     world = dist.get_world_size()
-    pieces: list | None = [None] * world if to_all_ranks or dist.get_rank() == 0 else None
+    pieces: list[Any] = [None] * world
     if to_all_ranks:
         dist.all_gather_object(pieces, mine)
     else:
-        dist.gather_object(mine, pieces, dst=0)
+        dist.gather_object(mine, pieces if dist.get_rank() == 0 else None, dst=0)
         if dist.get_rank() != 0:
             return None
     out: dict[str, torch.Tensor] = {}
-    for piece in pieces or []:
+    for piece in pieces:
         for name, tensor in piece.items():
             if name in out:
                 raise RuntimeError(f"adapter {name} came from two ranks: ambiguous global naming")

@@ -14,6 +14,9 @@ from gspo_megatron.checkpoint.lora_checkpoint import (base_reference, load_adapt
                                                save_adapters_and_optimizer)
 from gspo_megatron.checkpoint.model_io import load_model, load_model_and_optimizer, save_model_and_optimizer
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+
 
 class WeightIO:
     """The Actor's weights and checkpoints (module docstring)."""
@@ -23,11 +26,17 @@ class WeightIO:
 
     if TYPE_CHECKING:  # the Actor's (actor.py)
         from gspo_megatron.lora.lora_settings import LoraSettings
-        chunks: list[torch.nn.Module]
-        models: list[torch.nn.Module]
         optimizer: Any
         scheduler: Any
         lora: LoraSettings
+
+    @property
+    def chunks(self) -> list[DistributedDataParallel]:
+        raise NotImplementedError
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        raise NotImplementedError
 
     def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
         """All parameters as one-process (TP1/PP1/EP1) megatron tensors; see weights.py."""

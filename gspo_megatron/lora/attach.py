@@ -74,7 +74,7 @@ def _normed_input(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear_hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-    adapter = module._modules[ADAPTER]
+    adapter: LinearLora = getattr(module, ADAPTER)
     if not adapter.enabled:
         return output
     x = args[0] if args else next(iter(kwargs.values()))
@@ -108,12 +108,12 @@ def _grouped_hook(lora: ExpertLora, which: str, module: torch.nn.Module, args: t
 def _replicated(param: torch.nn.Parameter, sequence_parallel: bool) -> None:
     tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     if sequence_parallel:  # each TP rank saw its own tokens: summed over TP by finalize_model_grads
-        param.sequence_parallel = True
+        setattr(param, "sequence_parallel", True)   # megatron-core's attribute on a Parameter
 
 
 def _attach_linear(module: torch.nn.Module, kind: str, global_name: str, settings: LoraSettings,
                    seed: int) -> None:
-    weight = module.weight
+    weight: torch.Tensor = getattr(module, "weight")
     if getattr(module, "explicit_expert_comm", False):
         raise LoraError(f"lora.targets: {global_name} skips its tensor-parallel communication "
                         "(shared experts overlapped with the dispatcher, moe_shared_expert_overlap): "
@@ -148,7 +148,7 @@ def _attach_experts(experts: torch.nn.Module, mlp: torch.nn.Module, global_prefi
                         "expert tensor parallelism 1 (each rank would hold a slice of every expert's "
                         "fc1 rows and fc2 columns); set parallel.expert_tensor=1 or lora.experts=none")
     targets = settings.expert_targets()
-    local = list(mlp.local_expert_indices)
+    local = list(getattr(mlp, "local_expert_indices"))
     gated = bool(config.gated_linear_unit)
     ffn = int(config.moe_ffn_hidden_size)
     ref = next(p for n, p in experts.named_parameters() if "linear_fc1" in n)
@@ -169,10 +169,10 @@ def _attach_experts(experts: torch.nn.Module, mlp: torch.nn.Module, global_prefi
         # per expert: reduced over the expert data-parallel group, as the experts' own weights;
         # shared by every expert of the layer: over the dense one (and TP: each TP rank routed
         # its own tokens), whichever EP rank holds the experts that used it
-        param.allreduce = lora.shared(name)
-        param.expert_stacked = not lora.shared(name)  # dim 0: the local experts (joined over EP)
+        setattr(param, "allreduce", lora.shared(name))
+        setattr(param, "expert_stacked", not lora.shared(name))  # dim 0: the local experts (joined over EP)
         if lora.shared(name) and ps.get_tensor_model_parallel_world_size() > 1:
-            param.sequence_parallel = True
+            setattr(param, "sequence_parallel", True)
     experts.add_module(ADAPTER, lora)
     from megatron.core.transformer.moe.experts import SequentialMLP
     for which in ("fc1", "fc2"):
@@ -209,7 +209,7 @@ def attach_lora(model: torch.nn.Module, settings: LoraSettings, *, seed: int) ->
             attached.append(f"{prefix}.{local_name}")
         mlp = getattr(layer, "mlp", None)
         experts = getattr(mlp, "experts", None)
-        if experts is not None and settings.expert_targets():
+        if mlp is not None and experts is not None and settings.expert_targets():
             _attach_experts(experts, mlp, f"{prefix}.mlp.experts", settings, config, seed)
             attached.append(f"{prefix}.mlp.experts")
     layers = getattr(getattr(model, "decoder", None), "layers", [])
@@ -228,7 +228,7 @@ def named_adapters(model: torch.nn.Module) -> Iterator[tuple[str, str, torch.nn.
             continue
         m = _LAYER.match(local)
         name = local if m is None else \
-            f"decoder.layers.{model.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
+            f"decoder.layers.{getattr(model, 'decoder').layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
         yield local, name, param
 
 

@@ -62,11 +62,11 @@ def _adapted_weights(model: torch.nn.Module) -> list[tuple[torch.Tensor, torch.T
     column-parallel shard [out/tp, in] gets B's rows times the whole A, a row-parallel one
     [out, in/tp] the whole B times A's columns; expert i of a layer its own B and A."""
     from gspo_megatron.lora.adapters import ExpertLora, LinearLora
-    out = []
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
     for module in model.modules():
         lora = module._modules.get(ADAPTER)
         if isinstance(lora, LinearLora):
-            out.append((module.weight, lora.scale * (lora.b.float() @ lora.a.float())))
+            out.append((getattr(module, "weight"), lora.scale * (lora.b.float() @ lora.a.float())))
         elif isinstance(lora, ExpertLora):
             for which in ("fc1", "fc2"):
                 if not lora.has(which):

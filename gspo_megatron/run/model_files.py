@@ -145,7 +145,11 @@ def load_peft_adapters(actor: Actor, cfg: RunConfig) -> None:
     from gspo_megatron.lora.peft import from_peft, load_peft
     from model_specs import load_hf_config
     from model_specs.weights.maps import weight_map_for
+    if cfg.lora.init_peft is None:
+        raise ValueError("load_peft_adapters without lora.init_peft")
     expected = actor.full_adapter_state_dict()
+    if expected is None:
+        raise RuntimeError("full_adapter_state_dict(to_all_ranks=True) gave this rank nothing")
     tensors, config = load_peft(cfg.lora.init_peft)
     actor.load_full_adapter_state_dict(from_peft(tensors, config, weight_map_for(load_hf_config(cfg.model.hf_path)),
                                                  expected, cfg.lora, where=f"lora.init_peft={cfg.lora.init_peft}"))
@@ -161,8 +165,9 @@ def export_peft(run: Any) -> Path | None:
     if run.rank != 0:
         return None
     tensors = to_peft(full, weight_map_for(run.actor.spec.hf_config))
+    rules = export_rules(run.cfg)
     out = publish_dir(run.cfg.lora.export_peft, lambda tmp: save_peft(tmp, tensors, peft_config(run.cfg.lora, tensors)),
-                      field="lora.export_peft", **export_rules(run.cfg))
+                      field="lora.export_peft", protected=rules["protected"], may_hold=rules["may_hold"])
     print(f"[gspo] exported the final adapters to {out} (PEFT, SGLang's names)", flush=True)
     return out
 

@@ -189,7 +189,7 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         for pool in driver.pools():
             pool.stop_requested = stop.requested
             pool.abort_timeout_s = cfg.rollout.abort_timeout_s
-    if lora:
+    if lora and init_ckpt is not None:  # with LoRA always: the base, resumed or not
         actor.load_weights(init_ckpt)
         if not resume_from and cfg.lora.init_peft:
             load_peft_adapters(actor, cfg)

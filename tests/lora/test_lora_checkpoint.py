@@ -18,9 +18,6 @@ from distributed import run_distributed
 from fixtures_models import tiny_model_dir
 
 TOL = 1e-5
-SETTINGS = dict(rank=4, alpha=8, experts="per_expert")
-
-
 def _np(d):
     return {k: v.numpy() for k, v in d.items()}
 
@@ -30,7 +27,7 @@ def _actor(layout: dict, hf):
     from gspo_megatron.actor.settings import OptimizerSettings
     from gspo_megatron.lora.lora_settings import LoraSettings
     from gspo_megatron.parallel.layout import ParallelLayout
-    return Actor(hf, ParallelLayout(**layout), micro_batch_size=2, lora=LoraSettings(**SETTINGS),
+    return Actor(hf, ParallelLayout(**layout), micro_batch_size=2, lora=LoraSettings(rank=4, alpha=8, experts="per_expert"),
                  optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.0), seed=5)
 
 

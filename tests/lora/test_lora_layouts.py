@@ -15,6 +15,7 @@ makes the update ~ lr * g / eps, linear in the gradient (test_actor_layouts.py e
 from __future__ import annotations
 
 import contextlib
+from typing import Literal
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ CASES = [(name, layout, experts, None) for name, layout in
          for experts in EXPERTS] + [("ep2", dict(expert=2), "per_expert", "expert_grads_over_dense_group")]
 
 
-def _actor(layout: dict, experts: str, rank: int):
+def _actor(layout: dict, experts: Literal["none", "per_expert", "shared_outer"], rank: int):
     from gspo_megatron.actor.actor import Actor
     from gspo_megatron.actor.settings import MicroBatchSettings, OptimizerSettings
     from gspo_megatron.algorithms.registry import LossSettings

@@ -27,11 +27,14 @@ class HeldPolicies:
     _reference: list[torch.Tensor] | None
     _versions: VersionedWeights
     if TYPE_CHECKING:  # the Actor's (actor.py)
-        models: list[torch.nn.Module]
         lora: LoraSettings
 
     @property
     def chunks(self) -> list[DistributedDataParallel]:
+        raise NotImplementedError
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
         raise NotImplementedError
 
     def _local_params(self) -> list[torch.nn.Parameter]:

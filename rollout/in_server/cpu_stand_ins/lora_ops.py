@@ -29,7 +29,7 @@ def unpin_memory(torch) -> None:
 
     def same(self, *args, **kwargs):
         return self
-    same._unpinned = True
+    setattr(same, "_unpinned", True)   # the marker the check above reads
     torch.Tensor.pin_memory = same
     for name in ("tensor", "empty", "zeros", "ones", "arange", "full"):
         make = getattr(torch, name)
