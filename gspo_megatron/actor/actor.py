@@ -40,7 +40,7 @@ from gspo_megatron.actor.held.snapshots import VersionedWeights
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
-from gspo_megatron.actor.weight_io import WeightIO
+from gspo_megatron.actor.weights.weight_io import WeightIO
 from gspo_megatron.algorithms.registry import LossSettings
 from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.layout import ParallelLayout

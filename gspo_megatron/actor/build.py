@@ -31,7 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from gspo_megatron.actor.settings import Available, ComputeSettings, OptimizerSettings
-from gspo_megatron.actor.weights import mark_expert_params
+from gspo_megatron.actor.weights.full import mark_expert_params
 from gspo_megatron.lora.attach import attach_lora
 from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides

@@ -4,5 +4,5 @@
 - `adapters.py`: the adapter modules (a linear layer's, a layer's routed experts').
 - `attach.py`: freeze the built model, attach the adapters, turn them off (the reference policy).
 - `merge.py`: adapters merged into full base tensors (W + scale B A).
-Their full tensors in any layout: gspo_megatron/actor/adapter_weights.py.
+Their full tensors in any layout: gspo_megatron/actor/weights/adapter_state.py.
 """

@@ -2,8 +2,8 @@
 
     merged = merge_adapters(base_full, adapters_full, scale=settings.scale)
 
-`base_full` is a full state dict (actor/weights.py full_state_dict: global names), `adapters_full`
-the adapters' (actor/adapter_weights.py full_adapter_state_dict): `{module}.lora.a` [r, in] and
+`base_full` is a full state dict (actor/weights/full.py full_state_dict: global names), `adapters_full`
+the adapters' (actor/weights/adapter_state.py full_adapter_state_dict): `{module}.lora.a` [r, in] and
 `{module}.lora.b` [out, r] for a linear layer, `decoder.layers.{l}.mlp.experts.lora.fc1_a`
 [E | 1, r, h], `fc1_b` [E, out, r], `fc2_a` [E, r, ffn], `fc2_b` [E | 1, h, r] for a layer's
 routed experts (dim 0 of size 1: shared by every expert, `shared_outer`). The merged dict is what a

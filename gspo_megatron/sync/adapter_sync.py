@@ -6,7 +6,7 @@
 The base never changes, so the servers keep the base they started with (model.hf_path) and receive
 each step's adapters: for Qwen3-30B-A3B at rank 32 about 1 GB in bf16 instead of the model's 61 GB
 (`gspo-megatron plan`). One adapter name serves the whole run. Every rank takes part in gathering
-the adapters (actor/adapter_weights.py, small at any model size); rank 0 converts them to PEFT's
+the adapters (actor/weights/adapter_state.py, small at any model size); rank 0 converts them to PEFT's
 names (lora/peft.py; q/k/v and gate/up as SGLang's stacked modules, their A sent once), pauses
 the servers and, on each server (in parallel, rollout/servers/pool.py
 for_each: one that cannot be reached is taken out and the rest go on):
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from gspo_megatron.actor.adapter_weights import full_adapter_state_dict
+from gspo_megatron.actor.weights.adapter_state import full_adapter_state_dict
 from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.lora.peft import peft_config, to_peft
 from gspo_megatron.sync.tensor import begin_session, post_through_loader, set_version

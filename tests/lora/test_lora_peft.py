@@ -16,7 +16,7 @@ R = 4
 
 def adapters(experts: str, seed: int = 0) -> dict[str, torch.Tensor]:
     """One-process adapter tensors of the tiny Qwen3-MoE (4 layers, 4 experts, hidden 64, 4/2
-    heads of 16, experts' ffn 32), shaped as actor/adapter_weights.py gathers them."""
+    heads of 16, experts' ffn 32), shaped as actor/weights/adapter_state.py gathers them."""
     g = torch.Generator().manual_seed(seed)
     out, outer = {}, 1 if experts == "shared_outer" else 4
     for layer in range(4):

@@ -46,12 +46,12 @@ def test_dry_run_resolves_every_row_within_the_budget():
     assert "benchmarks/logprobs_memory.py --device cuda --dtype bf16" in rows["3"][4]
     assert "gspo_megatron.cli plan " in rows["4"][4] and rows["4"][4].endswith("--check`")
     assert "tools/gpu_check_sync.py" in rows["5"][4]  # the sync on one GPU, with the tiny models' rows
-    assert re.search(r"parsed the arguments of 12 commands with their tools' own parsers; imported \d+ modules "
+    assert re.search(r"parsed the arguments of 13 commands with their tools' own parsers; imported \d+ modules "
                      "of ours they reach", out.stdout), out.stdout
     # the rows 1.x and 5 share the machine: they cost their largest budget once
     budgets = {rid: int(cells[2]) for rid, cells in rows.items()}
     together = [rid for rid, cells in rows.items() if cells[1] == "rows 1.x and 5 at once"]
-    assert together == [r for r in ROWS if r.startswith("1.")] + ["5"]
+    assert together == [r for r in ROWS if r.startswith("1.") and r != "1.10"] + ["5"]  # 1.10 owed
     total = budgets["0"] + max(budgets[r] for r in together) + budgets["2"] + budgets["3"] + budgets["4"]
     cap = int(re.search(r"^BUDGET_CAP=(\d+)$", SCRIPT.read_text(), re.M).group(1))
     assert f"total: {total} s of device time (cap {cap} s" in out.stdout and total <= cap

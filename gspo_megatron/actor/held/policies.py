@@ -12,7 +12,7 @@ import torch
 from gspo_megatron.actor.batching.batch import TrainBatch
 from gspo_megatron.actor.held.snapshots import VersionedWeights, host_copy, old_log_probs_per_version, swapped_in
 from gspo_megatron.actor.held.versioned_routes import version_mismatch
-from gspo_megatron.actor.weights import load_full_state_dict
+from gspo_megatron.actor.weights.full import load_full_state_dict
 from gspo_megatron.lora.attach import adapters_off
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.weights import is_tp_sharded, join_tp_shards, shard_of, tp_group_of
+from gspo_megatron.actor.weights.full import is_tp_sharded, join_tp_shards, shard_of, tp_group_of
 from gspo_megatron.lora.attach import named_adapters
 from gspo_megatron.parallel.model_chunks import unwrap
 

@@ -77,7 +77,7 @@ def named_parameters_global(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple
     """(global canonical name, local parameter) over all model chunks of this rank; tied copies
     skipped. Canonical: the local spec's names (model_specs.weights.maps.canonical_megatron_name),
     so that a TE-spec model and a local-spec one list the same names. LoRA adapters are not the
-    model's weights and are not listed (adapter_weights.py has them)."""
+    model's weights and are not listed (adapter_state.py has them)."""
     for chunk in chunks:
         model = unwrap(chunk)
         for local_name, param in model.named_parameters():

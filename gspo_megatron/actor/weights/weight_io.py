@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gspo_megatron.actor.adapter_weights import full_adapter_state_dict, load_full_adapter_state_dict
-from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
+from gspo_megatron.actor.weights.adapter_state import full_adapter_state_dict, load_full_adapter_state_dict
+from gspo_megatron.actor.weights.full import full_state_dict, load_full_state_dict
 from gspo_megatron.checkpoint.lora_checkpoint import (base_reference, load_adapters_and_optimizer,
                                                save_adapters_and_optimizer)
 from gspo_megatron.checkpoint.model_io import load_model, load_model_and_optimizer, save_model_and_optimizer
@@ -44,7 +44,7 @@ class WeightIO:
 
     def full_adapter_state_dict(self, *, grads: bool = False,
                                 to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
-        """The LoRA adapters as one-process tensors (their gradients with `grads`); adapter_weights.py."""
+        """The LoRA adapters as one-process tensors (their gradients with `grads`); adapter_state.py."""
         return full_adapter_state_dict(self.chunks, grads=grads, to_all_ranks=to_all_ranks)
 
     def load_full_adapter_state_dict(self, full: dict[str, torch.Tensor]) -> None:
