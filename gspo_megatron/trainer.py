@@ -25,7 +25,7 @@ from gspo_megatron.parallel.rank_zero import on_driver
 from gspo_megatron.run.loop_metrics import PhaseTimer, step_scalars
 from gspo_megatron.run.metrics import format_progress
 from gspo_megatron.run.recovery import receive_rows, sync_weights
-from gspo_megatron.run.model_files import export_hf, final_model_checkpoint
+from gspo_megatron.run.model_files import export_hf, export_peft, final_model_checkpoint
 from gspo_megatron.run.setup import Run, begin_rl, setup, teardown
 from gspo_megatron.run.signals import GracefulStop, SignalExit
 
@@ -162,6 +162,8 @@ def _train(cfg: RunConfig) -> int:
         run_loop(run)
         if cfg.checkpoint.export_hf:
             run.export_src = final_model_checkpoint(run)  # collective
+        if cfg.lora.export_peft:
+            export_peft(run)  # collective
     finally:
         teardown(run)
         stop.restore()

@@ -105,6 +105,11 @@ for f in qwen3_moe:5:200 deepseek_v3:6:200 qwen3_next:7:200; do
 done
 row 1.8 1 120 offload "optimizer offload (HybridDeviceOptimizer) against Adam on the GPU" -- \
   "${CHECK[@]}" --arch qwen3_moe --rows offload --out "$WORK/1.8"
+row 1.9 1 150 lora "LoRA: TE fused norm-linear and grouped-GEMM experts against the local spec" -- \
+  "$PY" tools/gpu_check_lora.py --out "$WORK/1.9"
+row 1.10 1 0 owed "LoRA served by SGLang's Triton MoE-LoRA kernels (--lora-backend triton_v2)" -- \
+  "owed: needs an SGLang server on a GPU (sgl-kernel, flashinfer), which the GPU machine lacks;" \
+  "the CPU stand-in serves it in torch (tests/lora/test_lora_serving.py)"
 row 2 mfu 100 mfu "packed rows: MFU from real tokens, GPU busy, top ten ops" -- \
   "$PY" benchmarks/mfu.py --device cuda --only 5 6 7 --reps 2
 row 3 logprobs 45 logprobs "fused log-probs: peak memory and time against straightforward" -- \
@@ -162,6 +167,9 @@ key_of() {
             else if (skip) print skip }' "$log")" ;;
     sync) key="$(grep -m1 '^sync on one device ' "$log" | sed 's/^sync on one device //')" ;;
     offload) key="$(grep -m1 '^optimizer offload' "$log" | sed 's/^optimizer offload[^:]*: //')" ;;
+    lora) key="$(awk -F'|' '/\| (PASS|FAIL) \|$/ { if ($5 ~ /PASS/) pass++; else { failed++; f = f (f ? ", " : "") $2 $3 }
+        d = d (d ? ", " : "") $2 $4 } END { if (pass + failed) printf "PASS %d, FAIL %d%s; diffs%s", pass, failed,
+        f ? " (" f ")" : "", d }' "$log" | tr -s ' ')" ;;
     mfu) key="$(awk -F'|' '/^\| / && $2 ~ /packed/ { b = "16384"; if (match($2, /token budget [0-9]+/)) b = substr($2, RSTART + 13, RLENGTH - 13)
         v = ($3 ~ /out of memory/) ? "out of memory" : $5 "MFU," $6 "GPU busy"; gsub(/  +/, " ", v); sub(/^ /, "", v)
         printf "%s%s: %s", sep, b, v; sep = "; " }' "$log")" ;;

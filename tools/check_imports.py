@@ -18,9 +18,9 @@ those submodules. The rules (docs/architecture.md, "Import rules"):
   of gspo_megatron);
 - rollout knows nothing of megatron (no megatron or model_specs, nothing of gspo_megatron);
 - gspo_megatron.algorithms is pure torch (no megatron, no other gspo_megatron package);
-- the library packages (actor, checkpoint, parallel, sync) import none of the run's packages
+- the library packages (actor, checkpoint, lora, parallel, sync) import none of the run's packages
   (config, run, driver, trainer, cli); parallel no other package; checkpoint no actor, sync or
-  planner; actor no sync or planner; driver no run, trainer or cli; config no run, driver,
+  planner; actor no sync or planner; lora (the adapters) no actor, checkpoint, sync or planner; driver no run, trainer or cli; config no run, driver,
   trainer or cli; nothing imports cli, and only cli imports trainer;
 - loading the run config (gspo_megatron.config and what it imports when imported, function
   bodies aside) imports neither torch nor megatron-core, and neither do the command line's first
@@ -208,7 +208,7 @@ def violations() -> list[str]:
             if bad:
                 problems.append(f"{m} imports {', '.join(bad)} ({why})")
 
-    sub = tuple(f"gspo_megatron.{p}" for p in ("actor", "algorithms", "checkpoint", "parallel", "sync",
+    sub = tuple(f"gspo_megatron.{p}" for p in ("actor", "algorithms", "checkpoint", "lora", "parallel", "sync",
                                                 "config", "driver", "run", "planner", "trainer", "cli"))
     forbid("gspo_errors", PACKAGES, (), "the error base is the bottom: it imports nothing of the project")
     forbid("gspo_tables", tuple(p for p in PACKAGES if p not in ("gspo_errors", "gspo_tables")), ("torch", "megatron"),
@@ -222,9 +222,9 @@ def violations() -> list[str]:
             problems.append(f"{m} imports gspo_megatron's root (import the error base from gspo_errors, "
                             "or the module that defines the name)")
     run_side = tuple(f"gspo_megatron.{p}" for p in ("config", "run", "driver", "trainer", "cli"))
-    library = tuple(f"gspo_megatron.{p}" for p in ("actor", "checkpoint", "parallel", "sync", "planner"))
+    library = tuple(f"gspo_megatron.{p}" for p in ("actor", "checkpoint", "lora", "parallel", "sync", "planner"))
     forbid("gspo_megatron.algorithms", library + run_side, ("megatron",), "algorithms are pure torch")
-    for lib in ("actor", "checkpoint", "parallel", "sync"):
+    for lib in ("actor", "checkpoint", "lora", "parallel", "sync"):
         forbid(f"gspo_megatron.{lib}", run_side, (), "the library packages know nothing of the run")
     forbid("gspo_megatron.parallel", tuple(p for p in sub if p != "gspo_megatron.parallel"), (),
            "parallel is the bottom of the library: megatron-core and torch only")
@@ -232,6 +232,9 @@ def violations() -> list[str]:
            "checkpoints know model chunks, not the actor that trains them")
     forbid("gspo_megatron.actor", ("gspo_megatron.sync", "gspo_megatron.planner"), (),
            "the actor knows nothing of the weight sync or the planner")
+    forbid("gspo_megatron.lora", ("gspo_megatron.actor", "gspo_megatron.checkpoint", "gspo_megatron.sync",
+                                  "gspo_megatron.planner"), (),
+           "the adapters sit below the actor, the checkpoints and the sync that use them")
     forbid("gspo_megatron.driver", ("gspo_megatron.run", "gspo_megatron.trainer", "gspo_megatron.cli"), (),
            "run/ builds the driver")
     forbid("gspo_megatron.config", ("gspo_megatron.run", "gspo_megatron.driver", "gspo_megatron.trainer",

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the names as the checker sees them; at run time __getattr__
     from gspo_megatron.actor.build import build_model_chunks, build_optimizer, check_layout, spec_for_layout
     from gspo_megatron.actor.settings import LogProbSettings, OptimizerSettings
     from gspo_megatron.actor.steps import compute_log_probs, train_step
-    from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
+    from gspo_megatron.actor.weights.full import full_state_dict, load_full_state_dict
     from gspo_megatron.algorithms.registry import LossSettings
 else:
     def __getattr__(name: str) -> Any:

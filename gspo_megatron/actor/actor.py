@@ -29,8 +29,7 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 
 from gspo_megatron.actor.batching.batch import TrainBatch
-from gspo_megatron.actor.build import (build_model_chunks, build_optimizer, check_layout,
-                                       spec_for_layout, unwrap)
+from gspo_megatron.actor.build import build_model_chunks, build_optimizer, check_layout, spec_for_layout, unwrap
 from gspo_megatron.actor.forward import is_last_stage_rank, set_fused
 from gspo_megatron.actor.batching.packing import resolve_sequence_layout
 from gspo_megatron.actor.release import cut_hidden_references, release_process_caches
@@ -41,9 +40,9 @@ from gspo_megatron.actor.held.snapshots import VersionedWeights
 from gspo_megatron.actor.settings import (OLD_LOG_PROB_SOURCES, Available, ComputeSettings, LogProbSettings,
                                           MicroBatchSettings, OptimizerSettings, RoutingSettings)
 from gspo_megatron.actor.steps import compute_log_probs, train_step
-from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
+from gspo_megatron.actor.weights.weight_io import WeightIO
 from gspo_megatron.algorithms.registry import LossSettings
-from gspo_megatron.checkpoint.model_io import load_model, load_model_and_optimizer, save_model_and_optimizer
+from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.process_groups import init_process_groups
 from model_specs import ModelSpec
@@ -64,7 +63,7 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class Actor(HeldPolicies):
+class Actor(HeldPolicies, WeightIO):
     """Model chunks (one per virtual pipeline stage), optimizer and LR scheduler of one rank."""
 
     # The Actors of this process not yet closed: megatron's RNG states are shared by all of them,
@@ -78,7 +77,8 @@ class Actor(HeldPolicies):
                  old_log_probs: str = "recompute", seed: int = 1234,
                  params_dtype: torch.dtype = torch.float32,
                  compute: ComputeSettings | None = None, routing: RoutingSettings | None = None,
-                 available: Available | None = None, max_staleness: int = 0) -> None:
+                 available: Available | None = None, max_staleness: int = 0,
+                 lora: LoraSettings | None = None) -> None:
         """old_log_probs: where pi_old comes from, "recompute" (a forward-only pass before the
         updates) or "engine" (the rollout engine's own log-probs, GSPO paper §5.4). compute: TE
         spec, fused kernels, recomputation (None: what this machine supports). batching: how rows
@@ -86,9 +86,14 @@ class Actor(HeldPolicies):
         MicroBatchSettings(micro_batch_size=...). routing: MoE routing replay and drift metrics.
         available: what the machine has (None: detected; tests pass machine profiles).
         max_staleness: asynchronous rollouts, so many versions back (keep_version).
+        lora: adapters on a frozen base (rank > 0; gspo_megatron/lora/): only they train, at
+        lora.lr when it is set, and the KL reference is the base (the adapters off).
         Free the model and optimizer with close() (or `with Actor(...) as actor:`)."""
         self.layout = layout
+        self.lora = lora or LoraSettings()
         self.optimizer_settings = optimizer or OptimizerSettings()
+        if self.lora.enabled and self.lora.lr is not None:
+            self.optimizer_settings = dataclasses.replace(self.optimizer_settings, lr=self.lora.lr)
         self.loss = loss or LossSettings()
         self.logprob = logprob or LogProbSettings()
         if micro_batch_size is not None and micro_batch_size < 1:
@@ -118,7 +123,7 @@ class Actor(HeldPolicies):
         self._chunks: list[DistributedDataParallel] | None = build_model_chunks(
             self.spec, layout, use_distributed_optimizer=self.optimizer_settings.use_distributed_optimizer,
             grad_reduce_in_fp32=self.optimizer_settings.grad_reduce_in_fp32,
-            apex_wgrad=available.apex_wgrad)
+            apex_wgrad=available.apex_wgrad, lora=self.lora, lora_seed=seed)
         set_fused(self.chunks, self.logprob.fused)
         config = self.spec.config
         self.routing_settings = (routing or RoutingSettings()).resolve(
@@ -318,31 +323,3 @@ class Actor(HeldPolicies):
             routing_metrics = self.routing.end()
         return log_probs, {**metrics, **routing_metrics}
 
-    # --- weights and checkpoints ----------------------------------------------------------------
-    def full_state_dict(self, *, to_all_ranks: bool = True) -> dict[str, torch.Tensor] | None:
-        """All parameters as one-process (TP1/PP1/EP1) megatron tensors; see weights.py."""
-        return full_state_dict(self.chunks, to_all_ranks=to_all_ranks)
-
-    def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
-        """Load one-process megatron tensors into this layout (every rank passes the dict)."""
-        load_full_state_dict(self.chunks, full)
-        self.optimizer.reload_model_params()  # refresh fp32 main copies of bf16/fp16 params
-
-    def save(self, path: str | Path) -> dict[str, Any]:
-        """Collective: write this rank's model and optimizer shards into `path` (megatron
-        dist_checkpointing; loads under any layout). Returns the LR scheduler's state (small,
-        the same on every rank) for the caller to keep with its loop state."""
-        save_model_and_optimizer(Path(path), self.chunks, self.optimizer)
-        return self.scheduler.state_dict()
-
-    def load(self, path: str | Path, scheduler_state: dict[str, Any] | None = None) -> None:
-        """Collective: load model and optimizer shards written by `save` under any layout, and the
-        scheduler state `save` returned."""
-        load_model_and_optimizer(Path(path), self.chunks, self.optimizer)
-        if scheduler_state:
-            self.scheduler.load_state_dict(scheduler_state)
-
-    def load_weights(self, path: str | Path) -> None:
-        """Collective: load the model weights of a model-only checkpoint (converter output)."""
-        load_model(self.models, path)
-        self.optimizer.reload_model_params()

@@ -31,7 +31,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
 from gspo_megatron.actor.settings import Available, ComputeSettings, OptimizerSettings
-from gspo_megatron.actor.weights import mark_expert_params
+from gspo_megatron.actor.weights.full import mark_expert_params
+from gspo_megatron.lora.attach import attach_lora
+from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.cpu_compat import cpu_config_overrides
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.parallel.model_chunks import unwrap
@@ -160,12 +162,16 @@ def build_gpt_model(spec: ModelSpec, vp_stage: int | None, *, apex_wgrad: bool) 
 def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
                        use_distributed_optimizer: bool = False,
                        grad_reduce_in_fp32: bool = True,
-                       apex_wgrad: bool | None = None) -> list[DistributedDataParallel]:
+                       apex_wgrad: bool | None = None,
+                       lora: LoraSettings | None = None, lora_seed: int = 0) -> list[DistributedDataParallel]:
     """One DDP-wrapped GPTModel per virtual pipeline stage of this rank (a list of 1 without VPP).
 
     Needs megatron's parallel state (init_process_groups(layout)). Parameters are initialised by
     megatron's init methods from the seeded RNG; load real weights with weights.load_full_state_dict.
     apex_wgrad: apex's fused_weight_gradient_mlp_cuda is installed (None: detect; build_gpt_model).
+    lora: with a rank > 0, the base is frozen and adapters attached (gspo_megatron/lora/attach.py)
+    before the DDP wrap, so that DDP's buffers and the optimizer hold the adapters only; their A
+    is drawn from `lora_seed`.
     """
     _check_config_matches_layout(spec, layout)
     config = spec.config
@@ -180,6 +186,8 @@ def build_model_chunks(spec: ModelSpec, layout: ParallelLayout, *,
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         mark_expert_params(model)
+        if lora is not None and lora.enabled:
+            attach_lora(model, lora, seed=lora_seed)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if config.fp16 or config.bf16:

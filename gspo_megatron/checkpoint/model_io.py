@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
 from gspo_megatron.checkpoint.hf_files import DamagedFileError, copy_metadata_files
+from gspo_megatron.lora.adapters import is_adapter_key
 from gspo_megatron.parallel.layout import LayoutError, ParallelLayout
 from gspo_megatron.parallel.model_chunks import unwrap  # DDP / Float16Module prefix names with 'module.'
 from gspo_errors import InputError, MissingInputError
@@ -78,11 +79,12 @@ class CheckpointMismatchError(InputError, ValueError):
 
 
 def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict[str, Any]:
-    """{"model0": ..., "model1": ...} (one per virtual-pipeline chunk), without `_extra_state`."""
+    """{"model0": ..., "model1": ...} (one per virtual-pipeline chunk), without `_extra_state`
+    and without LoRA adapters (the base model's checkpoint; adapters are checkpointed apart)."""
     out = {}
     for i, m in enumerate(models):
         sd = unwrap(m).sharded_state_dict()
-        out[f"model{i}"] = without_extra_state(sd)
+        out[f"model{i}"] = {k: v for k, v in without_extra_state(sd).items() if not is_adapter_key(k)}
     return out
 
 
@@ -128,7 +130,7 @@ def _load_model_chunks(chunks: Sequence[torch.nn.Module], state: dict, path: str
     """Each chunk's `model{i}` entry of a loaded checkpoint, strictly (TE's _extra_state aside)."""
     for i, c in enumerate(chunks):
         missing, unexpected = unwrap(c).load_state_dict(state[f"model{i}"], strict=False)
-        missing = [k for k in missing if not is_extra_state(k)]
+        missing = [k for k in missing if not is_extra_state(k) and not is_adapter_key(k)]
         if missing or unexpected:
             raise CheckpointMismatchError(f"loading {path} into model chunk {i}: missing {missing}, "
                                           f"unexpected {unexpected}")
@@ -309,7 +311,7 @@ def save_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
                             sharded_strategy=TorchDcpSaveStrategy())
 
 
-def _ensure_optimizer_state(optimizer) -> None:
+def ensure_optimizer_state(optimizer) -> None:
     """A distributed optimizer that has not stepped yet has no state to load into (megatron asserts
     on the missing Adam 'step' without TE/apex): give it dummy state, as megatron does for its
     fsdp path; the load below overwrites all of it, and the model weights too."""
@@ -323,7 +325,7 @@ def load_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
     """Collective: load model (+ optimizer) shards for this rank's layout from `path`."""
     check_is_checkpoint(path)
     if optimizer is not None:
-        _ensure_optimizer_state(optimizer)
+        ensure_optimizer_state(optimizer)
     check_matches(model_sharded_state_dict(chunks), path)
     state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, is_loading=True), str(path))
     _load_model_chunks(chunks, state, path)
@@ -331,10 +333,10 @@ def load_model_and_optimizer(path: Path, chunks: list, optimizer) -> None:
         # The fp32 distributed optimizer copies into leaf params in load_state_dict (ENVIRONMENT #11).
         with torch.no_grad():
             optimizer.load_state_dict(state["optimizer"])
-        _unshare_adam_steps(optimizer)
+        unshare_adam_steps(optimizer)
 
 
-def _unshare_adam_steps(optimizer) -> None:
+def unshare_adam_steps(optimizer) -> None:
     """megatron-core 0.16.1 bug (distrib_optimizer.py load_state_dict, non-TE/apex path): one
     `step` tensor object is put into every parameter's Adam state; torch's Adam increments it in
     place once per parameter, so after a resume the bias correction is wrong (the continued run

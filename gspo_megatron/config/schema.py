@@ -26,11 +26,12 @@ from gspo_megatron.algorithms.advantage.table import AdvantageSettings
 from gspo_megatron.algorithms.registry import LOSSES, LossSettings
 from gspo_megatron.config.parsing import CHOICES_LABEL, CHOOSE, SETTINGS_OF, TABLE, describe
 from gspo_megatron.config.rollout_sections import EvalConfig, RolloutConfig
+from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.sync.transports import TRANSPORTS
 from gspo_tables import Table, row_settings
 
-__all__ = ["CheckpointConfig", "DistillConfig", "EvalConfig", "LoggingConfig", "LossConfig", "MOVED", "ModelConfig",
+__all__ = ["CheckpointConfig", "DistillConfig", "EvalConfig", "LoggingConfig", "LoraConfig", "LossConfig", "MOVED", "ModelConfig",
            "RolloutConfig", "RunConfig", "SyncConfig", "TrainConfig", "describe_fields"]
 
 
@@ -107,6 +108,19 @@ class TrainConfig(OptimizerSettings, MicroBatchSettings):
     def decay_steps(self) -> int:
         """The learning rate decays over every optimizer step of the run unless lr_decay_steps says."""
         return self.lr_decay_steps or max(1, self.steps * self.mini_batches)
+
+
+@dataclasses.dataclass
+class LoraConfig(LoraSettings):
+    init_peft: str | None = None
+    """A PEFT adapter folder (adapter_config.json and adapter_model.safetensors with SGLang's names,
+    as lora.export_peft writes it) the adapters start from, trained on model.hf_path with this
+    rank, alpha, targets and experts layout; null: A drawn from train.seed, B zero. A resume
+    from checkpoint.dir wins."""
+    export_peft: str | None = None
+    """Write the final adapters here as a PEFT folder at the end of the run (null = no export):
+    SGLang's /load_lora_adapter and a later run's lora.init_peft read it. Written beside its place
+    and renamed into it, as checkpoint.export_hf (which, with LoRA, holds the merged policy)."""
 
 
 @dataclasses.dataclass
@@ -231,6 +245,9 @@ class RunConfig:
     """Steps, batches, optimizer."""
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     """Weight sync into SGLang."""
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
+    """LoRA: adapters on a frozen base (rank > 0). Only they train, are checkpointed and reach the
+    servers (in place, a weight version per step); the KL reference is the base."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Evaluation on a held-out prompt set during training."""
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)

@@ -51,6 +51,7 @@ def validate(cfg: RunConfig, given: Mapping[str, Any] | None = None) -> None:
     need(r.group_size >= 2 or not cfg.loss.group_relative or (per_token and r.group_size >= 1),
          "rollout.group_size", r.group_size, f">= 2: {_group_relative_reason(cfg)}")
     _advantage_rules(cfg, need)
+    _lora_rules(cfg, need)
     _knobs_that_do_nothing(cfg, given or {})
     if d.teacher:
         need(cfg.loss.name == "gspo_token", "loss.name", cfg.loss.name,
@@ -178,6 +179,21 @@ def _advantage_rules(cfg: RunConfig, need: Callable[[bool, str, Any, str], None]
         need(not cfg.distill.teacher, "loss.kl_in_reward_coef", loss.kl_in_reward_coef,
              "0 with distill.teacher (distillation's per-token term is the advantage's KL already)")
 
+
+def _lora_rules(cfg: RunConfig, need: Callable[[bool, str, Any, str], None]) -> None:
+    """The lora section against the layout and the weight sync."""
+    lora = cfg.lora
+    if not lora.enabled:
+        for name in ("init_peft", "export_peft"):
+            need(getattr(lora, name) is None, f"lora.{name}", getattr(lora, name), "null with lora.rank=0")
+        return
+    etp = cfg.parallel.etp
+    need(not lora.expert_targets() or etp == 1, "parallel.expert_tensor", cfg.parallel.expert_tensor,
+         f"1 with lora.experts={lora.experts} (null means parallel.tensor={cfg.parallel.tensor}): routed-expert "
+         "adapters need whole experts on a rank; set parallel.expert_tensor: 1, or lora.experts: none")
+    need(cfg.sync.delta is not True, "sync.delta", cfg.sync.delta,
+         f"null or false with lora.rank={lora.rank}: a LoRA run sends its adapters whole (every element "
+         "of an adapter moves every step) and never the base")
 
 def _knobs_that_do_nothing(cfg: RunConfig, given: Mapping[str, Any]) -> None:
     """A field the user wrote that the rest of the config makes inert is named, not ignored."""

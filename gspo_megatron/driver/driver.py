@@ -62,6 +62,10 @@ class Driver:
             layout = (int(hf["num_hidden_layers"]), int(hf["num_experts_per_tok"]))
         self.pool = ServerPool(servers.server_urls, servers.router_url, timeout_s=r.request_timeout_s,
                                routed_experts_layout=layout, log=_say)
+        if cfg.lora.enabled:  # every generation runs with the run's adapter (sync/adapter_sync.py)
+            from gspo_megatron.lora.serving import ADAPTER_NAME
+            self.pool.use_adapter(ADAPTER_NAME)
+
         def decode(ids: list[int]) -> str:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             if not isinstance(text, str):  # one sequence of ids decodes to one string

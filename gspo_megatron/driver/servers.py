@@ -31,6 +31,9 @@ def start_policy_servers(cfg: RunConfig, log_dir: str | None) -> ServerGroup:
                               return_routed_experts=wants_engine_routing(cfg),
                               max_total_tokens=r.server_max_total_tokens,
                               startup_timeout_s=r.server_startup_timeout_s, log_dir=log_dir)
+        if cfg.lora.enabled:  # the servers hold the run's adapter (lora/serving.py)
+            from gspo_megatron.lora.serving import server_args
+            extra += server_args(cfg.lora, cuda=server.resolved_device() == "cuda")
         if r.seed is not None:
             if server.resolved_device() == "cpu":
                 raise ConfigError(

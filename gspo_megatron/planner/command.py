@@ -45,7 +45,7 @@ def settings_from(cfg, tokens: int | None) -> MemorySettings:
         use_distributed_optimizer=t.use_distributed_optimizer, grad_reduce_in_fp32=t.grad_reduce_in_fp32,
         optimizer_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
         max_tokens=tokens if tokens is not None else t.max_tokens_per_micro_batch or 16384, recompute=c.recompute,
-        recompute_modules=modules)
+        recompute_modules=modules, lora=cfg.lora)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     sync = sync_settings(args)
     per_node = args.gpus_per_node or (args.gpus // args.nodes if args.nodes else min(8, args.gpus))
     cfg = load_config(args.config, args.overrides)
+    sync = dataclasses.replace(sync, lora=cfg.lora)
     if args.model is not None:
         hf = load_model(args.model)
     else:  # the config's model: errors name the field and the file, not a flag the user never gave
@@ -104,11 +105,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(rows)} valid layouts, {fits} fit; estimates: memory of the fullest pipeline stage, "
           "step time from FLOPs and communication (gspo_megatron/planner/plan.py)")
     total = rows[0].sync.total_bytes
-    print(f"weight sync: {total / 1e9:.1f} GB in bf16, {sync.gbps:g} GB/s per sending GPU and per server "
-          f"GPU, {sync.server_gpus} server GPUs; sync s: a full sync, every owner (senders = PP x EP) "
-          f"sending its own; delta s: {sync.changed:g} of the elements changed "
-          f"({delta_bytes_per_element(sync.changed):.3f} B each); rank0 s: a full sync through rank 0 "
-          "(gspo_megatron/planner/sync_time.py)\n")
+    if cfg.lora.enabled:
+        print(f"LoRA: {cfg.lora.describe()}; the base frozen (weights only), gradients and optimizer "
+              "state for the adapters (gspo_megatron/planner/lora_params.py)")
+        print(f"weight sync: the adapters only, {total / 1e9:.2f} GB in bf16 to each server from rank 0, "
+              f"{sync.gbps:g} GB/s (sync s = delta s = rank0 s)\n")
+    else:
+        print(f"weight sync: {total / 1e9:.1f} GB in bf16, {sync.gbps:g} GB/s per sending GPU and per server "
+              f"GPU, {sync.server_gpus} server GPUs; sync s: a full sync, every owner (senders = PP x EP) "
+              f"sending its own; delta s: {sync.changed:g} of the elements changed "
+              f"({delta_bytes_per_element(sync.changed):.3f} B each); rank0 s: a full sync through rank 0 "
+              "(gspo_megatron/planner/sync_time.py)\n")
     if not fits:  # nothing fits: the nearest layouts and why, and a failing exit (a script must not go on)
         nearest = sorted(rows, key=lambda r: r.memory.total())[:args.top if args.all else 5]
         print(table(nearest, capacity, s, True, 0, per_node))

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
+from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.layout import ParallelLayout
 
 if TYPE_CHECKING:  # the planner reads a torch-free ModelShape; plan --check a built ModelSpec
@@ -58,6 +59,9 @@ class MemorySettings:
     overhead_bytes: int = int(2.5 * GiB)
     """CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers and the allocator's slack; a
     calibration constant (measured per GPU by --check)."""
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+    """The lora: section: with a rank > 0 the base is frozen (weights only) and the adapters
+    alone have gradients and optimizer state (lora_params.py)."""
 
     def __post_init__(self) -> None:
         if self.params_dtype not in DTYPE_BYTES:
@@ -220,8 +224,23 @@ def static_bytes(spec: Model, layout: ParallelLayout, world: int, s: MemorySetti
     dense, expert = stage_params(spec, layout, pp_rank)
     p_bytes = s.param_bytes
     g_bytes = 4 if (s.grad_reduce_in_fp32 or s.params_dtype == "float32") else p_bytes
+    weights = (dense + expert) * p_bytes
+    if s.lora.enabled:  # the base frozen: weights only; the adapters train
+        dense, expert = stage_adapter_params(spec, layout, pp_rank, s.lora)
+        weights += (dense + expert) * p_bytes
     optimizer = _optimizer_bytes_per_param(s) * optimizer_params(dense, expert, layout, world, s)
-    return (dense + expert) * p_bytes, (dense + expert) * g_bytes, int(optimizer * (1 - s.optimizer_offload_fraction))
+    return weights, (dense + expert) * g_bytes, int(optimizer * (1 - s.optimizer_offload_fraction))
+
+
+def stage_adapter_params(spec: Model, layout: ParallelLayout, pp_rank: int, lora: LoraSettings) -> tuple[int, int]:
+    """(dense, expert) LoRA adapter parameters one rank of stage `pp_rank` holds (lora_params.py)."""
+    from gspo_megatron.planner.lora_params import layer_adapter_params
+    dense = expert = 0
+    for row in layout.virtual_stage_layers(spec.config.num_layers):
+        for i in row[pp_rank]:
+            d, e = layer_adapter_params(spec.config, i, layout.tensor, layout.expert, lora)
+            dense, expert = dense + d, expert + e
+    return dense, expert
 
 
 def optimizer_params(dense: int, expert: int, layout: ParallelLayout, world: int, s: MemorySettings) -> int:
@@ -245,7 +264,8 @@ def offloaded_params(spec: Model, layout: ParallelLayout, world: int, s: MemoryS
     """Parameters of a rank of stage `pp_rank` the host steps (optimizer offload), 0 without."""
     if not s.optimizer_offload_fraction:
         return 0
-    dense, expert = stage_params(spec, layout, pp_rank)
+    dense, expert = (stage_adapter_params(spec, layout, pp_rank, s.lora) if s.lora.enabled
+                     else stage_params(spec, layout, pp_rank))
     return int(optimizer_params(dense, expert, layout, world, s) * s.optimizer_offload_fraction)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from gspo_megatron.lora.lora_settings import LoraSettings
 from gspo_megatron.parallel.layout import ParallelLayout
 from gspo_megatron.planner.memory import Model, stage_params
 
@@ -42,6 +43,8 @@ class SyncSettings:
     """Fraction of the elements that change per step in the served dtype (sync/changed_fraction)."""
     served_bytes: int = 2
     """Bytes per parameter in the served dtype (bf16)."""
+    lora: LoraSettings | None = None
+    """A LoRA run (rank > 0) syncs its adapters alone, whole, from rank 0 (sync/adapter_sync.py)."""
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,15 @@ def sender_params(spec: Model, layout: ParallelLayout) -> list[tuple[int, int]]:
 
 
 def sync_time(spec: Model, layout: ParallelLayout, world: int, s: SyncSettings) -> SyncEstimate:
-    """The predicted seconds of a full, a delta and a rank-0 sync of `layout` (module docstring)."""
-    stages = sender_params(spec, layout)
+    """The predicted seconds of a full, a delta and a rank-0 sync of `layout` (module docstring);
+    a LoRA run's: its adapters whole, rank 0 to each server, the same in every column."""
     b = s.served_bytes
+    if s.lora is not None and s.lora.enabled:
+        from gspo_megatron.planner.lora_params import model_adapter_params
+        total = model_adapter_params(spec.config, s.lora) * b
+        t = total / (s.gbps * 1e9)
+        return SyncEstimate(senders=1, sender_bytes=total, total_bytes=total, sync_s=t, delta_s=t, rank0_s=t)
+    stages = sender_params(spec, layout)
     largest = max(d + e for d, e in stages) * b
     total = sum(d + layout.expert * e for d, e in stages) * b
     rate = s.gbps * 1e9

@@ -91,8 +91,12 @@ def _raise_if_disk_full(error: BaseException, tmp: Path, hf_path: str) -> None:
 def set_up_reference(run: RunParts) -> None:
     """The KL reference is the policy RL starts from (after the warm start). It is saved once, to
     checkpoint.dir/reference/model.safetensors (one-process tensors, rank 0, atomic), so that a
-    resumed run, in any layout, penalises against the same policy."""
+    resumed run, in any layout, penalises against the same policy. A LoRA run's is its base (the
+    adapters off): nothing to save."""
     from safetensors.torch import load_file, save_file
+    if run.cfg.lora.enabled:
+        run.actor.set_reference()
+        return
     ckpt_dir = run.cfg.checkpoint.dir if run.ckpt else None
     path = Path(ckpt_dir) / REFERENCE_DIR / "model.safetensors" if ckpt_dir else None
     if run.resumed_from is not None and path is not None:  # preflight found it, of the same model
@@ -115,19 +119,57 @@ def set_up_reference(run: RunParts) -> None:
 
 
 def final_model_checkpoint(run: RunParts) -> Path:
-        """Collective. A megatron checkpoint of the current policy: the last checkpoint's model if
-        it is of this step, else a fresh model-only checkpoint in a scratch directory."""
-        from gspo_megatron.checkpoint.model_io import save_model
-        latest = run.ckpt.latest() if run.ckpt else None
-        if latest is not None and latest.name.endswith(f"{run.loop.step:08d}"):
-            return latest / "model"
-        src = scratch_dir(run.cfg, "final_megatron")
-        if run.rank == 0 and src.exists():
-            shutil.rmtree(src)
-        dist.barrier()
+    """Collective. A megatron checkpoint of the current policy: the last checkpoint's model if
+    it is of this step, else a fresh model-only checkpoint in a scratch directory (a LoRA run's
+    always: the base with its adapters merged in, lora/merge.py merged_in_place)."""
+    import contextlib
+
+    from gspo_megatron.checkpoint.model_io import save_model
+    from gspo_megatron.lora.merge import merged_in_place
+    lora = run.cfg.lora.enabled
+    latest = run.ckpt.latest() if run.ckpt else None
+    if not lora and latest is not None and latest.name.endswith(f"{run.loop.step:08d}"):
+        return latest / "model"
+    src = scratch_dir(run.cfg, "final_megatron")
+    if run.rank == 0 and src.exists():
+        shutil.rmtree(src)
+    dist.barrier()
+    with merged_in_place(run.actor.models) if lora else contextlib.nullcontext():
         save_model(run.actor.models, src, hf_dir=run.cfg.model.hf_path)
-        dist.barrier()
-        return src
+    dist.barrier()
+    return src
+
+
+def load_peft_adapters(actor: Actor, cfg: RunConfig) -> None:
+    """Collective: the adapters of the PEFT folder lora.init_peft (lora/peft.py from_peft)."""
+    from gspo_megatron.lora.peft import from_peft, load_peft
+    from model_specs import load_hf_config
+    from model_specs.weights.maps import weight_map_for
+    if cfg.lora.init_peft is None:
+        raise ValueError("load_peft_adapters without lora.init_peft")
+    expected = actor.full_adapter_state_dict()
+    if expected is None:
+        raise RuntimeError("full_adapter_state_dict(to_all_ranks=True) gave this rank nothing")
+    tensors, config = load_peft(cfg.lora.init_peft)
+    actor.load_full_adapter_state_dict(from_peft(tensors, config, weight_map_for(load_hf_config(cfg.model.hf_path)),
+                                                 expected, cfg.lora, where=f"lora.init_peft={cfg.lora.init_peft}"))
+
+
+def export_peft(run: Any) -> Path | None:
+    """Collective: the final adapters as a PEFT folder at lora.export_peft (rank 0 writes it,
+    published whole like checkpoint.export_hf); None on the other ranks."""
+    from gspo_megatron.checkpoint.output_dirs import publish_dir
+    from gspo_megatron.lora.peft import peft_config, save_peft, to_peft
+    from model_specs.weights.maps import weight_map_for
+    full = run.actor.full_adapter_state_dict(to_all_ranks=False)
+    if run.rank != 0:
+        return None
+    tensors = to_peft(full, weight_map_for(run.actor.spec.hf_config))
+    rules = export_rules(run.cfg)
+    out = publish_dir(run.cfg.lora.export_peft, lambda tmp: save_peft(tmp, tensors, peft_config(run.cfg.lora, tensors)),
+                      field="lora.export_peft", protected=rules["protected"], may_hold=rules["may_hold"])
+    print(f"[gspo] exported the final adapters to {out} (PEFT, SGLang's names)", flush=True)
+    return out
 
 
 def export_hf(src: Path, cfg: RunConfig) -> None:

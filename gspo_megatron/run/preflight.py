@@ -212,7 +212,7 @@ def check_inputs(cfg: RunConfig, world: int) -> Inputs:
             raise CheckpointError(f"checkpoint.dir={cfg.checkpoint.dir!r} holds a run of another model "
                                   f"than model.hf_path={str(hf)!r} ({change}); resume with that "
                                   f"model, or start over in a new checkpoint.dir")
-        if cfg.loss.reference_reason and cfg.checkpoint.dir:  # (a resume comes from checkpoint.dir)
+        if cfg.loss.reference_reason and cfg.checkpoint.dir and not cfg.lora.enabled:  # a LoRA run's is its base
             ref = Path(cfg.checkpoint.dir) / REFERENCE_DIR
             if not (ref / "model.safetensors").is_file():
                 raise ConfigError(f"{cfg.loss.reference_reason}: resuming from {resume_from}, "
@@ -248,6 +248,11 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
         check_writable_dir(field, path)
     if cfg.checkpoint.export_hf:
         check_export_target("checkpoint.export_hf", cfg.checkpoint.export_hf, **export_rules(cfg))
+    if cfg.lora.export_peft:
+        check_export_target("lora.export_peft", cfg.lora.export_peft, **export_rules(cfg))
+    if cfg.lora.init_peft:
+        from gspo_megatron.lora.peft import load_peft
+        load_peft(cfg.lora.init_peft)  # the folder and its files (their shapes: when loaded)
     needs: list[tuple[str, str | Path, int, str]] = []  # (field, path, bytes, what): one filesystem's fit together
     if cfg.checkpoint.dir:
         need = previous_checkpoint_bytes or checkpoint_bytes(cfg, hf_dir)
@@ -259,7 +264,8 @@ def check_outputs(cfg: RunConfig, hf_dir: Path, previous_checkpoint_bytes: int |
             what = "the initial conversion and " + what
         needs.append(("checkpoint.dir", cfg.checkpoint.dir, need, what))
     row = TRANSPORTS[cfg.sync.transport]
-    if row.folder_versions:  # the versions the transport keeps in sync.dir at once
+    if row.folder_versions and not cfg.lora.enabled:  # the versions the transport keeps in sync.dir
+        # at once (a LoRA run's adapters go through no transport: sync/adapter_sync.py)
         from gspo_megatron.checkpoint.hf_files import weight_files
         need = row.folder_versions * sum(f.stat().st_size for f in weight_files(hf_dir))
         needs.append(("sync.dir", cfg.sync.dir or Path(run_root(cfg)) / "sync", need,

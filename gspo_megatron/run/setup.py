@@ -27,13 +27,14 @@ from gspo_megatron.parallel.rank_zero import on_driver
 from gspo_megatron.run.folders import (drop_records_from, lock_run_folders, release, scratch_dir,
                                        set_aside_earlier_files)
 from gspo_megatron.run.metrics import MetricsWriter
-from gspo_megatron.run.model_files import initial_megatron_checkpoint, set_up_reference
+from gspo_megatron.run.model_files import initial_megatron_checkpoint, load_peft_adapters, set_up_reference
 from gspo_megatron.run.preflight import Inputs, check_inputs
 from gspo_megatron.run.signals import GracefulStop
 from rollout.servers.ports import free_port
 
 if TYPE_CHECKING:  # built inside setup, so that importing this module loads no megatron-core
     from gspo_megatron.actor.actor import Actor
+    from gspo_megatron.sync.adapter_sync import AdapterSync
     from gspo_megatron.sync.weight_sync import WeightSync
     from rollout.prompts.dataset import KeptRows
 
@@ -46,7 +47,7 @@ class Run:
     world: int
     actor: Actor
     driver: Driver | None            # rank 0 only
-    sync: WeightSync
+    sync: WeightSync | AdapterSync
     ckpt: CheckpointManager | None
     writer: MetricsWriter
     loop: LoopState
@@ -92,7 +93,7 @@ def build_actor(cfg: RunConfig) -> Actor:
                  logprob=LogProbSettings(temperature=cfg.rollout.temperature),
                  batching=t, old_log_probs=t.old_log_probs, seed=t.seed,
                  params_dtype=getattr(torch, cfg.model.dtype), compute=cfg.compute, routing=routing,
-                 max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0)
+                 max_staleness=t.max_staleness if t.old_log_probs == "recompute" else 0, lora=cfg.lora)
 
 
 def start_driver(cfg: RunConfig, rank: int, prompt_rows: KeptRows | None = None) -> Driver | None:
@@ -107,11 +108,17 @@ def start_driver(cfg: RunConfig, rank: int, prompt_rows: KeptRows | None = None)
     return holder[0] if holder else None
 
 
-def build_sync(cfg: RunConfig, actor: Actor, driver: Driver | None) -> WeightSync:
-    """The weight sync; rank 0 (the driver) holds the transport (sync.transport, sync/transports.py)."""
+def build_sync(cfg: RunConfig, actor: Actor, driver: Driver | None) -> WeightSync | AdapterSync:
+    """The weight sync; rank 0 (the driver) holds the transport (sync.transport, sync/transports.py).
+    A LoRA run syncs its adapters only (sync/adapter_sync.py)."""
     from gspo_megatron.sync.transport_base import make_transport
     from gspo_megatron.sync.weight_sync import WeightSync
     from model_specs import load_hf_config
+    if cfg.lora.enabled:
+        from gspo_megatron.lora.serving import ADAPTER_NAME
+        from gspo_megatron.sync.adapter_sync import AdapterSync
+        return AdapterSync(actor.chunks, load_hf_config(cfg.model.hf_path), driver.pool if driver else None,
+                           cfg.lora, name=ADAPTER_NAME)
     transport = None
     if driver is not None:
         transport = make_transport(cfg.sync.transport, driver.pool, hf_path=cfg.model.hf_path,
@@ -159,9 +166,12 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
     ckpt = CheckpointManager(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, hf_dir=cfg.model.hf_path,
                              checksums=cfg.checkpoint.verify_checksums) if cfg.checkpoint.dir else None
     resume_from = inputs.resume_from
-    init_ckpt = None if resume_from else initial_megatron_checkpoint(cfg, rank, inputs.model_fingerprint)
+    lora = cfg.lora.enabled  # the base is loaded first, resumed or not: a checkpoint names it
+    init_ckpt = None if resume_from and not lora else initial_megatron_checkpoint(cfg, rank, inputs.model_fingerprint)
     if rank == 0:
         print(f"[gspo] {cfg.describe_loss()}", flush=True)
+        if lora:
+            print(f"[gspo] {cfg.lora.describe()}; the base {init_ckpt} stays as it is", flush=True)
     actor = build_actor(cfg)
     if rank == 0:
         available = Available.detect()
@@ -179,6 +189,10 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         for pool in driver.pools():
             pool.stop_requested = stop.requested
             pool.abort_timeout_s = cfg.rollout.abort_timeout_s
+    if lora and init_ckpt is not None:  # with LoRA always: the base, resumed or not
+        actor.load_weights(init_ckpt)
+        if not resume_from and cfg.lora.init_peft:
+            load_peft_adapters(actor, cfg)
     if resume_from:
         if ckpt is None:
             raise RuntimeError(f"resuming from {resume_from} without checkpoint.dir")
@@ -189,7 +203,7 @@ def _build(cfg: RunConfig, rank: int, world: int, inputs: Inputs, stop: Graceful
         if driver is not None:  # rank 0
             driver.load_state(loop.data_cursor, loop.rollout_buffer)
             print(f"[gspo] resumed from {resume_from} (step {loop.step})", flush=True)
-    elif init_ckpt is not None:
+    elif not lora and init_ckpt is not None:
         actor.load_weights(init_ckpt)
     sync = build_sync(cfg, actor, driver)
     if rank == 0:  # each step's metrics and records once: an earlier attempt's are set aside

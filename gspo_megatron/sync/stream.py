@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.weights import (full_tensor_over_tp, is_expert_param, named_parameters_global,
+from gspo_megatron.actor.weights.full import (full_tensor_over_tp, is_expert_param, named_parameters_global,
                                          owns_full_copy)
 from gspo_megatron.parallel.comm import comm_device
 from model_specs.weights.batches import weight_batches

@@ -14,7 +14,7 @@ which parameter uses which: the features' weight rules (rules.py, maps.py).
   in_proj_qkvz holds, per key head g, [q_g, k_g, v and z of g's nv/nk value heads], and in_proj_ba
   per key head [beta, alpha of its value heads] (Qwen3NextGatedDeltaNet.
   fix_query_key_value_ordering). Both keep value head i on key head i // (nv/nk). A TP rank holds
-  1/tp of each of the six blocks (GDN_IN_PROJ_BLOCKS; actor/weights.py joins them so).
+  1/tp of each of the six blocks (GDN_IN_PROJ_BLOCKS; actor/weights/full.py joins them so).
 """
 from __future__ import annotations
 

@@ -14,6 +14,9 @@ The payload is a list of (name, tensor) pairs, several per HF tensor `N` (PART s
     |export            uint8 path: write the listed names' served values (N|shape entries) there
     |report            uint8 path: write what happened there, as JSON (load's docstring)
     |reply=G           uint8 [1]: broadcast the report over the weights-update group named G
+    |lora              uint8 name: the whole tensors are LoRA adapter NAME's, in PEFT's names,
+                       written in place into the server's LoRA state (lora_state.py); their N|sum
+                       checksums are checked on what arrived
     |flat=[[n, dtype, shape, offset], ...]   uint8: the entries above as one buffer (flatten():
                        the tensor transport shares one tensor per request, not hundreds)
 Nothing here may raise: SGLang calls a custom loader outside any try
@@ -210,7 +213,8 @@ def load(model: torch.nn.Module, named_tensors: Sequence[tuple[str, torch.Tensor
     meta = entries.pop("", {})
     report = {"mismatched": [], "checked": 0, "unchecked": 0, "error": None}
     try:
-        _load(model, entries, [n for n in order if n != ""], _path(meta.get("export")), report)
+        _load(model, entries, [n for n in order if n != ""], _path(meta.get("export")), report,
+              _path(meta.get("lora")))
     except Exception as e:  # noqa: BLE001 - reported, never raised (module docstring)
         report["error"] = f"{type(e).__name__}: {e}"
         logging.getLogger(__name__).error("gspo weight loader: %s", traceback.format_exc())
@@ -249,8 +253,11 @@ def _reply(group_name: str, report: dict) -> None:
 
 @torch.no_grad()
 def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], order: list[str],
-          export: str | None, report: dict) -> None:
+          export: str | None, report: dict, lora: str | None = None) -> None:
     dense = [(n, entries[n]["dense"]) for n in order if "dense" in entries[n]]
+    if lora is not None:
+        _load_adapter(lora, entries, dense, report)
+        return
     if dense:
         own_load_weights(model)(dense)
     shapes: dict[str, Sequence[int]] = {n: [int(x) for x in e["shape"].tolist()] for n, e in entries.items()
@@ -287,6 +294,18 @@ def _load(model: torch.nn.Module, entries: dict[str, dict[str, torch.Tensor]], o
         _export(export, shapes, places, params)
 
 
+def _load_adapter(name: str, entries: dict[str, dict[str, torch.Tensor]],
+                  dense: list[tuple[str, torch.Tensor]], report: dict) -> None:
+    """A LoRA adapter's new version (|lora): the checksums of what arrived, then the write."""
+    from rollout.in_server.lora_state import write_adapter
+    for n, t in dense:
+        if "sum" in entries[n]:
+            report["checked"] += 1
+            if checksum(t) != int(entries[n]["sum"].reshape(-1)[0]):
+                report["mismatched"].append(n)
+    if report["mismatched"]:
+        return  # nothing written: the sender sends the version again
+    report["mismatched"] += write_adapter(name, dict(dense))
 def _post_load_weights(model: torch.nn.Module) -> None:
     """SGLang's post_load_weights (sglang 0.5.23 model_loader/loader.py): the model's own, where it
     has one. Outside an SGLang server (a process standing in for one: tools/gpu_check_sync.py on a

@@ -25,6 +25,7 @@ import requests
 
 from rollout.servers.errors import SGLangError, ServerUnavailable  # noqa: F401  (the client's API)
 from rollout.servers.weight_updates import WeightUpdates
+from rollout.servers.lora_adapters import LoraAdapters
 
 
 @dataclasses.dataclass
@@ -141,7 +142,7 @@ def _is_connect_failure(exc: BaseException) -> bool:
         "NewConnectionError" in text or "Connection refused" in text)
 
 
-class SGLangClient(WeightUpdates):
+class SGLangClient(WeightUpdates, LoraAdapters):
     """One SGLang server. Thread-safe (one requests.Session per thread).
 
     timeout_s bounds every request (generate included; pass a larger one for long generations);
@@ -257,6 +258,8 @@ class SGLangClient(WeightUpdates):
                                    "return_logprob": return_logprob}
         if rid is not None:
             payload["rid"] = list(rid) if batch else rid
+        if self.lora_name is not None:
+            payload["lora_path"] = [self.lora_name] * len(input_ids) if batch else self.lora_name
         if return_logprob:
             payload["logprob_start_len"] = -1  # log-probs of the output only, not the prompt
         if return_routed_experts:
@@ -283,6 +286,8 @@ class SGLangClient(WeightUpdates):
         payload = {"input_ids": list(map(int, input_ids)), "return_logprob": True,
                    "logprob_start_len": int(start) - 1,
                    "sampling_params": {"max_new_tokens": 0}}
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
         reply = self._json("POST", "/generate", payload, timeout_s=timeout_s)
         item = reply[0] if isinstance(reply, list) and len(reply) == 1 else reply
         try:

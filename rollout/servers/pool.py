@@ -125,6 +125,12 @@ class ServerPool:
     def live_clients(self) -> list[SGLangClient]:
         return self._clients(_SERVING)
 
+    def use_adapter(self, name: str | None) -> None:
+        """Every generation of this pool runs with LoRA adapter `name` (None: the base model):
+        the servers' and the router's (rollout/servers/lora_adapters.py)."""
+        for c in self.clients + ([self.router] if self.router is not None else []):
+            c.lora_name = name
+
     def sync_clients(self) -> list[SGLangClient]:
         """The servers a weight sync goes to: live ones and those rejoining, fixed when the pause
         began (a server that rejoins during a sync missed part of it: it waits for the next)."""

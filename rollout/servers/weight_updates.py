@@ -127,12 +127,18 @@ def serialize_named_tensors(named_tensors: Sequence[tuple[str, Any]]) -> str:
     "file_system" sharing strategy), a CUDA tensor as a CUDA IPC handle to its memory, which a
     process on the same GPU (a colocated server) maps without a copy. The tensors must stay alive
     until the server has applied them (the call returns)."""
+    return serialize([(str(n), t.detach().contiguous()) for n, t in named_tensors])
+
+
+def serialize(value: Any) -> str:
+    """`value` (tensors inside: by shared memory, or CUDA IPC) as SGLang's MultiprocessingSerializer
+    pickles it, base64-encoded for JSON."""
     import torch.multiprocessing as torch_mp
     from multiprocessing.reduction import ForkingPickler
 
     torch_mp.set_sharing_strategy("file_system")
     buf = io.BytesIO()
-    ForkingPickler(buf).dump([(str(n), t.detach().contiguous()) for n, t in named_tensors])
+    ForkingPickler(buf).dump(value)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

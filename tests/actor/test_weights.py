@@ -1,4 +1,4 @@
-"""actor/weights.py: a full state dict loads into any layout and gathers back unchanged."""
+"""actor/weights/full.py: a full state dict loads into any layout and gathers back unchanged."""
 from __future__ import annotations
 
 import pytest
@@ -32,7 +32,7 @@ def _build(layout_kwargs: dict, seed: int):
 
 
 def _one_process_state(rank: int, world: int) -> dict:
-    from gspo_megatron.actor.weights import full_state_dict
+    from gspo_megatron.actor.weights.full import full_state_dict
 
     full = _to_np(full_state_dict(_build({}, seed=7)))
     assert full is not None  # to every rank
@@ -40,7 +40,7 @@ def _one_process_state(rank: int, world: int) -> dict:
 
 
 def _round_trip(rank: int, world: int, layout_kwargs: dict, full: dict) -> dict | None:
-    from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
+    from gspo_megatron.actor.weights.full import full_state_dict, load_full_state_dict
 
     chunks = _build(layout_kwargs, seed=1000 + rank)  # different init: loading must overwrite it
     load_full_state_dict(chunks, _from_np(full))
@@ -65,7 +65,7 @@ def test_full_state_dict_round_trip(one_process_state, world, layout):
 
 
 def _bad_load(rank: int, world: int, full: dict) -> str:
-    from gspo_megatron.actor.weights import load_full_state_dict
+    from gspo_megatron.actor.weights.full import load_full_state_dict
 
     chunks = _build(dict(tensor=2), seed=1)
     broken = _from_np(full)

@@ -86,6 +86,11 @@ SMOKE = {
                           lambda out: len(_rows(out, "qwen3_moe |")) == 1),
     "logprobs_memory.py": (lambda url: ["--tokens", "128", "--vocab", "1024", "--hidden", "32"],
                            lambda out: _line(out, r"\s*1024\s+128 \|")),
+    # the full model's rows on the session's server (its weights replaced: the module restores them);
+    # the LoRA rows on a LoRA-enabled server of the benchmark's own
+    "lora.py": (lambda url: ["--model", _tiny_moe(), "--full-url", url, "--rank", "4", "--steps", "1"],
+                lambda out: len(_rows(out, "adapters, per_expert")) == 1 and len(_rows(out, "Qwen3-30B-A3B")) == 3
+                and _line(out, r"lora: sync MB [0-9.]+ -> [0-9.]+, optimizer\+grad MB [0-9.]+ -> [0-9.]+, served = trainer yes")),
     "mfu.py": (lambda url: ["--rows", "4", "--reps", "1", "--only", "0"], lambda out: "|" in out),
     # the session's server serves the 2-layer 4-expert tiny MoE, without the engine's routes
     "moe_stability.py": (lambda url: ["--seeds", "1", "--steps", "3", "--runs", "gspo", "grpo", "--warm-start-steps",

@@ -82,7 +82,7 @@ def _roundtrip(rank, world, root, layout_kwargs, dist_opt):
 @pytest.mark.slow
 def test_checkpoint_roundtrip_is_exact_ep2_distributed_optimizer(tmp_path):
     # EP2 (DP2 for the dense part) with the distributed optimizer: expert shards, optimizer shards,
-    # and megatron's shared-Adam-step bug on load (manager._unshare_adam_steps) all exercised.
+    # and megatron's shared-Adam-step bug on load (model_io.unshare_adam_steps) all exercised.
     out = run_distributed(_roundtrip, 2, (str(tmp_path), dict(expert=2), True), timeout=240)
     for r in out:
         assert r["restored"] and r["continued"] and r["rng"], r

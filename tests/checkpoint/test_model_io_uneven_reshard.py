@@ -32,7 +32,7 @@ def _reshard(rank, world, ckpt, work, uneven, others):
     from megatron.core import parallel_state as ps
 
     from gspo_megatron.actor.build import build_model_chunks, spec_for_layout
-    from gspo_megatron.actor.weights import full_state_dict, load_full_state_dict
+    from gspo_megatron.actor.weights.full import full_state_dict, load_full_state_dict
     from gspo_megatron.checkpoint import checkpoint_hf_config, load_model, save_model
     from gspo_megatron.parallel.model_chunks import unwrap
     from gspo_megatron.parallel.process_groups import init_process_groups

@@ -36,7 +36,7 @@ NAME = "gpt_oss"
 MODEL: dict[str, Any] = dict(initializer_range=0.1, num_hidden_layers=4)
 # expert_tensor 1: expert biases refuse expert-TP (model_specs/features/linear_bias/). TP2 alone is the layout
 # where experts are whole on ranks that split the dense layers, which megatron does not mark as
-# experts (actor/weights.py is_expert_param)
+# experts (actor/weights/full.py is_expert_param)
 LAYOUTS = {"tp2": dict(tensor=2, expert_tensor=1), "tp2_ep2": dict(tensor=2, expert=2, expert_tensor=1),
            "pp2": dict(pipeline=2), "ep2": dict(expert=2)}
 

@@ -126,7 +126,7 @@ def test_weight_map_covers_every_hf_tensor_with_its_shape(tiny):
 def test_tp_shards_of_the_deltanet_hold_their_heads_of_every_block(tp):
     """A TP rank's in_proj shard is its key heads' [q, k, v, z, beta, alpha] (megatron's forward
     splits it so); joining the shards gives the one-process tensor back."""
-    from gspo_megatron.actor.weights import join_tp_shards, shard_of
+    from gspo_megatron.actor.weights.full import join_tp_shards, shard_of
     from model_specs.weights.layouts import gdn_in_proj_blocks
 
     blocks = gdn_in_proj_blocks(4, 3, 8, 2)                  # q, k: 12 rows; v, z: 16; beta, alpha: 8

@@ -109,7 +109,7 @@ def make_batch():
 
 def _log_probs(rank, world, cases):
     from gspo_megatron.actor.actor import Actor
-    from gspo_megatron.actor.weights import load_full_state_dict
+    from gspo_megatron.actor.weights.full import load_full_state_dict
     from gspo_megatron.parallel.layout import ParallelLayout
     from model_specs.weights.maps import weight_map_for
     from safetensors.torch import load_file

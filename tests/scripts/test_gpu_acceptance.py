@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_acceptance.sh"
-ROWS = ["0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "2", "3", "4", "5"]
+ROWS = ["0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "2", "3", "4", "5"]
 
 
 def acceptance(script: Path, *args: str) -> subprocess.CompletedProcess:
@@ -41,16 +41,17 @@ def test_dry_run_resolves_every_row_within_the_budget():
                             ("1.7", "qwen3_next", "te")]:
         assert f"scripts/gpu_check.sh --no-bench --arch {arch} --rows {spec} " in rows[rid][4], rows[rid]
     assert "--rows offload" in rows["1.8"][4]
+    assert "tools/gpu_check_lora.py --out " in rows["1.9"][4] and rows["1.10"][1] == "not run"  # owed: no SGLang
     assert "benchmarks/mfu.py --device cuda --only 5 6 7" in rows["2"][4]
     assert "benchmarks/logprobs_memory.py --device cuda --dtype bf16" in rows["3"][4]
     assert "gspo_megatron.cli plan " in rows["4"][4] and rows["4"][4].endswith("--check`")
     assert "tools/gpu_check_sync.py" in rows["5"][4]  # the sync on one GPU, with the tiny models' rows
-    assert re.search(r"parsed the arguments of 12 commands with their tools' own parsers; imported \d+ modules "
+    assert re.search(r"parsed the arguments of 13 commands with their tools' own parsers; imported \d+ modules "
                      "of ours they reach", out.stdout), out.stdout
     # the rows 1.x and 5 share the machine: they cost their largest budget once
     budgets = {rid: int(cells[2]) for rid, cells in rows.items()}
     together = [rid for rid, cells in rows.items() if cells[1] == "rows 1.x and 5 at once"]
-    assert together == [r for r in ROWS if r.startswith("1.")] + ["5"]
+    assert together == [r for r in ROWS if r.startswith("1.") and r != "1.10"] + ["5"]  # 1.10 owed
     total = budgets["0"] + max(budgets[r] for r in together) + budgets["2"] + budgets["3"] + budgets["4"]
     cap = int(re.search(r"^BUDGET_CAP=(\d+)$", SCRIPT.read_text(), re.M).group(1))
     assert f"total: {total} s of device time (cap {cap} s" in out.stdout and total <= cap
@@ -117,7 +118,7 @@ def test_key_refuses_a_missing_log_or_an_unknown_kind(tmp_path):
     out = acceptance(SCRIPT, "--key", "gpu_chek", str(log))
     assert (out.returncode, out.stdout) == (2, "")
     assert out.stderr == ("gpu_acceptance: --key gpu_chek: not a kind of row "
-                          "(kinds: env gpu_check offload mfu logprobs plan sync)\n")
+                          "(kinds: env gpu_check offload lora mfu logprobs plan sync)\n")
     assert acceptance(SCRIPT, "--key", "gpu_check", str(log)).stdout == "a line\n"  # no table: the last line
 
 
@@ -139,8 +140,8 @@ def test_only_takes_known_rows_in_row_order():
     out = acceptance(SCRIPT, "--dry-run", "--no-imports", "--only", "4,1.7 0")
     assert out.returncode == 0, out.stdout + out.stderr
     assert list(table_rows(out.stdout)) == ["0", "1.7", "4"]
-    out = acceptance(SCRIPT, "--dry-run", "--no-imports", "--only", "1.9")
-    assert out.returncode == 2 and "--only: no row 1.9" in out.stderr
+    out = acceptance(SCRIPT, "--dry-run", "--no-imports", "--only", "1.11")
+    assert out.returncode == 2 and "--only: no row 1.11" in out.stderr
 
 
 def test_key_figures_come_from_the_tools_tables(tmp_path):

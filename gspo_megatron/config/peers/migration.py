@@ -203,3 +203,38 @@ class Migration:
 
     def report(self) -> str:
         return "\n".join(f"[migrate] {line}" for line in [*self.reader_lines, *self.lines, self.summary()])
+
+
+def carry_lora(m: Migration, rank_key: str, alpha_key: str, targets_key: str) -> None:
+    """A peer's LoRA keys: its rank (0 or absent: no LoRA), alpha, and target modules as PEFT names
+    (q_proj, ..., down_proj; a list or a comma-separated string; "all-linear" or "all": every
+    linear layer). PEFT names become megatron's fused layers (lora/serving.py HF_MODULES): q_proj,
+    k_proj or v_proj adapts linear_qkv, which holds all three with one A."""
+    from gspo_megatron.lora.lora_settings import TARGETS
+    from gspo_megatron.lora.serving import HF_MODULES
+    rank = m.take(rank_key)
+    if not rank:
+        m.said(rank_key, "0: no LoRA (lora.rank: 0), as here by default")
+        for key in (alpha_key, targets_key):
+            m.skip(key, "acts only with a LoRA rank > 0")
+        return
+    m.carry(rank_key, "lora.rank", int(rank), "adapters on a frozen base")
+    if m.has(alpha_key):
+        m.carry(alpha_key, "lora.alpha", float(m.take(alpha_key)), "each adapter adds alpha / rank * B A x")
+    if not m.has(targets_key):
+        return
+    value = m.take(targets_key)
+    names = [n.strip() for n in (value.split(",") if isinstance(value, str) else value) if n.strip()]
+    ours = {hf: t for t, hfs in HF_MODULES.items() for hf in hfs}
+    if names in (["all-linear"], ["all"]):
+        m.carry(targets_key, "lora.targets", list(TARGETS), "every linear layer (routed experts: lora.experts)")
+        return
+    unknown = [n for n in names if n not in ours and n not in TARGETS]
+    targets = [t for t in TARGETS if any(ours.get(n, n) == t for n in names)]
+    if not targets:
+        m.skip(targets_key, f"none of {names} is a linear layer adapters sit on here ({', '.join(ours)})")
+        return
+    partial = [t for t in targets if t in HF_MODULES and not set(HF_MODULES[t]) <= set(names) and t != "linear_proj"]
+    how = ("; ".join(f"{t} adapts {', '.join(HF_MODULES[t])} together" for t in partial)
+           + (f"; not offered: {', '.join(unknown)}" if unknown else "")) or "PEFT names to megatron's layers"
+    m.carry(targets_key, "lora.targets", targets, how)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from gspo_megatron.algorithms.terms import KL_ESTIMATORS
 from gspo_megatron.config.parsing import ConfigError
-from gspo_megatron.config.peers.migration import Migration, flatten, peer_names, resolve_interpolations
+from gspo_megatron.config.peers.migration import (Migration, carry_lora, flatten, peer_names,
+                                                  resolve_interpolations)
 from gspo_megatron.config.peers.reading import read_text, yaml_mapping
 
 KL_KINDS = peer_names(KL_ESTIMATORS, "roll")  # ROLL's kl_penalty kinds -> ours (its k3 is clamped at 10)
@@ -55,6 +56,8 @@ def read(path: Path) -> Migration:
 def translate(m: Migration) -> None:
     _sizes(m)
     _workers(m)
+    carry_lora(m, "actor_train.model_args.lora_rank", "actor_train.model_args.lora_alpha",
+               "actor_train.model_args.lora_target")
     token_kl = bool(m.take("add_token_level_kl", False))
     gamma = float(m.take("gamma", 1.0))
     _estimator(m, token_kl, gamma)

@@ -20,7 +20,7 @@ from gspo_megatron.config.parsing import ConfigError
 from gspo_megatron.algorithms.advantage.table import ESTIMATORS as ESTIMATOR_ROWS
 from gspo_megatron.algorithms.registry import LOSSES as LOSS_ROWS
 from gspo_megatron.algorithms.terms import KL_ESTIMATORS
-from gspo_megatron.config.peers.migration import Migration, flatten, peer_names, resolve_interpolations
+from gspo_megatron.config.peers.migration import Migration, carry_lora, flatten, peer_names, resolve_interpolations
 from gspo_megatron.config.peers.reading import (SHELL_VARIABLE, Found, last_wins, read_text, shell_lines, substitute,
                                                 yaml_mapping)
 
@@ -144,6 +144,8 @@ def translate(m: Migration) -> None:
         m.skip(f"{A}.ppo_max_token_len_per_gpu", "acts only with use_dynamic_bsz")
     if m.keys.get("data.filter_overlong_prompts") and m.has("data.max_prompt_length"):
         m.said("data.filter_overlong_prompts", "rollout.max_prompt_tokens drops longer prompts at load")
+    carry_lora(m, "actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora_alpha",
+               "actor_rollout_ref.model.target_modules")
     _mini_batches(m)
     loss = _loss(m)
     _estimator(m, loss)

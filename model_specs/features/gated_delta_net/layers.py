@@ -17,7 +17,7 @@ family's usual block spec (local or TE) gets the DeltaNet in the layers that
   bit-exact both ways.
 - `GatedDeltaNetLayout` tags the parameters whose TP shards hold a part of each of several blocks
   of unequal sizes (in_proj: q, k, v, z, beta, alpha; conv1d: q, k, v) with `partition_blocks`,
-  which actor/weights.py joins and splits by, and gives A_log / dt_bias the partition_dim that
+  which actor/weights/full.py joins and splits by, and gives A_log / dt_bias the partition_dim that
   megatron-core 0.16.1 leaves out.
 
 Without flash-linear-attention (its kernels are Triton: GPU only) megatron-core refuses to build the

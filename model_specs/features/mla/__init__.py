@@ -50,7 +50,7 @@ class MLA(Feature):
     def weight_rules(self, hf: Mapping[str, Any], rules: list[WeightRule]) -> list[WeightRule]:
         # q through a low-rank bottleneck with an RMSNorm, or one projection when q_lora_rank is
         # null; k and v from one latent with an RMSNorm. The down-projections are whole on every
-        # TP rank in both specs (layers.py); the live parameter says which (actor/weights.py).
+        # TP rank in both specs (layers.py); the live parameter says which (actor/weights/full.py).
         a, s = L + "self_attention.", H + "self_attn."
         if hf.get("q_lora_rank") is None:
             q = [WeightRule(a + "linear_q_proj.weight", (s + "q_proj.weight",), tp_dim=0)]

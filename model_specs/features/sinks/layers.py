@@ -6,7 +6,7 @@ learnable softmax (`softmax_type="learnable"`) does the same with its per-head `
 (fused_softmax.py SoftmaxOne; DotProductAttention.__init__). The parameter is split
 over TP ranks by heads (num_attention_heads_per_partition) but megatron does not mark it so (only
 its sharded_state_dict knows the axis), so the full-tensor paths of
-this project (actor/weights.py, the sync) would take one rank's heads for all:
+this project (actor/weights/full.py, the sync) would take one rank's heads for all:
 `SinkDotProductAttention` marks it `tensor_model_parallel` along dim 0.
 """
 from __future__ import annotations

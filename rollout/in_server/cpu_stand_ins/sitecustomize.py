@@ -118,6 +118,21 @@ def _cpu_device_module(module):
     cls.__init__ = __init__
 
 
+# --- LoRA (--enable-lora) on CPU; the torch forms themselves are in lora_ops.py.
+def _lora_layers_on_cpu(module):
+    """Pinned host tensors without CUDA, and the routed experts' adapters in torch (lora_ops.py)."""
+    import torch
+    from lora_ops import moe_lora_forward, unpin_memory
+    unpin_memory(torch)
+    module.FusedMoEWithLoRA.forward = moe_lora_forward
+
+
+def _lora_token_slots_in_torch(module):
+    """Each token's adapter slot, a Triton kernel in SGLang (lora_ops.token_lora_mapping)."""
+    from lora_ops import token_lora_mapping
+    module._compute_token_lora_mapping = token_lora_mapping
+
+
 # module -> the attributes to set on it once imported, or a function that patches it
 PATCHES: dict[str, dict[str, Any] | Callable[[types.ModuleType], None]] = {
     "sglang.kernels.ops.elementwise.elementwise": {
@@ -129,6 +144,8 @@ PATCHES: dict[str, dict[str, Any] | Callable[[types.ModuleType], None]] = {
     "sglang.srt.arg_groups.overrides": _no_mamba_extra_buffer_on_cpu,
     "sglang.srt.configs.qwen3_next": _qwen3_next_interval_from_layer_types,
     "sglang.srt.models.qwen3_next": _cpu_device_module,
+    "sglang.srt.lora.layers": _lora_layers_on_cpu,
+    "sglang.srt.lora.backend.base_backend": _lora_token_slots_in_torch,
 }
 
 

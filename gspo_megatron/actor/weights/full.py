@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
 
+from gspo_megatron.lora.adapters import is_adapter_key
 from gspo_megatron.parallel.model_chunks import unwrap
 from model_specs.weights.maps import canonical_megatron_name
 
@@ -75,16 +76,20 @@ def global_name(model: GPTModel, local_name: str) -> str:
 def named_parameters_global(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(global canonical name, local parameter) over all model chunks of this rank; tied copies
     skipped. Canonical: the local spec's names (model_specs.weights.maps.canonical_megatron_name),
-    so that a TE-spec model and a local-spec one list the same names."""
+    so that a TE-spec model and a local-spec one list the same names. LoRA adapters are not the
+    model's weights and are not listed (adapter_state.py has them)."""
     for chunk in chunks:
         model = unwrap(chunk)
         for local_name, param in model.named_parameters():
             if local_name == "output_layer.weight" and model.share_embeddings_and_output_weights:
                 continue
+            if is_adapter_key(local_name):
+                continue
             yield canonical_megatron_name(global_name(model, local_name)), param
 
 
-def _tp_group_of(param: torch.nn.Parameter):
+def tp_group_of(param: torch.nn.Parameter) -> tuple[dist.ProcessGroup, int, int]:
+    """(group, size, rank) of the TP group `param` is split over (expert-TP for routed experts)."""
     if is_expert_param(param):
         return ps.get_expert_tensor_parallel_group(), ps.get_expert_tensor_parallel_world_size(), \
             ps.get_expert_tensor_parallel_rank()
@@ -92,7 +97,8 @@ def _tp_group_of(param: torch.nn.Parameter):
         ps.get_tensor_model_parallel_rank()
 
 
-def _is_tp_sharded(param: torch.nn.Parameter) -> bool:
+def is_tp_sharded(param: torch.nn.Parameter) -> bool:
+    """Split over its TP group (megatron's `tensor_model_parallel` attribute)."""
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
@@ -122,9 +128,9 @@ def shard_of(full: torch.Tensor, dim: int, stride: int, tp_size: int, tp_rank: i
 def full_tensor_over_tp(param: torch.nn.Parameter) -> torch.Tensor:
     """This parameter joined over its TP group (a collective over that group)."""
     local = param.detach()
-    if not _is_tp_sharded(param):
+    if not is_tp_sharded(param):
         return local.clone()
-    group, size, _ = _tp_group_of(param)
+    group, size, _ = tp_group_of(param)
     if size == 1:
         return local.clone()
     shards = [torch.empty_like(local) for _ in range(size)]
@@ -189,6 +195,8 @@ def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Te
     for chunk in chunks:
         model = unwrap(chunk)
         for local_name, param in model.named_parameters():
+            if is_adapter_key(local_name):
+                continue
             tied_output = local_name == "output_layer.weight" and model.share_embeddings_and_output_weights
             name = "embedding.word_embeddings.weight" if tied_output else \
                 canonical_megatron_name(global_name(model, local_name))
@@ -197,8 +205,8 @@ def load_full_state_dict(chunks: list[torch.nn.Module], full: dict[str, torch.Te
                 continue
             used.add(name)
             value = full[name]
-            if _is_tp_sharded(param):
-                _, size, rank = _tp_group_of(param)
+            if is_tp_sharded(param):
+                _, size, rank = tp_group_of(param)
                 value = shard_of(value, param.partition_dim, getattr(param, "partition_stride", 1),
                                  size, rank, getattr(param, "partition_blocks", None))
             if value.shape != param.shape:
