@@ -5,6 +5,9 @@ merged policy's HF tensors come back bit for bit, and the next step from the loa
 is the step the saving process took (1e-5). The base is referenced, never written: a checkpoint
 names its files' CRC32s and refuses another base.
 
+The PEFT folder a run exports (run/model_files.py export_peft, under EP2) is what a fresh run
+imports (lora.init_peft: load_peft_adapters, in one process): the same adapters, bit for bit.
+
 Three spawns: one rank, two ranks (EP2, then TP2 with expert-TP 1), one rank.
 """
 from __future__ import annotations
@@ -69,15 +72,30 @@ def _one_process_saves(rank, world, base, out):
     return results
 
 
+def _run_config(base, out, **lora):
+    """The run's config of these actors (lora.rank 4, alpha 8, per-expert), with `lora` set."""
+    from gspo_megatron.config import config_from_dict
+    return config_from_dict({"model": {"hf_path": f"{base}/hf"},  # the converter's copy of the HF files
+                             "rollout": {"prompts": f"{out}/prompts.jsonl"},
+                             "lora": {"rank": 4, "alpha": 8, "experts": "per_expert", **lora}})
+
+
 def _two_ranks(rank, world, base, out):
-    """EP2 loads `one` (1 -> 2), steps, saves `ep2`; TP2 (+SP) loads `ep2`, saves `tp2`, steps."""
+    """EP2 loads `one` (1 -> 2), exports it as PEFT as a run does, steps, saves `ep2`; TP2 (+SP)
+    loads `ep2`, saves `tp2`, steps."""
+    from types import SimpleNamespace
+
     from gspo_megatron.checkpoint import checkpoint_hf_config
+    from gspo_megatron.run.model_files import export_peft
     hf = checkpoint_hf_config(base)
     results = {}
     for name, layout, source in (("ep2", dict(expert=2), "one"), ("tp2", dict(tensor=2, expert_tensor=1), "ep2")):
         with _actor(layout, hf) as actor:
             actor.load_weights(base)
             actor.load(f"{out}/{source}", None)
+            if name == "ep2":
+                cfg = _run_config(base, out, export_peft=f"{out}/peft")
+                export_peft(SimpleNamespace(cfg=cfg, rank=rank, actor=actor))
             results.update(_state(actor, hf, f"{name}_loaded"))
             actor.save(f"{out}/{name}")
             _step(actor, 2)
@@ -91,6 +109,11 @@ def _one_process_loads(rank, world, base, out, other_base):
     from gspo_megatron.checkpoint.model_io import CheckpointMismatchError
     hf = checkpoint_hf_config(base)
     results = {}
+    with _actor({}, hf) as actor:  # a fresh run's import of the exported PEFT folder
+        from gspo_megatron.run.model_files import load_peft_adapters
+        actor.load_weights(base)
+        load_peft_adapters(actor, _run_config(base, out, init_peft=f"{out}/peft"))
+        results["peft_adapters"] = _np(actor.full_adapter_state_dict())
     with _actor({}, hf) as actor:
         actor.load_weights(base)
         for name in ("ep2", "tp2"):
@@ -133,6 +156,7 @@ def test_saved_in_one_layout_loaded_in_another(tmp_path):
         assert _diff(two[got], one[ref]) <= TOL < moved, (got, _diff(two[got], one[ref]), moved)
     for got in ("ep2_back_next", "tp2_back_next"):
         assert _diff(back[got], one["one_next"]) <= TOL, got
+    assert _same(back["peft_adapters"], one["one_adapters"])  # exported under EP2, imported by one process
     assert "is not it: its files differ" in back["refused"]
     assert {p.name for p in (tmp_path / "one").iterdir()} >= {"base.json", "metadata.json"}
     assert not any(p.stat().st_size > 200_000 for p in (tmp_path / "one").iterdir())
