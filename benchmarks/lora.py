@@ -28,22 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from benchmarks.sync import _step  # noqa: E402  # one GSPO step on random rows, as the sync benchmark's
+
 BF16_TOL = 0.1  # nats: two bf16 implementations of one model (tools/gpu_check.py BF16_TOL)
 PLANNED: list[tuple[str, str, dict[str, Any], int]] = [("Qwen3-30B-A3B", "TP1xPP1xEP8 (8 GPUs)", dict(expert=8), 8),
            ("Qwen3-235B-A22B", "TP4xPP2xEP8 (32 GPUs)", dict(tensor=4, pipeline=2, expert=8, expert_tensor=1), 32)]
-
-
-def _step(actor, seed: int) -> None:
-    import torch
-
-    from gspo_megatron.actor.batching.batch import TrainBatch
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(3, 500, (4, 32), generator=g)
-    batch = TrainBatch(tokens=tokens, lengths=torch.full((4,), 32),
-                       loss_mask=torch.arange(32)[None].expand(4, 32) >= 8,
-                       advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]))
-    batch.old_log_probs, _ = actor.compute_old_log_probs(batch)
-    actor.train_step(batch)
 
 
 def _held_bytes(actor) -> int:

@@ -12,13 +12,12 @@ object collective of weights.py serves them at any model size.
 """
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from gspo_megatron.actor.weights.full import is_tp_sharded, join_tp_shards, shard_of, tp_group_of
+from gspo_megatron.actor.weights.full import gather_owned, is_tp_sharded, join_tp_shards, shard_of, tp_group_of
 from gspo_megatron.lora.attach import named_adapters
 from gspo_megatron.parallel.model_chunks import unwrap
 
@@ -75,21 +74,7 @@ def full_adapter_state_dict(chunks: list[torch.nn.Module], *, grads: bool = Fals
         full = _full(param, value)
         if _owns(param):
             mine[name] = full.cpu()
-    world = dist.get_world_size()
-    pieces: list[Any] = [None] * world
-    if to_all_ranks:
-        dist.all_gather_object(pieces, mine)
-    else:
-        dist.gather_object(mine, pieces if dist.get_rank() == 0 else None, dst=0)
-        if dist.get_rank() != 0:
-            return None
-    out: dict[str, torch.Tensor] = {}
-    for piece in pieces:
-        for name, tensor in piece.items():
-            if name in out:
-                raise RuntimeError(f"adapter {name} came from two ranks: ambiguous global naming")
-            out[name] = tensor
-    return dict(sorted(out.items()))
+    return gather_owned(mine, to_all_ranks, what="adapter")
 
 
 @torch.no_grad()

@@ -149,6 +149,27 @@ def owns_full_copy(param: torch.nn.Parameter) -> bool:
             and ps.get_tensor_model_parallel_rank() == 0)
 
 
+def gather_owned(mine: dict[str, torch.Tensor], to_all_ranks: bool, what: str) -> dict[str, torch.Tensor] | None:
+    """The union of every rank's `mine` (the full tensors it owns, on the host: the object
+    collectives pickle them), sorted by name: on every rank, or on global rank 0 only (None
+    elsewhere). A name two ranks own means the global naming is ambiguous for this layout."""
+    pieces: list[Any] = [None] * dist.get_world_size()
+    if to_all_ranks:
+        dist.all_gather_object(pieces, mine)
+    else:
+        dist.gather_object(mine, pieces if dist.get_rank() == 0 else None, dst=0)
+        if dist.get_rank() != 0:
+            return None
+    out: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        for name, tensor in piece.items():
+            if name in out:
+                raise RuntimeError(f"{what} {name} came from two ranks: the global naming is "
+                                   "ambiguous for this layout")
+            out[name] = tensor
+    return dict(sorted(out.items()))
+
+
 @torch.no_grad()
 def full_state_dict(chunks: list[torch.nn.Module], *, to_all_ranks: bool = True
                     ) -> dict[str, torch.Tensor] | None:
@@ -161,24 +182,8 @@ def full_state_dict(chunks: list[torch.nn.Module], *, to_all_ranks: bool = True
     for name, param in named_parameters_global(chunks):
         full = full_tensor_over_tp(param)  # every rank of the TP group takes part
         if owns_full_copy(param):
-            mine[name] = full.cpu()  # pickled by the object collective below: host memory, any rank
-    world = dist.get_world_size()
-    if to_all_ranks:
-        pieces: list[Any] = [None] * world
-        dist.all_gather_object(pieces, mine)
-    else:
-        pieces = [None] * world
-        dist.gather_object(mine, pieces if dist.get_rank() == 0 else None, dst=0)
-        if dist.get_rank() != 0:
-            return None
-    out: dict[str, torch.Tensor] = {}
-    for piece in pieces:
-        for name, tensor in piece.items():
-            if name in out:
-                raise RuntimeError(f"parameter {name} came from two ranks: the global naming is "
-                                   "ambiguous for this layout")
-            out[name] = tensor
-    return dict(sorted(out.items()))
+            mine[name] = full.cpu()
+    return gather_owned(mine, to_all_ranks, what="parameter")
 
 
 @torch.no_grad()
