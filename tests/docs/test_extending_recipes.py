@@ -23,11 +23,11 @@ GUIDE = ROOT / "docs" / "extending.md"
 MAX_LINES = 370  # nine recipes with their whole code, about 35 lines each
 # section -> lines its output must hold (what shows the plug-in used)
 SAID = {
-    "A loss": ["cispo: CISPO: clipped token weights kept out of the gradient", "13 passed"],
+    "A loss": ["cispo: CISPO: clipped token weights kept out of the gradient", "12 passed"],
     "An advantage estimator with a setting of its own": [
         "grpo_std_floor: (S_i - mean_g) / max(std_g, floor) (settings: floor)",
         "| advantage=grpo_std_floor floor=0.05 |", "loss.estimator_args.floor=0.0: expected > 0", "1 passed"],
-    "A KL estimator and a loss aggregation": ["7 passed"],
+    "A KL estimator and a loss aggregation": ["13 passed"],
     "A weight-sync transport": ["toy: both owners posted through my_ext.toy_sync.ToySender", "1 passed"],
     "A model family, made of features": ["; mistral; specs checked: local", "| HF -> megatron -> HF | fp32 |"],
     "A prompt format": ["{'prompt': 'What is 1 plus 1? End with the number.', 'answer': '2'}"],

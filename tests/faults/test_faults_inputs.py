@@ -235,7 +235,9 @@ def test_no_room_for_the_initial_conversion_stops_before_it(tmp_path, small_disk
                       "--set", "rollout.server_startup_timeout_s=2"])
     line = _error_line(proc)
     assert f"checkpoint.dir='{ck}': 3.0 MiB free, the initial conversion and one checkpoint " \
-           "(parameters + optimizer state, estimated from the model) needs about " in line, line
+           "(parameters + optimizer state, estimated from the model) (" in line, line
+    # the weight sync's copies share the disk: both needs, added up
+    assert "and the disk transport (2 copies of the model's weights) (" in line and "sync.dir) needs about " in line
     assert not ck.exists()
 
 

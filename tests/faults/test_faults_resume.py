@@ -92,5 +92,6 @@ def test_no_room_for_one_checkpoint_is_named_before_start(tmp_path, capsys, serv
     with tmpfs(tmp_path / "tiny", "1m") as mnt:
         line = in_process_error(capsys, train_args(tmp_path, server_url, **{"checkpoint.dir": str(mnt / "ck")}))
     assert f"checkpoint.dir='{mnt / 'ck'}': 1.0 MiB free, the initial conversion and one checkpoint " \
-           "(parameters + optimizer state, estimated from the model) needs about 2.1 MiB; free space or " \
-           "choose another path" in line, line
+           "(parameters + optimizer state, estimated from the model) (2.1 MiB) and the disk transport (2 copies " \
+           "of the model's weights) (1.1 MiB, sync.dir) needs about 3.2 MiB; free space or choose another path" \
+           in line, line  # the sync's copies share the disk: the needs added up

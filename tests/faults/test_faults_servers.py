@@ -37,6 +37,14 @@ def _popen(run_dir: Path, url: str | None, **extra) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def _wait_for_a_prefill(log: Path, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Until the server's log holds one more prefill than now: a rollout is under way."""
+    start, deadline = log.read_text(errors="replace").count("Prefill batch"), time.monotonic() + timeout_s
+    while log.read_text(errors="replace").count("Prefill batch") <= start:
+        assert proc.poll() is None and time.monotonic() < deadline, f"no prefill in {log} within {timeout_s} s"
+        time.sleep(0.02)
+
+
 def _launched_servers(trainer: subprocess.Popen) -> list[psutil.Process]:
     """The SGLang servers the trainer launched: its children leading their own process group."""
     return [p for p in psutil.Process(trainer.pid).children(recursive=True)
@@ -96,7 +104,8 @@ def test_the_only_server_killed_saves_waits_its_bound_exits_75_and_resume_trains
         url = group.server_urls[0]
         proc = _popen(tmp_path, url, **{"train.steps": steps, "rollout.server_wait_s": 3})
         _wait_for_steps(tmp_path, proc, 2)
-        group.servers[0].kill()
+        _wait_for_a_prefill(group.servers[0].log_path, proc)  # killed in a rollout: lost in a weight
+        group.servers[0].kill()  # sync instead, the step is trained, not synced, and not saved (recovery.py)
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=300)
         seconds = time.monotonic() - t0
