@@ -42,6 +42,14 @@ class ServersLost(GspoError, RuntimeError):
 
     exit_code = EXIT_NO_SERVER
 
+    def __init__(self, what: str, kept_at: int = -1) -> None:
+        """what: the line without its ending; kept_at: the step of the checkpoint that resumes the
+        run (-1: none)."""
+        self.what = what
+        kept = f"; the checkpoint of step {kept_at} resumes it" if kept_at >= 0 else ""
+        super().__init__(f"{what}{kept}; exiting with {EXIT_NO_SERVER} (retryable: launch/slurm/job.sh "
+                         "requeues on it)")
+
 
 def receive_rows(run: Run, live: int, step: int, staleness: int, saved: int | None):
     """actor.receive_rows of the step's rollout, surviving the loss of every server
@@ -75,14 +83,24 @@ def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, 
     saved first: the step is half done (trained, not synced), a resume redoes it from `saved`.
     A signal during that wait ends the step without the sync ({"deferred": 1.0}; the loop saves
     it as trained and the resumed run syncs its servers at start, setup.begin_rl), except for a
-    resync of servers that came back (again=True): SignalExit."""
+    resync of servers that came back (again=True): SignalExit. No server back within the wait:
+    the step ends the same way, its error kept in `run.lost`, and the loop saves the trained step
+    before it raises it (the resumed run syncs its servers at start): a server lost in the sync
+    costs no trained step, nor, before the first checkpoint, the whole run."""
     for _ in range(run.cfg.rollout.server_max_restarts_per_run + 2):  # bounded, whatever happens
         try:
             return run.sync.sync(run.loop.weight_version, again=again)
         except WeightSyncError as e:
             if not e.no_server:
                 raise
-        if not await_a_server(run, saved, finish_on_signal=not again):
+        try:
+            back = await_a_server(run, saved, finish_on_signal=not again)
+        except ServersLost as lost:
+            if again or run.ckpt is None:
+                raise
+            run.lost = lost
+            return {"deferred": 1.0}
+        if not back:
             # a signal, and no server to take the trained weights: the step ends here, saved as
             # trained; the resumed run loads them into its servers at start (setup.begin_rl)
             if run.rank == 0:
@@ -112,12 +130,10 @@ def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) 
                                       f"config, the prompts), not a lost server; fix them and rerun{kept} (not "
                                       "retried: exit 2)")
         kind, what = on_driver(run.rank, lambda: no_server_marker(run))
-        kept = f"; the checkpoint of step {saved} resumes it" if saved is not None else ""
         wait_s = run.cfg.rollout.server_wait_s
         how = (f"after waiting rollout.server_wait_s={wait_s:g} s" if waited >= wait_s else
                "and none can come back")  # each past its restart bound: no reason to wait
-        raise ServersLost(f"no {kind} in service {how} ({what}){kept}; exiting with "
-                          f"{EXIT_NO_SERVER} (retryable: launch/slurm/job.sh requeues on it)")
+        raise ServersLost(f"no {kind} in service {how} ({what})", saved if saved is not None else -1)
     return True
 
 

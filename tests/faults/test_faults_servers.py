@@ -45,6 +45,14 @@ def _wait_for_a_prefill(log: Path, proc: subprocess.Popen, timeout_s: float = 12
         time.sleep(0.02)
 
 
+def _wait_for_records_of_step(path: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Until the rollout records hold a row of `step`: its rollout is done, its training next."""
+    deadline = time.monotonic() + timeout_s
+    while not (path.is_file() and f'"step": {step},' in path.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, f"no records of step {step} within {timeout_s} s"
+        time.sleep(0.01)
+
+
 def _launched_servers(trainer: subprocess.Popen) -> list[psutil.Process]:
     """The SGLang servers the trainer launched: its children leading their own process group."""
     return [p for p in psutil.Process(trainer.pid).children(recursive=True)
@@ -97,15 +105,23 @@ def test_a_killed_server_the_run_launched_is_restarted_resynced_and_serves_again
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("lost_in", ["rollout", "sync"])
 def test_the_only_server_killed_saves_waits_its_bound_exits_75_and_resume_trains_every_prompt_once(
-        tmp_path, server_url):
+        tmp_path, server_url, lost_in):
+    """Killed while a rollout runs, the step is abandoned and the last one saved; killed once the
+    step's rollout is done (its records written: the kill lands in its training or its weight sync),
+    the step is trained but no server takes its weights: saved as trained (its sync deferred, the
+    resumed run syncs its servers at start), not redone. Either way the line names the checkpoint."""
     steps = 5
     with launch_tiny_server("qwen3_moe") as group:
         url = group.server_urls[0]
         proc = _popen(tmp_path, url, **{"train.steps": steps, "rollout.server_wait_s": 3})
         _wait_for_steps(tmp_path, proc, 2)
-        _wait_for_a_prefill(group.servers[0].log_path, proc)  # killed in a rollout: lost in a weight
-        group.servers[0].kill()  # sync instead, the step is trained, not synced, and not saved (recovery.py)
+        if lost_in == "rollout":
+            _wait_for_a_prefill(group.servers[0].log_path, proc)
+        else:
+            _wait_for_records_of_step(tmp_path / "records.jsonl", 2, proc)
+        group.servers[0].kill()
         t0 = time.monotonic()
         _, err = proc.communicate(timeout=300)
         seconds = time.monotonic() - t0
@@ -115,6 +131,8 @@ def test_the_only_server_killed_saves_waits_its_bound_exits_75_and_resume_trains
     assert lines[0].count(url) == 1 and f"{url}: out (" in lines[0], lines[0]  # never an empty reason
     assert "rollout.server_wait_s=3 s" in lines[0] and f"the checkpoint of step {done} resumes it" in lines[0]
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == f"step_{done:08d}"
+    if lost_in == "sync":  # the step after the kill was trained and saved, its sync deferred
+        assert done == 3 and "sync/bytes" not in _steps(tmp_path)[-1], (done, _steps(tmp_path)[-1])
     assert url in (tmp_path / "ckpt" / "NO_SERVER_LEFT").read_text()  # launch/slurm/job.sh requeues on it
     assert seconds < 60, seconds  # the bound: the retries on the lost connection, the save, 3 s
     # a server is back (the session's: a third server start would add ~45 s): the run resumes
