@@ -8,7 +8,7 @@ side is off when the two disagree.
     vs["ok"]                                                # ours within tol of float64
     ours_flipped(hf_dir, mcore, batch, exact, mask, dtype)   # where ours is the outlier
 
-Why float64: on an H200 (2026-12-04) gpt-oss's fp32 log-probs were 8.9e-4 from transformers' where
+Why float64: on an H200 (docs/results.md) gpt-oss's fp32 log-probs were 8.9e-4 from transformers' where
 Qwen3-MoE's and DeepSeek-V3's were 1.4e-6. On CPU both sides are within 5e-7 of transformers in
 float64, for the tiny gpt-oss and for it without each of its features in turn (sinks, the sliding
 window, the SwiGLU clamp, the router's bias, YaRN), so the difference comes from a path that only

@@ -6,7 +6,7 @@ once the references that keep them alive are cut (cut_hidden_references) and the
 Engine and torch keep in module globals for whichever model runs next, allocated on first use and
 kept for good. A trainer that shares its GPUs with SGLang (colocated) hands that memory to the
 engine only if it is freed; on an H200 it was 96 MiB after every Actor of the local spec had
-closed, 224 MiB with the TE spec (docs/results.md, 2026-12-04).
+closed, 224 MiB with the TE spec (docs/results.md, the H200 visit).
 
 What stays, who holds it, and when close() frees it:
 - torch's cuBLAS workspaces: one per (cuBLAS handle, stream), a handle per thread, so the

@@ -15,7 +15,7 @@ every layout starts from the same adapters.
 
 Refused here, each in one line: routed-expert adapters with expert tensor parallelism > 1 (a rank
 would hold a slice of an expert's fc1 rows and fc2 columns, and B and A would have to be cut the
-same way across the expert-TP group: Megatron-Bridge shipped wrong deltas there, its issue 5634),
+same way across the expert-TP group: Megatron-Bridge shipped wrong deltas there),
 shared experts overlapped with the dispatcher (their linears skip the TP communication the adapter
 mirrors), and a target that matches no layer of the model.
 """

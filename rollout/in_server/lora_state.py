@@ -3,8 +3,8 @@ for a payload with a `|lora=NAME` entry).
 
 SGLang 0.5.23 can load an adapter (/load_lora_adapter, /load_lora_adapter_from_tensors) and unload
 one, but not change one: a new version under the same name would need an unload, which waits for
-every request still using the adapter (sglang/srt/lora/lora_manager.py unload_lora_adapter; miles'
-issue 2780 deadlocked there with generation paused). So the trainer creates the run's adapter once
+every request still using the adapter (sglang/srt/lora/lora_manager.py unload_lora_adapter; miles
+deadlocked there with generation paused). So the trainer creates the run's adapter once
 and then writes each version into the server's own state, between two forward batches (the
 scheduler runs a weight update between batches):
 1. the new PEFT tensors are normalized exactly as SGLang loads an adapter (a LoRAAdapter of the

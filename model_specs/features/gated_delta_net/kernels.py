@@ -7,7 +7,7 @@ chunk_bwd_dqkwg, fla 0.5.2 to 0.6.0), unless its TileLang backend takes that ker
 importable, an `nvcc` binary found the way fla looks for one (fla/utils/_compat.py
 has_usable_nvcc), and FLA_TILELANG not "0" (fla/ops/common/backends/tilelang TileLangBackend).
 torch 2.11 ships Triton 3.6.0: a run on an H100 or H200 reached that refusal after minutes of
-set-up (docs/results.md, 2026-12-04).
+set-up (docs/results.md, the H200 visit).
 
 So a run refuses at start instead, in one line (run/preflight.py, and every Actor). Not a fallback:
 the correct kernels left are the torch forms the CPU runs (layers.py use_torch_kernels), which
