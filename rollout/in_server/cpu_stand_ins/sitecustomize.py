@@ -32,14 +32,12 @@ needs five more, each explained where it is defined: the gated RMSNorm in torch,
 cache resolved to no_buffer, the full-attention interval read from transformers 5's layer_types,
 torch.get_device_module() answering the CPU, and float32 conv states (SGLANG_MAMBA_CONV_DTYPE).
 """
-import importlib.abc
-import importlib.machinery
 import multiprocessing
 import os
-import sys
 import types
 from typing import Any, Callable
 
+from rollout.in_server.patch_on_import import install
 
 
 def fused_gate_sigmoid_mul(hidden_states, gate_weight, shared_output):
@@ -149,33 +147,15 @@ PATCHES: dict[str, dict[str, Any] | Callable[[types.ModuleType], None]] = {
 }
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def __init__(self):
-        self.pending = dict(PATCHES)
-
-    def find_spec(self, name, path, target=None):
-        if name not in self.pending:
-            return None
-        attrs = self.pending.pop(name)
-        if not self.pending:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            if callable(attrs):
-                attrs(module)
-                return
-            for attr, value in attrs.items():
-                setattr(module, attr, value)
-        spec.loader.exec_module = exec_module
-        return spec
+def _setting(attrs: dict[str, Any]) -> Callable[[types.ModuleType], None]:
+    """A patch that sets `attrs` on its module."""
+    def patch(module: types.ModuleType) -> None:
+        for attr, value in attrs.items():
+            setattr(module, attr, value)
+    return patch
 
 
-sys.meta_path.insert(0, _PatchOnImport())
+install({name: patch if callable(patch) else _setting(patch) for name, patch in PATCHES.items()})
 
 # Linear-attention (Qwen3-Next) conv states are kept in bfloat16 unless this says otherwise
 # (sglang/srt/configs/mamba_utils.py mamba2_state_dtype): each decode step then convolves over

@@ -10,37 +10,13 @@ forked on a CPU, which inherits the patched modules). Here:
   stand-ins' (rollout/in_server/cpu_stand_ins/sitecustomize.py) on a CPU server, or the
   environment's own.
 """
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
 import sys
 
+from rollout.in_server.patch_on_import import install
 from rollout.in_server.released_routes import PATCHES
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Runs PATCHES[name](module) right after the module `name` is first imported."""
-
-    def __init__(self, patches):
-        self.pending = dict(patches)
-
-    def find_spec(self, name, path, target=None):
-        if name not in self.pending:
-            return None
-        patch = self.pending.pop(name)
-        if not self.pending:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            patch(module)
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # the patch, on purpose: this loader only
-        return spec
 
 
 def _run_next_sitecustomize():
@@ -53,8 +29,5 @@ def _run_next_sitecustomize():
     spec.loader.exec_module(module)
 
 
-sys.meta_path.insert(0, _PatchOnImport({n: p for n, p in PATCHES.items() if n not in sys.modules}))
-for _name, _patch in PATCHES.items():
-    if _name in sys.modules:  # imported before site ran (not by SGLang's own start-up)
-        _patch(sys.modules[_name])
+install(PATCHES)
 _run_next_sitecustomize()
