@@ -41,14 +41,18 @@ class ServersLost(GspoError, RuntimeError):
     (a Slurm requeue retries it, launch/slurm/job.sh) after a checkpoint of its last step."""
 
     exit_code = EXIT_NO_SERVER
+    what = ""
+    """Which servers are out and why, for the line said again once a checkpoint keeps the step."""
 
-    def __init__(self, what: str, kept_at: int = -1) -> None:
-        """what: the line without its ending; kept_at: the step of the checkpoint that resumes the
-        run (-1: none)."""
-        self.what = what
-        kept = f"; the checkpoint of step {kept_at} resumes it" if kept_at >= 0 else ""
-        super().__init__(f"{what}{kept}; exiting with {EXIT_NO_SERVER} (retryable: launch/slurm/job.sh "
-                         "requeues on it)")
+
+def no_server_left(what: str, saved: int | None) -> ServersLost:
+    """The one line of a run no server came back to: `what`, the checkpoint that resumes it, the
+    exit code and the requeue."""
+    kept = f"; the checkpoint of step {saved} resumes it" if saved is not None else ""
+    lost = ServersLost(f"{what}{kept}; exiting with {EXIT_NO_SERVER} (retryable: launch/slurm/job.sh "
+                       "requeues on it)")
+    lost.what = what
+    return lost
 
 
 def receive_rows(run: Run, live: int, step: int, staleness: int, saved: int | None):
@@ -133,7 +137,7 @@ def await_a_server(run: Run, saved: int | None, finish_on_signal: bool = False) 
         wait_s = run.cfg.rollout.server_wait_s
         how = (f"after waiting rollout.server_wait_s={wait_s:g} s" if waited >= wait_s else
                "and none can come back")  # each past its restart bound: no reason to wait
-        raise ServersLost(f"no {kind} in service {how} ({what})", saved if saved is not None else -1)
+        raise no_server_left(f"no {kind} in service {how} ({what})", saved)
     return True
 
 
