@@ -34,9 +34,9 @@ import argparse
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import random
 import resource
-import socket
 import sys
 import time
 from pathlib import Path
@@ -161,22 +161,45 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layer
     dist.destroy_process_group()
 
 
-def measure(path: str, lengths: list[int], world: int, layers: int = 0) -> dict:
+def measure(path: str, lengths: list[int], world: int, layers: int = 0, timeout: float = 1800) -> dict:
+    """Run the ranks of one path and return rank 0's figures. A rank that dies (a crash, a killed
+    process, a rendezvous port taken) ends the wait at once with its exit code, and no wait passes
+    `timeout`: a rank's death otherwise leaves the others in a gloo collective with no end."""
+    from rollout.servers.ports import free_port
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # Below the ephemeral range: a port from bind(0) can be taken by any outgoing connection before
+    # rank 0's store binds it (rollout.servers.ports.free_port).
+    port = free_port()
     env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     os.environ.update(env)
-    procs = [ctx.Process(target=_rank, args=(r, world, port, path, lengths, layers, out)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, path, lengths, layers, out), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
-    result = out.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=120)
-        if p.exitcode != 0:
-            raise SystemExit(f"data_path: a {path} rank exited with {p.exitcode}")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                result = out.get(timeout=0.5)
+                break
+            except queue.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                if dead:
+                    raise SystemExit(f"data_path: {path} ranks {sorted(dead)} exited with {dead} "
+                                     "before rank 0 reported") from None
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"data_path: the {path} ranks gave no result within {timeout:.0f} s "
+                                     "(a hung collective?)") from None
+        for r, p in enumerate(procs):
+            p.join(timeout=120)
+            if p.exitcode != 0:
+                raise SystemExit(f"data_path: {path} rank {r} exited with {p.exitcode}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
     return result
 
 
