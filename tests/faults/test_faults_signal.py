@@ -17,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from faults_common import CONFIG, train_args
@@ -30,8 +31,9 @@ LONG_ROLLOUT = {"rollout.ignore_eos": "true", "rollout.max_new_tokens": 1024}  #
 def _start(run_dir: Path, url: str, **extra) -> subprocess.Popen:
     args = train_args(run_dir, url, **{"train.steps": STEPS, "checkpoint.interval": 100,
                                        "logging.rollout_records": str(run_dir / "records.jsonl"), **extra})
-    return subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # faulthandler: a SIGABRT writes every thread's stack to stderr (a test's view of a hung exit)
+    return subprocess.Popen(train_cmd(1) + args, cwd=ROOT, env={**env(), "PYTHONFAULTHANDLER": "1"},
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
@@ -40,6 +42,17 @@ def _wait_for_steps(run_dir: Path, proc: subprocess.Popen, n: int) -> None:
     while not (jsonl.is_file() and len(read_jsonl(jsonl, live=True, steps_only=True)) >= n):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
+
+
+def _still_running(procs: list[psutil.Process]) -> list[str]:
+    out = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(" ".join(p.cmdline()))
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def _prompts_trained(run_dir: Path) -> list[list[list[int]]]:
@@ -126,11 +139,24 @@ def test_a_second_signal_exits_at_once(tmp_path, server_url):  # noqa: F811
             break
     else:
         pytest.fail("the run ended before it took the first SIGTERM:\n" + "".join(seen)[-3000:])
+    children = psutil.Process(proc.pid).children(recursive=True)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
+    # Once slower than the bound below on a loaded machine (60 s), with nothing to say why: now a
+    # run past the bound shows its threads' stacks, and a child that outlives it, its command.
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=60)
+        from rollout.servers.client import SGLangClient
+        SGLangClient(server_url).abort(abort_all=True)  # what the run left there (the module's server)
+        pytest.fail(f"no exit within 30 s of the second signal; the run's threads:\n{err[-12000:]}")
+    exited = time.monotonic() - t0
+    alive = _still_running(children)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err[-3000:]
-    assert time.monotonic() - t0 < 30
+    assert exited < 30 and time.monotonic() - t0 < 30, (exited, alive, err[-3000:])
     assert "gspo-megatron: SIGTERM (rank 0): a second signal: exiting at once, nothing saved; exiting with 143" \
         in err, err[-3000:]
 
