@@ -109,15 +109,28 @@ class PipeClient(WeightUpdates):
     at the other end of a pipe instead of HTTP: the same request bodies."""
 
     url = URL
+    REPLY_TIMEOUT_S = 600.0
 
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
+    def __init__(self, conn: Any, receiver: Any) -> None:
+        self.conn, self.receiver = conn, receiver
 
     def _checked(self, path: str, payload: Any, **kw: Any) -> dict:
         if path in ("/begin_weight_update", "/end_weight_update"):
             return {"success": True}
         self.conn.send((path, payload))
-        reply = self.conn.recv()
+        # a receiver that died (a CUDA error, the OOM killer) never answers: said at once, and no
+        # answer waited for past its bound (a GPU visit's minutes are few)
+        deadline = time.monotonic() + self.REPLY_TIMEOUT_S
+        try:
+            while not self.conn.poll(1.0):
+                if not self.receiver.is_alive():
+                    raise EOFError
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the receiver gave no answer to {path} within {self.REPLY_TIMEOUT_S:.0f} s")
+            reply = self.conn.recv()
+        except EOFError:  # its end of the pipe closed: it exited
+            self.receiver.join(timeout=5)
+            raise RuntimeError(f"the receiver exited with {self.receiver.exitcode} before it answered {path}") from None
         if not reply.get("success"):
             raise RuntimeError(f"the receiver: {reply.get('message')}")
         return reply
@@ -165,7 +178,8 @@ def sync_on_one_device(cpu: bool) -> dict[str, Any]:
     parent, child = mp.get_context("spawn").Pipe()
     receiver = mp.get_context("spawn").Process(target=receive, args=(child, device, cpu), daemon=True)
     receiver.start()
-    client = PipeClient(parent)
+    child.close()  # the receiver's end lives in the receiver alone
+    client = PipeClient(parent, receiver)
     state = _receiver_state(client)
     try:
         actor = Actor(qwen3_moe(), ParallelLayout(), loss=LossSettings(name="gspo"), micro_batch_size=4,
