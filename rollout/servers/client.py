@@ -130,6 +130,8 @@ def connection_failure_reason(exc: BaseException) -> str:
         return "connection timed out"
     if any(k in text for k in ("RemoteDisconnected", "Connection aborted", "Connection reset")):
         return "the server closed the connection (did it die?)"
+    if isinstance(exc, requests.exceptions.ChunkedEncodingError):
+        return "the server's reply was cut off (did it die?)"
     return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
@@ -169,8 +171,11 @@ class SGLangClient(WeightUpdates, LoraAdapters):
             try:
                 resp = self._session().request(method, url, json=payload,
                                                timeout=timeout_s or self.timeout_s)
-            except (requests.ConnectionError, requests.Timeout) as e:
-                retryable = (retry == "connection" and isinstance(e, requests.ConnectionError)
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+                # ChunkedEncodingError: the reply's body was cut off (a server killed while it
+                # answered); requests does not count it as a ConnectionError
+                retryable = (retry == "connection" and isinstance(e, (requests.ConnectionError,
+                                                                      requests.exceptions.ChunkedEncodingError))
                              and not isinstance(e, requests.ReadTimeout)) or \
                             (retry in ("connection", "connect") and _is_connect_failure(e))
                 if not retryable or attempt >= self.retries:

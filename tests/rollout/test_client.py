@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 import time
 
@@ -26,12 +27,23 @@ GOOD_ITEM = {"text": "x", "output_ids": [5, 6],
 
 class _GarbageHandler(http.server.BaseHTTPRequestHandler):
     replies: dict = {}
+    calls: dict = {}
 
     def do_POST(self):  # noqa: N802
         self.rfile.read(int(self.headers.get("content-length", 0)))
         status, body = self.replies[self.path]
+        self.calls[self.path] = self.calls.get(self.path, 0) + 1
         if status == "hang":
             time.sleep(5)
+            return
+        if status == "cut":  # a server killed while it answers: the headers, part of the body, gone
+            self.send_response(200)
+            self.send_header("content-length", "556")
+            self.end_headers()
+            self.wfile.write(b'{"text": "x", "output_ids"')
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
             return
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
@@ -84,6 +96,22 @@ def test_hanging_server_times_out(garbage_server):
     with pytest.raises(ServerUnavailable, match="ReadTimeout"):
         SGLangClient(garbage_server, timeout_s=1).generate([1], {"max_new_tokens": 1})
     assert time.monotonic() - t0 < 4  # a read timeout is not retried (the request may be running)
+
+
+def test_a_reply_cut_off_is_a_lost_server_not_a_crash(garbage_server):
+    """A server killed while it sends its reply: requests raises ChunkedEncodingError (not a
+    ConnectionError), which once went past the pool as a crash with a traceback (exit 1) instead of
+    the lost server's path (the fault test of the only server killed met it under load)."""
+    _GarbageHandler.replies = {"/generate": ("cut", None), "/update_weights_from_disk": ("cut", None)}
+    _GarbageHandler.calls = {}
+    client = SGLangClient(garbage_server, timeout_s=10, retries=2, backoff_s=0.05)
+    with pytest.raises(ServerUnavailable, match=r"failed after 3 attempt.*reply was cut off"):
+        client.generate([1, 2], {"max_new_tokens": 2})  # retried, as after a dropped connection
+    with pytest.raises(ServerUnavailable, match=r"failed after 1 attempt.*reply was cut off"):
+        client.update_weights_from_disk("/m", "v2")  # not resent: it reached the server
+    assert _GarbageHandler.calls == {"/generate": 3, "/update_weights_from_disk": 1}
+    with pytest.raises(ServerUnavailable, match="no live SGLang server"):
+        ServerPool([garbage_server], retries=0).generate([1], {"max_new_tokens": 1})
 
 
 def test_refused_connection_retries_then_clear_error():

@@ -97,7 +97,10 @@ def test_partial_rollout_resume_has_exact_budget_and_versions(qwen3_server):
         assert step1.metrics["groups_partial_buffered"] == 2
         partial = [s for g in mgr.groups.buffer for s in g]
         assert all(s.status == PENDING and s.finish_reason == "abort" for s in partial)
-        assert all(0 < len(s.response_ids) < budget for s in partial), [len(s.response_ids) for s in partial]
+        # Each aborted short of its budget; on a loaded host a request may not have had its first
+        # token by then (seen: [20, 4, 4, 0]): it resumes whole under v2, in one segment
+        lengths = [len(s.response_ids) for s in partial]
+        assert all(k < budget for k in lengths) and any(k > 0 for k in lengths), lengths
         before = {(s.group_id, s.index): len(s.response_ids) for s in partial}
 
         # the buffer survives a checkpoint (JSON) into a fresh manager
@@ -106,19 +109,19 @@ def test_partial_rollout_resume_has_exact_budget_and_versions(qwen3_server):
         mgr.load_state(state)
         pool.update_weights_from_disk(model_dir, weight_version="v2")
         step2 = mgr.generate_step(iter([]), num_groups=2)
-        assert step2.metrics["samples_resumed"] == 4
+        assert step2.metrics["samples_resumed"] == sum(k > 0 for k in lengths)  # a token or more kept
         for g in step2.groups:
             for s in g:
                 s.check_aligned()
                 assert len(s.response_ids) == budget and s.finish_reason == "length"
                 k = before[(s.group_id, s.index)]
                 assert s.weight_versions == ["v1"] * k + ["v2"] * (budget - k)
-                assert s.num_segments == 2
+                assert s.num_segments == (2 if k else 1)
                 # the resumed log-probs are those of the full context (same weights here)
                 ref = hf_response_logprobs(model_dir, s.prompt_ids, s.response_ids)
                 assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < 1e-4
         # optional masking of tokens from older weights
-        s = step2.groups[0][0]
+        s = max((s for g in step2.groups for s in g), key=lambda s: before[(s.group_id, s.index)])
         assert s.mask_stale_tokens("v2") == before[(s.group_id, s.index)]
         assert s.loss_mask == [0] * before[(s.group_id, s.index)] + [1] * (budget - before[(s.group_id, s.index)])
     finally:
