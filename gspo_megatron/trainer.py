@@ -24,7 +24,7 @@ from gspo_megatron.driver.warm_start import sft_batch
 from gspo_megatron.parallel.rank_zero import on_driver
 from gspo_megatron.run.loop_metrics import PhaseTimer, step_scalars
 from gspo_megatron.run.metrics import format_progress
-from gspo_megatron.run.recovery import ServersLost, no_server_left, receive_rows, sync_weights
+from gspo_megatron.run.recovery import no_server_left, receive_rows, sync_weights
 from gspo_megatron.run.model_files import export_hf, export_peft, final_model_checkpoint
 from gspo_megatron.run.setup import Run, begin_rl, setup, teardown
 from gspo_megatron.run.signals import GracefulStop, SignalExit
@@ -101,7 +101,7 @@ def run_loop(run: Run) -> None:
             if saved != loop.step:
                 run.save_checkpoint()
                 saved = loop.step
-            raise no_server_left(run.lost.what if isinstance(run.lost, ServersLost) else str(run.lost), saved)
+            raise no_server_left(run.lost, saved)
     signum = stop.agreed()
     if not signum and eval_due(cfg, 0) and loop.step == cfg.train.steps:  # the final eval
         run.writer.log(loop.step, on_driver(run.rank, lambda: run.rank0_driver.evaluate(loop.step)))

@@ -88,7 +88,7 @@ def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, 
     A signal during that wait ends the step without the sync ({"deferred": 1.0}; the loop saves
     it as trained and the resumed run syncs its servers at start, setup.begin_rl), except for a
     resync of servers that came back (again=True): SignalExit. No server back within the wait:
-    the step ends the same way, its error kept in `run.lost`, and the loop saves the trained step
+    the step ends the same way, its reason kept in `run.lost`, and the loop saves the trained step
     before it raises it (the resumed run syncs its servers at start): a server lost in the sync
     costs no trained step, nor, before the first checkpoint, the whole run."""
     for _ in range(run.cfg.rollout.server_max_restarts_per_run + 2):  # bounded, whatever happens
@@ -102,7 +102,7 @@ def sync_weights(run: Run, saved: int | None, again: bool = False) -> dict[str, 
         except ServersLost as lost:
             if again or run.ckpt is None:
                 raise
-            run.lost = lost
+            run.lost = lost.what
             return {"deferred": 1.0}
         if not back:
             # a signal, and no server to take the trained weights: the step ends here, saved as

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from gspo_errors import GspoError
 from gspo_megatron.actor.settings import Available
 from gspo_megatron.checkpoint.loop_state import LoopState
 from gspo_megatron.checkpoint.manager import CheckpointManager
@@ -56,7 +55,7 @@ class Run:
     export_src: Path | None = None   # megatron checkpoint of the final policy, for export_hf
     stop: GracefulStop = dataclasses.field(default_factory=lambda: GracefulStop(enabled=False))
     locks: list = dataclasses.field(default_factory=list)  # rank 0: its folders' RunLocks
-    lost: GspoError | None = None  # no server took the step's weights: saved, then raised (recovery.ServersLost)
+    lost: str | None = None  # why no server took the step's weights: saved, then raised (recovery.no_server_left)
 
     @property
     def rank0_driver(self) -> Driver:
