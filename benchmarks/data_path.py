@@ -31,10 +31,7 @@ layers, k] on every rank): projected. Both are projected to 8,192 rows (they gro
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
 import pickle
-import queue
 import random
 import resource
 import sys
@@ -42,7 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from distributed import run_distributed  # noqa: E402  (the tests' gloo launcher)
 
 GiB = 2**30
 MINI = 4
@@ -108,15 +108,12 @@ def rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layers: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch
+def _rank(rank: int, world: int, path: str, lengths: list[int], layers: int) -> dict | None:
+    """One gloo rank (run_distributed starts it, joined to the group); rank 0 returns the figures."""
     import torch.distributed as dist
 
     from gspo_megatron.actor.batching.balance import plan_shards, worst_imbalance
     from gspo_megatron.parallel.rank_zero import broadcast_object
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     # R3 (layers > 0): DP2 x PP2, ranks 2d and 2d + 1 the two stages of replica d
     dp_rank, dp_size = (rank // 2, world // 2) if layers else (rank, world)
     own_layers = (list(range(layers // 2)) if rank % 2 == 0 else list(range(layers // 2, layers))) \
@@ -150,57 +147,19 @@ def _rank(rank: int, world: int, port: int, path: str, lengths: list[int], layer
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, dict(held=held, grew=rss_bytes() - rss0, own=own_real_bytes(shard),
                                           keeps=shard.nbytes()))
-    if rank == 0:
-        others = everyone[1:]
-        out.put(dict(seconds=max(e["held"] for e in everyone) - start, received=sent,
-                     own=max(e["own"] for e in everyone), grew=max(e["grew"] for e in others),
-                     keeps_over_own=max(e["keeps"] / e["own"] for e in others),
-                     keeps=max(e["keeps"] for e in others), imbalance=imbalance,
-                     driver_routes=driver_routes))
-    dist.barrier()
-    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    others = everyone[1:]
+    return dict(seconds=max(e["held"] for e in everyone) - start, received=sent,
+                own=max(e["own"] for e in everyone), grew=max(e["grew"] for e in others),
+                keeps_over_own=max(e["keeps"] / e["own"] for e in others),
+                keeps=max(e["keeps"] for e in others), imbalance=imbalance, driver_routes=driver_routes)
 
 
-def measure(path: str, lengths: list[int], world: int, layers: int = 0, timeout: float = 1800) -> dict:
-    """Run the ranks of one path and return rank 0's figures. A rank that dies (a crash, a killed
-    process, a rendezvous port taken) ends the wait at once with its exit code, and no wait passes
-    `timeout`: a rank's death otherwise leaves the others in a gloo collective with no end."""
-    from rollout.servers.ports import free_port
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    # Below the ephemeral range: a port from bind(0) can be taken by any outgoing connection before
-    # rank 0's store binds it (rollout.servers.ports.free_port).
-    port = free_port()
-    env = {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    os.environ.update(env)
-    procs = [ctx.Process(target=_rank, args=(r, world, port, path, lengths, layers, out), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                result = out.get(timeout=0.5)
-                break
-            except queue.Empty:
-                dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                if dead:
-                    raise SystemExit(f"data_path: {path} ranks {sorted(dead)} exited with {dead} "
-                                     "before rank 0 reported") from None
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"data_path: the {path} ranks gave no result within {timeout:.0f} s "
-                                     "(a hung collective?)") from None
-        for r, p in enumerate(procs):
-            p.join(timeout=120)
-            if p.exitcode != 0:
-                raise SystemExit(f"data_path: {path} rank {r} exited with {p.exitcode}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return result
+def measure(path: str, lengths: list[int], world: int, layers: int = 0) -> dict:
+    """Rank 0's figures of one path. The tests' launcher runs the ranks: a rendezvous port below the
+    ephemeral range, and a rank's death or a hang past the bound ends the run naming the rank."""
+    return run_distributed(_rank, world, (path, lengths, layers), timeout=1800)[0]
 
 
 def main() -> None:
